@@ -1,0 +1,30 @@
+# `make demo` and `make test` do all set-up on a fresh machine.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+# CPU build by default; a GPU user installs the CUDA build of torch into .venv first (see README).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install install-dev clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "$(TORCH_SPEC)"
+	$(VPY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(VPY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(VENV)/bin/meshtune demo
+
+test: install-dev
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,181 @@
+"""The training config: one YAML file plus `key=value` overrides, validated before any process group exists.
+
+Key names follow Hugging Face TrainingArguments and LLaMA-Factory where one exists, so users can bring their
+configs. Every error names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from meshtune.errors import ConfigError
+
+
+class TrainConfig(BaseModel):
+    """All keys of `meshtune train`. The field descriptions are the `--help` text."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # model and method
+    model_name_or_path: str = Field(description="local Hugging Face model directory (config.json, safetensors, tokenizer)")
+    finetuning_type: Literal["full", "lora", "qlora"] = Field("lora", description="full | lora | qlora")
+    lora_rank: int = Field(8, gt=0, description="LoRA rank r")
+    lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; default 2 x lora_rank")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA path (0 keeps runs topology-independent)")
+    lora_target: list[str] = Field(["all"], description="'all' (every linear layer but the head) or module names, e.g. q_proj,v_proj")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    bf16: bool | None = Field(None, description="bf16 compute on CUDA; default: on when the GPU supports it; CPU runs fp32")
+
+    # data
+    dataset: list[str] = Field(description="training data file(s): JSON list or JSONL; comma-separated or a list")
+    eval_dataset: list[str] | None = Field(None, description="held-out data file(s); otherwise val_size splits the training data")
+    dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = Field("auto", description="auto | alpaca | sharegpt | qwen | messages")
+    template: Literal["auto", "chatml", "tokenizer"] = Field("auto", description="auto (tokenizer's chat template, else ChatML) | chatml | tokenizer")
+    cutoff_len: int = Field(2048, gt=1, description="samples are truncated to this many tokens")
+    val_size: float = Field(0.0, ge=0.0, description="held-out part of the training data: a fraction (<1) or a count")
+    skip_invalid: bool = Field(False, description="skip malformed records (counted) instead of stopping")
+    tokenized_path: str | None = Field(None, description="where the tokenized cache lives (default: output_dir/tokenized); share it across nodes to tokenize once")
+    packing: bool = Field(False, description="pack samples into rows of up to cutoff_len (no attention across samples)")
+    group_by_length: bool = Field(False, description="without packing: micro-batches of similar lengths inside each global batch")
+
+    # optimisation
+    per_device_train_batch_size: int = Field(1, gt=0, description="samples (or packed rows) per process per micro-step")
+    per_device_eval_batch_size: int = Field(8, gt=0, description="samples per process per evaluation step")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-steps per optimizer step")
+    learning_rate: float = Field(1e-4, gt=0.0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW beta2")
+    num_train_epochs: float = Field(3.0, gt=0.0, description="epochs, used when max_steps is -1")
+    max_steps: int = Field(-1, ge=-1, description="optimizer steps; -1 = from num_train_epochs")
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = Field("cosine", description="cosine | linear | constant (after warmup)")
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="warmup as a fraction of all steps")
+    warmup_steps: int = Field(0, ge=0, description="warmup steps; overrides warmup_ratio when > 0")
+    max_grad_norm: float = Field(1.0, ge=0.0, description="gradient clipping; 0 turns it off")
+    seed: int = Field(42, description="seeds the data order, model init of new weights and RNG streams")
+
+    # parallelism and launch
+    parallel: Literal["ddp", "zero2", "zero3", "hsdp"] = Field("ddp", description="ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard)")
+    nproc_per_node: int | None = Field(None, gt=0, description="processes on this machine; default: visible GPUs, 1 on CPU")
+    ddp_timeout: int = Field(600, gt=0, description="seconds a collective may wait before the job fails")
+
+    # outputs
+    output_dir: str = Field("output", description="metrics.jsonl, config.yaml, loss.png and final/ go here")
+    logging_steps: int = Field(10, gt=0, description="log (and write metrics.jsonl) every N optimizer steps")
+    eval_steps: int | None = Field(None, gt=0, description="evaluate every N steps (default: only at the end); needs val_size or eval_dataset")
+    save_steps: int = Field(0, ge=0, description="periodic sharded checkpoints (not yet implemented; only final/ is saved)")
+    save_total_limit: int | None = Field(None, gt=0, description="checkpoints to keep (with save_steps)")
+
+    @field_validator("dataset", "eval_dataset", "lora_target", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        """LLaMA-Factory writes lists as comma-separated strings: `lora_target: q_proj,v_proj`."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> "TrainConfig":
+        if self.finetuning_type == "qlora":
+            raise ValueError("finetuning_type: 'qlora' is not yet supported in this version; use 'lora' or 'full'")
+        if self.parallel == "hsdp":
+            raise ValueError("parallel: 'hsdp' is not yet supported in this version (it comes with multi-node support); use ddp, zero2 or zero3")
+        if not self.dataset:
+            raise ValueError("dataset: no file given; set dataset: path/to/train.jsonl")
+        if self.val_size >= 1 and self.val_size != int(self.val_size):
+            raise ValueError(f"val_size: {self.val_size} is neither a fraction below 1 nor a whole count")
+        return self
+
+    @property
+    def resolved_lora_alpha(self) -> float:
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    def hash(self) -> str:
+        """Identity of the run's math: every key but where things are written and how many local processes."""
+        exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps"}
+        blob = json.dumps(self.model_dump(exclude=exclude), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def write_yaml(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.model_dump(), sort_keys=False))
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`key=value` pairs from the command line; values are parsed as YAML (numbers, booleans, lists)."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not key=value, e.g. learning_rate=1e-4")
+        try:
+            overrides[key.strip()] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of key: value, not a {type(data).__name__}")
+    return data
+
+
+def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
+    """Validate `values`; unknown keys name the closest valid key, bad values name what is allowed."""
+    known = list(TrainConfig.model_fields)
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else "; `meshtune train --help` lists the keys"
+            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
+    try:
+        return TrainConfig(**values)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    values = load_yaml(path)
+    values.update(parse_overrides(overrides or []))
+    return build_config(values, source=str(path))
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"])
+        if err["type"] == "missing":
+            lines.append(f"{source}: required key '{key}' is missing ({TrainConfig.model_fields[key].description})")
+        elif err["type"] == "value_error" and not key:
+            lines.append(f"{source}: {err['msg'].removeprefix('Value error, ')}")
+        else:
+            hint = ""
+            if key in TrainConfig.model_fields:
+                hint = f" (allowed: {TrainConfig.model_fields[key].description})"
+            lines.append(f"{source}: {key}={err.get('input')!r}: {err['msg']}{hint}")
+    return "\n".join(lines)
+
+
+def describe_keys() -> str:
+    """One line per key with its default, for `meshtune train --help`."""
+    rows = []
+    for name, field in TrainConfig.model_fields.items():
+        default = "(required)" if field.is_required() else json.dumps(field.default)
+        rows.append(f"  {name:<30} {default:<12} {field.description}")
+    return "\n".join(rows)

@@ -1,0 +1,106 @@
+"""World-size-independent order: what every optimizer step trains on, whatever the topology.
+
+Step k of epoch e consumes rows [k*G, (k+1)*G) of a list fixed by (seed, epoch), G = global batch. A row is one
+sample, or with packing several consecutive samples of the permutation that fit in cutoff_len. The G rows are
+then cut into micro-batches of `micro_batch` rows; rank r takes micro-batches [r*A, (r+1)*A), A = accumulation.
+So 1 process x accumulation 4 and 4 processes x 1 see the same rows in each step, and a run resumed on another
+world size continues the same sequence (only `step` needs saving).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Row = list[int]  # indices of the samples packed into one row
+
+
+def permutation(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """The sample order of an epoch, from torch's generator so it is the same on every platform."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def pack_rows(order: list[int], lengths: np.ndarray, capacity: int) -> list[Row]:
+    """Greedy, order-preserving packing: a row takes samples until the next one would overflow `capacity`."""
+    rows: list[Row] = []
+    row: Row = []
+    used = 0
+    for index in order:
+        length = int(lengths[index])
+        if row and used + length > capacity:
+            rows.append(row)
+            row, used = [], 0
+        row.append(index)
+        used += length
+    if row:
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class GlobalBatchPlan:
+    """Which rows each optimizer step of the whole run trains on."""
+
+    lengths: np.ndarray
+    seed: int
+    micro_batch: int
+    accumulation: int
+    dp_size: int
+    packing_capacity: int | None = None  # cutoff_len when packing, else None
+    group_by_length: bool = False
+
+    def __post_init__(self) -> None:
+        self._rows_cache: dict[int, list[Row]] = {}
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.dp_size
+
+    def rows(self, epoch: int) -> list[Row]:
+        if epoch not in self._rows_cache:
+            order = permutation(len(self.lengths), self.seed, epoch)
+            if self.packing_capacity:
+                rows = pack_rows(order, self.lengths, self.packing_capacity)
+            else:
+                rows = [[index] for index in order]
+            self._rows_cache = {epoch: rows}  # one epoch at a time: a plan of a large dataset stays small
+        return self._rows_cache[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Full global batches only: the epoch's last partial batch is dropped so G stays exact."""
+        return len(self.rows(epoch)) // self.global_batch
+
+    def total_steps(self, num_epochs: float, max_steps: int) -> int:
+        if max_steps > 0:
+            return max_steps
+        whole = math.floor(num_epochs)
+        total = sum(self.steps_in_epoch(epoch) for epoch in range(whole))
+        if num_epochs > whole:
+            total += math.floor((num_epochs - whole) * self.steps_in_epoch(whole))
+        return total
+
+    def position(self, global_step: int) -> tuple[int, int]:
+        """(epoch, step within epoch) of the 0-based optimizer step `global_step`."""
+        epoch = 0
+        while True:
+            steps = self.steps_in_epoch(epoch)
+            if steps == 0:
+                raise ValueError("the dataset has fewer rows than one global batch")
+            if global_step < steps:
+                return epoch, global_step
+            global_step -= steps
+            epoch += 1
+
+    def micro_batches(self, epoch: int, step: int, dp_rank: int) -> list[list[Row]]:
+        """This rank's `accumulation` micro-batches, each a list of `micro_batch` rows."""
+        start = step * self.global_batch
+        batch = self.rows(epoch)[start:start + self.global_batch]
+        if self.group_by_length:
+            batch = sorted(batch, key=lambda row: sum(int(self.lengths[i]) for i in row))
+        per_rank = self.micro_batch * self.accumulation
+        mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return [mine[m * self.micro_batch:(m + 1) * self.micro_batch] for m in range(self.accumulation)]

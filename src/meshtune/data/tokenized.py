@@ -1,0 +1,219 @@
+"""Tokenize a dataset once, keep it on disk, and let every rank on every node map the same files.
+
+Many processes start at once; exactly one tokenizes while the rest wait on a file lock, not on a collective,
+so a long tokenization never trips a 30-minute NCCL timeout. The cache is published by renaming a finished
+directory, so a crash mid-build can never leave a half cache that a later run reads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from tqdm import tqdm
+
+from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
+from meshtune.data.formats import dataset_checksum, read_dataset
+from meshtune.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Bump when the on-disk layout or the tokenization/masking rules change, so old caches are not reused.
+FORMAT_VERSION = 1
+_ARRAYS = ("input_ids", "labels", "offsets")
+
+
+class TokenizedDataset:
+    """Samples as flat arrays: sample i is `input_ids[offsets[i]:offsets[i+1]]` (labels likewise).
+
+    Flat arrays load with mmap, so all ranks of a node share one copy in the page cache.
+    """
+
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, stats: dict) -> None:
+        self.input_ids = input_ids
+        self.labels = labels
+        self.offsets = offsets
+        self.stats = stats
+        self.lengths = np.diff(offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        start, end = self.offsets[i], self.offsets[i + 1]
+        return self.input_ids[start:end], self.labels[start:end]
+
+    def save(self, directory: Path) -> None:
+        """Write the arrays, then meta.json."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in _ARRAYS:
+            np.save(directory / f"{name}.npy", getattr(self, name))
+        meta = {"format_version": FORMAT_VERSION, "stats": self.stats}
+        (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> TokenizedDataset:
+        """Memory-map a saved dataset (read-only)."""
+        directory = Path(directory)
+        try:
+            meta = json.loads((directory / "meta.json").read_text())
+            arrays = [np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS]
+        except (OSError, ValueError) as e:
+            raise DataError(f"{directory}: tokenized cache is unreadable ({e}); delete that directory") from None
+        input_ids, labels, offsets = arrays
+        consistent = len(input_ids) == len(labels) == offsets[-1]
+        if meta.get("format_version") != FORMAT_VERSION or not consistent:
+            raise DataError(f"{directory}: tokenized cache is inconsistent; delete that directory to rebuild it")
+        return cls(input_ids, labels, offsets, meta["stats"])
+
+
+def build_tokenized(
+    conversations: list[list[dict]],
+    template: ChatTemplate,
+    cutoff_len: int,
+    show_progress: bool,
+    *,
+    n_skipped_invalid: int = 0,
+) -> TokenizedDataset:
+    """Encode each conversation, keep its first `cutoff_len` tokens, and drop samples left with no target."""
+    ids_parts: list[np.ndarray] = []
+    label_parts: list[np.ndarray] = []
+    n_truncated = n_dropped = 0
+    for messages in tqdm(conversations, desc="tokenizing", unit="rec", disable=not show_progress):
+        input_ids, labels = template.encode(messages)
+        if len(input_ids) > cutoff_len:
+            n_truncated += 1
+            input_ids, labels = input_ids[:cutoff_len], labels[:cutoff_len]
+        labels_arr = np.asarray(labels, dtype=np.int32)
+        if not (labels_arr != IGNORE_INDEX).any():
+            n_dropped += 1
+            continue
+        ids_parts.append(np.asarray(input_ids, dtype=np.int32))
+        label_parts.append(labels_arr)
+    if not ids_parts:
+        raise DataError(
+            f"none of the {len(conversations)} conversations has an assistant token within the first "
+            f"cutoff_len={cutoff_len} tokens; raise cutoff_len"
+        )
+    offsets = np.zeros(len(ids_parts) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in ids_parts], out=offsets[1:])
+    labels_all = np.concatenate(label_parts)
+    stats = {
+        "n_records": len(conversations),
+        "n_samples": len(ids_parts),
+        "n_dropped_no_target": n_dropped,
+        "n_truncated": n_truncated,
+        "n_tokens": int(offsets[-1]),
+        "n_target_tokens": int((labels_all != IGNORE_INDEX).sum()),
+        "n_skipped_invalid": n_skipped_invalid,
+    }
+    return TokenizedDataset(np.concatenate(ids_parts), labels_all, offsets, stats)
+
+
+def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Everything about the tokenizer that can change token ids or rendered text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if getattr(tokenizer, "is_fast", False) and backend is not None:
+        vocab = backend.to_str()
+    else:
+        vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = {
+        "class": type(tokenizer).__name__,
+        "chat_template": tokenizer.chat_template,
+        "special_tokens_map": tokenizer.special_tokens_map,
+        "all_special_tokens": sorted(tokenizer.all_special_tokens),
+    }
+    return vocab + json.dumps(extra, sort_keys=True, default=str)
+
+
+def cache_key(
+    paths: list[Path],
+    tokenizer: PreTrainedTokenizerBase,
+    template_name: str,
+    cutoff_len: int,
+    fmt: str,
+    skip_invalid: bool,
+) -> str:
+    """Hash of every input that determines the tokenized arrays; a change in any of them means a new cache."""
+    digest = hashlib.sha256()
+    for part in (
+        f"v{FORMAT_VERSION}",
+        dataset_checksum(paths),
+        _tokenizer_identity(tokenizer),
+        template_name,
+        str(cutoff_len),
+        fmt,
+        str(bool(skip_invalid)),
+    ):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def load_or_build(
+    paths: list[Path],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    fmt: str,
+    template: str,
+    cutoff_len: int,
+    skip_invalid: bool,
+    cache_dir: Path,
+    show_progress: bool,
+) -> TokenizedDataset:
+    """Return the cached tokenized dataset, building it first if no process has yet.
+
+    Safe to call from every rank of every node at once, with `cache_dir` local or on a shared filesystem
+    that supports flock (NFSv4 does; Lustre needs the `flock` mount option).
+    """
+    cache_dir = Path(cache_dir)
+    key = cache_key(paths, tokenizer, template, cutoff_len, fmt, skip_invalid)
+    final = cache_dir / key
+    if (final / "meta.json").is_file():
+        return TokenizedDataset.load(final)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = cache_dir / f"{key}.lock"
+    with open(lock_path, "a") as lock:  # closing the file releases the lock
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if show_progress:
+                print(f"waiting for another process to tokenize the dataset (lock: {lock_path})", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (final / "meta.json").is_file():  # the process we waited for may have built it
+            _build_into(final, paths, tokenizer, fmt, template, cutoff_len, skip_invalid, show_progress)
+    return TokenizedDataset.load(final)
+
+
+def _build_into(
+    final: Path,
+    paths: list[Path],
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: str,
+    template: str,
+    cutoff_len: int,
+    skip_invalid: bool,
+    show_progress: bool,
+) -> None:
+    """Build under the lock into a private tmp dir, then publish it with one atomic rename."""
+    for leftover in final.parent.glob(f"{final.name}.tmp-*"):  # only a crashed builder leaves these
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
+    try:
+        conversations, n_skipped = read_dataset(paths, fmt, skip_invalid)
+        dataset = build_tokenized(
+            conversations, ChatTemplate(tokenizer, template), cutoff_len, show_progress, n_skipped_invalid=n_skipped
+        )
+        dataset.save(tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

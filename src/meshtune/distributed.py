@@ -1,0 +1,78 @@
+"""Process group, device and the few collectives the loop needs.
+
+Every code path runs in a process group, also a single process (world size 1), so one-GPU, one-node and
+many-node runs execute the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def under_torchrun() -> bool:
+    """torchrun (and Kubeflow's PyTorchJob through it) sets these for every worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def init_distributed(timeout_s: int) -> DistEnv:
+    """Join the process group torchrun prepared, or form a group of one."""
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if under_torchrun():
+        rank = int(os.environ["RANK"])
+        world_size = int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+    else:
+        rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
+        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(rank, world_size, local_rank, local_world_size, device)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum across all ranks; returns the tensor for chaining."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

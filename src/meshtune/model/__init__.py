@@ -1,0 +1,1 @@
+"""Loading a local Hugging Face model, adding LoRA, and wrapping it for DDP or FSDP2."""

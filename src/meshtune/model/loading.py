@@ -1,0 +1,54 @@
+"""Load a model and tokenizer from a local Hugging Face directory; never from the network."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from meshtune.errors import ModelError
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Name exactly what is missing, instead of letting transformers try the hub."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ModelError(
+            f"model_name_or_path: {path} is not a local directory. meshtune never downloads: fetch the model "
+            f"first (e.g. `huggingface-cli download ORG/NAME --local-dir DIR`) and point model_name_or_path at DIR")
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(directory.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing += [f"shard {name} listed in {index.name}" for name in sorted(shards) if not (directory / name).is_file()]
+    if missing:
+        raise ModelError(f"model directory {directory} is incomplete: missing " + "; ".join(missing))
+    return directory
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        # Llama-style tokenizers ship without one; padding is masked out of the loss and attention anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """fp32 master weights; bf16 compute comes from autocast (DDP) or FSDP2's MixedPrecisionPolicy."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the model in {path}: {exc}") from None

@@ -1,0 +1,30 @@
+"""LoRA adapters through peft, so the saved adapter is a standard PEFT directory."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import PreTrainedModel
+
+from meshtune.config import TrainConfig
+from meshtune.errors import ConfigError
+
+
+def linear_module_names(model: torch.nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def add_lora(model: PreTrainedModel, cfg: TrainConfig) -> torch.nn.Module:
+    """Wrap `model` with LoRA; the init of the A matrices draws from torch's RNG, seeded by the caller."""
+    available = linear_module_names(model)
+    if cfg.lora_target == ["all"]:
+        targets: str | list[str] = "all-linear"  # peft: every linear layer except the output head
+    else:
+        unknown = [name for name in cfg.lora_target if name not in available]
+        if unknown:
+            raise ConfigError(f"lora_target: {', '.join(unknown)} not found in the model; its linear layers are "
+                              f"{', '.join(sorted(available))} (or use lora_target: all)")
+        targets = list(cfg.lora_target)
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM", bias="none")
+    return get_peft_model(model, lora)

@@ -1,0 +1,1 @@
+"""The training loop, its optimizer schedule and its metrics."""

@@ -1,0 +1,240 @@
+"""The training loop, written out in one place: setup -> train -> save.
+
+Loss of an optimizer step = sum of token losses over its whole global batch / global count of target tokens.
+Each micro-step's backward uses that global count (all-reduced before the first forward), times the
+data-parallel size because DDP and FSDP2 average gradients. So the split of a global batch across processes
+and micro-steps does not change the math.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meshtune.config import TrainConfig
+from meshtune.data.collate import IGNORE, collate
+from meshtune.data.pipeline import prepare_datasets
+from meshtune.data.sampler import GlobalBatchPlan
+from meshtune.distributed import DistEnv, all_reduce_sum, init_distributed, shutdown
+from meshtune.errors import ConfigError
+from meshtune.model.export import save_final
+from meshtune.model.loading import check_model_dir, load_model, load_tokenizer
+from meshtune.model.lora import add_lora
+from meshtune.model.parallel import gradient_sync, wrap_model
+from meshtune.train.metrics import MetricsLog, peak_memory_gib, plot_losses, summary
+from meshtune.train.schedule import build_scheduler, warmup_steps
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module  # wrapped (DDP / FSDP2) model after the last step
+    records: list[dict]  # what metrics.jsonl holds (rank 0; empty elsewhere)
+    final_dir: Path
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over target tokens, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def use_bf16(cfg: TrainConfig, env: DistEnv) -> bool:
+    if env.device.type != "cuda":
+        return False
+    return cfg.bf16 if cfg.bf16 is not None else torch.cuda.is_bf16_supported()
+
+
+def forward_loss(model, batch, env: DistEnv, autocast_bf16: bool) -> torch.Tensor:
+    with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+        logits = model(**batch.model_inputs(), use_cache=False).logits
+    return token_loss_sum(logits, batch.targets)
+
+
+@torch.no_grad()
+def evaluate(model, dataset, cfg: TrainConfig, env: DistEnv, pad_id: int, autocast_bf16: bool) -> float:
+    """Exact mean token loss over the whole eval set, each rank taking its share.
+
+    Every rank runs the same number of forwards (FSDP2 gathers parameters collectively); a rank with nothing
+    left runs a batch whose targets are all ignored.
+    """
+    model.eval()
+    per_round = cfg.per_device_eval_batch_size * env.world_size
+    sums = torch.zeros(2, dtype=torch.float64, device=env.device)
+    for start in range(0, len(dataset), per_round):
+        first = start + env.rank * cfg.per_device_eval_batch_size
+        mine = list(range(first, min(first + cfg.per_device_eval_batch_size, len(dataset))))
+        batch = collate([[i] for i in mine] or [[0]], dataset, pad_id, packed=False)
+        if not mine:
+            batch.targets.fill_(IGNORE)
+            batch.num_targets = 0
+        loss = forward_loss(model, batch.to(env.device), env, autocast_bf16)
+        sums += torch.stack([loss.double(), torch.tensor(float(batch.num_targets), dtype=torch.float64, device=env.device)])
+    all_reduce_sum(sums)
+    model.train()
+    return (sums[0] / sums[1].clamp(min=1)).item()
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient norm (DTensor shards included), clipping when max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
+    """AdamW; like HF, no weight decay on biases and norm weights (1-D tensors)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), fused=env.device.type == "cuda")
+    return optimizer, params
+
+
+def quiet_libraries(env: DistEnv) -> None:
+    """One progress bar, from rank 0: no per-rank library bars, and library warnings on rank 0 only."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    # peft calls a transformers property deprecated in v5; nothing a user can act on
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    if not env.is_main:
+        warnings.filterwarnings("ignore")
+        transformers.logging.set_verbosity_error()
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    env = init_distributed(cfg.ddp_timeout)
+    quiet_libraries(env)
+    log = print if env.is_main else (lambda *_: None)
+    output_dir = Path(cfg.output_dir)
+    if env.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        cfg.write_yaml(output_dir / "config.yaml")
+        if cfg.bf16 and env.device.type != "cuda":
+            log("note: bf16 is ignored on CPU; training in fp32")
+        if cfg.save_steps:
+            log("note: save_steps: periodic sharded checkpoints are not implemented yet; only final/ is saved")
+    seed_everything(cfg.seed)
+
+    # data: tokenized once into the shared cache (other processes wait on its file lock)
+    model_dir = check_model_dir(cfg.model_name_or_path)
+    tokenizer = load_tokenizer(model_dir)
+    train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main, log=log)
+    plan = GlobalBatchPlan(train_data.lengths, cfg.seed, cfg.per_device_train_batch_size,
+                           cfg.gradient_accumulation_steps, env.world_size,
+                           packing_capacity=cfg.cutoff_len if cfg.packing else None,
+                           group_by_length=cfg.group_by_length and not cfg.packing)
+    total_steps = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
+    if plan.steps_in_epoch(0) == 0 or total_steps == 0:
+        raise ConfigError(
+            f"the training data has {len(plan.rows(0)):,} {'packed rows' if cfg.packing else 'samples'} but one "
+            f"optimizer step needs a global batch of {plan.global_batch} (per_device_train_batch_size "
+            f"{cfg.per_device_train_batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} x "
+            f"{env.world_size} processes): add data or lower one of them")
+
+    # model: fp32 master weights, LoRA (init seeded identically on every rank), then the parallel wrapper
+    bf16 = use_bf16(cfg, env)
+    model = load_model(model_dir)
+    torch.manual_seed(cfg.seed)
+    if cfg.finetuning_type == "lora":
+        model = add_lora(model, cfg)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.to(env.device)
+    model = wrap_model(model, cfg.parallel, env, bf16)
+    optimizer, params = build_optimizer(model, cfg, env)
+    n_trainable = sum(p.numel() for p in params)
+    n_total = sum(p.numel() for p in model.parameters())
+    warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
+    scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
+    autocast_bf16 = bf16 and cfg.parallel == "ddp"  # FSDP2 casts through its MixedPrecisionPolicy
+    pad_id = tokenizer.pad_token_id
+    log(f"{cfg.finetuning_type} on {env.world_size} process(es), {cfg.parallel}, {env.device.type}"
+        f"{' bf16' if bf16 else ' fp32'}: {total_steps} steps x global batch {plan.global_batch}"
+        f"{' packed rows' if cfg.packing else ''}; trainable parameters {n_trainable:,} of "
+        f"{n_total:,}")
+
+    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, show_progress=True) if env.is_main else None
+    started = time.perf_counter()
+    interval_start, interval_tokens, interval_losses = started, 0, []
+    total_tokens = 0
+    model.train()
+    for step in range(total_steps):
+        epoch, step_in_epoch = plan.position(step)
+        batches = [collate(rows, train_data, pad_id, cfg.packing) for rows in plan.micro_batches(epoch, step_in_epoch, env.rank)]
+        counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches)],
+                              dtype=torch.float64, device=env.device)
+        all_reduce_sum(counts)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        for m, batch in enumerate(batches):
+            with gradient_sync(model, sync=m == len(batches) - 1):
+                loss = forward_loss(model, batch.to(env.device), env, autocast_bf16)
+                (loss * env.world_size / counts[0]).backward()
+            loss_sum += loss.detach().double()
+        grad_norm = clip_gradients(params, cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        interval_losses.append(all_reduce_sum(loss_sum) / counts[0])
+        interval_tokens += counts[1]
+
+        done = step + 1
+        log_now = done % cfg.logging_steps == 0 or done == total_steps
+        eval_now = eval_data is not None and (done == total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0))
+        record = {}
+        if log_now:
+            tokens = int(interval_tokens.item()) if torch.is_tensor(interval_tokens) else int(interval_tokens)
+            seconds = time.perf_counter() - interval_start
+            record = {"step": done, "epoch": round(epoch + (step_in_epoch + 1) / plan.steps_in_epoch(epoch), 4),
+                      "loss": torch.stack(interval_losses).mean().item(), "grad_norm": float(grad_norm),
+                      "lr": scheduler.get_last_lr()[0] if done < total_steps else optimizer.param_groups[0]["lr"],
+                      "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                      "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
+            total_tokens += tokens
+            interval_start, interval_tokens, interval_losses = time.perf_counter(), 0, []
+        if eval_now:
+            record.setdefault("step", done)
+            record["eval_loss"] = evaluate(model, eval_data, cfg, env, pad_id, autocast_bf16)
+        if metrics:
+            if record:
+                metrics.write(record)
+            metrics.advance()
+    seconds = time.perf_counter() - started
+    if metrics:
+        metrics.close()
+
+    final_dir = save_final(model, tokenizer, output_dir / "final", cfg.finetuning_type == "lora", env)
+    records = metrics.records if metrics else []
+    if env.is_main:
+        plot_losses(records, output_dir / "loss.png")
+        log(summary(records, seconds, total_tokens, final_dir, env.world_size))
+    return TrainResult(model, records, final_dir)
+
+
+def run(cfg: TrainConfig) -> TrainResult:
+    """`meshtune train` inside one worker process; the process group is closed on the way out."""
+    try:
+        return train(cfg)
+    finally:
+        shutdown()
+

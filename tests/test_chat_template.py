@@ -1,0 +1,144 @@
+"""Label masking: only assistant content and its end-of-turn marker are trained, under ChatML and jinja templates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate, render_chatml
+from meshtune.demo.tokenizer import train_tokenizer
+from meshtune.errors import DataError
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "You are a helpful assistant.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Tell me a joke about numbers: seven ate nine.",
+    "Sure, here is a short answer to your question.",
+    "The weather today is sunny with a light breeze.",
+] * 6
+
+# Qwen2.5's template, shortened: a default system prompt when the conversation has none.
+QWEN25_TEMPLATE = (
+    r"{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    r"{%- else %}{{- '<|im_start|>system\nYou are Qwen, a helpful assistant.<|im_end|>\n' }}{%- endif %}"
+    r"{%- for message in messages %}{%- if not (message.role == 'system' and loop.first) %}"
+    r"{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# Puts the number of messages first, so adding a message rewrites earlier text.
+UNSTABLE_TEMPLATE = (
+    r"{{- messages|length }}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+    r"{%- endfor %}"
+)
+
+SINGLE = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}]
+MULTI = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Tell me a joke."},
+    {"role": "assistant", "content": "Seven ate nine."},
+    {"role": "user", "content": "Another one?"},
+    {"role": "tool", "content": "{\"joke\": 2}"},
+    {"role": "assistant", "content": "The quick brown fox."},
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer(SENTENCES)
+
+
+def with_template(tokenizer, template: str):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+def trained_spans(tokenizer, input_ids: list[int], labels: list[int]) -> list[str]:
+    """Decode each run of consecutive labelled tokens."""
+    spans, run = [], []
+    for token, label in zip(input_ids, labels):
+        if label != IGNORE_INDEX:
+            assert label == token
+            run.append(token)
+        elif run:
+            spans.append(run)
+            run = []
+    if run:
+        spans.append(run)
+    return [tokenizer.decode(s, skip_special_tokens=False) for s in spans]
+
+
+def expected_spans(messages):
+    return [m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("messages", [SINGLE, MULTI], ids=["single", "multi-turn-system-tool"])
+def test_chatml_labels_only_assistant(tokenizer, messages):
+    template = ChatTemplate(tokenizer)
+    assert template.name == "chatml"
+    input_ids, labels = template.encode(messages)
+    assert len(input_ids) == len(labels)
+    assert tokenizer.decode(input_ids, skip_special_tokens=False) == render_chatml(messages)
+    assert trained_spans(tokenizer, input_ids, labels) == expected_spans(messages)
+
+
+def test_assistant_header_is_not_trained(tokenizer):
+    input_ids, labels = ChatTemplate(tokenizer, "chatml").encode(SINGLE)
+    untrained = tokenizer.decode([t for t, lab in zip(input_ids, labels) if lab == IGNORE_INDEX])
+    assert untrained.endswith("<|im_start|>assistant\n")
+
+
+def test_qwen25_style_jinja_template(tokenizer):
+    tok = with_template(tokenizer, QWEN25_TEMPLATE)
+    template = ChatTemplate(tok)  # auto picks the tokenizer's own
+    assert template.name == "tokenizer"
+    for messages in (SINGLE, MULTI):
+        input_ids, labels = template.encode(messages)
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        assert tok.decode(input_ids, skip_special_tokens=False) == rendered
+        assert trained_spans(tok, input_ids, labels) == expected_spans(messages)
+    assert tok.decode(template.encode(SINGLE)[0]).startswith("<|im_start|>system\nYou are Qwen")
+
+
+def test_chatml_forced_over_tokenizer_template(tokenizer):
+    template = ChatTemplate(with_template(tokenizer, QWEN25_TEMPLATE), "chatml")
+    assert template.name == "chatml"
+    assert template.render_prompt(SINGLE) == render_chatml(SINGLE) + "<|im_start|>assistant\n"
+
+
+def test_render_prompt(tokenizer):
+    prompt = ChatTemplate(with_template(tokenizer, QWEN25_TEMPLATE)).render_prompt(SINGLE[:1])
+    assert prompt.startswith("<|im_start|>system\nYou are Qwen")
+    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_not_prefix_stable_template_raises(tokenizer):
+    template = ChatTemplate(with_template(tokenizer, UNSTABLE_TEMPLATE))
+    with pytest.raises(DataError, match="prefix-stably.*template: chatml"):
+        template.encode(SINGLE)
+
+
+def test_template_tokenizer_without_one_raises(tokenizer):
+    with pytest.raises(DataError, match="no chat_template"):
+        ChatTemplate(tokenizer, "tokenizer")
+
+
+def test_unknown_template_name(tokenizer):
+    with pytest.raises(DataError, match="auto, chatml, tokenizer"):
+        ChatTemplate(tokenizer, "llama3")
+
+
+def test_leading_assistant_under_tokenizer_template(tokenizer):
+    messages = SINGLE[::-1]
+    with pytest.raises(DataError, match="starts with an assistant message"):
+        ChatTemplate(with_template(tokenizer, QWEN25_TEMPLATE)).encode(messages)
+    input_ids, labels = ChatTemplate(tokenizer).encode(messages)
+    assert trained_spans(tokenizer, input_ids, labels) == ["Paris.<|im_end|>\n"]
+
+
+def test_template_error_becomes_data_error(tokenizer):
+    tok = with_template(tokenizer, "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(DataError, match="roles must alternate.*template: chatml"):
+        ChatTemplate(tok).encode(SINGLE)

@@ -1,0 +1,95 @@
+"""Config errors are clear and raised before any process group or model exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli, write_config
+from meshtune.config import build_config, describe_keys, load_config, parse_overrides
+from meshtune.errors import ConfigError
+
+BASE = {"model_name_or_path": "/models/x", "dataset": "train.jsonl"}
+
+
+def test_unknown_key_names_the_closest_valid_one():
+    with pytest.raises(ConfigError, match=r"unknown key 'learning_rat'; did you mean 'learning_rate'"):
+        build_config({**BASE, "learning_rat": 1e-4})
+
+
+def test_bad_value_names_key_value_and_what_is_allowed():
+    with pytest.raises(ConfigError) as err:
+        build_config({**BASE, "parallel": "zero4"})
+    assert "parallel='zero4'" in str(err.value) and "zero3" in str(err.value)
+    with pytest.raises(ConfigError, match=r"per_device_train_batch_size=0"):
+        build_config({**BASE, "per_device_train_batch_size": 0})
+    with pytest.raises(ConfigError, match=r"learning_rate='fast'"):
+        build_config({**BASE, "learning_rate": "fast"})
+
+
+def test_missing_required_key():
+    with pytest.raises(ConfigError, match=r"required key 'dataset' is missing"):
+        build_config({"model_name_or_path": "/m"})
+
+
+def test_qlora_and_hsdp_say_not_yet_supported():
+    with pytest.raises(ConfigError, match=r"qlora.*not yet supported"):
+        build_config({**BASE, "finetuning_type": "qlora"})
+    with pytest.raises(ConfigError, match=r"hsdp.*not yet supported"):
+        build_config({**BASE, "parallel": "hsdp"})
+
+
+def test_overrides_are_parsed_as_yaml_and_win(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model_name_or_path: /m\ndataset: a.json,b.jsonl\nlearning_rate: 1.0e-3\n")
+    cfg = load_config(path, ["learning_rate=2e-4", "max_steps=50", "bf16=true", "lora_target=q_proj,v_proj"])
+    assert cfg.learning_rate == 2e-4 and cfg.max_steps == 50 and cfg.bf16 is True
+    assert cfg.dataset == ["a.json", "b.jsonl"] and cfg.lora_target == ["q_proj", "v_proj"]
+    assert parse_overrides(["x=[1, 2]"]) == {"x": [1, 2]}
+    with pytest.raises(ConfigError, match="not key=value"):
+        parse_overrides(["learning_rate"])
+
+
+def test_config_file_problems(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+def test_hash_ignores_where_outputs_go():
+    a = build_config({**BASE, "output_dir": "a"})
+    b = build_config({**BASE, "output_dir": "b", "nproc_per_node": 4})
+    c = build_config({**BASE, "learning_rate": 3e-4})
+    assert a.hash() == b.hash() != c.hash()
+
+
+def test_help_lists_every_key_with_its_default():
+    text = describe_keys()
+    for key in ("learning_rate", "per_device_train_batch_size", "lora_target", "parallel", "packing"):
+        assert key in text
+    assert "0.0001" in text  # learning_rate's default
+
+
+def test_cli_reports_config_errors_fast_without_traceback(tmp_path):
+    path = write_config(tmp_path, model_name_or_path="/m", dataset="d.jsonl", learning_rat=1e-4, nproc_per_node=2)
+    result, seconds = run_cli(["train", str(path)], timeout=60)
+    assert result.returncode == 1
+    assert "unknown key 'learning_rat'; did you mean 'learning_rate'" in result.stdout
+    assert "Traceback" not in result.stdout
+    assert "torch.distributed" not in result.stdout  # no worker was started
+
+
+def test_cli_names_a_missing_model_directory(tmp_path, tiny_dataset):
+    path = write_config(tmp_path, model_name_or_path=str(tmp_path / "absent"), dataset=str(tiny_dataset),
+                        output_dir=str(tmp_path / "out"))
+    result, _ = run_cli(["train", str(path)], timeout=60)
+    assert result.returncode == 1
+    assert "is not a local directory" in result.stdout and "never downloads" in result.stdout
+
+
+def test_train_help_lists_keys():
+    result, _ = run_cli(["train", "--help"], timeout=60)
+    assert result.returncode == 0
+    assert "gradient_accumulation_steps" in result.stdout and "key=value" in result.stdout

@@ -1,0 +1,228 @@
+"""Records of every supported format → validated conversations, and errors that name file, record and fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshtune.data.formats import dataset_checksum, detect_format, load_records, read_dataset, to_messages
+from meshtune.errors import DataError
+
+COMPAT = Path(__file__).resolve().parents[2] / "shared" / "compat" / "llamafactory" / "data"
+
+ALPACA = [
+    {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+    {
+        "instruction": "And now?",
+        "input": "",
+        "output": "7",
+        "system": "You are a calculator.",
+        "history": [["What is 1+1?", "2"], ["And 3+3?", "6"]],
+    },
+]
+SHAREGPT = [
+    {
+        "conversations": [
+            {"from": "human", "value": "Find a recipe with rice."},
+            {"from": "function_call", "value": '{"name": "search", "arguments": {"q": "rice"}}'},
+            {"from": "observation", "value": '{"recipes": ["fried rice"]}'},
+            {"from": "gpt", "value": "Try fried rice."},
+        ],
+        "system": "You can call tools.",
+        "tools": '[{"name": "search"}]',
+    }
+]
+QWEN = [
+    {
+        "id": "identity_0",
+        "conversations": [{"from": "user", "value": "Who are you?"}, {"from": "assistant", "value": "A model."}],
+    }
+]
+MESSAGES = [
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "there."}]},
+            {"role": "assistant", "content": "Hi."},
+        ]
+    }
+]
+
+
+def write(path: Path, records: list) -> Path:
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n\n" for r in records))  # blank lines are allowed
+    else:
+        path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.mark.parametrize(
+    "records, fmt", [(ALPACA, "alpaca"), (SHAREGPT, "sharegpt"), (QWEN, "qwen"), (MESSAGES, "messages")]
+)
+def test_detect_format(records, fmt):
+    assert detect_format(records, Path("d.json")) == fmt
+
+
+def test_detect_format_unknown_names_keys_and_option():
+    with pytest.raises(DataError, match=r"d\.json.*keys: prompt, text.*dataset_format:"):
+        detect_format([{"text": "x", "prompt": "y"}], Path("d.json"))
+
+
+def test_alpaca_input_system_and_history():
+    assert to_messages(ALPACA[0], "alpaca") == [
+        {"role": "user", "content": "Add the numbers.\n2 and 3"},
+        {"role": "assistant", "content": "5"},
+    ]
+    assert [(m["role"], m["content"]) for m in to_messages(ALPACA[1], "alpaca")] == [
+        ("system", "You are a calculator."),
+        ("user", "What is 1+1?"),
+        ("assistant", "2"),
+        ("user", "And 3+3?"),
+        ("assistant", "6"),
+        ("user", "And now?"),
+        ("assistant", "7"),
+    ]
+
+
+def test_sharegpt_tool_calls_and_system():
+    roles = [m["role"] for m in to_messages(SHAREGPT[0], "sharegpt")]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+
+
+def test_sharegpt_own_system_turn_wins_over_record_system():
+    record = {
+        "system": "ignored",
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a"},
+        ],
+    }
+    assert to_messages(record, "sharegpt")[0] == {"role": "system", "content": "S"}
+
+
+def test_qwen_and_messages():
+    assert to_messages(QWEN[0], "qwen") == [
+        {"role": "user", "content": "Who are you?"},
+        {"role": "assistant", "content": "A model."},
+    ]
+    assert to_messages(MESSAGES[0], "messages")[1] == {"role": "user", "content": "Hello, there."}
+
+
+@pytest.mark.parametrize(
+    "record, fmt, problem",
+    [
+        ({"instruction": "x"}, "alpaca", "missing 'output'"),
+        ({"instruction": "x", "output": ""}, "alpaca", "no assistant message"),
+        ({"instruction": "x", "output": 3}, "alpaca", "'output' must be a string"),
+        ({"instruction": "x", "output": "y", "history": [["only one"]]}, "alpaca", r"history\[0\]"),
+        ({"conversations": [{"from": "bot", "value": "x"}]}, "sharegpt", "unknown 'from' value 'bot'"),
+        ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}, "qwen", "'human'"),
+        ({"conversations": "x"}, "qwen", "must be a list"),
+        ({"messages": []}, "messages", "empty"),
+        ({"messages": [{"role": "user", "content": "q"}]}, "messages", "no assistant message"),
+        ({"messages": [{"role": "bot", "content": "q"}]}, "messages", "unknown role 'bot'"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "messages", "content must be a string"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages",
+            "'image_url' is not supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]},
+            "messages",
+            "system message may only come first",
+        ),
+        ("just a string", "alpaca", "not an object"),
+    ],
+)
+def test_invalid_records(record, fmt, problem):
+    with pytest.raises(ValueError, match=problem):
+        to_messages(record, fmt)
+
+
+def test_load_records_jsonl_skips_blank_lines(tmp_path):
+    assert load_records(write(tmp_path / "d.jsonl", QWEN * 3)) == QWEN * 3
+
+
+@pytest.mark.parametrize(
+    "name, text, problem",
+    [
+        ("d.json", '[{"a": 1},\n {"a": }]', r"d\.json: invalid JSON at line 2, column 8"),
+        ("d.jsonl", '{"a": 1}\n\n{"a": \n', r"d\.jsonl: line 3: invalid JSON"),
+        ("d.json", '{"a": 1}', "expected a JSON list.*jsonl"),
+        ("d.csv", "a,b", r"unsupported file type '\.csv'; use \.json or \.jsonl"),
+    ],
+)
+def test_load_records_errors(tmp_path, name, text, problem):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=problem):
+        load_records(tmp_path / name)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.json: dataset file not found"):
+        read_dataset([tmp_path / "nope.json"])
+
+
+def test_read_dataset_detects_per_file(tmp_path):
+    paths = [
+        write(tmp_path / "a.json", ALPACA),
+        write(tmp_path / "s.jsonl", SHAREGPT),
+        write(tmp_path / "q.json", QWEN),
+        write(tmp_path / "m.jsonl", MESSAGES),
+    ]
+    conversations, skipped = read_dataset(paths)
+    assert (len(conversations), skipped) == (5, 0)
+    assert conversations[2][0]["content"] == "You can call tools."
+
+
+def test_bad_record_names_file_index_and_option(tmp_path):
+    path = write(tmp_path / "a.json", ALPACA + [{"instruction": "no output"}] + ALPACA)
+    with pytest.raises(DataError, match=r"a\.json: record 2: missing 'output'.*skip_invalid: true"):
+        read_dataset([path])
+    conversations, skipped = read_dataset([path], skip_invalid=True)
+    assert (len(conversations), skipped) == (4, 1)
+
+
+def test_forced_format_and_unknown_format(tmp_path):
+    path = write(tmp_path / "q.json", QWEN)
+    assert read_dataset([path], fmt="sharegpt")[0] == read_dataset([path], fmt="qwen")[0]
+    with pytest.raises(DataError, match="unknown dataset_format 'csv'"):
+        read_dataset([path], fmt="csv")
+
+
+def test_no_usable_record(tmp_path):
+    empty = write(tmp_path / "empty.json", [])
+    bad = write(tmp_path / "bad.jsonl", [{"instruction": "x", "output": ""}])
+    with pytest.raises(DataError, match=r"no usable record in .*empty\.json, .*bad\.jsonl \(1 invalid skipped\)"):
+        read_dataset([empty, bad], skip_invalid=True)
+
+
+def test_checksum_covers_content_and_order(tmp_path):
+    a, b = write(tmp_path / "a.json", ALPACA), write(tmp_path / "b.json", QWEN)
+    first = dataset_checksum([a, b])
+    assert first == dataset_checksum([a, b]) != dataset_checksum([b, a])
+    write(b, QWEN * 2)
+    assert dataset_checksum([a, b]) != first
+
+
+@pytest.mark.skipif(not COMPAT.is_dir(), reason=f"compat data folder {COMPAT} is absent (not in a user's clone)")
+@pytest.mark.parametrize(
+    "name, fmt, count",
+    [
+        ("alpaca_en_demo.json", "alpaca", 999),
+        ("identity.json", "alpaca", 91),
+        ("glaive_toolcall_en_demo.json", "sharegpt", 300),
+    ],
+)
+def test_llamafactory_compat_files(name, fmt, count):
+    path = COMPAT / name
+    assert detect_format(load_records(path), path) == fmt
+    conversations, skipped = read_dataset([path])
+    assert (len(conversations), skipped) == (count, 0)
+    if fmt == "sharegpt":
+        assert any(m["role"] == "tool" for c in conversations for m in c)

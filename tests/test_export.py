@@ -1,0 +1,52 @@
+"""The saved final/ loads back with transformers / peft and gives the trained model's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import base_config
+from meshtune.config import build_config
+from meshtune.model.parallel import unwrap
+from meshtune.train.loop import run
+
+
+def probe_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_final_dir_reloads_with_the_trained_logits(tmp_path, tiny_model_dir, tiny_dataset, method):
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", finetuning_type=method,
+                                   max_steps=3, learning_rate=1e-2, val_size=4))
+    result = run(cfg)
+    final = result.final_dir
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    trained = probe_logits(unwrap(result.model), ids)
+    base = probe_logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ids)
+    assert not torch.allclose(trained, base, atol=1e-4), "training changed nothing"
+
+    if method == "lora":
+        assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+        adapter_cfg = json.loads((final / "adapter_config.json").read_text())
+        assert adapter_cfg["r"] == 4 and adapter_cfg["peft_type"] == "LORA"
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(final))
+    else:
+        assert (final / "config.json").is_file() and any(final.glob("*.safetensors"))
+        reloaded = AutoModelForCausalLM.from_pretrained(str(final))
+    torch.testing.assert_close(probe_logits(reloaded, ids), trained, rtol=1e-5, atol=1e-5)
+    assert AutoTokenizer.from_pretrained(str(final)).pad_token_id is not None
+
+    out = tmp_path / "out"
+    assert (out / "config.yaml").is_file() and (out / "loss.png").stat().st_size > 1000
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "eval_loss" in records[-1]
+    for key in ("epoch", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "peak_mem_gib"):
+        assert key in records[0]

@@ -1,0 +1,55 @@
+"""The global batch of a step does not depend on how many processes share it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshtune.data.sampler import GlobalBatchPlan, permutation
+
+
+def plan(dp_size: int, accumulation: int, micro: int = 2, **kw) -> GlobalBatchPlan:
+    return GlobalBatchPlan(np.arange(1, 41) % 7 + 1, seed=3, micro_batch=micro, accumulation=accumulation,
+                           dp_size=dp_size, **kw)
+
+
+def step_rows(p: GlobalBatchPlan, epoch: int, step: int) -> list:
+    rows = []
+    for rank in range(p.dp_size):
+        for micro in p.micro_batches(epoch, step, rank):
+            rows += micro
+    return rows
+
+
+def test_same_rows_per_step_for_every_layout():
+    layouts = [plan(1, 4), plan(2, 2), plan(4, 1)]
+    for epoch in range(2):
+        for step in range(layouts[0].steps_in_epoch(epoch)):
+            expected = step_rows(layouts[0], epoch, step)
+            for other in layouts[1:]:
+                assert step_rows(other, epoch, step) == expected
+
+
+def test_each_epoch_is_a_new_permutation_and_steps_cover_it():
+    p = plan(2, 2)
+    assert p.steps_in_epoch(0) == 40 // 8
+    seen = [i for step in range(5) for row in step_rows(p, 0, step) for i in row]
+    assert sorted(seen) == list(range(40))
+    assert permutation(40, 3, 0) != permutation(40, 3, 1)
+    assert permutation(40, 3, 0) == permutation(40, 3, 0)
+
+
+def test_total_steps_and_positions():
+    p = plan(1, 1, micro=8)  # 5 steps per epoch
+    assert p.total_steps(2.0, -1) == 10
+    assert p.total_steps(1.5, -1) == 7
+    assert p.total_steps(3.0, 4) == 4
+    assert p.position(0) == (0, 0) and p.position(5) == (1, 0) and p.position(7) == (1, 2)
+
+
+def test_packing_plan_uses_rows_and_group_by_length_keeps_the_step_content():
+    packed = plan(2, 1, micro=1, packing_capacity=10)
+    rows = packed.rows(0)
+    assert all(sum(packed.lengths[i] for i in row) <= 10 for row in rows)
+    assert sorted(i for row in rows for i in row) == list(range(40))
+    grouped, plain = plan(2, 2, group_by_length=True), plan(2, 2)
+    assert sorted(map(tuple, step_rows(grouped, 0, 1))) == sorted(map(tuple, step_rows(plain, 0, 1)))

@@ -1,0 +1,191 @@
+"""Tokenized cache: truncation and drop counts, round trip, reuse, crash safety, one builder among processes."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshtune.data import tokenized
+from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
+from meshtune.data.tokenized import TokenizedDataset, build_tokenized, cache_key, load_or_build
+from meshtune.demo.tokenizer import train_tokenizer
+from meshtune.errors import DataError
+
+COMPAT = Path(__file__).resolve().parents[2] / "shared" / "compat" / "llamafactory" / "data"
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Sure, here is a short answer to your question.",
+    "The weather today is sunny with a light breeze.",
+] * 8
+RECORDS = [
+    {"instruction": "What is the capital of France?", "input": "", "output": "Paris."},
+    {"instruction": "Describe the weather.", "input": "today", "output": "Sunny with a light breeze."},
+    {"instruction": "Say something.", "output": "The quick brown fox jumps over the lazy dog."},
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer(SENTENCES)
+
+
+@pytest.fixture
+def data_file(tmp_path) -> Path:
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(RECORDS))
+    return path
+
+
+def build(tokenizer, paths, cache_dir, **overrides):
+    kwargs = dict(fmt="auto", template="auto", cutoff_len=64, skip_invalid=False, show_progress=False)
+    kwargs.update(overrides)
+    return load_or_build(paths, tokenizer, cache_dir=cache_dir, **kwargs)
+
+
+def conversation(user: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def test_truncation_and_dropped_samples(tokenizer):
+    template = ChatTemplate(tokenizer)
+    short = conversation("Hi.", "Paris.")
+    long_answer = conversation("Hi.", "The quick brown fox jumps over the lazy dog. " * 4)
+    long_prompt = conversation("The weather today is sunny. " * 20, "Paris.")
+    cutoff = len(template.encode(short)[0]) + 3
+    dataset = build_tokenized([short, long_answer, long_prompt], template, cutoff, show_progress=False)
+    assert dataset.stats == {
+        "n_records": 3,
+        "n_samples": 2,
+        "n_dropped_no_target": 1,
+        "n_truncated": 2,
+        "n_tokens": int(dataset.lengths.sum()),
+        "n_target_tokens": int((dataset.labels != IGNORE_INDEX).sum()),
+        "n_skipped_invalid": 0,
+    }
+    assert dataset.lengths.tolist() == [cutoff - 3, cutoff]
+    ids, labels = dataset[0]
+    assert (ids.tolist(), labels.tolist()) == tuple(template.encode(short))
+
+
+def test_nothing_left_raises(tokenizer):
+    with pytest.raises(DataError, match="raise cutoff_len"):
+        build_tokenized([conversation("Hi.", "Paris.")], ChatTemplate(tokenizer), 2, show_progress=False)
+
+
+def test_save_load_round_trip(tokenizer, tmp_path):
+    template = ChatTemplate(tokenizer)
+    dataset = build_tokenized([conversation("Hi.", "Paris.")] * 3, template, 64, show_progress=False)
+    dataset.save(tmp_path / "ds")
+    loaded = TokenizedDataset.load(tmp_path / "ds")
+    assert isinstance(loaded.input_ids, np.memmap)
+    assert (loaded.input_ids.dtype, loaded.labels.dtype, loaded.offsets.dtype) == (np.int32, np.int32, np.int64)
+    assert len(loaded) == 3 and loaded.stats == dataset.stats
+    for i in range(3):
+        assert all(np.array_equal(a, b) for a, b in zip(loaded[i], dataset[i]))
+
+
+def test_cache_is_reused(tokenizer, data_file, tmp_path, monkeypatch):
+    first = build(tokenizer, [data_file], tmp_path / "cache")
+    assert first.stats["n_samples"] == 3
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the cache should have been reused")
+
+    monkeypatch.setattr(tokenized, "build_tokenized", no_build)
+    again = build(tokenizer, [data_file], tmp_path / "cache")
+    assert np.array_equal(again.input_ids, first.input_ids)
+
+
+def test_cache_key_inputs(tokenizer, data_file):
+    base = ([data_file], tokenizer, "auto", 64, "auto", False)
+    key = cache_key(*base)
+    assert key == cache_key(*base)
+    assert key != cache_key([data_file], tokenizer, "chatml", 64, "auto", False)
+    assert key != cache_key([data_file], tokenizer, "auto", 65, "auto", False)
+    assert key != cache_key([data_file], tokenizer, "auto", 64, "alpaca", False)
+    assert key != cache_key([data_file], tokenizer, "auto", 64, "auto", True)
+    assert key != cache_key([data_file], train_tokenizer(SENTENCES[:8], vocab_size=300), "auto", 64, "auto", False)
+    data_file.write_text(json.dumps(RECORDS[:2]))
+    assert key != cache_key(*base)
+
+
+def test_failed_build_leaves_nothing_and_leftovers_are_removed(tokenizer, data_file, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    key = cache_key([data_file], tokenizer, "auto", 64, "auto", False)
+    cache.mkdir()
+    (cache / f"{key}.tmp-999999").mkdir()  # as left by a builder killed mid-write
+    (cache / f"{key}.tmp-999999" / "input_ids.npy").write_bytes(b"half")
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(tokenized, "build_tokenized", crash)
+    with pytest.raises(RuntimeError):
+        build(tokenizer, [data_file], cache)
+    assert sorted(p.name for p in cache.iterdir()) == [f"{key}.lock"]
+    monkeypatch.undo()
+    assert len(build(tokenizer, [data_file], cache)) == 3
+
+
+def _worker(tokenizer_dir: str, data_file: str, cache_dir: str, marker_dir: str, barrier) -> None:
+    """Runs in a spawned process; leaves marker files saying whether it built, waited and finished."""
+    from transformers import AutoTokenizer
+
+    markers, pid = Path(marker_dir), multiprocessing.current_process().pid
+    original = tokenized.build_tokenized
+
+    def announce_wait(*args, **kwargs):
+        (markers / f"waiting-{pid}").touch()
+        builtins.print(*args, **kwargs)
+
+    def build_once_other_waits(*args, **kwargs):
+        (markers / f"built-{pid}").touch()
+        deadline = time.monotonic() + 30  # hold the lock until the other process is blocked on it
+        while not any(markers.glob("waiting-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return original(*args, **kwargs)
+
+    tokenized.print = announce_wait
+    tokenized.build_tokenized = build_once_other_waits
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    barrier.wait(timeout=60)
+    dataset = build(tok, [Path(data_file)], Path(cache_dir), show_progress=True)
+    (markers / f"done-{pid}").write_text(str(len(dataset)))
+
+
+def test_two_processes_build_once(tokenizer, data_file, tmp_path, capfd):
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    args = (str(tmp_path / "tok"), str(data_file), str(tmp_path / "cache"), str(markers), barrier)
+    procs = [ctx.Process(target=_worker, args=args) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len(list(markers.glob("built-*"))) == 1
+    assert len(list(markers.glob("waiting-*"))) == 1
+    assert [m.read_text() for m in markers.glob("done-*")] == ["3", "3"]
+    assert "waiting for another process to tokenize" in capfd.readouterr().out
+
+
+@pytest.mark.skipif(not COMPAT.is_dir(), reason=f"compat data folder {COMPAT} is absent (not in a user's clone)")
+def test_llamafactory_compat_files_tokenize(tokenizer, tmp_path):
+    paths = [COMPAT / "identity.json", COMPAT / "glaive_toolcall_en_demo.json"]
+    dataset = build(tokenizer, paths, tmp_path / "cache", cutoff_len=1024)
+    assert dataset.stats["n_records"] == 391
+    assert dataset.stats["n_samples"] + dataset.stats["n_dropped_no_target"] == 391
+    assert dataset.stats["n_target_tokens"] > 0

@@ -1,0 +1,39 @@
+"""Topology does not change the math: the same global batch split as 1x4, 2x2 and 4x1 (processes x
+accumulation) under ddp, zero2 and zero3, full and LoRA, gives the same losses, through the real CLI and torchrun."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import base_config, read_metrics, run_cli, write_config
+
+LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (nproc_per_node, gradient_accumulation_steps): global batch 8
+
+
+def train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation) -> list[float]:
+    out = tmp_path / f"{method}-{parallel}-{nproc}x{accumulation}"
+    out.mkdir()
+    values = base_config(model_dir, dataset, out / "output", finetuning_type=method, parallel=parallel,
+                         nproc_per_node=nproc, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=accumulation, tokenized_path=str(tmp_path / "tokenized"),
+                         learning_rate=5e-3 if method == "lora" else 1e-3)
+    result, _ = run_cli(["train", str(write_config(out, **values))], timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    records = read_metrics(out / "output")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    return [r["loss"] for r in records]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_same_losses_for_every_layout_and_mode(tmp_path, tiny_model_dir, tiny_dataset, method):
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "ddp", 1, 4)
+    assert reference[0] > reference[-1] * 0.9 or reference[-1] < reference[0], "training should move the loss"
+    for parallel in ["ddp", "zero2", "zero3"]:
+        for nproc, accumulation in LAYOUTS:
+            if (parallel, nproc) == ("ddp", 1):
+                continue
+            losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, parallel, nproc, accumulation)
+            for step, (got, want) in enumerate(zip(losses, reference), start=1):
+                assert abs(got - want) / abs(want) < 1e-4, (
+                    f"{method} {parallel} {nproc}x{accumulation}: step {step} loss {got} vs 1x4 ddp {want}")
