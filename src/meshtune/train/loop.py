@@ -153,7 +153,9 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     # model: fp32 master weights, LoRA (init seeded identically on every rank), then the parallel wrapper
     bf16 = use_bf16(cfg, env)
-    model = load_model(model_dir)
+    # LoRA under DDP: frozen base weights in bf16 (only the fp32 adapters are master weights), as PEFT users do
+    frozen_bf16 = bf16 and cfg.finetuning_type == "lora" and cfg.parallel == "ddp"
+    model = load_model(model_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32)
     torch.manual_seed(cfg.seed)
     if cfg.finetuning_type == "lora":
         model = add_lora(model, cfg)
