@@ -44,14 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from meshtune.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before any process starts
+    return launch_training(cfg, ["train", args.config, *args.overrides])
+
+
+def launch_training(cfg, argv: list[str]) -> int:
+    """Train in this process, or start torchrun for several local processes that re-enter with `argv`."""
     from meshtune.distributed import under_torchrun
     from meshtune.launch import default_nproc_per_node, run_torchrun, standalone_command
 
-    cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before any process starts
     nproc = cfg.nproc_per_node or default_nproc_per_node()
     if not under_torchrun() and nproc > 1:
         prepare_data_once(cfg)
-        return run_torchrun(standalone_command(nproc, ["train", args.config, *args.overrides]), nproc)
+        return run_torchrun(standalone_command(nproc, argv), nproc)
     from meshtune.train.loop import run
 
     run(cfg)
@@ -73,8 +79,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(prepare_only=args.prepare, work_dir=args.dir)
 
 
+def quiet_libraries() -> None:
+    """One progress bar, meshtune's: none from transformers' loading and saving, and no warning nobody can act on."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # peft reads a transformers property deprecated in v5
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_libraries()
     try:
         return {"train": cmd_train, "demo": cmd_demo}[args.command](args)
     except MeshtuneError as exc:

@@ -109,21 +109,18 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
     return optimizer, params
 
 
-def quiet_libraries(env: DistEnv) -> None:
-    """One progress bar, from rank 0: no per-rank library bars, and library warnings on rank 0 only."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    # peft calls a transformers property deprecated in v5; nothing a user can act on
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+def quiet_other_ranks(env: DistEnv) -> None:
+    """Only global rank 0 prints: library warnings are silenced elsewhere."""
     if not env.is_main:
+        import transformers
+
         warnings.filterwarnings("ignore")
         transformers.logging.set_verbosity_error()
 
 
 def train(cfg: TrainConfig) -> TrainResult:
     env = init_distributed(cfg.ddp_timeout)
-    quiet_libraries(env)
+    quiet_other_ranks(env)
     log = print if env.is_main else (lambda *_: None)
     output_dir = Path(cfg.output_dir)
     if env.is_main:
