@@ -93,3 +93,24 @@ def test_train_help_lists_keys():
     result, _ = run_cli(["train", "--help"], timeout=60)
     assert result.returncode == 0
     assert "gradient_accumulation_steps" in result.stdout and "key=value" in result.stdout
+
+
+def test_cli_refuses_a_global_batch_larger_than_the_data_before_starting_workers(tmp_path, tiny_model_dir, tiny_dataset):
+    path = write_config(tmp_path, model_name_or_path=str(tiny_model_dir), dataset=str(tiny_dataset),
+                        output_dir=str(tmp_path / "out"), nproc_per_node=2, per_device_train_batch_size=64)
+    result, _ = run_cli(["train", str(path)], timeout=120)
+    assert result.returncode == 1
+    assert "needs a global batch of 128" in result.stdout and "64 samples" in result.stdout
+    assert "Traceback" not in result.stdout and "ChildFailedError" not in result.stdout
+
+
+def test_cli_names_the_malformed_record(tmp_path, tiny_model_dir):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    '{"messages": [{"role": "user", "content": "no answer"}]}\n')
+    path = write_config(tmp_path, model_name_or_path=str(tiny_model_dir), dataset=str(data),
+                        output_dir=str(tmp_path / "out"), nproc_per_node=2)
+    result, _ = run_cli(["train", str(path)], timeout=120)
+    assert result.returncode == 1
+    assert f"{data}: record 1:" in result.stdout and "skip_invalid" in result.stdout
+    assert "Traceback" not in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from meshtune import __version__
@@ -56,21 +57,25 @@ def launch_training(cfg, argv: list[str]) -> int:
 
     nproc = cfg.nproc_per_node or default_nproc_per_node()
     if not under_torchrun() and nproc > 1:
-        prepare_data_once(cfg)
-        return run_torchrun(standalone_command(nproc, argv), nproc)
+        prepare_data_once(cfg, nproc)
+        code = run_torchrun(standalone_command(nproc, argv), nproc)
+        if code != 0:
+            raise MeshtuneError(f"training failed in a worker process (exit code {code}); its error is above")
+        return 0
     from meshtune.train.loop import run
 
     run(cfg)
     return 0
 
 
-def prepare_data_once(cfg) -> None:
-    """Tokenize in the launching process, so data errors show before any worker starts and workers hit the cache."""
-    from meshtune.data.pipeline import prepare_datasets
+def prepare_data_once(cfg, nproc: int) -> None:
+    """Tokenize and plan in the launching process: data errors show before any worker starts, workers hit the cache."""
+    from meshtune.data.pipeline import plan_steps, prepare_datasets
     from meshtune.model.loading import check_model_dir, load_tokenizer
 
     tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
-    prepare_datasets(cfg, tokenizer, show_progress=True, log=lambda _line: None)
+    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, log=lambda _line: None)
+    plan_steps(cfg, train_data, nproc)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -90,6 +95,11 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
+def worker_label() -> str:
+    """Which worker speaks, when several do (torchrun sets RANK)."""
+    return f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
@@ -98,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     except MeshtuneError as exc:
         if args.debug:
             raise
-        print(f"meshtune: error: {exc}", file=sys.stderr)
+        print(f"meshtune: error{worker_label()}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("meshtune: interrupted", file=sys.stderr)

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Callable
 
 from meshtune.config import TrainConfig
+from meshtune.errors import ConfigError
+from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
 from meshtune.data.tokenized import load_or_build
 
@@ -49,3 +51,20 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Call
         log(f"held out {len(evaluation):,} samples for evaluation (val_size={cfg.val_size})")
         return train, evaluation
     return full, None
+
+
+def plan_steps(cfg: TrainConfig, train_data, dp_size: int) -> tuple[GlobalBatchPlan, int]:
+    """The run's global batches and step count; an error when not even one global batch fits in the data."""
+    plan = GlobalBatchPlan(train_data.lengths, cfg.seed, cfg.per_device_train_batch_size,
+                           cfg.gradient_accumulation_steps, dp_size,
+                           packing_capacity=cfg.cutoff_len if cfg.packing else None,
+                           group_by_length=cfg.group_by_length and not cfg.packing)
+    total_steps = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
+    if plan.steps_in_epoch(0) == 0 or total_steps == 0:
+        raise ConfigError(
+            f"the training data has {len(plan.rows(0)):,} {'packed rows' if cfg.packing else 'samples'} but one "
+            f"optimizer step needs a global batch of {plan.global_batch} (per_device_train_batch_size "
+            f"{cfg.per_device_train_batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} x "
+            f"{dp_size} processes) and num_train_epochs={cfg.num_train_epochs} must give at least one step: "
+            f"add data or lower one of them")
+    return plan, total_steps
