@@ -97,6 +97,14 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return total
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every block (transformers >= 5.2x renamed the method)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
     """AdamW; like HF, no weight decay on biases and norm weights (1-D tensors)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -146,7 +154,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.finetuning_type == "lora":
         model = add_lora(model, cfg)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model.config.use_cache = False
     model.to(env.device)
     model = wrap_model(model, cfg.parallel, env, bf16)
