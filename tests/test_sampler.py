@@ -53,3 +53,18 @@ def test_packing_plan_uses_rows_and_group_by_length_keeps_the_step_content():
     assert sorted(i for row in rows for i in row) == list(range(40))
     grouped, plain = plan(2, 2, group_by_length=True), plan(2, 2)
     assert sorted(map(tuple, step_rows(grouped, 0, 1))) == sorted(map(tuple, step_rows(plain, 0, 1)))
+
+
+def test_positions_do_not_recompute_earlier_epochs(monkeypatch):
+    import meshtune.data.sampler as sampler
+
+    p = plan(1, 1, micro=8)
+    total = p.total_steps(4.0, -1)
+    calls = []
+    real = sampler.permutation
+    monkeypatch.setattr(sampler, "permutation", lambda *a: calls.append(a) or real(*a))
+    epochs = [p.position(step)[0] for step in range(total)]
+    for step in range(total):
+        p.micro_batches(*p.position(step), dp_rank=0)
+    assert epochs[-1] == 3
+    assert len(calls) <= 4, f"permutation recomputed {len(calls)} times for 4 epochs"

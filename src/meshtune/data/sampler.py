@@ -54,7 +54,8 @@ class GlobalBatchPlan:
     group_by_length: bool = False
 
     def __post_init__(self) -> None:
-        self._rows_cache: dict[int, list[Row]] = {}
+        self._rows_cache: dict[int, list[Row]] = {}  # the current epoch's rows only: a large plan stays small
+        self._steps_cache: dict[int, int] = {}
 
     @property
     def global_batch(self) -> int:
@@ -67,12 +68,14 @@ class GlobalBatchPlan:
                 rows = pack_rows(order, self.lengths, self.packing_capacity)
             else:
                 rows = [[index] for index in order]
-            self._rows_cache = {epoch: rows}  # one epoch at a time: a plan of a large dataset stays small
+            self._rows_cache = {epoch: rows}
         return self._rows_cache[epoch]
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Full global batches only: the epoch's last partial batch is dropped so G stays exact."""
-        return len(self.rows(epoch)) // self.global_batch
+        if epoch not in self._steps_cache:
+            self._steps_cache[epoch] = len(self.rows(epoch)) // self.global_batch
+        return self._steps_cache[epoch]
 
     def total_steps(self, num_epochs: float, max_steps: int) -> int:
         if max_steps > 0:

@@ -188,6 +188,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 (loss * env.world_size / counts[0]).backward()
             loss_sum += loss.detach().double()
         grad_norm = clip_gradients(params, cfg.max_grad_norm)
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -203,7 +204,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             seconds = time.perf_counter() - interval_start
             record = {"step": done, "epoch": round(epoch + (step_in_epoch + 1) / plan.steps_in_epoch(epoch), 4),
                       "loss": torch.stack(interval_losses).mean().item(), "grad_norm": float(grad_norm),
-                      "lr": scheduler.get_last_lr()[0] if done < total_steps else optimizer.param_groups[0]["lr"],
+                      "lr": lr,
                       "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
                       "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
             total_tokens += tokens
