@@ -114,3 +114,11 @@ def test_cli_names_the_malformed_record(tmp_path, tiny_model_dir):
     assert result.returncode == 1
     assert f"{data}: record 1:" in result.stdout and "skip_invalid" in result.stdout
     assert "Traceback" not in result.stdout
+
+
+def test_yaml_reads_elastic_ranges_and_exponents_as_meant(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model_name_or_path: /m\ndataset: d.jsonl\nnnodes: 1:4\nlearning_rate: 2e-5\n")
+    cfg = load_config(path, ["master_port=29500"])
+    assert cfg.nnodes == "1:4" and cfg.learning_rate == 2e-5 and cfg.master_port == 29500
+    assert load_config(path, ["nnodes=2"]).nnodes == "2"

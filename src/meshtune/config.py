@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshtune.errors import ConfigError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1:4` as the base-60 integer 64; here it stays the text an elastic `nnodes: 1:4` means."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if not (tag.endswith(":int") or tag.endswith(":float"))]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _tag, _pattern in (("tag:yaml.org,2002:int", r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0o?[0-7_]+)$"),
+                       ("tag:yaml.org,2002:float",
+                        r"^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?$|^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"
+                        r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")):
+    _Loader.add_implicit_resolver(_tag, re.compile(_pattern), list("-+0123456789."))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
 
 
 class TrainConfig(BaseModel):
@@ -65,6 +85,12 @@ class TrainConfig(BaseModel):
     parallel: Literal["ddp", "zero2", "zero3", "hsdp"] = Field("ddp", description="ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard)")
     nproc_per_node: int | None = Field(None, gt=0, description="processes on this machine; default: visible GPUs, 1 on CPU")
     ddp_timeout: int = Field(600, gt=0, description="seconds a collective may wait before the job fails")
+    nnodes: str | None = Field(None, description="nodes in the job, or an elastic range MIN:MAX; default from env / scheduler, else 1")
+    node_rank: int | None = Field(None, ge=0, description="this node's rank (0 = master); default from env / scheduler")
+    master_addr: str | None = Field(None, description="address of node 0 (rendezvous host); default from env / scheduler")
+    master_port: int | None = Field(None, gt=0, lt=65536, description="rendezvous port on master_addr; required for several nodes")
+    max_restarts: int = Field(3, ge=0, description="times torchrun restarts all workers after a failure (they resume from the newest checkpoint)")
+    rdzv_timeout: int = Field(300, gt=0, description="seconds to wait for all nodes to join before failing with a diagnosis")
 
     # outputs
     output_dir: str = Field("output", description="metrics.jsonl, config.yaml, loss.png and final/ go here")
@@ -72,6 +98,14 @@ class TrainConfig(BaseModel):
     eval_steps: int | None = Field(None, gt=0, description="evaluate every N steps (default: only at the end); needs val_size or eval_dataset")
     save_steps: int = Field(0, ge=0, description="periodic sharded checkpoints (not yet implemented; only final/ is saved)")
     save_total_limit: int | None = Field(None, gt=0, description="checkpoints to keep (with save_steps)")
+
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _nnodes_text(cls, value: Any) -> Any:
+        """`nnodes: 2` and `nnodes: 1:4` (elastic) both arrive as text."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        return value
 
     @field_validator("dataset", "eval_dataset", "lora_target", mode="before")
     @classmethod
@@ -99,7 +133,8 @@ class TrainConfig(BaseModel):
 
     def hash(self) -> str:
         """Identity of the run's math: every key but where things are written and how many local processes."""
-        exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps"}
+        exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps", "nnodes", "node_rank",
+                   "master_addr", "master_port", "max_restarts", "rdzv_timeout", "ddp_timeout"}
         blob = json.dumps(self.model_dump(exclude=exclude), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -115,7 +150,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not key=value, e.g. learning_rate=1e-4")
         try:
-            overrides[key.strip()] = yaml.safe_load(raw) if raw != "" else None
+            overrides[key.strip()] = _yaml(raw) if raw != "" else None
         except yaml.YAMLError:
             overrides[key.strip()] = raw
     return overrides
@@ -126,7 +161,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     if data is None:
