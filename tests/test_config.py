@@ -31,11 +31,9 @@ def test_missing_required_key():
         build_config({"model_name_or_path": "/m"})
 
 
-def test_qlora_and_hsdp_say_not_yet_supported():
+def test_qlora_says_not_yet_supported():
     with pytest.raises(ConfigError, match=r"qlora.*not yet supported"):
         build_config({**BASE, "finetuning_type": "qlora"})
-    with pytest.raises(ConfigError, match=r"hsdp.*not yet supported"):
-        build_config({**BASE, "parallel": "hsdp"})
 
 
 def test_overrides_are_parsed_as_yaml_and_win(tmp_path):

@@ -1,5 +1,6 @@
 """Topology does not change the math: the same global batch split as 1x4, 2x2 and 4x1 (processes x
-accumulation) under ddp, zero2 and zero3, full and LoRA, gives the same losses, through the real CLI and torchrun."""
+accumulation) under ddp, zero2 and zero3 (and hsdp on a 2x2 mesh), full and LoRA, gives the same losses, through
+the real CLI and torchrun."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from conftest import base_config, read_metrics, run_cli, write_config
 LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (nproc_per_node, gradient_accumulation_steps): global batch 8
 
 
-def train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation) -> list[float]:
+def train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation, **extra) -> list[float]:
     """Per-step losses, then the final eval loss (6 held-out samples: with 4 ranks, three evaluate padding only)."""
     out = tmp_path / f"{method}-{parallel}-{nproc}x{accumulation}"
     out.mkdir()
@@ -18,7 +19,7 @@ def train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumula
                          nproc_per_node=nproc, per_device_train_batch_size=2,
                          gradient_accumulation_steps=accumulation, tokenized_path=str(tmp_path / "tokenized"),
                          learning_rate=5e-3 if method == "lora" else 1e-3, val_size=6,
-                         per_device_eval_batch_size=2)
+                         per_device_eval_batch_size=2, **extra)
     result, _ = run_cli(["train", str(write_config(out, **values))], timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     records = read_metrics(out / "output")
@@ -36,7 +37,13 @@ def test_same_losses_for_every_layout_and_mode(tmp_path, tiny_model_dir, tiny_da
             if (parallel, nproc) == ("ddp", 1):
                 continue
             losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, parallel, nproc, accumulation)
-            for step, (got, want) in enumerate(zip(losses, reference), start=1):
-                what = f"step {step} loss" if step <= 5 else "final eval loss"
-                assert abs(got - want) / abs(want) < 1e-4, (
-                    f"{method} {parallel} {nproc}x{accumulation}: {what} {got} vs 1x4 ddp {want}")
+            assert_close(losses, reference, f"{method} {parallel} {nproc}x{accumulation}")
+    # hsdp: 4 processes as 2 replicas x 2 shards (what 2 nodes x 2 GPUs would be)
+    losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "hsdp", 4, 1, hsdp_shard_size=2)
+    assert_close(losses, reference, f"{method} hsdp 2x2 mesh")
+
+
+def assert_close(losses: list[float], reference: list[float], what: str) -> None:
+    for step, (got, want) in enumerate(zip(losses, reference), start=1):
+        name = f"step {step} loss" if step <= 5 else "final eval loss"
+        assert abs(got - want) / abs(want) < 1e-4, f"{what}: {name} {got} vs 1x4 ddp {want}"

@@ -1,13 +1,18 @@
-"""`meshtune train | demo`: errors a user can act on are printed without a traceback (`--debug` shows it)."""
+"""`meshtune train | launch | demo`: errors a user can act on are printed without a traceback (`--debug` shows it)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from meshtune import __version__
 from meshtune.errors import MeshtuneError
+
+ERROR_DIR = "MESHTUNE_ERROR_DIR"  # where torchrun workers leave their error for the launching process
 
 TRAIN_HELP = """\
 Fine-tune a model from one YAML config plus key=value overrides, e.g.
@@ -17,6 +22,34 @@ With nproc_per_node > 1 meshtune starts torchrun itself; under torchrun it train
 Outputs in output_dir: config.yaml, metrics.jsonl, loss.png, final/ (PEFT adapter or HF model dir).
 
 config keys (default, meaning):
+"""
+
+LAUNCH_HELP = """\
+Run this node's part of a training job: the same command on every node, only the node rank differs.
+Prints where each setting came from, then starts torchrun (c10d rendezvous at MASTER_ADDR:MASTER_PORT,
+--max-restarts max_restarts) or, for one process on one node, trains directly. Same arguments as `train`.
+"""
+
+LAUNCH_EPILOG = """\
+where each setting comes from (the first that has it wins):
+  1. config keys (YAML or key=value): nnodes, node_rank, master_addr, master_port, nproc_per_node
+  2. env: NNODES (N, or MIN:MAX for elastic), NODE_RANK, MASTER_ADDR, MASTER_PORT,
+     NPROC_PER_NODE (or GPUS_PER_NODE)
+  3. the scheduler:
+     SLURM (SLURM_JOB_ID): SLURM_JOB_NUM_NODES, SLURM_NODEID, first host of SLURM_JOB_NODELIST,
+       SLURM_GPUS_ON_NODE; run one task per node (srun --ntasks-per-node=1)
+     PBS (PBS_JOBID, PBS_NODEFILE): the node file's hosts; node 0 is the first, this node's rank its place
+     Kubeflow PyTorchJob: PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT, PET_NPROC_PER_NODE;
+       else WORLD_SIZE pods and RANK = this pod's index
+  4. defaults: 1 node, rank 0, 127.0.0.1, one process per visible GPU (1 on CPU)
+Several nodes need MASTER_PORT (or master_port:) set to the same free port on every node: no scheduler
+gives one, and a random port per node never meets.
+
+examples:
+  NNODES=2 NODE_RANK=0 MASTER_ADDR=node01 MASTER_PORT=29500 meshtune launch cfg.yaml   # on node01
+  NNODES=2 NODE_RANK=1 MASTER_ADDR=node01 MASTER_PORT=29500 meshtune launch cfg.yaml   # on node02
+  MASTER_PORT=29500 srun --ntasks-per-node=1 meshtune launch cfg.yaml                  # in an sbatch script
+  meshtune launch --dry-run cfg.yaml       # print this node's settings and torchrun command, start nothing
 """
 
 
@@ -34,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     train.add_argument("--debug", action="store_true", help="show full tracebacks")
 
+    launch = commands.add_parser("launch", help="run this node's part of a one- or many-node job",
+                                 description=LAUNCH_HELP, epilog=LAUNCH_EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    launch.add_argument("config", help="YAML config file")
+    launch.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="print this node's settings and the exact command, start nothing")
+    launch.add_argument("--debug", action="store_true", help="show full tracebacks")
+
     demo = commands.add_parser("demo", help="the embedded default: a tiny model learns a task with LoRA on 2 processes",
                                description="Build a tiny model, tokenizer and dataset locally (no download), "
                                            "fine-tune with LoRA on 2 CPU processes and show answers before and after.")
@@ -50,18 +92,45 @@ def cmd_train(args: argparse.Namespace) -> int:
     return launch_training(cfg, ["train", args.config, *args.overrides])
 
 
-def launch_training(cfg, argv: list[str]) -> int:
-    """Train in this process, or start torchrun for several local processes that re-enter with `argv`."""
-    from meshtune.distributed import under_torchrun
-    from meshtune.launch import default_nproc_per_node, run_torchrun, standalone_command
+def cmd_launch(args: argparse.Namespace) -> int:
+    import shlex
 
-    nproc = cfg.nproc_per_node or default_nproc_per_node()
-    if not under_torchrun() and nproc > 1:
-        prepare_data_once(cfg, nproc)
-        code = run_torchrun(standalone_command(nproc, argv), nproc)
-        if code != 0:
-            raise MeshtuneError(f"training failed in a worker process (exit code {code}); its error is above")
-        return 0
+    from meshtune.config import load_config
+    from meshtune.launch import describe, detect_node_settings, launch_env, needs_torchrun, torchrun_command
+
+    cfg = load_config(args.config, args.overrides)
+    argv = ["train", args.config, *args.overrides]
+    if not args.dry_run:
+        return launch_training(cfg, argv)
+    settings = detect_node_settings(cfg)
+    print(describe(settings))
+    if needs_torchrun(settings):
+        env = [f"{key}={value}" for key, value in launch_env(settings).items()]
+        print(shlex.join([*env, *torchrun_command(settings, argv, cfg)]))
+    else:
+        print(f"one process: trains in this process, no torchrun ({shlex.join(['meshtune', *argv])})")
+    return 0
+
+
+def launch_training(cfg, argv: list[str]) -> int:
+    """Train in this process, or start this node's torchrun whose workers re-enter with `argv`."""
+    from meshtune.launch import (describe, detect_node_settings, launch_env, needs_torchrun, run_torchrun,
+                                 torchrun_command, torchrun_worker)
+
+    if not torchrun_worker():
+        settings = detect_node_settings(cfg)
+        if needs_torchrun(settings):
+            print(describe(settings), flush=True)
+            prepare_data_once(cfg, settings.max_processes)
+            with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
+                env = {**launch_env(settings), ERROR_DIR: errors}
+                code = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env)
+                reported = sorted(Path(errors).glob("*.txt"))
+                if code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
+                    raise MeshtuneError(reported[0].read_text())
+            if code != 0:
+                raise MeshtuneError(f"training failed in a worker process (exit code {code}); its error is above")
+            return 0
     from meshtune.train.loop import run
 
     run(cfg)
@@ -95,20 +164,46 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
-def worker_label() -> str:
-    """Which worker speaks, when several do (torchrun sets RANK)."""
-    return f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+def worker_label() -> str | None:
+    """Under torchrun every worker usually meets the same error: one per node (local rank 0) reports it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return ""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    return f" (node {os.environ.get('MESHTUNE_NODE_RANK', os.environ.get('GROUP_RANK', '?'))}, rank {os.environ.get('RANK')})"
+
+
+def stop_restarts() -> None:
+    """A MeshtuneError (bad config, data, disagreeing nodes) fails the same way on every restart: in a torchrun
+    worker, stop this node's agent now instead of letting it restart the workers max_restarts times. Crashes and
+    dead nodes are not MeshtuneErrors and still get their restarts."""
+    from meshtune.launch import torchrun_worker
+
+    if torchrun_worker() and "TORCHELASTIC_RUN_ID" in os.environ:
+        sys.stderr.flush()
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+def report_to_launcher(message: str) -> None:
+    """Hand a worker's error to the meshtune process that started torchrun, which repeats it as the last line."""
+    directory = os.environ.get(ERROR_DIR)
+    if directory and os.path.isdir(directory):
+        Path(directory, f"rank-{int(os.environ.get('RANK', '0')):06d}.txt").write_text(message)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     try:
-        return {"train": cmd_train, "demo": cmd_demo}[args.command](args)
+        return {"train": cmd_train, "launch": cmd_launch, "demo": cmd_demo}[args.command](args)
     except MeshtuneError as exc:
         if args.debug:
             raise
-        print(f"meshtune: error{worker_label()}: {exc}", file=sys.stderr)
+        report_to_launcher(str(exc))
+        label = worker_label()
+        if label is not None:  # one worker per node speaks, then ends the node's attempts
+            print(f"meshtune: error{label}: {exc}", file=sys.stderr)
+            stop_restarts()
         return 1
     except KeyboardInterrupt:
         print("meshtune: interrupted", file=sys.stderr)

@@ -82,7 +82,8 @@ class TrainConfig(BaseModel):
     seed: int = Field(42, description="seeds the data order, model init of new weights and RNG streams")
 
     # parallelism and launch
-    parallel: Literal["ddp", "zero2", "zero3", "hsdp"] = Field("ddp", description="ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard)")
+    parallel: Literal["ddp", "zero2", "zero3", "hsdp"] = Field("ddp", description="ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard) | hsdp (shard inside a node, replicate across nodes)")
+    hsdp_shard_size: int | None = Field(None, gt=0, description="hsdp: processes that shard one replica; default: the processes of one node")
     nproc_per_node: int | None = Field(None, gt=0, description="processes on this machine; default: visible GPUs, 1 on CPU")
     ddp_timeout: int = Field(600, gt=0, description="seconds a collective may wait before the job fails")
     nnodes: str | None = Field(None, description="nodes in the job, or an elastic range MIN:MAX; default from env / scheduler, else 1")
@@ -96,8 +97,11 @@ class TrainConfig(BaseModel):
     output_dir: str = Field("output", description="metrics.jsonl, config.yaml, loss.png and final/ go here")
     logging_steps: int = Field(10, gt=0, description="log (and write metrics.jsonl) every N optimizer steps")
     eval_steps: int | None = Field(None, gt=0, description="evaluate every N steps (default: only at the end); needs val_size or eval_dataset")
-    save_steps: int = Field(0, ge=0, description="periodic sharded checkpoints (not yet implemented; only final/ is saved)")
-    save_total_limit: int | None = Field(None, gt=0, description="checkpoints to keep (with save_steps)")
+    save_steps: int = Field(0, ge=0, description="write a sharded checkpoint every N optimizer steps (0 = only final/)")
+    save_total_limit: int | None = Field(None, gt=0, description="complete checkpoints to keep (the newest is never deleted)")
+    async_save: bool = Field(False, description="write checkpoints in the background while training continues (one at a time)")
+    resume_from_checkpoint: str = Field("auto", description="auto (newest complete, verified checkpoint in output_dir) | none | a checkpoint path")
+    allow_local_checkpoints: bool = Field(False, description="start even if output_dir is not shared by all nodes (checkpoints then split across nodes)")
 
     @field_validator("nnodes", mode="before")
     @classmethod
@@ -119,8 +123,6 @@ class TrainConfig(BaseModel):
     def _check_supported(self) -> "TrainConfig":
         if self.finetuning_type == "qlora":
             raise ValueError("finetuning_type: 'qlora' is not yet supported in this version; use 'lora' or 'full'")
-        if self.parallel == "hsdp":
-            raise ValueError("parallel: 'hsdp' is not yet supported in this version (it comes with multi-node support); use ddp, zero2 or zero3")
         if not self.dataset:
             raise ValueError("dataset: no file given; set dataset: path/to/train.jsonl")
         if self.val_size >= 1 and self.val_size != int(self.val_size):
@@ -134,7 +136,8 @@ class TrainConfig(BaseModel):
     def hash(self) -> str:
         """Identity of the run's math: every key but where things are written and how many local processes."""
         exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps", "nnodes", "node_rank",
-                   "master_addr", "master_port", "max_restarts", "rdzv_timeout", "ddp_timeout"}
+                   "master_addr", "master_port", "max_restarts", "rdzv_timeout", "ddp_timeout",
+                   "resume_from_checkpoint", "async_save", "allow_local_checkpoints", "save_total_limit"}
         blob = json.dumps(self.model_dump(exclude=exclude), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -1,4 +1,4 @@
-"""Data parallelism: DDP, or FSDP2 `fully_shard` per transformer block then the root (ZeRO-2 / ZeRO-3)."""
+"""Data parallelism: DDP, or FSDP2 `fully_shard` per transformer block then the root (ZeRO-2 / ZeRO-3 / HSDP)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ from contextlib import nullcontext
 from typing import ContextManager
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtune.distributed import DistEnv
+from meshtune.errors import ConfigError
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -22,7 +24,8 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
+               hsdp_shard_size: int | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode."""
     if parallel == "ddp":
         if env.world_size == 1:
@@ -31,11 +34,26 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool) 
             return DistributedDataParallel(model, device_ids=[env.device.index])
         return DistributedDataParallel(model)
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    reshard = parallel == "zero3"
+    reshard = parallel in ("zero3", "hsdp")
+    mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
     for block in transformer_blocks(model):
-        fully_shard(block, reshard_after_forward=reshard, mp_policy=mixed)
-    fully_shard(model, reshard_after_forward=reshard, mp_policy=mixed)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
     return model
+
+
+def data_parallel_mesh(parallel: str, env: DistEnv, hsdp_shard_size: int | None) -> DeviceMesh:
+    """1-D mesh over all ranks (zero2 / zero3), or 2-D (replicate, shard) for hsdp: parameters are sharded
+    inside a node, over its fast links, and each node holds a full replica, so only gradient all-reduces cross
+    the slower network between nodes."""
+    device_type = env.device.type
+    if parallel != "hsdp":
+        return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+    shard = hsdp_shard_size or env.local_world_size
+    if env.world_size % shard:
+        raise ConfigError(f"hsdp_shard_size: {shard} does not divide the {env.world_size} processes; use a divisor "
+                          f"(by default the processes of one node: {env.local_world_size})")
+    return init_device_mesh(device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> ContextManager:

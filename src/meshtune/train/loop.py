@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from meshtune.agreement import check_agreement
 from meshtune.config import TrainConfig
 from meshtune.data.collate import IGNORE, collate
 from meshtune.data.pipeline import plan_steps, prepare_datasets
@@ -128,6 +129,7 @@ def quiet_other_ranks(env: DistEnv) -> None:
 def train(cfg: TrainConfig) -> TrainResult:
     env = init_distributed(cfg.ddp_timeout)
     quiet_other_ranks(env)
+    check_agreement(cfg, env)  # config, versions, data, node ranks: identical everywhere, or stop now
     log = print if env.is_main else (lambda *_: None)
     output_dir = Path(cfg.output_dir)
     if env.is_main:
@@ -157,7 +159,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         enable_checkpointing(model)
     model.config.use_cache = False
     model.to(env.device)
-    model = wrap_model(model, cfg.parallel, env, bf16)
+    model = wrap_model(model, cfg.parallel, env, bf16, cfg.hsdp_shard_size)
     optimizer, params = build_optimizer(model, cfg, env)
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,109 @@
+"""The startup agreement check: right after rendezvous, before any model loads, every rank shares a few facts
+(config hash, library versions, dataset checksum, processes per node, device type, its node rank) and all ranks
+stop with the same message if the nodes disagree, naming the nodes and both values.
+
+Version drift and a stale data copy on one node otherwise show up hours later as an obscure NCCL error or a
+silently diverging loss.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import defaultdict
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshtune.config import TrainConfig
+from meshtune.distributed import DistEnv
+from meshtune.errors import MeshtuneError
+
+PACKAGES = ("meshtune", "torch", "transformers", "peft")
+
+
+class AgreementError(MeshtuneError):
+    """Nodes of one job disagree on something that must be identical."""
+
+
+def package_versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def node_rank_of_this_process() -> int:
+    """The node rank the user gave (launcher exports it), else torchrun's agent rank."""
+    return int(os.environ.get("MESHTUNE_NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+
+
+def local_facts(cfg: TrainConfig, env: DistEnv) -> dict:
+    """What this rank knows; a failure to compute a fact becomes a reported fact, so no rank is left waiting."""
+    from meshtune.data.formats import dataset_checksum
+
+    facts = {"rank": env.rank, "local_rank": env.local_rank, "host": socket.gethostname(),
+             "agent": int(os.environ.get("GROUP_RANK", "0")), "node_rank": node_rank_of_this_process(),
+             "config hash": cfg.hash(), "processes per node": env.local_world_size,
+             "device type": env.device.type, **{f"{name} version": v for name, v in package_versions().items()}}
+    if env.is_local_main:  # hashing the data once per node is enough
+        try:
+            paths = [Path(p) for p in cfg.dataset + (cfg.eval_dataset or [])]
+            facts["dataset checksum"] = dataset_checksum(paths)[:16]
+        except MeshtuneError as exc:
+            facts["dataset checksum"] = f"unreadable ({exc})"
+    return facts
+
+
+def find_disagreements(all_facts: list[dict]) -> list[str]:
+    """Human-readable problems; empty when all nodes agree."""
+    problems = []
+    nodes_of_agent: dict[int, dict] = {}
+    for facts in all_facts:
+        nodes_of_agent.setdefault(facts["agent"], facts)
+    agents_by_node_rank: dict[int, set[int]] = defaultdict(set)
+    for agent, facts in nodes_of_agent.items():
+        agents_by_node_rank[facts["node_rank"]].add(agent)
+    for node_rank, agents in sorted(agents_by_node_rank.items()):
+        if len(agents) > 1:
+            hosts = ", ".join(sorted({nodes_of_agent[a]["host"] for a in agents}))
+            problems.append(f"NODE_RANK={node_rank} is used by {len(agents)} nodes ({hosts}); give each node its "
+                            f"own NODE_RANK from 0 to NNODES-1")
+    keys = [k for k in all_facts[0] if k not in ("rank", "local_rank", "host", "agent", "node_rank")]
+    for key in keys:
+        values: dict[str, set[str]] = defaultdict(set)
+        for facts in all_facts:
+            if key in facts:
+                values[str(facts[key])].add(f"node {facts['node_rank']} ({facts['host']})")
+        if len(values) > 1:
+            listing = "; ".join(f"{', '.join(sorted(nodes))}: {value}" for value, nodes in sorted(values.items()))
+            problems.append(f"{key} differs between nodes: {listing}. {advice(key)}")
+    return problems
+
+
+def advice(key: str) -> str:
+    if key == "config hash":
+        return "Run the same config and overrides on every node (only node_rank and master_addr may differ)."
+    if key == "dataset checksum":
+        return "The data files differ: put them on shared storage or copy the same files to every node."
+    if key.endswith("version"):
+        return "Install the same versions on every node (same image or lock file)."
+    if key == "processes per node":
+        return "Set the same NPROC_PER_NODE (nproc_per_node) on every node."
+    return "Use the same kind of machine on every node."
+
+
+def check_agreement(cfg: TrainConfig, env: DistEnv) -> None:
+    """Collective: every rank calls it; all raise the same AgreementError on a mismatch."""
+    if env.world_size == 1:
+        return
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, local_facts(cfg, env))
+    problems = find_disagreements(gathered)
+    if problems:
+        raise AgreementError("the nodes of this job disagree, stopping before the model loads:\n  - "
+                             + "\n  - ".join(problems))

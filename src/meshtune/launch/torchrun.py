@@ -1,0 +1,71 @@
+"""Starting the workers: meshtune runs the real torchrun for the user, on one machine or as one node of many."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from meshtune.launch.nodes import NodeSettings
+
+
+def needs_torchrun(settings: NodeSettings) -> bool:
+    """One process on one node trains in the launching process; anything more goes through torchrun."""
+    return settings.multi_node or settings.nproc_per_node > 1
+
+
+def standalone_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
+    """torchrun with a standalone (local, free-port) c10d rendezvous, re-entering `meshtune` in each worker."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts", str(max_restarts), "-m", "meshtune", *argv]
+
+
+def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
+    """This node's torchrun: standalone on one node; c10d rendezvous at node 0's address:port across several.
+
+    No `--node-rank` across nodes: torchrun ignores it for c10d (it only feeds the static backend, and warns
+    when it is not 0) and gives agents ranks in the order they join. The user's node rank still reaches the
+    workers as MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
+    `read_timeout` is the store connection's patience too: a node started before node 0 waits that long.
+    """
+    if not settings.multi_node:
+        return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts)
+    host = f"[{settings.master_addr}]" if ":" in settings.master_addr else settings.master_addr  # IPv6
+    return [sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", settings.nnodes,
+            "--nproc-per-node", str(settings.nproc_per_node),
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{host}:{settings.master_port}",
+            "--rdzv-id", settings.run_id,
+            "--max-restarts", str(cfg.max_restarts),
+            "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}",
+            "-m", "meshtune", *argv]
+
+
+def launch_env(settings: NodeSettings) -> dict[str, str]:
+    """Variables torchrun and its workers get on top of ours.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 across nodes: with the shared rendezvous store, a dead node's restarted
+    agent never rejoined (seen with torch 2.13, c10d); without it the survivors restart and the job goes on.
+    """
+    env = {"MESHTUNE_NODE_RANK": str(settings.node_rank)}
+    if settings.multi_node:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None) -> int:
+    """Run torchrun in the foreground; Ctrl-C and SIGTERM reach it, and its exit code is ours."""
+    env = {**os.environ, **(extra_env or {})}
+    # torchrun would force 1 thread per worker with a warning; share the cores out instead
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    process = subprocess.Popen(command, env=env)
+    forward = lambda signum, _frame: process.send_signal(signum)  # noqa: E731
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
