@@ -76,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print this node's settings and the exact command, start nothing")
     launch.add_argument("--debug", action="store_true", help="show full tracebacks")
 
+    ckpt = commands.add_parser("ckpt", help="list or verify checkpoints",
+                               description="Inspect the sharded checkpoints in an output_dir.")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    listing = ckpt_commands.add_parser("list", help="checkpoints in OUTPUT_DIR with their state, newest last")
+    listing.add_argument("output_dir")
+    checking = ckpt_commands.add_parser("verify", help="check COMPLETE, manifest, sizes and sha256 of every file; "
+                                                       "exit code 0 = valid, 1 = not")
+    checking.add_argument("checkpoint")
+    for sub in (ckpt, listing, checking):
+        sub.add_argument("--debug", action="store_true", help="show full tracebacks")
+
     demo = commands.add_parser("demo", help="the embedded default: a tiny model learns a task with LoRA on 2 processes",
                                description="Build a tiny model, tokenizer and dataset locally (no download), "
                                            "fine-tune with LoRA on 2 CPU processes and show answers before and after.")
@@ -122,12 +133,18 @@ def launch_training(cfg, argv: list[str]) -> int:
         if needs_torchrun(settings):
             print(describe(settings), flush=True)
             prepare_data_once(cfg, settings.max_processes)
+            if settings.multi_node:
+                check_rendezvous(settings, cfg)
             with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
                 env = {**launch_env(settings), ERROR_DIR: errors}
                 code = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env)
                 reported = sorted(Path(errors).glob("*.txt"))
                 if code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
                     raise MeshtuneError(reported[0].read_text())
+                if code != 0 and settings.multi_node and not any(Path(errors).glob("started-*")):
+                    from meshtune.launch.reachability import rendezvous_failure
+
+                    raise rendezvous_failure(settings, cfg.rdzv_timeout)
             if code != 0:
                 raise MeshtuneError(f"training failed in a worker process (exit code {code}); its error is above")
             return 0
@@ -135,6 +152,18 @@ def launch_training(cfg, argv: list[str]) -> int:
 
     run(cfg)
     return 0
+
+
+def check_rendezvous(settings, cfg) -> None:
+    """Node 0: the port is free; other nodes: node 0 answers within rdzv_timeout (else say why, not hang)."""
+    from meshtune.launch.reachability import check_port_free, wait_for_master
+
+    if settings.node_rank == 0:
+        check_port_free(settings)
+    else:
+        print(f"waiting for node 0 at {settings.master_addr}:{settings.master_port} "
+              f"(up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
+        wait_for_master(settings, cfg.rdzv_timeout)
 
 
 def prepare_data_once(cfg, nproc: int) -> None:
@@ -145,6 +174,24 @@ def prepare_data_once(cfg, nproc: int) -> None:
     tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
     train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, log=lambda _line: None)
     plan_steps(cfg, train_data, nproc)
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from meshtune.checkpoint import format_listing, verify
+
+    if args.ckpt_command == "list":
+        if not Path(args.output_dir).is_dir():
+            raise MeshtuneError(f"{args.output_dir} is not a directory")
+        print(format_listing(Path(args.output_dir)))
+        return 0
+    problems = verify(Path(args.checkpoint))
+    if problems:
+        print(f"{args.checkpoint}: INVALID")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    print(f"{args.checkpoint}: valid (COMPLETE, every file's size and sha256 match manifest.json)")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -194,8 +241,10 @@ def report_to_launcher(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
+    if os.environ.get(ERROR_DIR) and os.path.isdir(os.environ[ERROR_DIR]):  # a worker: rendezvous is behind us
+        Path(os.environ[ERROR_DIR], f"started-{os.environ.get('RANK', '0')}").touch()
     try:
-        return {"train": cmd_train, "launch": cmd_launch, "demo": cmd_demo}[args.command](args)
+        return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "demo": cmd_demo}[args.command](args)
     except MeshtuneError as exc:
         if args.debug:
             raise

@@ -19,8 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshtune.agreement import check_agreement
+from meshtune.agreement import check_agreement, package_versions
+from meshtune.checkpoint import CheckpointManager, read_manifest, training_state
 from meshtune.config import TrainConfig
+from meshtune.errors import ConfigError
 from meshtune.data.collate import IGNORE, collate
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
@@ -28,6 +30,7 @@ from meshtune.model.export import save_final
 from meshtune.model.loading import check_model_dir, load_model, load_tokenizer
 from meshtune.model.lora import add_lora
 from meshtune.model.parallel import gradient_sync, wrap_model
+from meshtune.storage import check_shared_output_dir
 from meshtune.train.metrics import MetricsLog, peak_memory_gib, plot_losses, summary
 from meshtune.train.schedule import build_scheduler, warmup_steps
 
@@ -126,6 +129,33 @@ def quiet_other_ranks(env: DistEnv) -> None:
         transformers.logging.set_verbosity_error()
 
 
+def keep_global_batch(cfg: TrainConfig, manifest: dict, world_size: int, log) -> None:
+    """Resuming on another world size: the same global batch (so the same data order and math) through another
+    gradient accumulation, or a clear error when no whole number of micro-steps gives it."""
+    saved = manifest.get("global_batch")
+    if not saved:
+        return
+    per_step = cfg.per_device_train_batch_size * world_size
+    if per_step * cfg.gradient_accumulation_steps == saved:
+        return
+    if saved % per_step:
+        raise ConfigError(
+            f"the checkpoint was trained with a global batch of {saved}, which {world_size} processes x "
+            f"per_device_train_batch_size {cfg.per_device_train_batch_size} cannot make up; choose a process count "
+            f"or batch size that divides {saved}, or resume_from_checkpoint: none to start over")
+    accumulation = saved // per_step
+    log(f"resuming on {world_size} processes: gradient_accumulation_steps {cfg.gradient_accumulation_steps} -> "
+        f"{accumulation} keeps the checkpoint's global batch of {saved}")
+    cfg.gradient_accumulation_steps = accumulation
+
+
+def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan, epoch: int) -> dict:
+    """What manifest.json records besides the files: enough to judge a resume before loading anything."""
+    return {"epoch": epoch, "world_size": env.world_size, "processes_per_node": env.local_world_size,
+            "parallel": cfg.parallel, "finetuning_type": cfg.finetuning_type, "global_batch": plan.global_batch,
+            "config_hash": cfg.hash(), "versions": package_versions()}
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     env = init_distributed(cfg.ddp_timeout)
     quiet_other_ranks(env)
@@ -137,9 +167,14 @@ def train(cfg: TrainConfig) -> TrainResult:
         cfg.write_yaml(output_dir / "config.yaml")
         if cfg.bf16 and env.device.type != "cuda":
             log("note: bf16 is ignored on CPU; training in fp32")
-        if cfg.save_steps:
-            log("note: save_steps: periodic sharded checkpoints are not implemented yet; only final/ is saved")
     seed_everything(cfg.seed)
+    check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
+    checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size)
+    resume_path, skipped = checkpoints.select_resume(cfg.resume_from_checkpoint)
+    for path, reason in skipped:
+        log(f"warning: not resuming from {path.name}: {reason}")
+    if resume_path:
+        keep_global_batch(cfg, read_manifest(resume_path), env.world_size, log)
 
     # data: tokenized once into the shared cache (other processes wait on its file lock)
     model_dir = check_model_dir(cfg.model_name_or_path)
@@ -172,12 +207,19 @@ def train(cfg: TrainConfig) -> TrainResult:
         f"{' packed rows' if cfg.packing else ''}; trainable parameters {n_trainable:,} of "
         f"{n_total:,}")
 
-    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, show_progress=True) if env.is_main else None
+    trainer = {"step": 0}
+    state = training_state(model, optimizer, scheduler, trainer, env.rank, trainable_only=cfg.finetuning_type == "lora")
+    if resume_path:
+        checkpoints.load(resume_path, state)
+        log(f"resumed from {resume_path} at step {trainer['step']} of {total_steps}")
+    start_step = trainer["step"]
+
+    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, True, start_step) if env.is_main else None
     started = time.perf_counter()
     interval_start, interval_tokens, interval_losses = started, 0, []
     total_tokens = 0
     model.train()
-    for step in range(total_steps):
+    for step in range(start_step, total_steps):
         epoch, step_in_epoch = plan.position(step)
         batches = [collate(rows, train_data, pad_id, cfg.packing) for rows in plan.micro_batches(epoch, step_in_epoch, env.rank)]
         counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches)],
@@ -218,6 +260,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             if record:
                 metrics.write(record)
             metrics.advance()
+        if cfg.save_steps and (done % cfg.save_steps == 0 or done == total_steps):
+            trainer.update(step=done, epoch=epoch)
+            checkpoints.save(done, state, checkpoint_info(cfg, env, plan, epoch))
+    checkpoints.close()
     seconds = time.perf_counter() - started
     if metrics:
         metrics.close()

@@ -22,12 +22,16 @@ def peak_memory_gib(device: torch.device) -> float:
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl; only rank 0 holds one."""
 
-    def __init__(self, path: Path, total_steps: int, show_progress: bool):
+    def __init__(self, path: Path, total_steps: int, show_progress: bool, start_step: int = 0):
+        """A resumed run keeps the records up to `start_step` and continues the file from there."""
         self.path = path
         self.records: list[dict] = []
-        self.path.write_text("")
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout,
-                        disable=not show_progress, mininterval=1.0)
+        if start_step and path.is_file():
+            kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in kept if r.get("step", 0) <= start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                        file=sys.stdout, disable=not show_progress, mininterval=1.0)
         self.started = time.perf_counter()
 
     def write(self, record: dict) -> None:

@@ -1,0 +1,215 @@
+"""Save, publish, prune and load checkpoints; every public method is called by every rank.
+
+A save is published in three steps so that no reader ever sees half of one:
+  1. all ranks write DCP shards into `checkpoint-N.tmp/`;
+  2. each rank hashes (and fsyncs) the shards it wrote; rank 0 gathers them, which proves every write finished;
+  3. rank 0 writes manifest.json and COMPLETE, renames to `checkpoint-N/` and prunes old checkpoints.
+Only rank 0 deletes anything: ranks deleting the same files race on shared storage (transformers #20988).
+Every rank learns the outcome from rank 0, so a failure raises everywhere instead of leaving ranks waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, fsync_dir, hash_file, read_manifest, write_manifest
+from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume
+from meshtune.checkpoint.state import RNGState
+
+
+@dataclass
+class _Pending:
+    """A save whose shards are (being) written but which is not yet published."""
+    step: int
+    tmp: Path
+    info: dict[str, Any]
+    wait: Callable[[], Any]  # returns once this rank's DCP write has finished
+
+
+class CheckpointManager:
+    """Owns `output_dir/checkpoint-*`: save (sync or async), publish, retention, resume selection and load.
+
+    With `async_save`, `dcp.async_save` copies the state to CPU and writes it in a background thread on a
+    dedicated gloo group (on the default group it aborted at exit in 3 of 8 runs); at most one save is in flight,
+    and the next `save` or `wait` publishes it. Call `close()` (it waits) before the process group is destroyed.
+    """
+
+    def __init__(self, output_dir: Path, save_total_limit: int | None, async_save: bool, rank: int,
+                 world_size: int):
+        if save_total_limit is not None and save_total_limit < 1:
+            raise CheckpointError(f"save_total_limit must be at least 1 (or unset to keep all), got {save_total_limit}")
+        if world_size > 1 and not dist.is_initialized():
+            raise CheckpointError("CheckpointManager with world_size > 1 needs an initialised process group")
+        self.output_dir = Path(output_dir)
+        self.save_total_limit = save_total_limit
+        self.async_save = async_save
+        self.rank = rank
+        self.world_size = world_size
+        self._distributed = dist.is_initialized() and world_size > 1
+        # new_group is collective: every rank builds the manager at the same point of the loop
+        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self._pending: _Pending | None = None
+
+    def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
+        """Write `state` as checkpoint `step`; `info` (epoch, world size, parallel mode, mesh, config hash,
+        versions, ...) becomes manifest.json. Sync: returns once published. Async: returns once staged."""
+        self.wait()
+        tmp = checkpoint_dir(self.output_dir, step, tmp=True)
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # an interrupted earlier attempt: its shards must not mix with these
+        self._barrier()
+        writer = FileSystemWriter(str(tmp))  # creates tmp; fsyncs every shard it writes
+        if self.async_save:
+            response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+            self._pending = _Pending(step, tmp, {**info, "step": step}, future.result)
+            return
+        try:
+            dcp.save(state, storage_writer=writer)
+        except CheckpointException as error:
+            raise CheckpointError(f"writing {tmp} failed: {error}") from error
+        self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None)
+        self.wait()
+
+    def wait(self) -> None:
+        """Finish and publish the save in flight, if any (async mode: call before exit)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        error, hashes = None, {}
+        try:
+            pending.wait()
+            hashes = {p.name: hash_file(p, fsync=True) for p in sorted(pending.tmp.glob(f"__{self.rank}_*"))}
+        except Exception as exc:  # reported through rank 0 below, so no rank is left waiting at a collective
+            error = f"rank {self.rank}: {exc}"
+        reports = self._gather((error, hashes))
+        outcome = self._publish(pending, reports) if self.rank == 0 else None
+        outcome = self._broadcast(outcome)
+        if outcome:
+            raise CheckpointError(outcome)
+
+    def close(self) -> None:
+        """Publish the save in flight, then free the dedicated group."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    def select_resume(self, resume: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """`select_resume` run by rank 0 only (one rank reads the checksums), its answer given to every rank."""
+        answer: Any = None
+        if self.rank == 0:
+            try:
+                answer = select_resume(self.output_dir, resume)
+            except CheckpointError as error:
+                answer = str(error)
+        answer = self._broadcast(answer)
+        if isinstance(answer, str):
+            raise CheckpointError(answer)
+        return answer
+
+    def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Load checkpoint `path` into `state` in place, resharding onto this world size; returns its manifest.
+
+        A rank the checkpoint has no random state for (it was saved by fewer ranks) keeps its own streams:
+        its RNGState stays `restored = False`, and a warning says so.
+        """
+        path = Path(path)
+        manifest = read_manifest(path)
+        saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        request = {}
+        for name, value in state.items():
+            if isinstance(value, RNGState) and f"{name}.{value.key}" not in saved:
+                warnings.warn(f"rank {self.rank}: {path.name} was saved by {manifest.get('world_size', '?')} ranks "
+                              f"and holds no random state for this rank; its random streams keep their seed",
+                              stacklevel=2)
+                continue
+            request[name] = value
+        try:
+            dcp.load(request, storage_reader=FileSystemReader(str(path)))
+        except CheckpointException as error:
+            raise CheckpointError(f"cannot load {path} (was it saved by another model or finetuning type? "
+                                  f"its manifest: world_size {manifest.get('world_size', '?')}, parallel "
+                                  f"{manifest.get('parallel', '?')}): {error}") from error
+        state.update(request)  # dcp.load replaces plain (non-Stateful) values in the dict it was given
+        return manifest
+
+    def _publish(self, pending: _Pending, reports: list[tuple[str | None, dict[str, Any]]]) -> str | None:
+        """Rank 0: manifest, COMPLETE, rename, retention. Returns what went wrong, or None."""
+        errors = [error for error, _ in reports if error]
+        if errors:
+            return f"checkpoint-{pending.step} was not saved ({pending.tmp} is left unpublished): {'; '.join(errors)}"
+        try:
+            files = {name: digest for _, hashes in reports for name, digest in hashes.items()}
+            present = {p.name for p in pending.tmp.iterdir()}
+            unseen = sorted(set(files) - present)
+            if unseen:
+                return (f"rank 0 cannot see {', '.join(unseen)} that other ranks wrote to {pending.tmp}: "
+                        f"output_dir must be one storage that every node mounts at the same path")
+            for name in sorted(present - set(files)):  # DCP's .metadata, written by rank 0
+                files[name] = hash_file(pending.tmp / name, fsync=True)
+            write_manifest(pending.tmp, pending.info, files)
+            final = checkpoint_dir(self.output_dir, pending.step)
+            if final.exists():  # an earlier save of this step, from before resuming at an older checkpoint
+                _delete(final)
+            os.rename(pending.tmp, final)
+            fsync_dir(self.output_dir)
+        except Exception as exc:  # every rank is waiting for this outcome
+            return f"publishing checkpoint-{pending.step} in {self.output_dir} failed: {exc}"
+        self._apply_retention()
+        return None
+
+    def _apply_retention(self) -> None:
+        """Keep the newest `save_total_limit` complete checkpoints; drop .tmp leftovers older than the newest."""
+        checkpoints = list_checkpoints(self.output_dir)
+        complete = [c for c in checkpoints if c.complete]
+        if not complete:
+            return
+        doomed = [c for c in checkpoints if c.is_tmp and c.step < complete[-1].step]
+        if self.save_total_limit is not None:
+            doomed += complete[:-self.save_total_limit]
+        for checkpoint in doomed:
+            try:
+                _delete(checkpoint.path)
+            except OSError as error:
+                warnings.warn(f"could not delete old checkpoint {checkpoint.path}: {error}", stacklevel=2)
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier()
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, gathered, dst=0)
+        return gathered or []
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _delete(path: Path) -> None:
+    """COMPLETE goes first: a deletion cut short leaves a directory that is never resumed from."""
+    (path / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(path)

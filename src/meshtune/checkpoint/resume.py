@@ -1,0 +1,99 @@
+"""Which checkpoints an output directory holds, and which one a run resumes from.
+
+Steps are compared as numbers (`checkpoint-10` is newer than `checkpoint-9`). A `.tmp` directory is never
+resumed from, even if it looks finished: only the rename publishes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshtune.checkpoint.manifest import COMPLETE, MANIFEST, NO_COMPLETE, CheckpointError, read_manifest, verify
+
+NAME = re.compile(r"^checkpoint-(\d+)(\.tmp)?$")
+TMP_REASON = ".tmp: being written or interrupted"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    complete: bool  # published and marked COMPLETE (checksums are not read here; see `verify`)
+    status: str
+
+    @property
+    def is_tmp(self) -> bool:
+        return self.path.name.endswith(".tmp")
+
+
+def checkpoint_dir(output_dir: Path, step: int, tmp: bool = False) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}{'.tmp' if tmp else ''}"
+
+
+def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
+    """Every `checkpoint-N[.tmp]` directory, oldest first. Cheap: reads names and markers only."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for path in output_dir.iterdir():
+        match = NAME.match(path.name)
+        if not match or not path.is_dir():
+            continue
+        if match.group(2):
+            found.append(CheckpointInfo(int(match.group(1)), path, False, TMP_REASON))
+        elif (path / COMPLETE).is_file():
+            found.append(CheckpointInfo(int(match.group(1)), path, True, "complete"))
+        else:
+            found.append(CheckpointInfo(int(match.group(1)), path, False, NO_COMPLETE))
+    # a published directory sorts after a .tmp of the same step: it is the newer state of that step
+    return sorted(found, key=lambda c: (c.step, not c.is_tmp))
+
+
+def select_resume(output_dir: Path, resume: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint to resume from and the newer ones passed over, each with its reason.
+
+    `resume`: "auto" (newest that is complete and verifies; None if there is none), "none", or a checkpoint path
+    (it must verify, else CheckpointError naming its problems).
+    """
+    if resume == "none":
+        return None, []
+    if resume != "auto":
+        path = Path(resume)
+        problems = verify(path)
+        if problems:
+            raise CheckpointError(f"cannot resume from {path}: {'; '.join(problems)}. "
+                                  f"Pick another checkpoint (meshtune ckpt list {path.parent}) or resume: auto")
+        return path, []
+    skipped = []
+    for candidate in reversed(list_checkpoints(output_dir)):
+        if not candidate.complete:
+            skipped.append((candidate.path, candidate.status))
+            continue
+        problems = verify(candidate.path)
+        if not problems:
+            return candidate.path, skipped
+        skipped.append((candidate.path, "; ".join(problems)))
+    return None, skipped
+
+
+def format_listing(output_dir: Path) -> str:
+    """The table `meshtune ckpt list OUTPUT_DIR` prints, newest last."""
+    rows = []
+    for c in list_checkpoints(output_dir):
+        details = ""
+        if (c.path / MANIFEST).is_file():
+            try:
+                manifest = read_manifest(c.path)
+                size = sum(f.get("size", 0) for f in manifest["files"].values())
+                details = (f"{size / 2**20:9.1f} MiB  world {manifest.get('world_size', '?')}  "
+                           f"{manifest.get('parallel', '?')}  epoch {manifest.get('epoch', '?')}")
+            except CheckpointError as error:
+                details = str(error)
+        rows.append(f"{c.step:>8}  {c.path.name:<24}  {c.status:<44}  {details}".rstrip())
+    if not rows:
+        return f"no checkpoints in {output_dir}"
+    header = f"{'step':>8}  {'directory':<24}  {'status':<44}  details"
+    return "\n".join([header, *rows, "checksums are not read here: meshtune ckpt verify CHECKPOINT checks them"])

@@ -1,0 +1,120 @@
+"""What a checkpoint holds, as DCP `Stateful` objects, so one `dcp.save` writes it all and `dcp.load` reshards it.
+
+Keys in the checkpoint (DCP flattens nested dicts with dots):
+  model_optim.model.*   model (or, trainable_only, adapter) weights: sharded DTensors under FSDP2, plain otherwise
+  model_optim.optim.*   optimizer state keyed by parameter name, so it follows the weights across world sizes
+  scheduler.*           the LR scheduler's own state_dict
+  trainer.json          the loop's counters (step, epoch, consumed samples, ...) as one JSON string
+  rng.rank_{r}          rank r's random streams, one opaque blob per rank
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from meshtune.checkpoint.manifest import CheckpointError
+
+
+class ModelOptimizerState(Stateful):
+    """Model and optimizer through `get_state_dict` / `set_state_dict`: names without DDP's `module.` prefix and
+    FSDP2 shards as DTensors, so a checkpoint moves between DDP, FSDP2, a bare module and any world size.
+
+    `trainable_only` (LoRA) saves only parameters with requires_grad and their optimizer state; the frozen base
+    comes from the model directory again on resume.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool):
+        self.model = model
+        self.optimizer = optimizer
+        self.trainable_only = trainable_only
+
+    def state_dict(self) -> dict[str, Any]:
+        # get_state_dict gives a fresh optimizer its state (a zero-lr step), so a resume template exists pre-step
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(ignore_frozen_params=self.trainable_only))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # strict=False only when frozen weights are left out on purpose: dcp.load has already failed on any
+        # requested (trainable) key the checkpoint lacks
+        options = StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"], options=options)
+
+
+class TrainerState(Stateful):
+    """The loop's counters, stored as one JSON string.
+
+    One leaf instead of one per key: DCP loads only the keys its template names, and a resuming loop cannot
+    know them in advance. Values must be the same on every rank (DCP keeps one rank's copy).
+    """
+
+    def __init__(self, values: dict[str, Any]):
+        self.values = values
+
+    def state_dict(self) -> dict[str, Any]:
+        try:
+            return {"json": json.dumps(self.values, sort_keys=True)}
+        except TypeError as error:
+            raise CheckpointError(f"the trainer state must be JSON (numbers, strings, lists, dicts): {error}") from error
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.values.clear()
+        self.values.update(json.loads(state_dict["json"]))
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the device this rank uses
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class RNGState(Stateful):
+    """This rank's random streams under its own key `rank_{r}`.
+
+    Each rank writes and reads only its key, so a checkpoint from N ranks loads on M: ranks below N get their
+    streams back (`restored`), the others keep their seeded streams. The state is one pickled blob rather than
+    tensors: DCP would need a template of the same shapes (and of the same CUDA device count) to load tensors.
+    """
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.restored = False
+
+    @property
+    def key(self) -> str:
+        return f"rank_{self.rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: pickle.dumps(capture_rng())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        restore_rng(pickle.loads(state_dict[self.key]))
+        self.restored = True
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                   trainer: dict[str, Any], rank: int, trainable_only: bool) -> dict[str, Any]:
+    """The state dict the loop hands to `CheckpointManager.save` and `.load`.
+
+    `trainer` is updated in place on load; `state["rng"].restored` tells whether this rank got its streams back.
+    """
+    return {"model_optim": ModelOptimizerState(model, optimizer, trainable_only), "scheduler": scheduler,
+            "trainer": TrainerState(trainer), "rng": RNGState(rank)}

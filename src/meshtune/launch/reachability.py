@@ -1,0 +1,66 @@
+"""Fail in seconds, with the reason, instead of hanging at rendezvous: before torchrun starts, node 0 checks that
+it can take the rendezvous port and every other node waits (up to rdzv_timeout) until it can reach it."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+
+from meshtune.errors import MeshtuneError
+from meshtune.launch.nodes import NodeSettings
+
+CAUSES = ("likely causes: a firewall or security group blocking the port; a wrong MASTER_ADDR (on a cluster: node 0's "
+          "address on the network all nodes share, not 127.0.0.1 or a docker/VPN interface's); node 0 not started "
+          "or already failed; two nodes given the same NODE_RANK")
+
+
+class RendezvousError(MeshtuneError):
+    """This node cannot meet the others."""
+
+
+def check_port_free(settings: NodeSettings) -> None:
+    """Node 0 will host the c10d store on master_port: say so now if something else holds it."""
+    try:
+        infos = socket.getaddrinfo(settings.master_addr, settings.master_port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise RendezvousError(f"node {settings.node_rank}: master_addr {settings.master_addr!r} does not resolve "
+                              f"({exc}); set MASTER_ADDR to node 0's hostname or IP address") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise RendezvousError(
+                    f"node 0: port {settings.master_port} on {settings.master_addr} is already in use (another job, "
+                    f"or an earlier run still exiting); pick a free MASTER_PORT and use it on every node") from None
+            # not one of this host's addresses: torchrun's c10d decides who hosts; nothing to check here
+
+
+def wait_for_master(settings: NodeSettings, timeout_s: float, poll_s: float = 1.0) -> float:
+    """Non-zero nodes: connect to master_addr:master_port until it answers; seconds waited, or RendezvousError."""
+    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    last_error = "no answer"
+    while True:
+        try:
+            with socket.create_connection((settings.master_addr, settings.master_port), timeout=min(poll_s, 5.0)):
+                return time.monotonic() - started
+        except OSError as exc:
+            last_error = exc.strerror or str(exc)
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"node {settings.node_rank} could not reach the rendezvous at {settings.master_addr}:"
+                f"{settings.master_port} within rdzv_timeout={timeout_s:g} s ({last_error}); {CAUSES}")
+        time.sleep(poll_s)
+
+
+def rendezvous_failure(settings: NodeSettings, timeout_s: int) -> RendezvousError:
+    """torchrun gave up before any worker of this node started: the nodes never all met."""
+    return RendezvousError(
+        f"node {settings.node_rank}: the rendezvous at {settings.master_addr}:{settings.master_port} did not complete "
+        f"within rdzv_timeout={timeout_s} s: not all of NNODES={settings.nnodes} nodes joined with run id "
+        f"{settings.run_id}. Start the same command on every node with the same MASTER_ADDR, MASTER_PORT and config; "
+        f"{CAUSES}")

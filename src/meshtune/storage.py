@@ -1,0 +1,51 @@
+"""Is output_dir one storage for all nodes? Checkpoints written to node-local disks are split across nodes and
+cannot be resumed from any single one (LLaMA-Factory #2398, DeepSpeed #2319), so meshtune checks at start."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshtune.distributed import DistEnv, barrier
+from meshtune.errors import MeshtuneError
+
+TOKEN_PREFIX = ".meshtune-shared-"
+
+
+def check_shared_output_dir(output_dir: Path, env: DistEnv, allow_local: bool) -> bool:
+    """Collective. Rank 0 writes a random token; the first process of every node looks for it.
+
+    Returns True when the storage is shared; raises when it is not, unless `allow_local` (then checkpoints are
+    kept split across the nodes, and resuming needs every node's part).
+    """
+    if env.world_size == 1:
+        return True
+    token = [secrets.token_hex(8) if env.is_main else None]
+    dist.broadcast_object_list(token, src=0)
+    path = Path(output_dir) / f"{TOKEN_PREFIX}{token[0]}"
+    if env.is_main:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        path.write_text(socket.gethostname())
+    barrier()
+    seen = path.is_file() if env.is_local_main else True
+    answers: list = [None] * env.world_size
+    dist.all_gather_object(answers, (seen, socket.gethostname(), os.environ.get("MESHTUNE_NODE_RANK", "?")))
+    barrier()
+    if env.is_main:
+        path.unlink(missing_ok=True)
+    blind = sorted({f"node {node} ({host})" for ok, host, node in answers if not ok})
+    if not blind:
+        return True
+    message = (f"output_dir {output_dir} is not shared storage: {', '.join(blind)} cannot see a file node 0 wrote "
+               f"there. Put output_dir on storage every node mounts at the same path (NFS, Lustre, ...), or set "
+               f"allow_local_checkpoints: true to keep each node's checkpoint shards on its own disk (resuming then "
+               f"needs every node's part in place)")
+    if not allow_local:
+        raise MeshtuneError(message)
+    if env.is_main:
+        print(f"warning: {message}")
+    return False

@@ -1,0 +1,358 @@
+"""Checkpoints through real DCP and real process groups: a group of one in this process, and two gloo ranks
+started with torch.multiprocessing for FSDP2 resharding (2 ranks -> 1 and 1 -> 2) and async saves."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from meshtune.checkpoint import (CheckpointError, CheckpointManager, format_listing, list_checkpoints,
+                                 select_resume, training_state, verify)
+
+INFO = {"epoch": 0, "world_size": 1, "parallel": "zero3", "config_hash": "abc"}
+RANKS_TIMEOUT_S = 90
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class Tiny(nn.Module):
+    """Two blocks and a head of 3 rows, so 2 FSDP2 shards are uneven."""
+
+    def __init__(self, seed: int, width: int = 6):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList([Block(width), Block(width)])
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def setup(seed: int, fsdp: bool = False, freeze_first_block: bool = False):
+    """Model, AdamW, LambdaLR and a trainer dict: the state the loop checkpoints."""
+    model = Tiny(seed)
+    if freeze_first_block:
+        model.blocks[0].requires_grad_(False)
+    if fsdp:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler, seed: int) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in flatten(value, f"{prefix}{key}.").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, value in enumerate(tree) for k, v in flatten(value, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): tree.clone() if torch.is_tensor(tree) else tree}
+
+
+def full_state(model, optimizer) -> dict:
+    """Full (unsharded) model and optimizer state, keyed by name; collective, complete on rank 0."""
+    model_sd, optim_sd = get_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return flatten({"model": model_sd, "optim": optim_sd})
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(2).tolist()
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def save_steps(output_dir: Path, steps, limit=None) -> None:
+    model, optimizer, scheduler = setup(0)
+    manager = CheckpointManager(output_dir, limit, False, 0, 1)
+    for step in steps:
+        train_step(model, optimizer, scheduler, step)
+        manager.save(step, training_state(model, optimizer, scheduler, {"step": step}, 0, False),
+                     {**INFO, "step": step})
+    manager.close()
+
+
+def test_round_trip_restores_model_optimizer_scheduler_trainer_and_rng(tmp_path, world_of_one):
+    model, optimizer, scheduler = setup(0)
+    train_step(model, optimizer, scheduler, 1)
+    trainer = {"step": 1, "epoch": 0, "consumed_samples": 8}
+    manager = CheckpointManager(tmp_path, None, False, 0, 1)
+    manager.save(1, training_state(model, optimizer, scheduler, trainer, 0, False), INFO)
+    saved, saved_scheduler, after_save = full_state(model, optimizer), scheduler.state_dict(), draws()
+    manifest = json.loads((tmp_path / "checkpoint-1" / "manifest.json").read_text())
+    assert manifest["step"] == 1 and manifest["config_hash"] == "abc"
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+
+    model, optimizer, scheduler = setup(5)
+    loaded_trainer: dict = {}
+    state = training_state(model, optimizer, scheduler, loaded_trainer, 0, False)
+    random.seed(99)
+    assert manager.load(tmp_path / "checkpoint-1", state)["step"] == 1
+    assert_same(full_state(model, optimizer), saved)
+    assert scheduler.state_dict() == saved_scheduler and optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert loaded_trainer == trainer
+    assert state["rng"].restored and draws() == after_save
+
+
+def test_tmp_never_selected_missing_complete_skipped_and_steps_sorted_as_numbers(tmp_path, world_of_one):
+    save_steps(tmp_path, [9, 10, 12])
+    (tmp_path / "checkpoint-12" / "COMPLETE").unlink()
+    shutil.copytree(tmp_path / "checkpoint-10", tmp_path / "checkpoint-13.tmp")  # looks finished, is not published
+
+    assert [(c.step, c.complete) for c in list_checkpoints(tmp_path)] == [(9, True), (10, True), (12, False),
+                                                                        (13, False)]
+    path, skipped = select_resume(tmp_path, "auto")
+    assert path == tmp_path / "checkpoint-10"
+    assert skipped == [(tmp_path / "checkpoint-13.tmp", ".tmp: being written or interrupted"),
+                       (tmp_path / "checkpoint-12", "no COMPLETE marker (interrupted while saving)")]
+    assert select_resume(tmp_path, "none") == (None, [])
+    assert select_resume(tmp_path / "empty", "auto") == (None, [])
+    listing = format_listing(tmp_path)
+    assert "checkpoint-13.tmp" in listing and "no COMPLETE marker" in listing
+
+
+def test_flipped_byte_fails_verify_and_auto_falls_back(tmp_path, world_of_one):
+    save_steps(tmp_path, [1, 2])
+    shard = tmp_path / "checkpoint-2" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+
+    assert verify(tmp_path / "checkpoint-2") == ["checksum mismatch in __0_0.distcp"]
+    path, skipped = select_resume(tmp_path, "auto")
+    assert path == tmp_path / "checkpoint-1"
+    assert skipped == [(tmp_path / "checkpoint-2", "checksum mismatch in __0_0.distcp")]
+    with pytest.raises(CheckpointError, match="checksum mismatch in __0_0.distcp"):
+        select_resume(tmp_path, str(tmp_path / "checkpoint-2"))
+    assert select_resume(tmp_path, str(tmp_path / "checkpoint-1")) == (tmp_path / "checkpoint-1", [])
+
+
+def test_verify_names_each_problem(tmp_path, world_of_one):
+    save_steps(tmp_path / "out", [1])
+    good = tmp_path / "out" / "checkpoint-1"
+    assert verify(good) == []
+
+    def broken(name: str, damage) -> list[str]:
+        copy = tmp_path / name
+        shutil.copytree(good, copy)
+        damage(copy)
+        return verify(copy)
+
+    assert broken("a", lambda p: (p / "manifest.json").write_text("{")) [0].startswith("unreadable manifest.json")
+    assert broken("b", lambda p: (p / "__0_0.distcp").unlink()) == ["missing file __0_0.distcp"]
+    size = (good / "__0_0.distcp").stat().st_size
+    assert broken("c", lambda p: (p / "__0_0.distcp").write_bytes(b"x")) == [
+        f"size mismatch in __0_0.distcp: 1 bytes, manifest says {size}"]
+    assert broken("d", lambda p: (p / "__1_0.distcp").write_bytes(b"x")) == ["unlisted file __1_0.distcp"]
+    assert broken("e", lambda p: (p / "COMPLETE").unlink()) == ["no COMPLETE marker (interrupted while saving)"]
+
+
+def test_retention_keeps_newest_complete_and_prunes_only_old_tmp(tmp_path, world_of_one):
+    (tmp_path / "checkpoint-1.tmp").mkdir(parents=True)
+    (tmp_path / "checkpoint-1.tmp" / "__7_0.distcp").write_bytes(b"stale shard of an interrupted save")
+    (tmp_path / "checkpoint-2.tmp").mkdir()
+    (tmp_path / "checkpoint-50.tmp").mkdir()  # newer than anything complete: may be in flight, kept
+    save_steps(tmp_path, [1, 2, 3, 4], limit=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4", "checkpoint-50.tmp"]
+    assert verify(tmp_path / "checkpoint-4") == []
+
+    save_steps(tmp_path, [4, 5], limit=1)  # step 4 saved again (a resume from further back) replaces the old one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5", "checkpoint-50.tmp"]
+    with pytest.raises(CheckpointError, match="at least 1"):
+        CheckpointManager(tmp_path, 0, False, 0, 1)
+
+
+def test_async_save_snapshots_state_and_wait_publishes(tmp_path, world_of_one):
+    model, optimizer, scheduler = setup(0)
+    manager = CheckpointManager(tmp_path, None, True, 0, 1)
+    train_step(model, optimizer, scheduler, 1)
+    at_save = full_state(model, optimizer)
+    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), {**INFO, "step": 1})
+    train_step(model, optimizer, scheduler, 2)  # training goes on while the save is in flight
+    assert not (tmp_path / "checkpoint-1").exists()
+    manager.save(2, training_state(model, optimizer, scheduler, {"step": 2}, 0, False), {**INFO, "step": 2})
+    assert verify(tmp_path / "checkpoint-1") == []  # the next save published the previous one first
+    manager.wait()
+    assert verify(tmp_path / "checkpoint-2") == []
+
+    model, optimizer, scheduler = setup(5)
+    trainer: dict = {}
+    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, trainer, 0, False))
+    assert_same(full_state(model, optimizer), at_save)
+    assert trainer == {"step": 1}
+    manager.close()
+
+
+def test_trainable_only_saves_only_trainable_parameters(tmp_path, world_of_one):
+    model, optimizer, scheduler = setup(0, freeze_first_block=True)
+    train_step(model, optimizer, scheduler, 1)
+    manager = CheckpointManager(tmp_path, None, False, 0, 1)
+    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, True), INFO)
+    saved = full_state(model, optimizer)
+
+    keys = FileSystemReader(str(tmp_path / "checkpoint-1")).read_metadata().state_dict_metadata
+    weights = {k.split(".", 2)[2] for k in keys if k.startswith("model_optim.model.")}
+    assert weights == {"blocks.1.linear.weight", "blocks.1.linear.bias", "head.weight", "head.bias"}
+    assert not [k for k in keys if "blocks.0" in k]
+
+    model, optimizer, scheduler = setup(0, freeze_first_block=True)  # the same frozen base, as on a resume
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.zero_()
+    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, {}, 0, True))
+    assert_same(full_state(model, optimizer), saved)
+
+
+# ---- two real ranks ----------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_entry(job, rank: int, world_size: int, port: int, workdir: Path) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=60))
+        job(rank, world_size, workdir)
+        dist.destroy_process_group()
+    except BaseException:
+        (workdir / f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(job, world_size: int, workdir: Path) -> None:
+    """Start `job` on `world_size` gloo ranks; fail with the ranks' tracebacks; never leave a process behind."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=rank_entry, args=(job, rank, world_size, port, workdir))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    try:
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        hung = [process for process in processes if process.is_alive()]
+        for process in hung:
+            process.kill()
+            process.join()
+    errors = "\n".join(p.read_text() for p in sorted(workdir.glob("rank*.error")))
+    assert not hung, f"{len(hung)} rank(s) still running after {RANKS_TIMEOUT_S} s\n{errors}"
+    assert all(p.exitcode == 0 for p in processes), errors
+
+
+def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
+    """Load the 1-rank checkpoint into FSDP2 on 2 ranks, async-save two checkpoints from 2 ranks, fail a third."""
+    model, optimizer, scheduler = setup(1, fsdp=True)
+    trainer: dict = {}
+    state = training_state(model, optimizer, scheduler, trainer, rank, False)
+    manager = CheckpointManager(workdir / "two", 2, True, rank, world_size)
+    if rank == 1:
+        with pytest.warns(UserWarning, match="holds no random state for this rank"):
+            manager.load(workdir / "one" / "checkpoint-1", state)
+    else:
+        manager.load(workdir / "one" / "checkpoint-1", state)
+    loaded = full_state(model, optimizer)
+    assert trainer == {"step": 1}
+    assert state["rng"].restored == (rank == 0)
+    if rank == 0:
+        assert_same(loaded, torch.load(workdir / "one.pt"))
+
+    torch.manual_seed(100 + rank)  # per-rank streams differ, as with dropout in real runs
+    for step in (2, 3):
+        train_step(model, optimizer, scheduler, step)
+        reference = full_state(model, optimizer)
+        trainer["step"] = step
+        manager.save(step, state, {**INFO, "step": step, "world_size": world_size})
+        if rank == 0:
+            torch.save({"state": reference, "draws": draws()}, workdir / f"two-{step}.pt")
+    manager.close()
+    assert manager.select_resume("auto") == (workdir / "two" / "checkpoint-3", [])
+
+    # rank 0 fails to publish: every rank raises, none is left waiting at a collective
+    with pytest.raises(CheckpointError, match="publishing checkpoint-4 .* failed"):
+        CheckpointManager(workdir / "two", 2, False, rank, world_size).save(4, state, {"unserialisable": object()})
+
+
+def test_fsdp2_checkpoint_reshards_between_one_and_two_ranks(tmp_path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, optimizer, scheduler = setup(0, fsdp=True)
+        train_step(model, optimizer, scheduler, 1)
+        manager = CheckpointManager(tmp_path / "one", None, False, 0, 1)
+        manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+        torch.save(full_state(model, optimizer), tmp_path / "one.pt")
+    finally:
+        dist.destroy_process_group()
+
+    run_ranks(two_rank_job, 2, tmp_path)
+    assert [c.path.name for c in list_checkpoints(tmp_path / "two")] == ["checkpoint-2", "checkpoint-3",
+                                                                         "checkpoint-4.tmp"]
+    assert verify(tmp_path / "two" / "checkpoint-2") == [] and verify(tmp_path / "two" / "checkpoint-3") == []
+    assert sorted(json.loads((tmp_path / "two" / "checkpoint-3" / "manifest.json").read_text())["files"]) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, optimizer, scheduler = setup(5, fsdp=True)
+        trainer: dict = {}
+        state = training_state(model, optimizer, scheduler, trainer, 0, False)
+        CheckpointManager(tmp_path / "two", None, False, 0, 1).load(tmp_path / "two" / "checkpoint-2", state)
+        expected = torch.load(tmp_path / "two-2.pt")
+        assert_same(full_state(model, optimizer), expected["state"])
+        assert trainer == {"step": 2} and state["rng"].restored and draws() == expected["draws"]
+    finally:
+        dist.destroy_process_group()
