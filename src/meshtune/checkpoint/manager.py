@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, fsync_dir, hash_file, read_manifest, write_manifest
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume
 from meshtune.checkpoint.state import RNGState
+from meshtune.faults import maybe_die
 
 
 @dataclass
@@ -82,6 +83,7 @@ class CheckpointManager:
             dcp.save(state, storage_writer=writer)
         except CheckpointException as error:
             raise CheckpointError(f"writing {tmp} failed: {error}") from error
+        maybe_die("save", step, self.rank)
         self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None)
         self.wait()
 
