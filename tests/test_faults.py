@@ -34,14 +34,15 @@ def free_port() -> int:
 class Node:
     """One simulated machine: `meshtune train cfg.yaml` with this node's NODE_RANK, output in a log file."""
 
-    def __init__(self, rank: int, config: Path, port: int, log: Path, overrides=(), env=None):
+    def __init__(self, rank: int, config: Path, port: int, log: Path, overrides=(), env=None, prefix=(),
+                 master="127.0.0.1"):
         self.rank, self.log = rank, log
-        environ = {**os.environ, "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+        environ = {**os.environ, "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": master,
                    "MASTER_PORT": str(port), "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        command = [*prefix, sys.executable, "-m", "meshtune", "train", str(config), *overrides]
         with log.open("a") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "meshtune", "train", str(config), *overrides],
-                                            stdout=out, stderr=subprocess.STDOUT, env=environ)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ)
 
     def kill(self) -> None:
         """A dead machine: the agent and every worker below it, at once (SIGKILL)."""
@@ -230,3 +231,63 @@ def test_g_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_mod
     text = node0.output() + node1.output()
     assert "config hash differs between nodes" in text and "node 1 (" in text and "node 0 (" in text
     assert not (tmp_path / "output" / "checkpoint-4").exists(), "it trained before noticing"
+
+
+class NetworkNamespaces:
+    """Two hosts with their own addresses: network namespaces joined by a veth pair (needs root and iproute2)."""
+
+    def __init__(self):
+        tag = f"mt{os.getpid() % 100000}"
+        self.names = [f"{tag}n0", f"{tag}n1"]
+        self.links = [f"{tag}v0", f"{tag}v1"]
+        self.addresses = ["10.231.0.1", "10.231.0.2"]
+
+    def create(self) -> None:
+        self.ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+        for name, link, address in zip(self.names, self.links, self.addresses):
+            self.ip("netns", "add", name)
+            self.ip("link", "set", link, "netns", name)
+            self.ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+            self.ip("-n", name, "link", "set", link, "up")
+            self.ip("-n", name, "link", "set", "lo", "up")
+
+    def delete(self) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+    @staticmethod
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (ip); the 127.0.0.1 cluster tests cover the rest")
+    spaces = NetworkNamespaces()
+    try:
+        spaces.create()
+    except subprocess.CalledProcessError as exc:
+        spaces.delete()
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    yield spaces
+    spaces.delete()
+
+
+def test_two_hosts_with_their_own_addresses_train_like_the_baseline(cluster, namespaces, tmp_path, baseline,
+                                                                    tiny_model_dir, tiny_dataset):
+    """The same job across a real (virtual) network: each node in its own namespace, talking over the veth pair;
+    local_addr and GLOO_SOCKET_IFNAME pick the network, as on a cluster whose hostname resolves elsewhere."""
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
+    port = free_port()
+    nodes = []
+    for rank, (name, link, address) in enumerate(zip(namespaces.names, namespaces.links, namespaces.addresses)):
+        nodes.append(cluster.start(rank, config, port, prefix=["ip", "netns", "exec", name],
+                                   master=namespaces.addresses[0], overrides=[f"local_addr={address}"],
+                                   env={"GLOO_SOCKET_IFNAME": link}))
+        time.sleep(1)
+    for node in nodes:
+        assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
+    assert losses(output) == baseline["losses"]
+    assert final_hash(output) == baseline["hash"]

@@ -87,7 +87,7 @@ def find_disagreements(all_facts: list[dict]) -> list[str]:
 
 def advice(key: str) -> str:
     if key == "config hash":
-        return "Run the same config and overrides on every node (only node_rank and master_addr may differ)."
+        return "Run the same config and overrides on every node (only node_rank and local_addr may differ)."
     if key == "dataset checksum":
         return "The data files differ: put them on shared storage or copy the same files to every node."
     if key.endswith("version"):

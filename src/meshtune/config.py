@@ -90,6 +90,7 @@ class TrainConfig(BaseModel):
     node_rank: int | None = Field(None, ge=0, description="this node's rank (0 = master); default from env / scheduler")
     master_addr: str | None = Field(None, description="address of node 0 (rendezvous host); default from env / scheduler")
     master_port: int | None = Field(None, gt=0, lt=65536, description="rendezvous port on master_addr; required for several nodes")
+    local_addr: str | None = Field(None, description="the address other nodes reach this node at (torchrun --local-addr); default: hostname lookup. Set it when the hostname resolves to the wrong network")
     max_restarts: int = Field(3, ge=0, description="times torchrun restarts all workers after a failure (they resume from the newest checkpoint)")
     rdzv_timeout: int = Field(300, gt=0, description="seconds to wait for all nodes to join before failing with a diagnosis")
 
@@ -136,7 +137,7 @@ class TrainConfig(BaseModel):
     def hash(self) -> str:
         """Identity of the run's math: every key but where things are written and how many local processes."""
         exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps", "nnodes", "node_rank",
-                   "master_addr", "master_port", "max_restarts", "rdzv_timeout", "ddp_timeout",
+                   "master_addr", "master_port", "local_addr", "max_restarts", "rdzv_timeout", "ddp_timeout",
                    "resume_from_checkpoint", "async_save", "allow_local_checkpoints", "save_total_limit"}
         blob = json.dumps(self.model_dump(exclude=exclude), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

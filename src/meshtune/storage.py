@@ -19,8 +19,8 @@ TOKEN_PREFIX = ".meshtune-shared-"
 def check_shared_output_dir(output_dir: Path, env: DistEnv, allow_local: bool) -> bool:
     """Collective. Rank 0 writes a random token; the first process of every node looks for it.
 
-    Returns True when the storage is shared; raises when it is not, unless `allow_local` (then checkpoints are
-    kept split across the nodes, and resuming needs every node's part).
+    Returns True when the storage is shared; raises when it is not, unless `allow_local` (then the run goes on
+    without periodic checkpoints or resume: DCP's shards of all ranks must land in one directory).
     """
     if env.world_size == 1:
         return True
@@ -40,12 +40,12 @@ def check_shared_output_dir(output_dir: Path, env: DistEnv, allow_local: bool) -
     blind = sorted({f"node {node} ({host})" for ok, host, node in answers if not ok})
     if not blind:
         return True
-    message = (f"output_dir {output_dir} is not shared storage: {', '.join(blind)} cannot see a file node 0 wrote "
-               f"there. Put output_dir on storage every node mounts at the same path (NFS, Lustre, ...), or set "
-               f"allow_local_checkpoints: true to keep each node's checkpoint shards on its own disk (resuming then "
-               f"needs every node's part in place)")
+    message = (f"output_dir {output_dir} is not shared storage: {', '.join(blind)} cannot see a file global rank 0 "
+               f"wrote there. Sharded checkpoints need one directory that every rank writes into: put output_dir on "
+               f"storage every node mounts at the same path (NFS, Lustre, ...)")
     if not allow_local:
-        raise MeshtuneError(message)
+        raise MeshtuneError(message + ", or set allow_local_checkpoints: true to train without periodic checkpoints")
     if env.is_main:
-        print(f"warning: {message}")
+        print(f"warning: {message}. allow_local_checkpoints: true, so this run writes no periodic checkpoint and "
+              f"does not resume; final/ is written by global rank 0 on its own node")
     return False

@@ -174,16 +174,19 @@ class CheckpointManager:
             fsync_dir(self.output_dir)
         except Exception as exc:  # every rank is waiting for this outcome
             return f"publishing checkpoint-{pending.step} in {self.output_dir} failed: {exc}"
-        self._apply_retention()
+        self._apply_retention(pending.step)
         return None
 
-    def _apply_retention(self) -> None:
-        """Keep the newest `save_total_limit` complete checkpoints; drop .tmp leftovers older than the newest."""
-        checkpoints = list_checkpoints(self.output_dir)
+    def _apply_retention(self, newest: int) -> None:
+        """Keep the newest `save_total_limit` complete checkpoints up to `newest` (the one just published) and
+        drop .tmp leftovers older than it. Higher steps are another timeline (a run that went further before this
+        one resumed from an older checkpoint, or a corrupt one resume skipped): they are left alone here, and
+        replaced when this run saves those steps."""
+        checkpoints = [c for c in list_checkpoints(self.output_dir) if c.step <= newest]
         complete = [c for c in checkpoints if c.complete]
         if not complete:
             return
-        doomed = [c for c in checkpoints if c.is_tmp and c.step < complete[-1].step]
+        doomed = [c for c in checkpoints if c.is_tmp and c.step < newest]
         if self.save_total_limit is not None:
             doomed += complete[:-self.save_total_limit]
         for checkpoint in doomed:

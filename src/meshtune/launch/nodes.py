@@ -228,12 +228,13 @@ def _from_slurm(environ: Mapping[str, str]) -> Layer:
 
 
 def _from_pbs(environ: Mapping[str, str], hostname: str) -> Layer | None:
-    """Hosts of PBS_NODEFILE (one line per slot, so hosts repeat) in first-seen order; None if it can't be read."""
+    """Hosts of PBS_NODEFILE (one line per slot, so hosts repeat) in first-seen order; None without one."""
     path = environ.get("PBS_NODEFILE", "")
     try:
         lines = Path(path).read_text().splitlines() if path else []
-    except OSError:
-        return None
+    except OSError as exc:  # silently training as a one-node job into the shared output_dir would be worse
+        raise ConfigError(f"PBS_NODEFILE {path} cannot be read ({exc.strerror}); run meshtune inside the PBS job, "
+                          f"or set NNODES, NODE_RANK and MASTER_ADDR yourself") from None
     hosts = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
     if not hosts:
         return None

@@ -23,9 +23,8 @@ def check_port_free(settings: NodeSettings) -> None:
     """Node 0 will host the c10d store on master_port: say so now if something else holds it."""
     try:
         infos = socket.getaddrinfo(settings.master_addr, settings.master_port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise RendezvousError(f"node {settings.node_rank}: master_addr {settings.master_addr!r} does not resolve "
-                              f"({exc}); set MASTER_ADDR to node 0's hostname or IP address") from None
+    except socket.gaierror:
+        return  # not resolvable yet (a Kubernetes service may appear late): torchrun retries within rdzv_timeout
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

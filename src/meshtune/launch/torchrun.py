@@ -26,7 +26,9 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     """This node's torchrun: standalone on one node; c10d rendezvous at node 0's address:port across several.
 
     No `--node-rank` across nodes: torchrun ignores it for c10d (it only feeds the static backend, and warns
-    when it is not 0) and gives agents ranks in the order they join. The user's node rank still reaches the
+    when it is not 0) and orders agents itself (by host name or local_addr, then pid), so global rank 0 need
+    not be on NODE_RANK 0. NODE_RANK 0 does host the rendezvous store (`is_host`): torch's own guess compares
+    MASTER_ADDR with the host name's addresses and misses a second network (local_addr). The user's node rank still reaches the
     workers as MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
     `read_timeout` is the store connection's patience too: a node started before node 0 waits that long.
     """
@@ -40,7 +42,9 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
             "--rdzv-endpoint", f"{host}:{settings.master_port}",
             "--rdzv-id", settings.run_id,
             "--max-restarts", str(cfg.max_restarts),
-            "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}",
+            "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout},"
+                           f"is_host={int(settings.node_rank == 0)}",
+            *(["--local-addr", cfg.local_addr] if cfg.local_addr else []),
             "-m", "meshtune", *argv]
 
 
@@ -60,7 +64,7 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
     """Run torchrun in the foreground; Ctrl-C and SIGTERM reach it, and its exit code is ours."""
     env = {**os.environ, **(extra_env or {})}
     # torchrun would force 1 thread per worker with a warning; share the cores out instead
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))  # cores granted here
     process = subprocess.Popen(command, env=env)
     forward = lambda signum, _frame: process.send_signal(signum)  # noqa: E731
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -149,11 +149,11 @@ def keep_global_batch(cfg: TrainConfig, manifest: dict, world_size: int, log) ->
     cfg.gradient_accumulation_steps = accumulation
 
 
-def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan, epoch: int) -> dict:
+def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan, epoch: int, config_hash: str) -> dict:
     """What manifest.json records besides the files: enough to judge a resume before loading anything."""
     return {"epoch": epoch, "world_size": env.world_size, "processes_per_node": env.local_world_size,
             "parallel": cfg.parallel, "finetuning_type": cfg.finetuning_type, "global_batch": plan.global_batch,
-            "config_hash": cfg.hash(), "versions": package_versions()}
+            "config_hash": config_hash, "versions": package_versions()}
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -168,13 +168,20 @@ def train(cfg: TrainConfig) -> TrainResult:
         if cfg.bf16 and env.device.type != "cuda":
             log("note: bf16 is ignored on CPU; training in fp32")
     seed_everything(cfg.seed)
-    check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
+    config_hash = cfg.hash()  # before a resume on another world size adjusts the accumulation
+    shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
+    save_steps = cfg.save_steps if shared else 0
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size)
-    resume_path, skipped = checkpoints.select_resume(cfg.resume_from_checkpoint)
+    resume_path, skipped = checkpoints.select_resume(cfg.resume_from_checkpoint if shared else "none")
     for path, reason in skipped:
         log(f"warning: not resuming from {path.name}: {reason}")
     if resume_path:
-        keep_global_batch(cfg, read_manifest(resume_path), env.world_size, log)
+        manifest = read_manifest(resume_path)
+        if manifest.get("config_hash") != config_hash:
+            log(f"warning: {resume_path.name} was written with another config (hash {manifest.get('config_hash')}, "
+                f"now {config_hash}); resuming anyway. For a new experiment use another output_dir or "
+                f"resume_from_checkpoint: none")
+        keep_global_batch(cfg, manifest, env.world_size, log)
 
     # data: tokenized once into the shared cache (other processes wait on its file lock)
     model_dir = check_model_dir(cfg.model_name_or_path)
@@ -260,9 +267,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             if record:
                 metrics.write(record)
             metrics.advance()
-        if cfg.save_steps and (done % cfg.save_steps == 0 or done == total_steps):
+        if save_steps and (done % save_steps == 0 or done == total_steps):
             trainer.update(step=done, epoch=epoch)
-            checkpoints.save(done, state, checkpoint_info(cfg, env, plan, epoch))
+            checkpoints.save(done, state, checkpoint_info(cfg, env, plan, epoch, config_hash))
     checkpoints.close()
     seconds = time.perf_counter() - started
     if metrics:
