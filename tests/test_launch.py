@@ -161,9 +161,9 @@ def test_pbs_host_missing_names_the_file_and_its_hosts(nodefile):
     assert detect({**env, "NODE_RANK": "2"}, hostname="login7").node_rank == 2  # an explicit rank needs no match
 
 
-def test_pbs_without_a_readable_nodefile_is_not_detected(tmp_path):
-    settings = detect({"PBS_JOBID": "99", "PBS_NODEFILE": str(tmp_path / "absent")})
-    assert settings.nnodes == "1" and settings.source["nnodes"] == "default"
+def test_pbs_with_an_unreadable_nodefile_is_an_error_not_a_one_node_job(tmp_path):
+    with pytest.raises(ConfigError, match=r"PBS_NODEFILE .*absent cannot be read.*set NNODES, NODE_RANK"):
+        detect({"PBS_JOBID": "99", "PBS_NODEFILE": str(tmp_path / "absent")})
 
 
 # Kubeflow PyTorchJob

@@ -207,10 +207,17 @@ class CheckpointManager:
         return gathered or []
 
     def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank, then a barrier.
+
+        The barrier matters at exit: gloo's worker thread drops a finished broadcast's tensors a moment after
+        the caller moves on, which needs the GIL; if the interpreter is already finalising, the process aborts
+        ("terminate called without an active exception", 4 of 30 two-rank runs here). A barrier holds no tensors.
+        """
         if not self._distributed:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)
+        dist.barrier()
         return box[0]
 
 

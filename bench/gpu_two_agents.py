@@ -1,0 +1,138 @@
+"""A simulated 2-node job on one GPU host: two `meshtune train` launchers (each a torchrun agent) with NCCL,
+first uninterrupted, then with one node killed (agent and workers, SIGKILL) after a checkpoint and started again
+with the same command. Prints whether the job resumed and how far its losses are from the uninterrupted run.
+
+  python bench/gpu_two_agents.py --modes zero2,hsdp --gpus-per-node 2 --out $OUT     (on nvidia-h100-x4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_compare import build_model_dir, peer_samples, write_cached_dataset  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_node(process: subprocess.Popen) -> None:
+    for pid in [process.pid, *descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def start_node(rank: int, config: Path, port: int, gpus: list[int], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "NPROC_PER_NODE": str(len(gpus)), "NCCL_NVLS_ENABLE": "0",
+           "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONUNBUFFERED": "1"}
+    with log.open("a") as out:
+        return subprocess.Popen([sys.executable, "-m", "meshtune", "train", str(config)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at: int | None) -> dict:
+    port = free_port()
+    gpus = [list(range(0, gpus_per_node)), list(range(gpus_per_node, 2 * gpus_per_node))]
+    logs = [work / f"{out_dir.name}-node{r}.log" for r in (0, 1)]
+    started = time.monotonic()
+    nodes = [start_node(0, config, port, gpus[0], logs[0])]
+    time.sleep(2)
+    nodes.append(start_node(1, config, port, gpus[1], logs[1]))
+    killed_after = None
+    if kill_at:
+        while not (out_dir / f"checkpoint-{kill_at}" / "COMPLETE").exists():
+            if nodes[0].poll() is not None or time.monotonic() - started > 400:
+                raise SystemExit(f"no checkpoint-{kill_at}:\n{logs[0].read_text()[-3000:]}")
+            time.sleep(0.05)
+        kill_node(nodes[1])
+        killed_after = round(time.monotonic() - started, 1)
+        finished_before_kill = (out_dir / "final").exists()
+        time.sleep(3)
+        nodes[1] = start_node(1, config, port, gpus[1], logs[1])
+    codes = [node.wait(timeout=480) for node in nodes]
+    text = logs[0].read_text() + logs[1].read_text()
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = [line for line in text.splitlines() if "resumed from" in line]
+    result = {"exit_codes": codes, "wall_s": round(time.monotonic() - started, 1), "steps": records[-1]["step"],
+              "losses": [r["loss"] for r in records], "resumed": resumed[-1] if resumed else None,
+              "tokens_per_s_last": records[-1]["tokens_per_s"], "peak_gib": records[-1]["peak_mem_gib"]}
+    if kill_at:
+        result.update(killed_after_s=killed_after, finished_before_kill=finished_before_kill)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--modes", default="zero2,hsdp")
+    p.add_argument("--size", default="0.5b")
+    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--save-steps", type=int, default=40)
+    p.add_argument("--work", default="/tmp/meshtune-two-agents")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model_dir(args.size, work)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    data_file = write_cached_dataset(model_dir, work, peer_samples(vocab, 4 * args.steps * 2, 128, 1024), 1024)
+    summary = {}
+    for mode in args.modes.split(","):
+        for label, kill_at in (("uninterrupted", None), ("killed", args.save_steps)):
+            out_dir = work / f"{mode}-{label}"
+            config = work / f"{mode}-{label}.yaml"
+            config.write_text(yaml.safe_dump(dict(
+                model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
+                output_dir=str(out_dir), finetuning_type="full", parallel=mode, per_device_train_batch_size=2,
+                gradient_accumulation_steps=1, max_steps=args.steps, save_steps=args.save_steps, save_total_limit=2,
+                logging_steps=1, learning_rate=1e-5, gradient_checkpointing=True, cutoff_len=1024, seed=1,
+                rdzv_timeout=120, ddp_timeout=300)))
+            summary[f"{mode}/{label}"] = run_job(config, out_dir, args.gpus_per_node, work, kill_at)
+            row = {k: v for k, v in summary[f"{mode}/{label}"].items() if k != "losses"}
+            print(mode, label, json.dumps(row), flush=True)
+        base, hit = summary[f"{mode}/uninterrupted"]["losses"], summary[f"{mode}/killed"]["losses"]
+        diffs = [abs(a - b) / abs(b) for a, b in zip(hit, base)]
+        print(f"{mode}: killed run vs uninterrupted: {len(hit)} vs {len(base)} steps, max relative loss difference "
+              f"{max(diffs):.2e} (first {args.save_steps} steps {max(diffs[:args.save_steps]):.2e}), "
+              f"final loss {hit[-1]:.4f} vs {base[-1]:.4f}", flush=True)
+    Path(args.out, "two_agents.json").write_text(json.dumps(summary, indent=1))
+    for log in work.glob("*killed*.log"):
+        (Path(args.out) / log.name).write_text(log.read_text()[-20000:])
+
+
+if __name__ == "__main__":
+    main()
