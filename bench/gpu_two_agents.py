@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_compare import build_model_dir, peer_samples, write_cached_dataset  # noqa: E402
 
+from meshtune.launch.processes import kill_tree  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -29,29 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def kill_node(process: subprocess.Popen) -> None:
-    for pid in [process.pid, *descendants(process.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(process.pid)
     process.wait()
 
 

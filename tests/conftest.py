@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from meshtune.demo.model import build_tiny_model
+from meshtune.launch.processes import kill_tree
 from meshtune.demo.tokenizer import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,32 +64,6 @@ def base_config(model_dir: Path, dataset: Path, output_dir: Path, **extra) -> di
                   cutoff_len=64, seed=7, parallel="ddp", nproc_per_node=1)
     values.update(extra)
     return values
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below `pid` (torchrun puts workers in their own sessions, so killpg is not enough)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    for victim in [pid, *descendants(pid)]:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def run_cli(args: list[str], timeout: float = 240, cwd: Path | None = None, env: dict | None = None):
