@@ -5,7 +5,8 @@ A save is published in three steps so that no reader ever sees half of one:
   2. each rank hashes (and fsyncs) the shards it wrote; rank 0 gathers them, which proves every write finished;
   3. rank 0 writes manifest.json and COMPLETE, renames to `checkpoint-N/` and prunes old checkpoints.
 Only rank 0 deletes anything: ranks deleting the same files race on shared storage (transformers #20988).
-Every rank learns the outcome from rank 0, so a failure raises everywhere instead of leaving ranks waiting.
+Every rank then waits for rank 0's outcome (the final barrier: nobody goes on before the rename), so a
+failure raises on every rank instead of leaving some waiting at a collective.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, fsync_dir, hash_file, read_manifest, write_manifest
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume
@@ -76,7 +76,7 @@ class CheckpointManager:
         writer = FileSystemWriter(str(tmp))  # creates tmp; fsyncs every shard it writes
         if self.async_save:
             response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
-            future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+            future = getattr(response, "upload_completion", response)  # newer torch may return AsyncSaveResponse
             self._pending = _Pending(step, tmp, {**info, "step": step}, future.result)
             return
         try:
@@ -207,17 +207,10 @@ class CheckpointManager:
         return gathered or []
 
     def _broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank, then a barrier.
-
-        The barrier matters at exit: gloo's worker thread drops a finished broadcast's tensors a moment after
-        the caller moves on, which needs the GIL; if the interpreter is already finalising, the process aborts
-        ("terminate called without an active exception", 4 of 30 two-rank runs here). A barrier holds no tensors.
-        """
         if not self._distributed:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)
-        dist.barrier()
         return box[0]
 
 

@@ -106,6 +106,10 @@ def verify(path: Path) -> list[str]:
     if DCP_METADATA not in listed:
         problems.append(f"the manifest lists no DCP {DCP_METADATA} file")
     elif not problems:
-        referenced = {info.relative_path for info in FileSystemReader(str(path)).read_metadata().storage_data.values()}
+        try:
+            storage = FileSystemReader(str(path)).read_metadata().storage_data
+        except Exception as error:  # e.g. written by a newer torch: report it, `meshtune ckpt verify` must not crash
+            return [f"unreadable DCP {DCP_METADATA}: {error}"]
+        referenced = {info.relative_path for info in storage.values()}
         problems += [f"missing file {name} (DCP {DCP_METADATA} needs it)" for name in sorted(referenced - set(listed))]
     return problems

@@ -64,7 +64,8 @@ class TrainerState(Stateful):
         try:
             return {"json": json.dumps(self.values, sort_keys=True)}
         except TypeError as error:
-            raise CheckpointError(f"the trainer state must be JSON (numbers, strings, lists, dicts): {error}") from error
+            message = f"the trainer state must be JSON (numbers, strings, lists, dicts): {error}"
+            raise CheckpointError(message) from error
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.values.clear()
