@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_compare import build_model_dir, peer_samples, write_cached_dataset  # noqa: E402
+from peer_compare import prepare_workspace  # noqa: E402
 
 from meshtune.launch.processes import kill_tree  # noqa: E402
 
@@ -86,10 +86,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = build_model_dir(args.size, work)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    data_file = write_cached_dataset(model_dir, work, peer_samples(vocab, 4 * args.steps * 2, 128, 1024), 1024)
+    model_dir, data_file = prepare_workspace(args.size, work, 4 * args.steps * 2, 128, 1024)
     summary = {}
     for mode in args.modes.split(","):
         for label, kill_at in (("uninterrupted", None), ("killed", args.save_steps)):

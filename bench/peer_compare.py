@@ -78,6 +78,14 @@ def write_cached_dataset(model_dir: Path, work: Path, samples: list[np.ndarray],
     return data_file
 
 
+def prepare_workspace(size: str, work: Path, n_samples: int, minlen: int, maxlen: int) -> tuple[Path, Path]:
+    """The model directory and the cached synthetic dataset a benchmark run trains on."""
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model_dir(size, work)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return model_dir, write_cached_dataset(model_dir, work, peer_samples(vocab, n_samples, minlen, maxlen), maxlen)
+
+
 def run_meshtune(args, mode: str, model_dir: Path, data_file: Path, work: Path, extra: dict) -> dict:
     out = work / f"out-{mode}-{'-'.join(f'{k}{v}' for k, v in extra.items()) or 'default'}"
     cfg = dict(model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
@@ -126,11 +134,7 @@ def main() -> None:
     args = p.parse_args()
 
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = build_model_dir(args.size, work)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    data_file = write_cached_dataset(model_dir, work, peer_samples(vocab, args.bs * (args.steps + 5), args.minlen, args.maxlen),
-                                     args.maxlen)
+    model_dir, data_file = prepare_workspace(args.size, work, args.bs * (args.steps + 5), args.minlen, args.maxlen)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     rows = []
     for run in args.runs.split(","):

@@ -235,9 +235,7 @@ def stop_restarts() -> None:
     """A MeshtuneError (bad config, data, disagreeing nodes) fails the same way on every restart: in a torchrun
     worker, stop this node's agent now instead of letting it restart the workers max_restarts times. Crashes and
     dead nodes are not MeshtuneErrors and still get their restarts."""
-    from meshtune.launch import torchrun_worker
-
-    if torchrun_worker() and "TORCHELASTIC_RUN_ID" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # our parent is a torchrun agent
         sys.stderr.flush()
         os.kill(os.getppid(), signal.SIGTERM)
 

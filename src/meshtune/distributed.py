@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtune.launch.nodes import torchrun_worker
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -31,17 +33,12 @@ class DistEnv:
         return self.local_rank == 0
 
 
-def under_torchrun() -> bool:
-    """torchrun (and Kubeflow's PyTorchJob through it) sets these for every worker."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def init_distributed(timeout_s: int) -> DistEnv:
     """Join the process group torchrun prepared, or form a group of one."""
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if under_torchrun():
+    if torchrun_worker():
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
