@@ -1,8 +1,16 @@
-"""A simulated 2-node job on one GPU host: two `meshtune train` launchers (each a torchrun agent) with NCCL,
-first uninterrupted, then with one node killed (agent and workers, SIGKILL) after a checkpoint and started again
-with the same command. Prints whether the job resumed and how far its losses are from the uninterrupted run.
+"""A simulated 2-node job on one GPU host: two `meshtune train` launchers (each a torchrun agent) with NCCL.
+
+Recovery (default): first uninterrupted, then with one node killed (agent and workers, SIGKILL) after a
+checkpoint and started again with the same command. Prints whether the job resumed and how far its losses are
+from the uninterrupted run.
 
   python bench/gpu_two_agents.py --modes zero2,hsdp --gpus-per-node 2 --out $OUT     (on nvidia-h100-x4)
+
+Speed (--speed): NCCL forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1), a stand-in
+for two nodes on a slow network, and step time per parallel mode, beside the same GPUs as one node on NVLink.
+The variables are per process, so traffic inside a "node" goes over sockets too.
+
+  python bench/gpu_two_agents.py --speed --modes zero2,zero3,hsdp --jobs full-1.5b,lora-7b --gpus-per-node 2
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_compare import prepare_workspace  # noqa: E402
+from workspace import prepare_workspace  # noqa: E402
 
 from meshtune.launch.processes import kill_tree  # noqa: E402
 
@@ -35,8 +43,12 @@ def kill_node(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def start_node(rank: int, config: Path, port: int, gpus: list[int], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+
+
+def start_node(rank: int, config: Path, port: int, gpus: list[int], log: Path, extra_env: dict | None = None,
+               nnodes: int = 2) -> subprocess.Popen:
+    env = {**os.environ, **(extra_env or {}), "NNODES": str(nnodes), "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "NPROC_PER_NODE": str(len(gpus)), "NCCL_NVLS_ENABLE": "0",
            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONUNBUFFERED": "1"}
     with log.open("a") as out:
@@ -75,8 +87,66 @@ def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at
     return result
 
 
+JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4)}  # size, method, batch per GPU
+
+
+def speed(args, work: Path) -> None:
+    """Mean step time after 5 warm-up steps: two agents over sockets, and one agent with all GPUs on NVLink."""
+    results = []
+    for job in args.jobs.split(","):
+        size, method, bs = JOBS[job]
+        model_dir, data_file = prepare_workspace(size, work / size, bs * 2 * args.gpus_per_node * (args.steps + 5),
+                                                 128, 1024)
+        for mode in args.modes.split(","):
+            for layout in ("2 nodes, sockets", "1 node, NVLink"):
+                out_dir = work / f"speed-{job}-{mode}-{'two' if 'sockets' in layout else 'one'}"
+                config = out_dir.with_suffix(".yaml")
+                config.write_text(yaml.safe_dump(dict(
+                    model_name_or_path=str(model_dir), dataset=str(data_file),
+                    tokenized_path=str(work / size / "tokenized"), output_dir=str(out_dir), finetuning_type=method,
+                    lora_rank=64, lora_alpha=16, lora_target="all", parallel=mode, per_device_train_batch_size=bs,
+                    max_steps=args.steps, logging_steps=1, learning_rate=1e-5, gradient_checkpointing=True,
+                    cutoff_len=1024, seed=1, rdzv_timeout=120, ddp_timeout=300, resume_from_checkpoint="none",
+                    hsdp_shard_size=args.gpus_per_node)))
+                started = time.monotonic()
+                port = free_port()
+                if "sockets" in layout:
+                    gpus = [list(range(args.gpus_per_node)), list(range(args.gpus_per_node, 2 * args.gpus_per_node))]
+                    nodes = [start_node(r, config, port, gpus[r], work / f"{out_dir.name}-node{r}.log", SOCKETS)
+                             for r in (0, 1)]
+                else:
+                    nodes = [start_node(0, config, port, list(range(2 * args.gpus_per_node)),
+                                        work / f"{out_dir.name}.log", nnodes=1)]
+                try:
+                    codes = [node.wait(timeout=args.job_timeout) for node in nodes]
+                except subprocess.TimeoutExpired:
+                    codes = ["timeout"]
+                finally:
+                    for node in nodes:
+                        kill_node(node)
+                metrics = out_dir / "metrics.jsonl"
+                records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+                timed = [r for r in records if r["step"] > 5]
+                row = dict(job=job, mode=mode, layout=layout, exit_codes=codes, wall_s=round(time.monotonic() - started))
+                if timed:
+                    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+                    row.update(step_s=round(seconds / len(timed), 3),
+                               tokens_per_s=round(sum(r["tokens"] for r in timed) / seconds),
+                               peak_gib=max(r["peak_mem_gib"] for r in records))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    Path(args.out, "two_agents_speed.json").write_text(json.dumps(results, indent=1))
+    print(f"\n| job | mode | layout | step s | tokens/s | peak GiB |\n|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['job']} | {r['mode']} | {r['layout']} | {r.get('step_s', 'failed')} | {r.get('tokens_per_s', '')} "
+              f"| {r.get('peak_gib', '')} |")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--speed", action="store_true", help="step time per mode over sockets (see above)")
+    p.add_argument("--jobs", default="full-1.5b,lora-7b", help=f"--speed: comma list of {', '.join(JOBS)}")
+    p.add_argument("--job-timeout", type=int, default=300)
     p.add_argument("--modes", default="zero2,hsdp")
     p.add_argument("--size", default="0.5b")
     p.add_argument("--gpus-per-node", type=int, default=2)
@@ -86,6 +156,8 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     work = Path(args.work)
+    if args.speed:
+        return speed(args, work)
     model_dir, data_file = prepare_workspace(args.size, work, 4 * args.steps * 2, 128, 1024)
     summary = {}
     for mode in args.modes.split(","):

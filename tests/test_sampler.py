@@ -68,3 +68,19 @@ def test_positions_do_not_recompute_earlier_epochs(monkeypatch):
         p.micro_batches(*p.position(step), dp_rank=0)
     assert epochs[-1] == 3
     assert len(calls) <= 4, f"permutation recomputed {len(calls)} times for 4 epochs"
+
+
+def test_balanced_micro_batches_hold_every_row_once_with_near_equal_tokens():
+    lengths = np.random.default_rng(0).integers(128, 1025, size=400)
+    plan = GlobalBatchPlan(lengths, seed=3, micro_batch=8, accumulation=2, dp_size=4, balance_tokens=True)
+    for step in range(3):
+        slots = [mb for rank in range(4) for mb in plan.micro_batches(0, step, rank)]
+        rows = [row for slot in slots for row in slot]
+        start = step * plan.global_batch
+        assert sorted(map(tuple, rows)) == sorted(map(tuple, plan.rows(0)[start:start + plan.global_batch]))
+        loads = [sum(plan.row_length(row) for row in slot) for slot in slots]
+        assert max(loads) - min(loads) <= 1024, loads  # unbalanced: spread of ~8 x 260 tokens per slot
+    # the slots depend on ranks x accumulation only: 2 ranks x 2 micro-steps == 1 rank x 4 micro-steps
+    two = GlobalBatchPlan(lengths, seed=3, micro_batch=8, accumulation=2, dp_size=2, balance_tokens=True)
+    one = GlobalBatchPlan(lengths, seed=3, micro_batch=8, accumulation=4, dp_size=1, balance_tokens=True)
+    assert two.micro_batches(0, 1, 0) + two.micro_batches(0, 1, 1) == one.micro_batches(0, 1, 0)

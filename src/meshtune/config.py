@@ -51,6 +51,7 @@ class TrainConfig(BaseModel):
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA path (0 keeps runs topology-independent)")
     lora_target: list[str] = Field(["all"], description="'all' (every linear layer but the head) or module names, e.g. q_proj,v_proj")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    gradient_checkpointing_ratio: float = Field(1.0, gt=0.0, le=1.0, description="with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory)")
     bf16: bool | None = Field(None, description="bf16 compute on CUDA; default: on when the GPU supports it; CPU runs fp32")
 
     # data
@@ -80,6 +81,13 @@ class TrainConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0, description="warmup steps; overrides warmup_ratio when > 0")
     max_grad_norm: float = Field(1.0, ge=0.0, description="gradient clipping; 0 turns it off")
     seed: int = Field(42, description="seeds the data order, model init of new weights and RNG streams")
+
+    # speed levers: each on by default where it pays, and each can be turned off for debugging
+    padding_free: bool | None = Field(None, description="the samples of a micro-batch end to end in one row, attended by torch's variable-length flash attention: no padding, no attention across samples. Default: on with CUDA; elsewhere off (it still works: one attention call per sample)")
+    fused_loss: bool = Field(True, description="output head and cross-entropy in row chunks over target positions only: the full-vocabulary logits are never stored")
+    torch_compile: bool = Field(False, description="torch.compile every transformer block (as HF torch_compile)")
+    optim: Literal["auto", "adamw_torch", "adamw_torch_fused"] = Field("auto", description="auto (fused AdamW on CUDA) | adamw_torch | adamw_torch_fused")
+    fsdp_prefetch: int = Field(1, ge=0, description="zero2 / zero3 / hsdp: blocks whose parameters are gathered ahead of use in forward and backward (0 = FSDP2's implicit order only)")
 
     # parallelism and launch
     parallel: Literal["ddp", "zero2", "zero3", "hsdp"] = Field("ddp", description="ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard) | hsdp (shard inside a node, replicate across nodes)")

@@ -22,16 +22,38 @@ class Batch:
     attention_mask: torch.Tensor | None  # None for packed rows: position_ids make attention block-diagonal
     num_tokens: int  # real (non-padding) tokens
     num_targets: int
+    cu_seqlens: torch.Tensor | None = None  # padding-free: sample boundaries in the single row (int32)
+    max_length: int = 0  # padding-free: the longest sample
+    sample_lengths: tuple[int, ...] = ()  # every sample's length (the attention term of the FLOP count)
+
+    def __post_init__(self) -> None:
+        # where the targets sit in the flattened row(s), found here on the host so the step never waits on the GPU
+        if self.targets.device.type == "cpu":
+            flat = self.targets.reshape(-1)
+            self.target_positions = (flat != IGNORE).nonzero().squeeze(1)
+            self.target_ids = flat.index_select(0, self.target_positions)
+
+    def ignore_all(self) -> None:
+        """Train nothing on this batch (a filler batch that keeps collectives in step)."""
+        self.targets.fill_(IGNORE)
+        self.target_positions = self.target_positions[:0]
+        self.target_ids = self.target_ids[:0]
+        self.num_targets = 0
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
-                     self.num_tokens, self.num_targets)
+        moved = Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
+                      self.num_tokens, self.num_targets, move(self.cu_seqlens), self.max_length, self.sample_lengths)
+        moved.target_positions, moved.target_ids = move(self.target_positions), move(self.target_ids)
+        return moved
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask
+        if self.cu_seqlens is not None:  # read by the meshtune_varlen attention (model/attention.py)
+            inputs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
+                          max_length_q=self.max_length, max_length_k=self.max_length)
         return inputs
 
 
@@ -41,9 +63,16 @@ def shifted_targets(labels: np.ndarray) -> np.ndarray:
     return targets
 
 
-def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_multiple: int = 1) -> Batch:
-    """Right-pad rows to the longest; each row holds one sample, or several when `packed`."""
-    pieces = []
+def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_multiple: int = 1,
+            padding_free: bool = False) -> Batch:
+    """Right-pad rows to the longest; each row holds one sample, or several when `packed`.
+
+    `padding_free`: every sample of every row end to end in one row, with no padding at all, plus the sample
+    boundaries for a variable-length attention kernel. The math is that of the padded batch.
+    """
+    if padding_free:
+        return collate_padding_free([index for row in rows for index in row], dataset)
+    pieces, lengths = [], []
     for row in rows:
         ids, targets, positions = [], [], []
         for index in row:
@@ -51,6 +80,7 @@ def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_mu
             ids.append(np.asarray(sample_ids, dtype=np.int64))
             targets.append(shifted_targets(np.asarray(sample_labels, dtype=np.int64)))
             positions.append(np.arange(len(sample_ids), dtype=np.int64))
+            lengths.append(len(sample_ids))
         pieces.append((np.concatenate(ids), np.concatenate(targets), np.concatenate(positions)))
     length = max(len(p[0]) for p in pieces)
     length = -(-length // pad_to_multiple) * pad_to_multiple
@@ -69,4 +99,20 @@ def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_mu
         mask[r, :n] = 1
     num_tokens = int(mask.sum())
     num_targets = int((target_t != IGNORE).sum())
-    return Batch(input_ids, target_t, position_ids, None if packed else mask, num_tokens, num_targets)
+    return Batch(input_ids, target_t, position_ids, None if packed else mask, num_tokens, num_targets,
+                 sample_lengths=tuple(lengths))
+
+
+def collate_padding_free(samples: list[int], dataset) -> Batch:
+    ids, targets, positions, lengths = [], [], [], []
+    for index in samples:
+        sample_ids, sample_labels = dataset[index]
+        ids.append(np.asarray(sample_ids, dtype=np.int64))
+        targets.append(shifted_targets(np.asarray(sample_labels, dtype=np.int64)))
+        positions.append(np.arange(len(sample_ids), dtype=np.int64))
+        lengths.append(len(sample_ids))
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    target_t = torch.from_numpy(np.concatenate(targets))[None]
+    return Batch(torch.from_numpy(np.concatenate(ids))[None], target_t, torch.from_numpy(np.concatenate(positions))[None],
+                 None, int(sum(lengths)), int((target_t != IGNORE).sum()), cu_seqlens, max(lengths), tuple(lengths))

@@ -53,12 +53,14 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Call
     return full, None
 
 
-def plan_steps(cfg: TrainConfig, train_data, dp_size: int) -> tuple[GlobalBatchPlan, int]:
-    """The run's global batches and step count; an error when not even one global batch fits in the data."""
+def plan_steps(cfg: TrainConfig, train_data, dp_size: int, padding_free: bool = False) -> tuple[GlobalBatchPlan, int]:
+    """The run's global batches and step count; an error when not even one global batch fits in the data.
+    Padding-free micro-batches need no equal row counts, so they are balanced by tokens instead."""
     plan = GlobalBatchPlan(train_data.lengths, cfg.seed, cfg.per_device_train_batch_size,
                            cfg.gradient_accumulation_steps, dp_size,
                            packing_capacity=cfg.cutoff_len if cfg.packing else None,
-                           group_by_length=cfg.group_by_length and not cfg.packing)
+                           group_by_length=cfg.group_by_length and not cfg.packing,
+                           balance_tokens=padding_free)
     total_steps = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     if plan.steps_in_epoch(0) == 0 or total_steps == 0:
         raise ConfigError(

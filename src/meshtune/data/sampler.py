@@ -52,6 +52,7 @@ class GlobalBatchPlan:
     dp_size: int
     packing_capacity: int | None = None  # cutoff_len when packing, else None
     group_by_length: bool = False
+    balance_tokens: bool = False  # padding-free only: micro-batches of equal token counts, not of equal row counts
 
     def __post_init__(self) -> None:
         self._rows_cache: dict[int, list[Row]] = {}  # the current epoch's rows only: a large plan stays small
@@ -98,12 +99,34 @@ class GlobalBatchPlan:
             global_step -= steps
             epoch += 1
 
+    def row_length(self, row: Row) -> int:
+        return sum(int(self.lengths[i]) for i in row)
+
     def micro_batches(self, epoch: int, step: int, dp_rank: int) -> list[list[Row]]:
         """This rank's `accumulation` micro-batches, each a list of `micro_batch` rows."""
         start = step * self.global_batch
         batch = self.rows(epoch)[start:start + self.global_batch]
+        if self.balance_tokens:
+            slots = balanced_slots(batch, [self.row_length(row) for row in batch], self.dp_size * self.accumulation)
+            return slots[dp_rank * self.accumulation:(dp_rank + 1) * self.accumulation]
         if self.group_by_length:
-            batch = sorted(batch, key=lambda row: sum(int(self.lengths[i]) for i in row))
+            batch = sorted(batch, key=self.row_length)
         per_rank = self.micro_batch * self.accumulation
         mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         return [mine[m * self.micro_batch:(m + 1) * self.micro_batch] for m in range(self.accumulation)]
+
+
+def balanced_slots(rows: list[Row], lengths: list[int], slots: int) -> list[list[Row]]:
+    """Deal `rows` into `slots` micro-batches of near-equal token counts (longest first, each to the lightest slot).
+
+    With variable-length samples a rank's step lasts as long as its tokens take, and every rank waits for the
+    slowest: balancing tokens, not rows, is what lets several GPUs scale. Slots depend only on the global batch
+    and (ranks x accumulation), so 2 ranks x 1 micro-step and 1 rank x 2 micro-steps train the same slots.
+    """
+    loads = [0] * slots
+    dealt: list[list[Row]] = [[] for _ in range(slots)]
+    for index in sorted(range(len(rows)), key=lambda i: (-lengths[i], i)):
+        lightest = min(range(slots), key=lambda s: (loads[s], s))
+        dealt[lightest].append(rows[index])
+        loads[lightest] += lengths[index]
+    return dealt

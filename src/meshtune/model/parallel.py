@@ -25,7 +25,7 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
-               hsdp_shard_size: int | None = None) -> torch.nn.Module:
+               hsdp_shard_size: int | None = None, prefetch: int = 1) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode."""
     if parallel == "ddp":
         if env.world_size == 1:
@@ -36,10 +36,21 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     reshard = parallel in ("zero3", "hsdp")
     mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
-    for block in transformer_blocks(model):
+    blocks = transformer_blocks(model)
+    for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
+    if prefetch:
+        set_prefetch(blocks, prefetch)
     return model
+
+
+def set_prefetch(blocks: list[torch.nn.Module], depth: int) -> None:
+    """Gather the next `depth` blocks' parameters while this one computes (forward), and the previous ones
+    (backward): the all-gathers overlap compute instead of waiting for it to reach each block."""
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
 
 
 def data_parallel_mesh(parallel: str, env: DistEnv, hsdp_shard_size: int | None) -> DeviceMesh:

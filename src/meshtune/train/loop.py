@@ -26,13 +26,16 @@ from meshtune.errors import ConfigError
 from meshtune.data.collate import IGNORE, collate
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
+from meshtune.model.attention import use_varlen, varlen_available
 from meshtune.model.export import save_final
 from meshtune.model.loading import check_model_dir, load_model, load_tokenizer
 from meshtune.model.lora import add_lora
-from meshtune.model.parallel import gradient_sync, wrap_model
+from meshtune.model.loss_head import install_loss_head, targets_for
+from meshtune.model.parallel import gradient_sync, transformer_blocks, unwrap, wrap_model
 from meshtune.storage import check_shared_output_dir
 from meshtune.train.metrics import MetricsLog, peak_memory_gib, plot_losses, summary
 from meshtune.train.schedule import build_scheduler, warmup_steps
+from meshtune.train.throughput import FlopCounter, measure_peak_flops
 
 
 @dataclass
@@ -60,14 +63,33 @@ def use_bf16(cfg: TrainConfig, env: DistEnv) -> bool:
     return cfg.bf16 if cfg.bf16 is not None else torch.cuda.is_bf16_supported()
 
 
-def forward_loss(model, batch, env: DistEnv, autocast_bf16: bool) -> torch.Tensor:
+def forward_loss(model, batch, env: DistEnv, autocast_bf16: bool, fused_loss: bool) -> torch.Tensor:
+    """Summed token loss of one micro-batch; with `fused_loss` the model's head computes it (model/loss_head.py)."""
     with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+        if fused_loss:
+            with targets_for(unwrap(model), batch.target_positions, batch.target_ids):
+                return model(**batch.model_inputs(), use_cache=False).logits
         logits = model(**batch.model_inputs(), use_cache=False).logits
     return token_loss_sum(logits, batch.targets)
 
 
+@dataclass(frozen=True)
+class FastPath:
+    """The speed levers this run uses, resolved from the config and the hardware."""
+
+    padding_free: bool
+    fused_loss: bool
+    autocast_bf16: bool
+
+    def collate(self, rows, dataset, pad_id: int, packed: bool):
+        return collate(rows, dataset, pad_id, packed, padding_free=self.padding_free)
+
+    def loss(self, model, batch, env: DistEnv) -> torch.Tensor:
+        return forward_loss(model, batch, env, self.autocast_bf16, self.fused_loss)
+
+
 @torch.no_grad()
-def evaluate(model, dataset, cfg: TrainConfig, env: DistEnv, pad_id: int, autocast_bf16: bool) -> float:
+def evaluate(model, dataset, cfg: TrainConfig, env: DistEnv, pad_id: int, fast: FastPath) -> float:
     """Exact mean token loss over the whole eval set, each rank taking its share.
 
     Every rank runs the same number of forwards (FSDP2 gathers parameters collectively); a rank with nothing
@@ -79,11 +101,10 @@ def evaluate(model, dataset, cfg: TrainConfig, env: DistEnv, pad_id: int, autoca
     for start in range(0, len(dataset), per_round):
         first = start + env.rank * cfg.per_device_eval_batch_size
         mine = list(range(first, min(first + cfg.per_device_eval_batch_size, len(dataset))))
-        batch = collate([[i] for i in mine] or [[0]], dataset, pad_id, packed=False)
+        batch = fast.collate([[i] for i in mine] or [[0]], dataset, pad_id, packed=False)
         if not mine:
-            batch.targets.fill_(IGNORE)
-            batch.num_targets = 0
-        loss = forward_loss(model, batch.to(env.device), env, autocast_bf16)
+            batch.ignore_all()
+        loss = fast.loss(model, batch.to(env.device), env)
         sums += torch.stack([loss.double(), torch.tensor(float(batch.num_targets), dtype=torch.float64, device=env.device)])
     all_reduce_sum(sums)
     model.train()
@@ -101,12 +122,24 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return total
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant activation checkpointing of every block (transformers >= 5.2x renamed the method)."""
+def enable_checkpointing(model: torch.nn.Module, ratio: float = 1.0) -> None:
+    """Non-reentrant activation checkpointing of a `ratio` of the blocks, spread evenly (selective by layer, as
+    torchtitan): recomputing fewer blocks costs memory and saves time. transformers >= 5.2x renamed the method."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    blocks = transformer_blocks(model)
+    chosen = {int(i / ratio) for i in range(round(len(blocks) * ratio))}
+    for i, block in enumerate(blocks):
+        block.gradient_checkpointing = i in chosen
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
+    so shapes are marked dynamic from the start instead of recompiling)."""
+    for block in transformer_blocks(model):
+        block.compile(dynamic=True)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
@@ -115,8 +148,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), fused=env.device.type == "cuda")
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
     return optimizer, params
 
 
@@ -187,32 +221,45 @@ def train(cfg: TrainConfig) -> TrainResult:
     model_dir = check_model_dir(cfg.model_name_or_path)
     tokenizer = load_tokenizer(model_dir)
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main, log=log)
-    plan, total_steps = plan_steps(cfg, train_data, env.world_size)
+    padding_free = cfg.padding_free if cfg.padding_free is not None else varlen_available(env.device)
+    plan, total_steps = plan_steps(cfg, train_data, env.world_size, padding_free)
 
     # model: fp32 master weights, LoRA (init seeded identically on every rank), then the parallel wrapper
     bf16 = use_bf16(cfg, env)
     # LoRA under DDP: frozen base weights in bf16 (only the fp32 adapters are master weights), as PEFT users do
     frozen_bf16 = bf16 and cfg.finetuning_type == "lora" and cfg.parallel == "ddp"
     model = load_model(model_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32)
+    flops = FlopCounter.of(model)
+    if padding_free:
+        use_varlen(model)
+    fused_loss = cfg.fused_loss and install_loss_head(model)
     torch.manual_seed(cfg.seed)
     if cfg.finetuning_type == "lora":
         model = add_lora(model, cfg)
     if cfg.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, cfg.gradient_checkpointing_ratio)
+    if cfg.torch_compile:
+        compile_blocks(model)
     model.config.use_cache = False
     model.to(env.device)
-    model = wrap_model(model, cfg.parallel, env, bf16, cfg.hsdp_shard_size)
+    model = wrap_model(model, cfg.parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch)
     optimizer, params = build_optimizer(model, cfg, env)
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
     scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
-    autocast_bf16 = bf16 and cfg.parallel == "ddp"  # FSDP2 casts through its MixedPrecisionPolicy
+    fast = FastPath(padding_free, fused_loss, autocast_bf16=bf16 and cfg.parallel == "ddp")  # FSDP2 casts itself
     pad_id = tokenizer.pad_token_id
     log(f"{cfg.finetuning_type} on {env.world_size} process(es), {cfg.parallel}, {env.device.type}"
         f"{' bf16' if bf16 else ' fp32'}: {total_steps} steps x global batch {plan.global_batch}"
         f"{' packed rows' if cfg.packing else ''}; trainable parameters {n_trainable:,} of "
         f"{n_total:,}")
+    levers = [name for name, on in (("padding-free varlen attention", padding_free), ("fused loss", fused_loss),
+                                    ("compiled blocks", cfg.torch_compile)) if on]
+    log(f"speed levers: {', '.join(levers) or 'none'}")
+    peak_flops = measure_peak_flops(env.device) if env.is_main else None
+    if peak_flops:
+        log(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     trainer = {"step": 0}
     state = training_state(model, optimizer, scheduler, trainer, env.rank, trainable_only=cfg.finetuning_type == "lora")
@@ -223,19 +270,21 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, True, start_step) if env.is_main else None
     started = time.perf_counter()
-    interval_start, interval_tokens, interval_losses = started, 0, []
+    interval_start, interval_tokens, interval_flops, interval_losses = started, 0, 0.0, []
     total_tokens = 0
     model.train()
     for step in range(start_step, total_steps):
         epoch, step_in_epoch = plan.position(step)
-        batches = [collate(rows, train_data, pad_id, cfg.packing) for rows in plan.micro_batches(epoch, step_in_epoch, env.rank)]
-        counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches)],
+        batches = [fast.collate(rows, train_data, pad_id, cfg.packing)
+                   for rows in plan.micro_batches(epoch, step_in_epoch, env.rank)]
+        counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
+                               sum(flops.batch_flops(b.sample_lengths) for b in batches)],
                               dtype=torch.float64, device=env.device)
         all_reduce_sum(counts)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         for m, batch in enumerate(batches):
             with gradient_sync(model, sync=m == len(batches) - 1):
-                loss = forward_loss(model, batch.to(env.device), env, autocast_bf16)
+                loss = fast.loss(model, batch.to(env.device), env)
                 (loss * env.world_size / counts[0]).backward()
             loss_sum += loss.detach().double()
         grad_norm = clip_gradients(params, cfg.max_grad_norm)
@@ -245,6 +294,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         optimizer.zero_grad(set_to_none=True)
         interval_losses.append(all_reduce_sum(loss_sum) / counts[0])
         interval_tokens += counts[1]
+        interval_flops += counts[2]
 
         done = step + 1
         log_now = done % cfg.logging_steps == 0 or done == total_steps
@@ -252,17 +302,21 @@ def train(cfg: TrainConfig) -> TrainResult:
         record = {}
         if log_now:
             tokens = int(interval_tokens)
+            step_flops = float(interval_flops)
             seconds = time.perf_counter() - interval_start
             record = {"step": done, "epoch": round(epoch + (step_in_epoch + 1) / plan.steps_in_epoch(epoch), 4),
                       "loss": torch.stack(interval_losses).mean().item(), "grad_norm": float(grad_norm),
                       "lr": lr,
                       "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                      "tflops_per_gpu": round(step_flops / max(seconds, 1e-9) / env.world_size / 1e12, 2),
                       "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
+            if peak_flops:
+                record["mfu"] = round(step_flops / max(seconds, 1e-9) / env.world_size / peak_flops, 4)
             total_tokens += tokens
-            interval_start, interval_tokens, interval_losses = time.perf_counter(), 0, []
+            interval_start, interval_tokens, interval_flops, interval_losses = time.perf_counter(), 0, 0.0, []
         if eval_now:
             record.setdefault("step", done)
-            record["eval_loss"] = evaluate(model, eval_data, cfg, env, pad_id, autocast_bf16)
+            record["eval_loss"] = evaluate(model, eval_data, cfg, env, pad_id, fast)
         if metrics:
             if record:
                 metrics.write(record)

@@ -1,0 +1,211 @@
+"""The speed table of the performance issue: meshtune beside the peer (HF Trainer + PEFT) on the same card, one call.
+
+Every row trains the same model shape (random init), on the peer's own synthetic samples (lengths uniform in
+128..1024, seed 1), with the same batch per GPU and gradient checkpointing on, as the peer's published figures.
+tokens/s counts real (non-padding) tokens after 5 warm-up steps. MFU = achieved FLOP/s per GPU over a bf16
+matmul measured on this card (both printed); FLOPs as torchtitan counts them (meshtune/train/throughput.py), for
+the peer too (from its tokens/s and the samples' lengths). Scaling = per-GPU tokens/s at N GPUs / at 1 GPU.
+Rows that need more GPUs than the machine has, or a method meshtune lacks, are listed as not run, with why.
+A failed run is reported in its row; the others still run.
+
+On the device machine (peer copied to .peer/ and carried):
+  python3 bench/speed_table.py --peer .peer/peer_hf.py --out $OUT
+  python3 bench/speed_table.py --rows lora-1.5b --variants "default;padding_free=false;fused_loss=false"
+On a CPU (smoke test of the script itself):
+  python3 bench/speed_table.py --rows lora-tiny --steps 8 --peer ../shared/bench/peer_hf.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workspace import WARMUP, prepare_workspace, workspace_samples  # noqa: E402
+
+from meshtune.train.throughput import FlopCounter, measure_peak_flops  # noqa: E402
+
+
+@dataclass
+class Row:
+    size: str
+    mode: str  # lora | full | qlora
+    gpus: int
+    bs: int  # per GPU
+    peer: bool = False
+    settings: dict = field(default_factory=dict)
+    scaling_of: str | None = None  # the 1-GPU row this one scales
+    unavailable: str | None = None
+
+
+# full 1.5B on one GPU and its scaling rows use zero2: the fastest mode measured for full fine-tuning on 1 GPU
+FULL_15B = {"parallel": "zero2"}
+ROWS = {
+    "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),
+    "lora-1.5b": Row("1.5b", "lora", 1, 8, peer=True),
+    "lora-7b": Row("7b", "lora", 1, 4, peer=True),
+    "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
+    "qlora-7b": Row("7b", "qlora", 1, 4, unavailable="Q-LoRA is not implemented in meshtune yet"),
+    "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings={"parallel": "zero3"}),
+    "full-7b-4gpu-hsdp": Row("7b", "full", 4, 4, settings={"parallel": "hsdp", "hsdp_shard_size": 2}),
+    "lora-1.5b-2gpu": Row("1.5b", "lora", 2, 8, scaling_of="lora-1.5b"),
+    "lora-1.5b-4gpu": Row("1.5b", "lora", 4, 8, scaling_of="lora-1.5b"),
+    "full-1.5b-2gpu": Row("1.5b", "full", 2, 8, settings=FULL_15B, scaling_of="full-1.5b"),
+    "full-1.5b-4gpu": Row("1.5b", "full", 4, 8, settings=FULL_15B, scaling_of="full-1.5b"),
+}
+DEFAULT_ROWS = [name for name in ROWS if name != "lora-tiny"]
+
+
+def parse_variant(text: str) -> dict:
+    """'default' or 'key=value,key=value' (values as YAML) -> config overrides."""
+    if text.strip() in ("", "default"):
+        return {}
+    pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
+    return {key.strip(): yaml.safe_load(value) for key, value in pairs}
+
+
+def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir: Path, data_file: Path, work: Path,
+                 peak: float | None) -> dict:
+    overrides = {**row.settings, **parse_variant(variant)}
+    out = work / f"out-{name}-v{index}"
+    cfg = dict(model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
+               output_dir=str(out), finetuning_type=row.mode, lora_rank=64, lora_alpha=16, lora_dropout=0.05,
+               lora_target="all", per_device_train_batch_size=row.bs, max_steps=args.steps, logging_steps=1,
+               learning_rate=3e-4, lr_scheduler_type="cosine", weight_decay=0.1, cutoff_len=args.maxlen,
+               gradient_checkpointing=True, nproc_per_node=row.gpus, seed=1, resume_from_checkpoint="none")
+    cfg.update(overrides)
+    path = work / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    started = time.perf_counter()
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "meshtune", "train", str(path)], capture_output=True, text=True,
+                              timeout=args.row_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"timed out after {args.row_timeout} s")
+    if proc.returncode != 0:
+        return dict(error=(proc.stdout[-1500:] + proc.stderr[-1500:]).strip().splitlines()[-1][:300],
+                    log=proc.stdout[-4000:] + proc.stderr[-4000:])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r["step"] > WARMUP and "tokens" in r]
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    tokens_per_s = sum(r["tokens"] for r in timed) / seconds
+    flops_per_s = sum(r["tflops_per_gpu"] * 1e12 * r["tokens"] / r["tokens_per_s"] for r in timed) / seconds
+    return dict(tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / row.gpus),
+                mfu=round(flops_per_s / peak, 4) if peak else None, step_s=round(seconds / len(timed), 4),
+                peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
+                final_loss=round(records[-1]["loss"], 4),
+                wall_s=round(time.perf_counter() - started, 1), settings=overrides)
+
+
+def peer_row(args, row: Row, flops_per_token: float, peak: float | None) -> dict:
+    cmd = [sys.executable, args.peer, "--size", row.size, "--mode", row.mode, "--bs", str(row.bs), "--steps",
+           str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen), "--gc", "1"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"timed out after {args.row_timeout} s")
+    if proc.returncode != 0:
+        return dict(error=(proc.stdout + proc.stderr).strip().splitlines()[-1][:300])
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    tps = result["tokens_per_s"]
+    return dict(tokens_per_s=tps, per_gpu=tps, mfu=round(tps * flops_per_token / peak, 4) if peak else None,
+                step_s=result["step_s"], peak_gib=result["peak_gib"])
+
+
+def mean_flops_per_token(model_dir: Path, samples) -> float:
+    """FLOPs per real token over the whole sample set (the peer's batches draw from the same lengths)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    lengths = [len(s) for s in samples]
+    return FlopCounter.of(model).batch_flops(lengths) / sum(lengths)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--variants", default="default",
+                   help="';'-separated meshtune config overrides, each run for every row, e.g. "
+                        "'default;padding_free=false;gradient_checkpointing_ratio=0.5' (an ablation)")
+    p.add_argument("--no-peer", action="store_true", help="meshtune only")
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--minlen", type=int, default=128)
+    p.add_argument("--maxlen", type=int, default=1024)
+    p.add_argument("--row-timeout", type=int, default=400)
+    p.add_argument("--peer", default=str(Path(__file__).resolve().parents[2] / "shared" / "bench" / "peer_hf.py"))
+    p.add_argument("--work", default="/tmp/meshtune-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+
+    gpus = torch.cuda.device_count()
+    device = torch.cuda.get_device_name() if gpus else "cpu"
+    peak = measure_peak_flops(torch.device("cuda", 0)) if gpus else None
+    print(f"{device} x {gpus}; bf16 matmul peak measured: {peak / 1e12:.0f} TFLOP/s" if peak else device, flush=True)
+    results, prepared, started = [], {}, time.perf_counter()
+    for name in args.rows.split(","):
+        row = ROWS[name]
+        skip = row.unavailable or (f"needs {row.gpus} GPUs, this machine has {gpus}" if row.gpus > max(gpus, 1) else None)
+        if skip:
+            results.append(dict(row=name, system="meshtune", gpus=row.gpus, skipped=skip))
+            print(json.dumps(results[-1]), flush=True)
+            continue
+        if row.size not in prepared:
+            work = Path(args.work) / row.size
+            n = max(r.bs * r.gpus for r in ROWS.values()) * (args.steps + WARMUP)
+            model_dir, data_file = prepare_workspace(row.size, work, n, args.minlen, args.maxlen)
+            fpt = mean_flops_per_token(model_dir, workspace_samples(model_dir, n, args.minlen, args.maxlen))
+            prepared[row.size] = (model_dir, data_file, work, fpt)
+        model_dir, data_file, work, fpt = prepared[row.size]
+        for index, variant in enumerate(args.variants.split(";")):
+            result = meshtune_row(args, name, row, variant, index, model_dir, data_file, work, peak)
+            results.append(dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs, **result))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "log"}), flush=True)
+        if row.peer and not args.no_peer:
+            results.append(dict(row=name, system="hf_trainer+peft", gpus=1, bs=row.bs, **peer_row(args, row, fpt, peak)))
+            print(json.dumps(results[-1]), flush=True)
+    summary = dict(device=device, gpus=gpus, peak_tflops=round(peak / 1e12, 1) if peak else None, args=vars(args),
+                   wall_s=round(time.perf_counter() - started), results=results)
+    Path(args.out, "speed.json").write_text(json.dumps(summary, indent=1))
+    table = render(results, summary)
+    Path(args.out, "speed.md").write_text(table + "\n")
+    print("\n" + table)
+
+
+def render(results: list[dict], summary: dict) -> str:
+    peers = {r["row"]: r for r in results if r["system"] != "meshtune" and "tokens_per_s" in r}
+    base = {(r["row"], r.get("variant")): r for r in results if r["system"] == "meshtune" and "per_gpu" in r}
+    lines = [f"{summary['device']} x {summary['gpus']}, bf16 matmul peak {summary['peak_tflops']} TFLOP/s (measured), "
+             f"{summary['args']['steps']} steps ({WARMUP} warm-up), lengths {summary['args']['minlen']}.."
+             f"{summary['args']['maxlen']}", "",
+             "| row | variant | system | GPUs | bs/GPU | tokens/s | per GPU | vs peer | MFU | peak GiB | scaling |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        variant = r.get("variant", "") or ""
+        head = f"| {r['row']} | {variant} | {r['system']} | {r['gpus']} | {r.get('bs', '')} |"
+        if "skipped" in r or "error" in r:
+            lines.append(f"{head} not run: {r.get('skipped') or r.get('error')} | | | | | |")
+            continue
+        peer = peers.get(r["row"])
+        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer and r["system"] == "meshtune" else ""
+        scaling = ""
+        of = ROWS[r["row"]].scaling_of
+        if of and (of, r.get("variant")) in base:
+            scaling = f"{r['per_gpu'] / base[(of, r.get('variant'))]['per_gpu']:.1%}"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
+        lines.append(f"{head} {r['tokens_per_s']:,} | {r['per_gpu']:,} | {ratio} | {mfu} | {r['peak_gib']} | {scaling} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""What the GPU bench scripts share: a random-init model of a Qwen2.5 shape and the peer's synthetic samples,
+written where `meshtune train` reads them.
+
+Same model shape as the peer (`../shared/bench/peer_hf.py`; random init: weights do not change speed) and the
+peer's own samples (lengths uniform in minlen..maxlen, token ids from torch.Generator seed 1, every token
+trained). meshtune reads them through its real tokenized-cache path: the arrays are written where
+`meshtune train` looks for them, so only text tokenization is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SIZES = {  # Qwen2.5 shapes, as in peer_hf.py
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+}
+WARMUP = 5
+
+
+def build_model_dir(size: str, root: Path) -> Path:
+    """Random-init Qwen2 of the given shape, saved in bf16 with a small local tokenizer (ids < vocab)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from meshtune.demo.tokenizer import write_tokenizer
+
+    out = root / f"model-{size}"
+    if (out / "config.json").is_file():
+        return out
+    write_tokenizer(["a small corpus for a benchmark tokenizer"] * 4, out, vocab_size=300)
+    vocab = 151936 if size != "tiny" else 1000
+    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **SIZES[size])
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def peer_samples(vocab: int, n: int, minlen: int, maxlen: int) -> list[np.ndarray]:
+    """Exactly the peer's data: the same generator calls in the same order."""
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(minlen, maxlen + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (length,), generator=g).numpy().astype(np.int32) for length in lens]
+
+
+def write_cached_dataset(model_dir: Path, work: Path, samples: list[np.ndarray], cutoff_len: int) -> Path:
+    from meshtune.data.tokenized import TokenizedDataset, cache_key
+    from meshtune.model.loading import load_tokenizer
+
+    data_file = work / "synthetic.jsonl"
+    data_file.write_text(json.dumps({"synthetic": len(samples), "lengths": [len(s) for s in samples]}) + "\n")
+    tokenizer = load_tokenizer(model_dir)
+    key = cache_key([data_file], tokenizer, "auto", cutoff_len, "auto", False)
+    ids = np.concatenate(samples)
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in samples], out=offsets[1:])
+    stats = {"n_records": len(samples), "n_samples": len(samples), "n_tokens": int(offsets[-1]),
+             "n_target_tokens": int(offsets[-1]) - len(samples)}
+    TokenizedDataset(ids, ids.copy(), offsets, stats).save(work / "tokenized" / key)
+    return data_file
+
+
+def prepare_workspace(size: str, work: Path, n_samples: int, minlen: int, maxlen: int) -> tuple[Path, Path]:
+    """The model directory and the cached synthetic dataset a benchmark run trains on."""
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model_dir(size, work)
+    return model_dir, write_cached_dataset(model_dir, work, workspace_samples(model_dir, n_samples, minlen, maxlen), maxlen)
+
+
+def workspace_samples(model_dir: Path, n_samples: int, minlen: int, maxlen: int) -> list[np.ndarray]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return peer_samples(vocab, n_samples, minlen, maxlen)

@@ -1,0 +1,85 @@
+"""Padding-free attention: the samples of a micro-batch lie end to end in one row, and each attends only to itself.
+
+Registered with transformers as the attention implementation "meshtune_varlen", which receives the boundaries of
+the samples as `cu_seq_lens_q` / `max_length_q` (transformers passes these keyword arguments down to the
+attention function of every layer and builds no mask for an implementation it has no mask function for).
+On CUDA it is torch's variable-length flash attention (`torch.nn.attention.varlen`), so no FLOP is spent on
+padding or across samples; elsewhere each sample runs through `scaled_dot_product_attention` on its own, the same
+math, which is how the CPU tests check this path.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+NAME = "meshtune_varlen"
+
+
+def _varlen_kwargs(varlen_attn) -> dict:
+    """torch 2.10 spells causal `is_causal=True`; 2.11+ `window_size=(-1, 0)` and wants `enable_gqa` for GQA."""
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
+def varlen_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def causal_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                  max_length: int, scale: float | None) -> torch.Tensor:
+    """(tokens, heads, dim) in and out; key / value may have fewer heads (GQA)."""
+    if varlen_available(query.device):
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale,
+                           **_varlen_kwargs(varlen_attn))
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+        out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                        enable_gqa=k.size(0) != q.size(0)).transpose(0, 1)
+    return out
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """transformers' attention-function interface: (batch 1, heads, tokens, dim) in, (1, tokens, heads, dim) out."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None or query.size(0) != 1:
+        raise RuntimeError("meshtune_varlen attention needs one padding-free row and cu_seq_lens_q; "
+                           "set padding_free: false to use sdpa")
+    if dropout:
+        raise RuntimeError("meshtune_varlen attention has no attention dropout; set attention_dropout to 0")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+    out = causal_varlen(q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+
+
+def use_varlen(model: torch.nn.Module) -> None:
+    """Switch a loaded model (every sub-config) to the padding-free attention."""
+    register()
+    try:
+        model.set_attn_implementation(NAME)
+    except (AttributeError, ValueError):  # transformers versions without the setter, or that check names strictly
+        for module in model.modules():
+            if hasattr(getattr(module, "config", None), "_attn_implementation"):
+                module.config._attn_implementation = NAME

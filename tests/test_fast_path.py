@@ -1,0 +1,104 @@
+"""The speed levers never change the math: padding-free rows with variable-length attention, the fused
+head + cross-entropy, selective activation checkpointing and compiled blocks give the losses of the plain path
+(padded batches, full logits, F.cross_entropy) within float tolerance."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import base_config
+from meshtune.config import build_config
+from meshtune.data.collate import IGNORE, collate
+from meshtune.model import loss_head
+from meshtune.model.attention import NAME, causal_varlen
+from meshtune.model.loss_head import LossHead, output_head
+from meshtune.train.loop import run
+
+PLAIN = dict(padding_free=False, fused_loss=False, optim="adamw_torch")
+FAST = dict(padding_free=True, fused_loss=True, gradient_checkpointing=True, gradient_checkpointing_ratio=0.5)
+
+
+def records(tmp_path, model_dir, dataset, name, method, **extra) -> list[dict]:
+    cfg = build_config(base_config(model_dir, dataset, tmp_path / name, finetuning_type=method, learning_rate=1e-3,
+                                   max_steps=4, val_size=8, **extra))
+    result = run(cfg, keep_model=True)
+    fast = bool(extra.get("padding_free"))  # the levers asked for are the levers that ran
+    assert (result.model.config._attn_implementation == NAME) == fast
+    assert isinstance(output_head(result.model), LossHead) == bool(extra.get("fused_loss", True))
+    return result.records
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_fast_path_gives_the_losses_of_the_plain_path(tmp_path, tiny_model_dir, tiny_dataset, method):
+    plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", method, **PLAIN)
+    fast = records(tmp_path, tiny_model_dir, tiny_dataset, "fast", method, **FAST)
+    assert [r["loss"] for r in fast] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
+    assert [r["grad_norm"] for r in fast] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-4)
+    assert fast[-1]["eval_loss"] == pytest.approx(plain[-1]["eval_loss"], rel=1e-5)
+    assert fast[-1]["tokens"] == plain[-1]["tokens"]  # both count real tokens only
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_dir, tiny_dataset):
+    plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
+    compiled = records(tmp_path, tiny_model_dir, tiny_dataset, "compiled", "lora", **FAST, torch_compile=True)
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
+
+
+@pytest.mark.parametrize("trains_head", [True, False])
+def test_fused_loss_matches_cross_entropy_in_value_and_gradients(monkeypatch, trains_head):
+    monkeypatch.setattr(loss_head, "ROWS_ELEMENTS", 7 * 50)  # 7-row chunks: several chunks and a ragged last one
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 23, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, dtype=torch.float64, requires_grad=trains_head)
+    targets = torch.randint(0, 50, (2, 23), generator=generator)
+    targets[0, :5] = IGNORE
+    targets[1, -3:] = IGNORE
+    flat = targets.reshape(-1)
+    positions = (flat != IGNORE).nonzero().squeeze(1)
+    fused = loss_head.linear_cross_entropy(hidden, weight, positions, flat[positions])
+    (fused * 0.37).backward()
+    got = [hidden.grad.clone()] + ([weight.grad.clone()] if trains_head else [])
+    hidden.grad = None
+    weight.grad = None
+    plain = F.cross_entropy((hidden @ weight.t()).reshape(-1, 50), flat, ignore_index=IGNORE, reduction="sum")
+    (plain * 0.37).backward()
+    want = [hidden.grad] + ([weight.grad] if trains_head else [])
+    torch.testing.assert_close(fused, plain)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_varlen_attention_keeps_samples_apart():
+    """Each sample's output depends on that sample only, and equals causal attention over it alone (GQA)."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = [5, 1, 9]
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    q = torch.randn(15, 4, 8, generator=generator)
+    k = torch.randn(15, 2, 8, generator=generator)
+    v = torch.randn(15, 2, 8, generator=generator)
+    out = causal_varlen(q, k, v, cu, max(lengths), None)
+    for start, n in zip([0, 5, 6], lengths):
+        sl = slice(start, start + n)
+        want = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1).repeat_interleave(2, 0),
+                                              v[sl].transpose(0, 1).repeat_interleave(2, 0), is_causal=True)
+        torch.testing.assert_close(out[sl], want.transpose(0, 1))
+
+
+def test_padding_free_batch_holds_every_sample_once(tiny_model_dir, tiny_dataset, tmp_path):
+    from meshtune.data.tokenized import load_or_build
+    from meshtune.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    data = load_or_build([tiny_dataset], tokenizer, fmt="auto", template="auto", cutoff_len=64, skip_invalid=False,
+                         cache_dir=tmp_path, show_progress=False)
+    padded = collate([[0], [1], [2]], data, tokenizer.pad_token_id, packed=False)
+    flat = collate([[0], [1], [2]], data, tokenizer.pad_token_id, packed=False, padding_free=True)
+    assert flat.input_ids.shape == (1, padded.num_tokens) and flat.num_tokens == padded.num_tokens
+    assert flat.cu_seqlens.tolist() == [0, *torch.tensor([len(data[i][0]) for i in range(3)]).cumsum(0).tolist()]
+    assert flat.target_ids.tolist() == padded.target_ids.tolist()
+    assert flat.num_targets == padded.num_targets
