@@ -47,18 +47,21 @@ class Row:
     unavailable: str | None = None
 
 
-# full 1.5B on one GPU and its scaling rows use zero2: the fastest mode measured for full fine-tuning on 1 GPU
-FULL_15B = {"parallel": "zero2"}
+# Checkpointing as the peer (on), but selective: the fraction of blocks recomputed is chosen per row so that
+# LoRA stays within the peer's peak memory (bench/README in docs/benchmarks.md has the ablation behind these)
+LORA_15B = {"gradient_checkpointing_ratio": 0.35}
+LORA_7B = {"gradient_checkpointing_ratio": 0.8}
+FULL_15B = {"parallel": "ddp"}  # measured faster than zero2 on one H100 (2026-11-26)
 ROWS = {
     "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),
-    "lora-1.5b": Row("1.5b", "lora", 1, 8, peer=True),
-    "lora-7b": Row("7b", "lora", 1, 4, peer=True),
+    "lora-1.5b": Row("1.5b", "lora", 1, 8, peer=True, settings=LORA_15B),
+    "lora-7b": Row("7b", "lora", 1, 4, peer=True, settings=LORA_7B),
     "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
     "qlora-7b": Row("7b", "qlora", 1, 4, unavailable="Q-LoRA is not implemented in meshtune yet"),
     "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings={"parallel": "zero3"}),
     "full-7b-4gpu-hsdp": Row("7b", "full", 4, 4, settings={"parallel": "hsdp", "hsdp_shard_size": 2}),
-    "lora-1.5b-2gpu": Row("1.5b", "lora", 2, 8, scaling_of="lora-1.5b"),
-    "lora-1.5b-4gpu": Row("1.5b", "lora", 4, 8, scaling_of="lora-1.5b"),
+    "lora-1.5b-2gpu": Row("1.5b", "lora", 2, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
+    "lora-1.5b-4gpu": Row("1.5b", "lora", 4, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
     "full-1.5b-2gpu": Row("1.5b", "full", 2, 8, settings=FULL_15B, scaling_of="full-1.5b"),
     "full-1.5b-4gpu": Row("1.5b", "full", 4, 8, settings=FULL_15B, scaling_of="full-1.5b"),
 }
@@ -146,19 +149,32 @@ def main() -> None:
     p.add_argument("--peer", default=str(Path(__file__).resolve().parents[2] / "shared" / "bench" / "peer_hf.py"))
     p.add_argument("--work", default="/tmp/meshtune-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--merge", nargs="+", metavar="SPEED_JSON",
+                   help="render one table from the speed.json files of several invocations of this script on the same "
+                        "machine (e.g. 1-GPU rows run side by side on separate GPUs, then the multi-GPU rows)")
     args = p.parse_args()
+    if args.merge:
+        return merge(args.merge, Path(args.out))
 
     gpus = torch.cuda.device_count()
     device = torch.cuda.get_device_name() if gpus else "cpu"
     peak = measure_peak_flops(torch.device("cuda", 0)) if gpus else None
     print(f"{device} x {gpus}; bf16 matmul peak measured: {peak / 1e12:.0f} TFLOP/s" if peak else device, flush=True)
     results, prepared, started = [], {}, time.perf_counter()
+
+    def save() -> dict:  # after every row, so a run cut short still leaves what it measured
+        summary = dict(device=device, gpus=gpus, peak_tflops=round(peak / 1e12, 1) if peak else None,
+                       args=vars(args), wall_s=round(time.perf_counter() - started), results=results)
+        Path(args.out, "speed.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
     for name in args.rows.split(","):
         row = ROWS[name]
         skip = row.unavailable or (f"needs {row.gpus} GPUs, this machine has {gpus}" if row.gpus > max(gpus, 1) else None)
         if skip:
             results.append(dict(row=name, system="meshtune", gpus=row.gpus, skipped=skip))
             print(json.dumps(results[-1]), flush=True)
+            save()
             continue
         if row.size not in prepared:
             work = Path(args.work) / row.size
@@ -171,15 +187,26 @@ def main() -> None:
             result = meshtune_row(args, name, row, variant, index, model_dir, data_file, work, peak)
             results.append(dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs, **result))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "log"}), flush=True)
+            save()
         if row.peer and not args.no_peer:
             results.append(dict(row=name, system="hf_trainer+peft", gpus=1, bs=row.bs, **peer_row(args, row, fpt, peak)))
             print(json.dumps(results[-1]), flush=True)
-    summary = dict(device=device, gpus=gpus, peak_tflops=round(peak / 1e12, 1) if peak else None, args=vars(args),
-                   wall_s=round(time.perf_counter() - started), results=results)
-    Path(args.out, "speed.json").write_text(json.dumps(summary, indent=1))
+            save()
+    summary = save()
     table = render(results, summary)
     Path(args.out, "speed.md").write_text(table + "\n")
     print("\n" + table)
+
+
+def merge(files: list[str], out: Path) -> None:
+    parts = [json.loads(Path(f).read_text()) for f in files]
+    first = parts[0]
+    summary = dict(first, gpus=max(part["gpus"] for part in parts), results=[r for part in parts for r in part["results"]],
+                   merged_from=files)
+    (out / "speed.json").write_text(json.dumps(summary, indent=1))
+    table = render(summary["results"], summary)
+    (out / "speed.md").write_text(table + "\n")
+    print(table)
 
 
 def render(results: list[dict], summary: dict) -> str:

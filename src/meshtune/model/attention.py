@@ -5,7 +5,7 @@ the samples as `cu_seq_lens_q` / `max_length_q` (transformers passes these keywo
 attention function of every layer and builds no mask for an implementation it has no mask function for).
 On CUDA it is torch's variable-length flash attention (`torch.nn.attention.varlen`), so no FLOP is spent on
 padding or across samples; elsewhere each sample runs through `scaled_dot_product_attention` on its own, the same
-math, which is how the CPU tests check this path.
+math, which is how the CPU tests check this path (and what fp32 runs on CUDA use: flash kernels need 16 bits).
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ def varlen_available(device: torch.device) -> bool:
 def causal_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
                   max_length: int, scale: float | None) -> torch.Tensor:
     """(tokens, heads, dim) in and out; key / value may have fewer heads (GQA)."""
-    if varlen_available(query.device):
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # autocast leaves RoPE's fp32 products alone (sdpa would cast them; a custom op is not on its list)
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if varlen_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
         return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale,

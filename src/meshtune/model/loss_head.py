@@ -24,8 +24,36 @@ def chunk_rows(vocab_size: int) -> int:
     return max(64, ROWS_ELEMENTS // vocab_size)
 
 
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, softmax_dtype: torch.dtype):
+    logits = (h @ weight.t()).to(softmax_dtype)
+    lse = torch.logsumexp(logits, dim=-1)
+    return (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+
+
+def _chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, softmax_dtype: torch.dtype):
+    """The chunk's summed loss and d(loss)/d(logits) = softmax - one-hot, in the compute dtype. Written as
+    whole-tensor expressions so that torch.compile fuses everything after the matmul into two passes."""
+    logits = (h @ weight.t()).to(softmax_dtype)
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    onehot = torch.arange(logits.size(1), device=t.device)[None, :] == t[:, None]
+    grad = (torch.exp(logits - lse[:, None]) - onehot.to(softmax_dtype)).to(h.dtype)
+    return loss, grad
+
+
+_COMPILED: dict = {}
+
+
+def _kernel(fn, compiled: bool):
+    if not compiled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
 def _chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, need_hidden: bool,
-                  need_weight: bool, chunk: int):
+                  need_weight: bool, chunk: int, compiled: bool = False):
     """Summed loss of rows `hidden` (N, H) against `targets` (N,), plus d(loss)/d(hidden) and d(loss)/d(weight)."""
     softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least, as the plain path
     total = torch.zeros((), dtype=softmax_dtype, device=hidden.device)
@@ -34,18 +62,15 @@ def _chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     for start in range(0, hidden.size(0), chunk):
         h = hidden[start:start + chunk]
         t = targets[start:start + chunk]
-        logits = (h @ weight.t()).to(softmax_dtype)
-        lse = torch.logsumexp(logits, dim=-1)
-        total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-        if need_hidden or need_weight:
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
-            g = probs.to(hidden.dtype)
-            del logits, probs
-            if need_hidden:
-                torch.mm(g, weight, out=grad_hidden[start:start + chunk])
-            if need_weight:
-                grad_weight += g.t() @ h
+        if not (need_hidden or need_weight):
+            total += _kernel(_chunk_loss, compiled)(h, weight, t, softmax_dtype)
+            continue
+        loss, g = _kernel(_chunk_loss_and_grad, compiled)(h, weight, t, softmax_dtype)
+        total += loss
+        if need_hidden:
+            torch.mm(g, weight, out=grad_hidden[start:start + chunk])
+        if need_weight:
+            grad_weight += g.t() @ h
     return total, grad_hidden, grad_weight
 
 
@@ -53,9 +78,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in one pass (as Liger's fused linear cross-entropy); backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
+    def forward(ctx, hidden, weight, targets, chunk, compiled):
         total, ctx.grad_hidden, ctx.grad_weight = _chunked_loss(
-            hidden, weight, targets, ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk)
+            hidden, weight, targets, ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk, compiled)
         ctx.weight_dtype = weight.dtype
         return total
 
@@ -67,11 +92,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.grad_weight is not None:
             grad_weight = (ctx.grad_weight * grad_total).to(ctx.weight_dtype)
         ctx.grad_hidden = ctx.grad_weight = None
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                         targets: torch.Tensor) -> torch.Tensor:
+                         targets: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """Summed cross-entropy of `hidden` (..., H) rows at flat `positions` against `targets` (same length)."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -80,21 +105,22 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, positions: 
         w = weight.to(dtype)
         chunk = chunk_rows(weight.size(0))
         if torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad):
-            return _LinearCrossEntropy.apply(rows, w, targets, chunk)
-        return _chunked_loss(rows, w, targets, False, False, chunk)[0]
+            return _LinearCrossEntropy.apply(rows, w, targets, chunk, compiled)
+        return _chunked_loss(rows, w, targets, False, False, chunk, compiled)[0]
 
 
 class LossHead(torch.nn.Linear):
     """The model's own output head; returns the summed loss while `pending` holds (positions, targets)."""
 
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    compiled = False  # the loss chunks through torch.compile (with torch_compile)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.pending is None:
             return super().forward(hidden)
         positions, targets = self.pending
         self.pending = None
-        return linear_cross_entropy(hidden, self.weight, positions, targets)
+        return linear_cross_entropy(hidden, self.weight, positions, targets, self.compiled)
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -102,12 +128,13 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
     return base.get_output_embeddings()
 
 
-def install_loss_head(model: torch.nn.Module) -> bool:
+def install_loss_head(model: torch.nn.Module, compiled: bool = False) -> bool:
     """Turn the model's output head into a LossHead in place; False when it is not a bias-free nn.Linear."""
     head = output_head(model)
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return False
     head.__class__ = LossHead
+    head.compiled = compiled
     return True
 
 

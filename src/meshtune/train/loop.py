@@ -232,13 +232,14 @@ def train(cfg: TrainConfig) -> TrainResult:
     flops = FlopCounter.of(model)
     if padding_free:
         use_varlen(model)
-    fused_loss = cfg.fused_loss and install_loss_head(model)
+    compiled = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda"
+    fused_loss = cfg.fused_loss and install_loss_head(model, compiled)
     torch.manual_seed(cfg.seed)
     if cfg.finetuning_type == "lora":
         model = add_lora(model, cfg)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model, cfg.gradient_checkpointing_ratio)
-    if cfg.torch_compile:
+    if compiled:
         compile_blocks(model)
     model.config.use_cache = False
     model.to(env.device)
@@ -255,7 +256,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         f"{' packed rows' if cfg.packing else ''}; trainable parameters {n_trainable:,} of "
         f"{n_total:,}")
     levers = [name for name, on in (("padding-free varlen attention", padding_free), ("fused loss", fused_loss),
-                                    ("compiled blocks", cfg.torch_compile)) if on]
+                                    ("compiled blocks", compiled)) if on]
     log(f"speed levers: {', '.join(levers) or 'none'}")
     peak_flops = measure_peak_flops(env.device) if env.is_main else None
     if peak_flops:
