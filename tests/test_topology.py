@@ -1,6 +1,7 @@
 """Topology does not change the math: the same global batch split as 1x4, 2x2 and 4x1 (processes x
-accumulation) under ddp, zero2 and zero3 (and hsdp on a 2x2 mesh), full and LoRA, gives the same losses, through
-the real CLI and torchrun."""
+accumulation) under ddp, zero2 and zero3 (and hsdp on a 2x2 mesh, ddp with the flat gradient sync, and
+padding-free token-balanced micro-batches), full and LoRA, gives the same losses, through the real CLI and
+torchrun."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (nproc_per_node, gradient_accumulation_ste
 
 def train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation, **extra) -> list[float]:
     """Per-step losses, then the final eval loss (6 held-out samples: with 4 ranks, three evaluate padding only)."""
-    out = tmp_path / f"{method}-{parallel}-{nproc}x{accumulation}"
+    out = tmp_path / "-".join([method, parallel, f"{nproc}x{accumulation}", *(f"{k}{v}" for k, v in extra.items())])
     out.mkdir()
     values = base_config(model_dir, dataset, out / "output", finetuning_type=method, parallel=parallel,
                          nproc_per_node=nproc, per_device_train_batch_size=2,
@@ -41,6 +42,12 @@ def test_same_losses_for_every_layout_and_mode(tmp_path, tiny_model_dir, tiny_da
     # hsdp: 4 processes as 2 replicas x 2 shards (what 2 nodes x 2 GPUs would be)
     losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "hsdp", 4, 1, hsdp_shard_size=2)
     assert_close(losses, reference, f"{method} hsdp 2x2 mesh")
+    # the speed levers across processes: token-balanced padding-free micro-batches, and ddp's flat gradient sync
+    losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "ddp", 2, 2, grad_sync="flat",
+                          padding_free=True)
+    assert_close(losses, reference, f"{method} ddp 2x2 flat gradient sync, padding-free")
+    losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "zero3", 4, 1, padding_free=True)
+    assert_close(losses, reference, f"{method} zero3 4x1 padding-free")
 
 
 def assert_close(losses: list[float], reference: list[float], what: str) -> None:

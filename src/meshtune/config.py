@@ -87,6 +87,7 @@ class TrainConfig(BaseModel):
     fused_loss: bool = Field(True, description="output head and cross-entropy in row chunks over target positions only: the full-vocabulary logits are never stored")
     torch_compile: bool | None = Field(None, description="torch.compile every transformer block and the fused loss (as HF torch_compile). Default: on with CUDA (the first steps then include compilation)")
     optim: Literal["auto", "adamw_torch", "adamw_torch_fused"] = Field("auto", description="auto (fused AdamW on CUDA) | adamw_torch | adamw_torch_fused")
+    grad_sync: Literal["ddp", "flat"] = Field("ddp", description="parallel ddp on several processes: ddp (DistributedDataParallel, gradients all-reduced in buckets during backward) | flat (no wrapper: one all-reduce of all gradients after backward; for small trainable sets such as LoRA)")
     fsdp_prefetch: int = Field(0, ge=0, description="zero2 / zero3 / hsdp: blocks whose parameters are explicitly gathered ahead of use in forward and backward (0 = FSDP2's own implicit prefetching, measured faster on one H100)")
 
     # parallelism and launch

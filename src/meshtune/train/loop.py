@@ -31,7 +31,7 @@ from meshtune.model.export import save_final
 from meshtune.model.loading import check_model_dir, load_model, load_tokenizer
 from meshtune.model.lora import add_lora
 from meshtune.model.loss_head import install_loss_head, targets_for
-from meshtune.model.parallel import gradient_sync, transformer_blocks, unwrap, wrap_model
+from meshtune.model.parallel import finish_gradient_sync, gradient_sync, transformer_blocks, unwrap, wrap_model
 from meshtune.storage import check_shared_output_dir
 from meshtune.train.metrics import MetricsLog, peak_memory_gib, plot_losses, summary
 from meshtune.train.schedule import build_scheduler, warmup_steps
@@ -243,7 +243,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         compile_blocks(model)
     model.config.use_cache = False
     model.to(env.device)
-    model = wrap_model(model, cfg.parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch)
+    model = wrap_model(model, cfg.parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
     optimizer, params = build_optimizer(model, cfg, env)
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
@@ -288,6 +288,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 loss = fast.loss(model, batch.to(env.device), env)
                 (loss * env.world_size / counts[0]).backward()
             loss_sum += loss.detach().double()
+        finish_gradient_sync(model)
         grad_norm = clip_gradients(params, cfg.max_grad_norm)
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         optimizer.step()
