@@ -87,7 +87,7 @@ def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at
     return result
 
 
-JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4)}  # size, method, batch per GPU
+JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4), "lora-tiny": ("tiny", "lora", 2)}  # size, method, batch per GPU; tiny: CPU smoke test
 
 
 def speed(args, work: Path) -> None:

@@ -11,6 +11,8 @@ A failed run is reported in its row; the others still run.
 On the device machine (peer copied to .peer/ and carried):
   python3 bench/speed_table.py --peer .peer/peer_hf.py --out $OUT
   python3 bench/speed_table.py --rows lora-1.5b --variants "default;padding_free=false;fused_loss=false"
+  python3 bench/speed_table.py --rows lora-1.5b-2gpu --no-peer --variants "profile_steps=12-13"   (operator table
+      of rank 0 to $OUT/profile-*.txt; the steps inside the window run slower and count in tokens/s)
 On a CPU (smoke test of the script itself):
   python3 bench/speed_table.py --rows lora-tiny --steps 8 --peer ../shared/bench/peer_hf.py
 """
@@ -98,6 +100,9 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     if proc.returncode != 0:
         return dict(error=(proc.stdout[-1500:] + proc.stderr[-1500:]).strip().splitlines()[-1][:300],
                     log=proc.stdout[-4000:] + proc.stderr[-4000:])
+    summary = out / "profile" / "summary.txt"
+    if summary.is_file():  # a variant with profile_steps=A-B: bring rank 0's operator table back
+        Path(args.out, f"profile-{name}-v{index}.txt").write_text(summary.read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r["step"] > WARMUP and "tokens" in r]
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)

@@ -33,3 +33,13 @@ def test_packing_trains_on_packed_rows(tmp_path, tiny_model_dir, tiny_dataset):
     # 64 samples of ~55 tokens packed into rows of <=128 tokens: far fewer steps than samples, ~2 samples a row
     assert steps < 64 / 2 * 1.2 and tokens / (steps * 2) > 64, (steps, tokens)
     assert result.records[-1]["loss"] < result.records[0]["loss"]
+
+
+def test_profile_steps_write_a_trace_and_a_summary(tmp_path, tiny_model_dir, tiny_dataset):
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=4, profile_steps="2-9"))
+    run(cfg)
+    profile = tmp_path / "out" / "profile"
+    trace = (profile / "rank0.json").read_text()
+    assert '"traceEvents"' in trace and "aten::" in trace
+    summary = (profile / "summary.txt").read_text()
+    assert summary.startswith("optimizer steps 2-4") and "aten::" in summary  # the window ends with the run

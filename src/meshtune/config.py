@@ -90,6 +90,8 @@ class TrainConfig(BaseModel):
     grad_sync: Literal["ddp", "flat"] = Field("ddp", description="parallel ddp on several processes: ddp (DistributedDataParallel, gradients all-reduced in buckets during backward) | flat (no wrapper: one all-reduce of all gradients after backward; for small trainable sets such as LoRA)")
     fsdp_prefetch: int = Field(0, ge=0, description="zero2 / zero3 / hsdp: blocks whose parameters are explicitly gathered ahead of use in forward and backward (0 = FSDP2's own implicit prefetching, measured faster on one H100)")
 
+    profile_steps: str | None = Field(None, description="profile optimizer steps FIRST-LAST (e.g. 10-12) with torch.profiler: a Chrome trace per rank and rank 0's costliest operators in output_dir/profile/")
+
     # parallelism and launch
     parallel: Literal["ddp", "zero2", "zero3", "hsdp"] = Field("ddp", description="ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard) | hsdp (shard inside a node, replicate across nodes)")
     hsdp_shard_size: int | None = Field(None, gt=0, description="hsdp: processes that shard one replica; default: the processes of one node")
@@ -121,6 +123,17 @@ class TrainConfig(BaseModel):
             return str(value)
         return value
 
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _profile_steps(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        text = str(value)
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+        if not match or int(match.group(1)) < 1 or int(match.group(2) or match.group(1)) < int(match.group(1)):
+            raise ValueError(f"'{text}' is not FIRST-LAST with 1 <= FIRST <= LAST (optimizer steps, e.g. 10-12)")
+        return text
+
     @field_validator("dataset", "eval_dataset", "lora_target", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
@@ -147,7 +160,8 @@ class TrainConfig(BaseModel):
         """Identity of the run's math: every key but where things are written and how many local processes."""
         exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps", "nnodes", "node_rank",
                    "master_addr", "master_port", "local_addr", "max_restarts", "rdzv_timeout", "ddp_timeout",
-                   "resume_from_checkpoint", "async_save", "allow_local_checkpoints", "save_total_limit"}
+                   "resume_from_checkpoint", "async_save", "allow_local_checkpoints", "save_total_limit",
+                   "profile_steps"}
         blob = json.dumps(self.model_dump(exclude=exclude), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

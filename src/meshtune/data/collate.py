@@ -41,7 +41,7 @@ class Batch:
         self.num_targets = 0
 
     def to(self, device: torch.device) -> "Batch":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         moved = Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
                       self.num_tokens, self.num_targets, move(self.cu_seqlens), self.max_length, self.sample_lengths)
         moved.target_positions, moved.target_ids = move(self.target_positions), move(self.target_ids)
@@ -57,10 +57,30 @@ class Batch:
         return inputs
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> GPU without a host sync: a copy from pageable memory makes the CPU wait for the GPU's queue to
+    drain, so the CPU could not prepare the next step while the GPU runs this one. Pinned memory copies async."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def shifted_targets(labels: np.ndarray) -> np.ndarray:
     targets = np.full(len(labels), IGNORE, dtype=np.int64)
     targets[:-1] = labels[1:]
     return targets
+
+
+def concatenated(samples: list[int], dataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Samples end to end: input ids, shifted targets, positions restarting at 0 per sample, and the lengths."""
+    ids, targets, positions, lengths = [], [], [], []
+    for index in samples:
+        sample_ids, sample_labels = dataset[index]
+        ids.append(np.asarray(sample_ids, dtype=np.int64))
+        targets.append(shifted_targets(np.asarray(sample_labels, dtype=np.int64)))
+        positions.append(np.arange(len(sample_ids), dtype=np.int64))
+        lengths.append(len(sample_ids))
+    return np.concatenate(ids), np.concatenate(targets), np.concatenate(positions), lengths
 
 
 def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_multiple: int = 1,
@@ -74,14 +94,9 @@ def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_mu
         return collate_padding_free([index for row in rows for index in row], dataset)
     pieces, lengths = [], []
     for row in rows:
-        ids, targets, positions = [], [], []
-        for index in row:
-            sample_ids, sample_labels = dataset[index]
-            ids.append(np.asarray(sample_ids, dtype=np.int64))
-            targets.append(shifted_targets(np.asarray(sample_labels, dtype=np.int64)))
-            positions.append(np.arange(len(sample_ids), dtype=np.int64))
-            lengths.append(len(sample_ids))
-        pieces.append((np.concatenate(ids), np.concatenate(targets), np.concatenate(positions)))
+        ids, targets, positions, row_lengths = concatenated(row, dataset)
+        pieces.append((ids, targets, positions))
+        lengths += row_lengths
     length = max(len(p[0]) for p in pieces)
     length = -(-length // pad_to_multiple) * pad_to_multiple
     shape = (len(rows), length)
@@ -104,15 +119,9 @@ def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_mu
 
 
 def collate_padding_free(samples: list[int], dataset) -> Batch:
-    ids, targets, positions, lengths = [], [], [], []
-    for index in samples:
-        sample_ids, sample_labels = dataset[index]
-        ids.append(np.asarray(sample_ids, dtype=np.int64))
-        targets.append(shifted_targets(np.asarray(sample_labels, dtype=np.int64)))
-        positions.append(np.arange(len(sample_ids), dtype=np.int64))
-        lengths.append(len(sample_ids))
+    ids, targets, positions, lengths = concatenated(samples, dataset)
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    target_t = torch.from_numpy(np.concatenate(targets))[None]
-    return Batch(torch.from_numpy(np.concatenate(ids))[None], target_t, torch.from_numpy(np.concatenate(positions))[None],
-                 None, int(sum(lengths)), int((target_t != IGNORE).sum()), cu_seqlens, max(lengths), tuple(lengths))
+    target_t = torch.from_numpy(targets)[None]
+    return Batch(torch.from_numpy(ids)[None], target_t, torch.from_numpy(positions)[None], None, int(sum(lengths)),
+                 int((target_t != IGNORE).sum()), cu_seqlens, max(lengths), tuple(lengths))

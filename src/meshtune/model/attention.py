@@ -18,23 +18,26 @@ import torch.nn.functional as F
 NAME = "meshtune_varlen"
 
 
-def _varlen_kwargs(varlen_attn) -> dict:
-    """torch 2.10 spells causal `is_causal=True`; 2.11+ `window_size=(-1, 0)` and wants `enable_gqa` for GQA."""
+def _find_varlen():
+    """torch's varlen attention and the keywords this torch spells causal with (2.10: `is_causal=True`; 2.11+:
+    `window_size=(-1, 0)`, plus `enable_gqa` for grouped-query attention). Looked up once, at import: inside a
+    compiled block, `inspect` or an import would break the graph at every layer."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, {}
     params = inspect.signature(varlen_attn).parameters
     kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params:
         kwargs["enable_gqa"] = True
-    return kwargs
+    return varlen_attn, kwargs
+
+
+VARLEN_ATTN, VARLEN_KWARGS = _find_varlen()
 
 
 def varlen_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and VARLEN_ATTN is not None
 
 
 def causal_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -46,10 +49,8 @@ def causal_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if varlen_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
-        from torch.nn.attention.varlen import varlen_attn
-
-        return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale,
-                           **_varlen_kwargs(varlen_attn))
+        return VARLEN_ATTN(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale,
+                           **VARLEN_KWARGS)
     out = torch.empty_like(query)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -69,7 +70,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if dropout:
         raise RuntimeError("meshtune_varlen attention has no attention dropout; set attention_dropout to 0")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
-    out = causal_varlen(q, k, v, cu_seqlens, int(kwargs["max_length_q"]), scaling)
+    out = causal_varlen(q, k, v, cu_seqlens, kwargs["max_length_q"], scaling)
     return out.unsqueeze(0), None
 
 

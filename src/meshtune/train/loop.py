@@ -23,7 +23,7 @@ from meshtune.agreement import check_agreement, package_versions
 from meshtune.checkpoint import CheckpointManager, read_manifest, training_state
 from meshtune.config import TrainConfig
 from meshtune.errors import ConfigError
-from meshtune.data.collate import IGNORE, collate
+from meshtune.data.collate import IGNORE, collate, to_device
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
 from meshtune.model.attention import use_varlen, varlen_available
@@ -34,6 +34,7 @@ from meshtune.model.loss_head import install_loss_head, targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, transformer_blocks, unwrap, wrap_model
 from meshtune.storage import check_shared_output_dir
 from meshtune.train.metrics import MetricsLog, peak_memory_gib, plot_losses, summary
+from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, warmup_steps
 from meshtune.train.throughput import FlopCounter, measure_peak_flops
 
@@ -274,13 +275,15 @@ def train(cfg: TrainConfig) -> TrainResult:
     interval_start, interval_tokens, interval_flops, interval_losses = started, 0, 0.0, []
     total_tokens = 0
     model.train()
+    profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     for step in range(start_step, total_steps):
+        profiler.begin(step + 1)
         epoch, step_in_epoch = plan.position(step)
         batches = [fast.collate(rows, train_data, pad_id, cfg.packing)
                    for rows in plan.micro_batches(epoch, step_in_epoch, env.rank)]
-        counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
-                               sum(flops.batch_flops(b.sample_lengths) for b in batches)],
-                              dtype=torch.float64, device=env.device)
+        counts = to_device(torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
+                                         sum(flops.batch_flops(b.sample_lengths) for b in batches)],
+                                        dtype=torch.float64), env.device)
         all_reduce_sum(counts)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         for m, batch in enumerate(batches):
@@ -310,7 +313,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                       "loss": torch.stack(interval_losses).mean().item(), "grad_norm": float(grad_norm),
                       "lr": lr,
                       "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-                      "tflops_per_gpu": round(step_flops / max(seconds, 1e-9) / env.world_size / 1e12, 2),
+                      "tflops_per_gpu": float(f"{step_flops / max(seconds, 1e-9) / env.world_size / 1e12:.4g}"),
                       "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
             if peak_flops:
                 record["mfu"] = round(step_flops / max(seconds, 1e-9) / env.world_size / peak_flops, 4)
@@ -326,6 +329,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         if save_steps and (done % save_steps == 0 or done == total_steps):
             trainer.update(step=done, epoch=epoch)
             checkpoints.save(done, state, checkpoint_info(cfg, env, plan, epoch, config_hash))
+        profiler.end(done, last=done == total_steps)
+    profiler.close()
     checkpoints.close()
     seconds = time.perf_counter() - started
     if metrics:
