@@ -56,7 +56,7 @@ def run_demo(prepare_only: str | None, work_dir: str) -> int:
               f"train it with:  meshtune train {config_path}")
         return 0
 
-    from meshtune.cli import launch_training
+    from meshtune.launch.supervise import launch_training
 
     started = time.perf_counter()
     work = Path(work_dir).resolve()

@@ -350,7 +350,7 @@ def run(cfg: TrainConfig, keep_model: bool = False) -> TrainResult:
     The wrapped model, its optimizer and FSDP2's mesh hold references to the process group: they are freed
     while the group is alive, and all ranks leave together, so no gloo thread is torn down at interpreter exit
     (before this, 2 of 15 CPU zero2 runs aborted 'terminate called without an active exception'; after, 0 of 20;
-    a worker started by the CLI also skips interpreter finalisation, see cli.leave_worker).
+    a worker started by the CLI also skips interpreter finalisation, see launch/supervise.leave_worker).
     """
     try:
         result = train(cfg)

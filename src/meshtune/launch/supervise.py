@@ -1,0 +1,114 @@
+"""This node's side of a launch: train in this process, or start torchrun and stand between it and the user.
+
+The launching process tokenizes once and checks the rendezvous before torchrun starts. Its workers leave their
+MeshtuneError in a directory it reads (`MESHTUNE_ERROR_DIR`), so the user's last line is the worker's own words;
+a worker that meets one stops its agent, since restarts cannot fix a bad config.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from meshtune.errors import MeshtuneError
+
+ERROR_DIR = "MESHTUNE_ERROR_DIR"  # where torchrun workers leave their error for the launching process
+
+
+def launch_training(cfg, argv: list[str]) -> int:
+    """Train in this process, or start this node's torchrun whose workers re-enter with `argv`."""
+    from meshtune.launch import (describe, detect_node_settings, launch_env, needs_torchrun, run_torchrun,
+                                 torchrun_command, torchrun_worker)
+
+    if not torchrun_worker():
+        settings = detect_node_settings(cfg)
+        if needs_torchrun(settings):
+            print(describe(settings), flush=True)
+            prepare_data_once(cfg, settings.max_processes)
+            if settings.multi_node:
+                check_rendezvous(settings, cfg)
+            with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
+                env = {**launch_env(settings), ERROR_DIR: errors}
+                code = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env)
+                reported = sorted(Path(errors).glob("*.txt"))
+                if code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
+                    raise MeshtuneError(reported[0].read_text())
+                if code != 0 and settings.multi_node and not any(Path(errors).glob("started-*")):
+                    from meshtune.launch.reachability import rendezvous_failure
+
+                    raise rendezvous_failure(settings, cfg.rdzv_timeout)
+            if code != 0:
+                raise MeshtuneError(f"training failed in a worker process (exit code {code}); its error is above")
+            return 0
+    from meshtune.train.loop import run
+
+    run(cfg)
+    if torchrun_worker():
+        leave_worker()
+    return 0
+
+
+def leave_worker() -> None:
+    """End a torchrun worker without interpreter finalisation. With FSDP2 on gloo, destroy_process_group() leaves
+    the group's worker threads alive; one releasing a tensor while Python finalises aborts the process ("terminate
+    called without an active exception", caught under gdb in ~1 of 6 exits) after a good run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def check_rendezvous(settings, cfg) -> None:
+    """Node 0: the port is free; other nodes: node 0 answers within rdzv_timeout (else say why, not hang)."""
+    from meshtune.launch.reachability import check_port_free, wait_for_master
+
+    if settings.node_rank == 0:
+        check_port_free(settings)
+    else:
+        print(f"waiting for node 0 at {settings.master_addr}:{settings.master_port} "
+              f"(up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
+        wait_for_master(settings, cfg.rdzv_timeout)
+
+
+def prepare_data_once(cfg, nproc: int) -> None:
+    """Tokenize and plan in the launching process: data errors show before any worker starts, workers hit the cache."""
+    from meshtune.data.pipeline import plan_steps, prepare_datasets
+    from meshtune.model.loading import check_model_dir, load_tokenizer
+
+    tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
+    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, log=lambda _line: None)
+    plan_steps(cfg, train_data, nproc)
+
+
+def worker_label() -> str | None:
+    """Under torchrun every worker usually meets the same error: one per node (local rank 0) reports it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return ""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    return f" (node {os.environ.get('MESHTUNE_NODE_RANK', os.environ.get('GROUP_RANK', '?'))}, rank {os.environ.get('RANK')})"
+
+
+def stop_restarts() -> None:
+    """A MeshtuneError (bad config, data, disagreeing nodes) fails the same way on every restart: in a torchrun
+    worker, stop this node's agent now instead of letting it restart the workers max_restarts times. Crashes and
+    dead nodes are not MeshtuneErrors and still get their restarts."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # our parent is a torchrun agent
+        sys.stderr.flush()
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+def report_to_launcher(message: str) -> None:
+    """Hand a worker's error to the meshtune process that started torchrun, which repeats it as the last line."""
+    directory = os.environ.get(ERROR_DIR)
+    if directory and os.path.isdir(directory):
+        Path(directory, f"rank-{int(os.environ.get('RANK', '0')):06d}.txt").write_text(message)
+
+
+def mark_worker_started() -> None:
+    """A worker got past the rendezvous: the launcher then knows a failure was not a rendezvous timeout."""
+    directory = os.environ.get(ERROR_DIR)
+    if directory and os.path.isdir(directory):
+        Path(directory, f"started-{os.environ.get('RANK', '0')}").touch()
