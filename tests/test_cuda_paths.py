@@ -1,0 +1,76 @@
+"""The CUDA-only kernels behind the fast path, checked against the plain path on the GPU (skipped without one;
+run them on a device machine: `python3 -m pytest tests/test_cuda_paths.py`). bf16 tolerances, as METHOD.md
+gives them: relative error of a whole tensor between 1e-3 and 1e-2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import base_config
+from meshtune.config import build_config
+from meshtune.data.collate import IGNORE
+from meshtune.model import attention
+from meshtune.model.loss_head import linear_cross_entropy
+from meshtune.train.loop import run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def test_varlen_kernel_matches_causal_attention_per_sample():
+    assert attention.varlen_available(torch.device("cuda")), "torch.nn.attention.varlen is missing"
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [5, 300, 1, 64, 700]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q = torch.randn(total, 12, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+    v = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+    out = attention.causal_varlen(q, k, v, cu, max(lengths), None)
+    assert not out.isnan().any()
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        want = F.scaled_dot_product_attention(*(t[sl].transpose(0, 1).double() for t in (q, k, v)), is_causal=True,
+                                              enable_gqa=True).transpose(0, 1)
+        assert rel_err(out[sl], want) < 1e-2, n
+        start += n
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_loss_matches_full_logits_on_cuda(compiled):
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+    weight = (torch.randn(32000, 512, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.05).requires_grad_()
+    targets = torch.randint(0, 32000, (3000,), device="cuda", generator=generator)
+    targets[::7] = IGNORE
+    positions = (targets != IGNORE).nonzero().squeeze(1)
+    fused = linear_cross_entropy(hidden, weight, positions, targets[positions], compiled=compiled)
+    fused.backward()
+    got = fused.detach(), hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    plain = F.cross_entropy((hidden @ weight.t()).float(), targets, ignore_index=IGNORE, reduction="sum")
+    plain.backward()
+    assert rel_err(got[0], plain.detach()) < 1e-3
+    assert rel_err(got[1], hidden.grad) < 1e-2
+    assert rel_err(got[2], weight.grad) < 1e-2
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_fast_path_on_cuda_tracks_the_plain_path(tmp_path, tiny_model_dir, tiny_dataset, method):
+    """The defaults for CUDA (padding-free varlen, fused compiled loss, compiled blocks) against padded batches,
+    full logits and eager blocks, bf16: losses within bf16 noise."""
+    def losses(name, **extra):
+        cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / name, finetuning_type=method,
+                                       learning_rate=1e-3, max_steps=4, val_size=8, **extra))
+        records = run(cfg).records
+        return [r["loss"] for r in records] + [records[-1]["eval_loss"]]
+
+    fast = losses("fast")
+    plain = losses("plain", padding_free=False, fused_loss=False, torch_compile=False)
+    assert fast == pytest.approx(plain, rel=2e-2)
