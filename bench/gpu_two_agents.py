@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workspace import prepare_workspace  # noqa: E402
+from workspace import prepare_workspace, timed_records  # noqa: E402
 
 from meshtune.launch.processes import kill_tree  # noqa: E402
 
@@ -126,10 +126,9 @@ def speed(args, work: Path) -> None:
                         kill_node(node)
                 metrics = out_dir / "metrics.jsonl"
                 records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-                timed = [r for r in records if r["step"] > 5]
+                timed, seconds = timed_records(records)
                 row = dict(job=job, mode=mode, layout=layout, exit_codes=codes, wall_s=round(time.monotonic() - started))
                 if timed:
-                    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
                     row.update(step_s=round(seconds / len(timed), 3),
                                tokens_per_s=round(sum(r["tokens"] for r in timed) / seconds),
                                peak_gib=max(r["peak_mem_gib"] for r in records))

@@ -32,7 +32,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workspace import WARMUP, prepare_workspace, workspace_samples  # noqa: E402
+from workspace import WARMUP, prepare_workspace, timed_records, workspace_samples  # noqa: E402
 
 from meshtune.train.throughput import FlopCounter, measure_peak_flops  # noqa: E402
 
@@ -104,8 +104,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     if summary.is_file():  # a variant with profile_steps=A-B: bring rank 0's operator table back
         Path(args.out, f"profile-{name}-v{index}.txt").write_text(summary.read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if r["step"] > WARMUP and "tokens" in r]
-    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    timed, seconds = timed_records(records)
     tokens_per_s = sum(r["tokens"] for r in timed) / seconds
     flops_per_s = sum(r["tflops_per_gpu"] * 1e12 * r["tokens"] / r["tokens_per_s"] for r in timed) / seconds
     return dict(tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / row.gpus),

@@ -78,3 +78,9 @@ def prepare_workspace(size: str, work: Path, n_samples: int, minlen: int, maxlen
 def workspace_samples(model_dir: Path, n_samples: int, minlen: int, maxlen: int) -> list[np.ndarray]:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     return peer_samples(vocab, n_samples, minlen, maxlen)
+
+
+def timed_records(records: list[dict]) -> tuple[list[dict], float]:
+    """metrics.jsonl records after the warm-up steps (logging_steps 1), and the seconds they took."""
+    timed = [r for r in records if r["step"] > WARMUP and "tokens" in r]
+    return timed, sum(r["tokens"] / r["tokens_per_s"] for r in timed)

@@ -21,9 +21,7 @@ class Batch:
     position_ids: torch.Tensor  # restart at 0 for every sample
     attention_mask: torch.Tensor | None  # None for packed rows: position_ids make attention block-diagonal
     num_tokens: int  # real (non-padding) tokens
-    num_targets: int
     cu_seqlens: torch.Tensor | None = None  # padding-free: sample boundaries in the single row (int32)
-    max_length: int = 0  # padding-free: the longest sample
     sample_lengths: tuple[int, ...] = ()  # every sample's length (the attention term of the FLOP count)
 
     def __post_init__(self) -> None:
@@ -33,17 +31,25 @@ class Batch:
             self.target_positions = (flat != IGNORE).nonzero().squeeze(1)
             self.target_ids = flat.index_select(0, self.target_positions)
 
+    @property
+    def num_targets(self) -> int:
+        return self.target_ids.numel()
+
+    @property
+    def max_length(self) -> int:
+        """The longest sample (the varlen kernel's bound)."""
+        return max(self.sample_lengths)
+
     def ignore_all(self) -> None:
         """Train nothing on this batch (a filler batch that keeps collectives in step)."""
         self.targets.fill_(IGNORE)
         self.target_positions = self.target_positions[:0]
         self.target_ids = self.target_ids[:0]
-        self.num_targets = 0
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         moved = Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
-                      self.num_tokens, self.num_targets, move(self.cu_seqlens), self.max_length, self.sample_lengths)
+                      self.num_tokens, move(self.cu_seqlens), self.sample_lengths)
         moved.target_positions, moved.target_ids = move(self.target_positions), move(self.target_ids)
         return moved
 
@@ -112,9 +118,7 @@ def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_mu
         # padding is its own "sample" (positions from 0) so packed attention never joins it to a real one
         position_ids[r, n:] = torch.arange(length - n)
         mask[r, :n] = 1
-    num_tokens = int(mask.sum())
-    num_targets = int((target_t != IGNORE).sum())
-    return Batch(input_ids, target_t, position_ids, None if packed else mask, num_tokens, num_targets,
+    return Batch(input_ids, target_t, position_ids, None if packed else mask, int(mask.sum()),
                  sample_lengths=tuple(lengths))
 
 
@@ -122,6 +126,5 @@ def collate_padding_free(samples: list[int], dataset) -> Batch:
     ids, targets, positions, lengths = concatenated(samples, dataset)
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    target_t = torch.from_numpy(targets)[None]
-    return Batch(torch.from_numpy(ids)[None], target_t, torch.from_numpy(positions)[None], None, int(sum(lengths)),
-                 int((target_t != IGNORE).sum()), cu_seqlens, max(lengths), tuple(lengths))
+    return Batch(torch.from_numpy(ids)[None], torch.from_numpy(targets)[None], torch.from_numpy(positions)[None], None,
+                 int(sum(lengths)), cu_seqlens, tuple(lengths))

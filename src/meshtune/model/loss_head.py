@@ -24,18 +24,21 @@ def chunk_rows(vocab_size: int) -> int:
     return max(64, ROWS_ELEMENTS // vocab_size)
 
 
-def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, softmax_dtype: torch.dtype):
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, softmax_dtype: torch.dtype):
+    """The chunk's logits, their log-sum-exp per row and its summed loss."""
     logits = (h @ weight.t()).to(softmax_dtype)
     lse = torch.logsumexp(logits, dim=-1)
-    return (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    return logits, lse, (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, softmax_dtype: torch.dtype):
+    return _chunk_logits(h, weight, t, softmax_dtype)[2]
 
 
 def _chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, softmax_dtype: torch.dtype):
     """The chunk's summed loss and d(loss)/d(logits) = softmax - one-hot, in the compute dtype. Written as
     whole-tensor expressions so that torch.compile fuses everything after the matmul into two passes."""
-    logits = (h @ weight.t()).to(softmax_dtype)
-    lse = torch.logsumexp(logits, dim=-1)
-    loss = (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    logits, lse, loss = _chunk_logits(h, weight, t, softmax_dtype)
     onehot = torch.arange(logits.size(1), device=t.device)[None, :] == t[:, None]
     grad = (torch.exp(logits - lse[:, None]) - onehot.to(softmax_dtype)).to(h.dtype)
     return loss, grad

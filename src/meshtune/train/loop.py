@@ -307,16 +307,16 @@ def train(cfg: TrainConfig) -> TrainResult:
         record = {}
         if log_now:
             tokens = int(interval_tokens)
-            step_flops = float(interval_flops)
             seconds = time.perf_counter() - interval_start
+            flops_per_gpu = float(interval_flops) / max(seconds, 1e-9) / env.world_size  # FLOP/s
             record = {"step": done, "epoch": round(epoch + (step_in_epoch + 1) / plan.steps_in_epoch(epoch), 4),
                       "loss": torch.stack(interval_losses).mean().item(), "grad_norm": float(grad_norm),
                       "lr": lr,
                       "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-                      "tflops_per_gpu": float(f"{step_flops / max(seconds, 1e-9) / env.world_size / 1e12:.4g}"),
+                      "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
                       "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
             if peak_flops:
-                record["mfu"] = round(step_flops / max(seconds, 1e-9) / env.world_size / peak_flops, 4)
+                record["mfu"] = round(flops_per_gpu / peak_flops, 4)
             total_tokens += tokens
             interval_start, interval_tokens, interval_flops, interval_losses = time.perf_counter(), 0, 0.0, []
         if eval_now:
