@@ -11,6 +11,7 @@ for two nodes on a slow network, and step time per parallel mode, beside the sam
 The variables are per process, so traffic inside a "node" goes over sockets too.
 
   python bench/gpu_two_agents.py --speed --modes zero2,zero3,hsdp --jobs full-1.5b,lora-7b --gpus-per-node 2
+  (--modes takes ddp too; --layouts sockets skips the one-node runs)
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at
     return result
 
 
+LAYOUTS = {"sockets": "2 nodes, sockets", "nvlink": "1 node, NVLink"}
 JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4), "lora-tiny": ("tiny", "lora", 2)}  # size, method, batch per GPU; tiny: CPU smoke test
 
 
@@ -98,7 +100,7 @@ def speed(args, work: Path) -> None:
         model_dir, data_file = prepare_workspace(size, work / size, bs * 2 * args.gpus_per_node * (args.steps + 5),
                                                  128, 1024)
         for mode in args.modes.split(","):
-            for layout in ("2 nodes, sockets", "1 node, NVLink"):
+            for layout in [LAYOUTS[name] for name in args.layouts.split(",")]:
                 out_dir = work / f"speed-{job}-{mode}-{'two' if 'sockets' in layout else 'one'}"
                 config = out_dir.with_suffix(".yaml")
                 config.write_text(yaml.safe_dump(dict(
@@ -145,6 +147,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--speed", action="store_true", help="step time per mode over sockets (see above)")
     p.add_argument("--jobs", default="full-1.5b,lora-7b", help=f"--speed: comma list of {', '.join(JOBS)}")
+    p.add_argument("--layouts", default="sockets,nvlink",
+                   help="--speed: sockets (two agents, NCCL on sockets) and/or nvlink (one agent with all the GPUs)")
     p.add_argument("--job-timeout", type=int, default=300)
     p.add_argument("--modes", default="zero2,hsdp")
     p.add_argument("--size", default="0.5b")

@@ -32,7 +32,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workspace import WARMUP, prepare_workspace, timed_records, workspace_samples  # noqa: E402
+from workspace import WARMUP, build_model_dir, prepare_workspace, timed_records, workspace_samples  # noqa: E402
 
 from meshtune.train.throughput import FlopCounter, measure_peak_flops  # noqa: E402
 
@@ -60,7 +60,9 @@ ROWS = {
     "lora-7b": Row("7b", "lora", 1, 4, peer=True, settings=LORA_7B),
     "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
     "qlora-7b": Row("7b", "qlora", 1, 4, unavailable="Q-LoRA is not implemented in meshtune yet"),
-    "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings={"parallel": "zero3"}),
+    # 7B full, 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
+    # block's activations (~20 GB at bs 4); over 2 (hsdp) it is 61 GB, so hsdp recomputes every block on 80 GB cards
+    "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings={"parallel": "zero3", "gradient_checkpointing": False}),
     "full-7b-4gpu-hsdp": Row("7b", "full", 4, 4, settings={"parallel": "hsdp", "hsdp_shard_size": 2}),
     "lora-1.5b-2gpu": Row("1.5b", "lora", 2, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
     "lora-1.5b-4gpu": Row("1.5b", "lora", 4, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
@@ -156,9 +158,14 @@ def main() -> None:
     p.add_argument("--merge", nargs="+", metavar="SPEED_JSON",
                    help="render one table from the speed.json files of several invocations of this script on the same "
                         "machine (e.g. 1-GPU rows run side by side on separate GPUs, then the multi-GPU rows)")
+    p.add_argument("--streams", action="store_true",
+                   help="run rows side by side on disjoint GPUs of this machine (1-GPU rows one per GPU, 2-GPU rows "
+                        "on GPU pairs, ...), each stream a child of this script, then merge their tables")
     args = p.parse_args()
     if args.merge:
         return merge(args.merge, Path(args.out))
+    if args.streams:
+        return streams(args)
 
     gpus = torch.cuda.device_count()
     device = torch.cuda.get_device_name() if gpus else "cpu"
@@ -200,6 +207,46 @@ def main() -> None:
     table = render(results, summary)
     Path(args.out, "speed.md").write_text(table + "\n")
     print("\n" + table)
+
+
+def streams(args) -> None:
+    """Rows grouped by GPU count; each group dealt round-robin onto as many disjoint GPU sets as the machine has,
+    one child process of this script per set (CUDA_VISIBLE_DEVICES), the groups one after another. Every stream
+    shares the models built here first, and keeps its own work folder for the data and outputs."""
+    gpus = torch.cuda.device_count()
+    names = args.rows.split(",")
+    models = Path(args.work) / "models"
+    runnable = [n for n in names if not ROWS[n].unavailable and ROWS[n].gpus <= max(gpus, 1)]
+    for size in dict.fromkeys(ROWS[n].size for n in runnable):
+        build_model_dir(size, models)
+    files = []
+    for count in sorted({ROWS[name].gpus for name in names}):
+        group = [name for name in names if ROWS[name].gpus == count]
+        slots = max(1, gpus // count)
+        children = []
+        for slot in range(min(slots, len(group))):
+            label = f"g{count}s{slot}"
+            work, out = Path(args.work) / label, Path(args.out) / label
+            out.mkdir(parents=True, exist_ok=True)
+            for size in {ROWS[name].size for name in group if name in runnable}:  # the stream finds the shared model in its work folder
+                (work / size).mkdir(parents=True, exist_ok=True)
+                link = work / size / f"model-{size}"
+                if not link.exists():
+                    link.symlink_to(models / f"model-{size}")
+            visible = ",".join(str(slot * count + i) for i in range(count))
+            cmd = [sys.executable, __file__, "--rows", ",".join(group[slot::slots]), "--variants", args.variants,
+                   "--steps", str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen),
+                   "--row-timeout", str(args.row_timeout), "--peer", args.peer, "--work", str(work), "--out", str(out)]
+            if args.no_peer:
+                cmd.append("--no-peer")
+            print(f"stream {label} on GPU {visible}: {' '.join(group[slot::slots])}", flush=True)
+            with (out / "log").open("w") as log:
+                children.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                 env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}))
+            files.append(out / "speed.json")
+        for child in children:
+            child.wait()
+    merge([str(f) for f in files if f.is_file()], Path(args.out))
 
 
 def merge(files: list[str], out: Path) -> None:

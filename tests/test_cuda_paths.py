@@ -74,3 +74,15 @@ def test_fast_path_on_cuda_tracks_the_plain_path(tmp_path, tiny_model_dir, tiny_
     fast = losses("fast")
     plain = losses("plain", padding_free=False, fused_loss=False, torch_compile=False)
     assert fast == pytest.approx(plain, rel=2e-2)
+
+
+def test_profile_summary_splits_device_time(tmp_path, tiny_model_dir, tiny_dataset):
+    """profile_steps on CUDA: the summary's head gives kernel time (not the CPU ops that launched the kernels
+    counted a second time), which cannot exceed the window's wall time on one stream."""
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=3, profile_steps="2-3",
+                                   torch_compile=False))
+    run(cfg)
+    head = (tmp_path / "out" / "profile" / "summary.txt").read_text().splitlines()[:2]
+    wall = float(head[0].split(": ")[1].split(" s")[0])
+    busy = float(head[1].split("kernels and copies ")[1].split(" s")[0])
+    assert 0 < busy <= wall, head

@@ -77,9 +77,10 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
         if grad_sync == "flat":
             model.meshtune_flat_sync = FlatGradientSync(model, env.world_size)
             return model
-        if env.device.type == "cuda":
-            return DistributedDataParallel(model, device_ids=[env.device.index])
-        return DistributedDataParallel(model)
+        # broadcast_buffers off: a decoder's buffers (rotary frequencies) never change, and the broadcast would
+        # be one more collective, a wait for the slowest rank, before every forward
+        device_ids = [env.device.index] if env.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     reshard = parallel in ("zero3", "hsdp")
     mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from meshtune.agreement import check_agreement, package_versions
@@ -138,7 +139,13 @@ def enable_checkpointing(model: torch.nn.Module, ratio: float = 1.0) -> None:
 
 def compile_blocks(model: torch.nn.Module) -> None:
     """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
-    so shapes are marked dynamic from the start instead of recompiling)."""
+    so shapes are marked dynamic from the start instead of recompiling).
+
+    Dynamo's DDPOptimizer is switched off: under DDP's forward it would cut every block's graph at DDP's bucket
+    boundaries (25 MB, the first 1 MB) and compile the pieces apart. A block is already a natural bucket
+    boundary: its backward returns all its gradients at once, and DDP all-reduces them while earlier blocks
+    run their backward."""
+    torch._dynamo.config.optimize_ddp = False
     for block in transformer_blocks(model):
         block.compile(dynamic=True)
 

@@ -7,9 +7,11 @@ CPU run).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -17,6 +19,16 @@ def parse_steps(spec: str) -> tuple[int, int]:
     """'10-12' -> (10, 12); '7' -> (7, 7). Steps count from 1, as in metrics.jsonl."""
     first, _, last = spec.partition("-")
     return int(first), int(last or first)
+
+
+def device_time_line(averages, wall: float) -> str:
+    """Where the window's wall time went on the GPU: kernel time outside and inside NCCL (the two overlap on
+    separate streams; compute well under the wall time means the GPU waited, on the host or on another rank)."""
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA]  # not the CPU ops that launched them
+    nccl = sum(e.device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e6
+    compute = sum(e.device_time_total for e in kernels if "nccl" not in e.key.lower()) / 1e6
+    return (f"device: kernels and copies {compute:.3f} s ({compute / wall:.0%} of wall), NCCL kernels {nccl:.3f} s "
+            f"({nccl / wall:.0%})")
 
 
 class StepProfiler:
@@ -33,6 +45,7 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
             self.profiler = profile(activities=activities)
             self.profiler.start()
+            self.started = time.perf_counter()
 
     def end(self, step: int, last: bool) -> None:
         """Called after optimizer step `step` finished (and was logged); `last`: the run's final step, which ends
@@ -41,13 +54,18 @@ class StepProfiler:
             return
         if self.cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - self.started
         self.profiler.stop()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(self.directory / f"rank{self.rank}.json"))
         if self.rank == 0:
+            averages = self.profiler.key_averages()
             sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-            table = self.profiler.key_averages().table(sort_by=sort, row_limit=40)
-            (self.directory / "summary.txt").write_text(f"optimizer steps {self.steps[0]}-{step}\n{table}\n")
+            table = averages.table(sort_by=sort, row_limit=40)
+            head = f"optimizer steps {self.steps[0]}-{step}: {wall:.3f} s wall"
+            if self.cuda:
+                head += "\n" + device_time_line(averages, wall)
+            (self.directory / "summary.txt").write_text(f"{head}\n{table}\n")
         self.profiler = None
 
     def close(self) -> None:
