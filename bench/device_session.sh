@@ -6,8 +6,9 @@
 #   bench/device_session.sh table-small   1-GPU rows (one per GPU at once; beside them on GPU 3: the CUDA-only
 #                                         tests and two profiles, fused loss on and off), then the 2-GPU rows
 #                                         (one per GPU pair at once)
-#   bench/device_session.sh table-4gpu    the 4-GPU rows: LoRA and full 1.5B (scaling), full 7B zero3 and hsdp
-#   bench/device_session.sh sockets JOBS [MODES]   two agents x 2 GPUs, NCCL on sockets (docs/multi-node.md)
+#   bench/device_session.sh full-and-4gpu     see its comment below
+#   bench/device_session.sh hsdp-and-sockets  full 7B hsdp on 4 GPUs; two agents x 2 GPUs with NCCL on sockets
+#                                             (docs/multi-node.md): full 1.5B zero2/zero3/hsdp, LoRA 7B ddp/hsdp
 # Needs: .whl (pydantic wheels) and .peer/peer_hf.py carried; PYTHONPATH set as below.
 set -u
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -26,13 +27,25 @@ table-small)
   timeout 120 $B --rows lora-1.5b-2gpu,full-1.5b-2gpu --out "$OUT/p2" > "$OUT/p2.log" 2>&1
   python3 bench/speed_table.py --merge "$OUT"/p[12]/speed.json --out "$OUT"
   tail -n 4 "$OUT/cuda_tests.log"; grep -h '^{' "$OUT/diag.log"; head -n 3 "$OUT"/diag/profile-*.txt ;;
-table-4gpu)
-  timeout 520 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu,full-7b-4gpu-zero3,full-7b-4gpu-hsdp --out "$OUT/p3" \
-    > "$OUT/p3.log" 2>&1
-  cat "$OUT/p3/speed.md" ;;
-sockets)
+full-and-4gpu)
+  # the full fine-tuning rows again (fused loss off by default for full since table-small), the fused loss for full
+  # once more with the allocator's retry count and once with expandable segments, LoRA 1.5B on 1 GPU for the
+  # 4-GPU scaling on this machine; then the 4-GPU rows except hsdp
+  one() { g=$1; name=$2; shift 2; CUDA_VISIBLE_DEVICES=$g timeout 240 python3 bench/speed_table.py --peer .peer/peer_hf.py \
+      --work /tmp/w$name --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1; }
+  mkdir -p "$OUT"/{a,b,c,d,e,f}
+  one 0 a --rows full-1.5b &
+  ( one 1 b --rows full-1.5b --no-peer --variants fused_loss=true; one 1 c --rows lora-1.5b --no-peer ) &
+  ( one 2,3 d --rows full-1.5b-2gpu
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True one 2 e --rows full-1.5b --no-peer --variants fused_loss=true ) &
+  wait
+  timeout 330 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu,full-7b-4gpu-zero3 --out "$OUT/f" > "$OUT/f.log" 2>&1
+  python3 bench/speed_table.py --merge "$OUT"/[a-f]/speed.json --out "$OUT" ;;
+hsdp-and-sockets)
+  timeout 200 $B --rows full-7b-4gpu-hsdp --out "$OUT/g" > "$OUT/g.log" 2>&1; cat "$OUT/g/speed.md"
   mkdir -p /tmp/w2/7b /tmp/w2/1.5b
   for size in 7b 1.5b; do [ -e /tmp/wt/models/model-$size ] && ln -sfn /tmp/wt/models/model-$size /tmp/w2/$size/model-$size; done
-  timeout 560 python3 bench/gpu_two_agents.py --speed --layouts sockets --jobs "$2" --modes "${3:-zero2,zero3,hsdp}" \
-    --gpus-per-node 2 --steps 8 --job-timeout 150 --work /tmp/w2 --out "$OUT" ;;
+  T="python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --steps 8 --job-timeout 120 --work /tmp/w2"
+  timeout 200 $T --jobs full-1.5b --modes zero2,zero3,hsdp --out "$OUT/s1" > "$OUT/s1.log" 2>&1; tail -n 5 "$OUT/s1.log"
+  timeout 160 $T --jobs lora-7b --modes ddp,hsdp --out "$OUT/s2" > "$OUT/s2.log" 2>&1; tail -n 4 "$OUT/s2.log" ;;
 esac

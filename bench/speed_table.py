@@ -112,6 +112,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     return dict(tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / row.gpus),
                 mfu=round(flops_per_s / peak, 4) if peak else None, step_s=round(seconds / len(timed), 4),
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
+                alloc_retries=records[-1].get("alloc_retries"),
                 final_loss=round(records[-1]["loss"], 4),
                 wall_s=round(time.perf_counter() - started, 1), settings=overrides)
 

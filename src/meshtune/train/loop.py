@@ -150,6 +150,12 @@ def compile_blocks(model: torch.nn.Module) -> None:
         block.compile(dynamic=True)
 
 
+def fused_loss_wanted(cfg: TrainConfig) -> bool:
+    """The fused loss pays where the head is frozen (LoRA: no full-vocabulary logits, 8 GiB less on 1.5B). Where
+    the head trains, building its weight gradient chunk by chunk was measured 2.5x slower per step (H100)."""
+    return cfg.fused_loss if cfg.fused_loss is not None else cfg.finetuning_type != "full"
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
     """AdamW; like HF, no weight decay on biases and norm weights (1-D tensors)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -241,7 +247,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if padding_free:
         use_varlen(model)
     compiled = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda"
-    fused_loss = cfg.fused_loss and install_loss_head(model, compiled)
+    fused_loss = fused_loss_wanted(cfg) and install_loss_head(model, compiled)
     torch.manual_seed(cfg.seed)
     if cfg.finetuning_type == "lora":
         model = add_lora(model, cfg)
@@ -322,6 +328,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                       "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
                       "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
                       "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
+            if env.device.type == "cuda":  # the caching allocator freed everything and retried: fragmentation
+                record["alloc_retries"] = torch.cuda.memory_stats(env.device).get("num_alloc_retries", 0)
             if peak_flops:
                 record["mfu"] = round(flops_per_gpu / peak_flops, 4)
             total_tokens += tokens
