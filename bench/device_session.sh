@@ -9,6 +9,8 @@
 #   bench/device_session.sh full-and-4gpu     see its comment below
 #   bench/device_session.sh hsdp-and-sockets  full 7B hsdp on 4 GPUs; two agents x 2 GPUs with NCCL on sockets
 #                                             (docs/multi-node.md): full 1.5B zero2/zero3/hsdp, LoRA 7B ddp/hsdp
+#   bench/device_session.sh sockets-and-variance [SECONDS]   the same two-node picture; then full 1.5B on each GPU
+#                                             at once, printing every step's seconds and the recompiles
 # Needs: .whl (pydantic wheels) and .peer/peer_hf.py carried; PYTHONPATH set as below.
 set -u
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -48,4 +50,13 @@ hsdp-and-sockets)
   T="python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --steps 8 --job-timeout 120 --work /tmp/w2"
   timeout 200 $T --jobs full-1.5b --modes zero2,zero3,hsdp --out "$OUT/s1" > "$OUT/s1.log" 2>&1; tail -n 5 "$OUT/s1.log"
   timeout 160 $T --jobs lora-7b --modes ddp,hsdp --out "$OUT/s2" > "$OUT/s2.log" 2>&1; tail -n 4 "$OUT/s2.log" ;;
+sockets-and-variance)
+  # the two-node picture, then (what time is left) four full 1.5B runs at once, one per GPU, with their step times
+  T="python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --job-timeout 110 --work /tmp/w2"
+  timeout 175 $T --steps 8 --jobs full-1.5b --modes zero2,zero3,hsdp --out "$OUT" > "$OUT/s1.log" 2>&1; tail -n 5 "$OUT/s1.log"
+  timeout 190 $T --steps 7 --jobs lora-7b --modes ddp,hsdp --out "$OUT" > "$OUT/s2.log" 2>&1; tail -n 4 "$OUT/s2.log"
+  for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g TORCH_LOGS=recompiles timeout "${2:-60}" python3 bench/speed_table.py \
+      --rows full-1.5b --no-peer --work /tmp/v$g --out /tmp/v$g > /dev/null 2>&1 & done; wait
+  for g in 0 1 2 3; do python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print($g, [round(x['tokens']/x['tokens_per_s'],2) for x in r])" \
+      /tmp/v$g/1.5b/out-full-1.5b-v0/metrics.jsonl; grep -c Recompiling /tmp/v$g/1.5b/out-full-1.5b-v0/train.log; done ;;
 esac

@@ -99,6 +99,8 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                               timeout=args.row_timeout, env=env)
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {args.row_timeout} s")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text(proc.stdout + proc.stderr)  # kept beside metrics.jsonl, for a slow or odd row
     if proc.returncode != 0:
         return dict(error=(proc.stdout[-1500:] + proc.stderr[-1500:]).strip().splitlines()[-1][:300],
                     log=proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -124,6 +126,8 @@ def peer_row(args, row: Row, flops_per_token: float, peak: float | None) -> dict
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {args.row_timeout} s")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text(proc.stdout + proc.stderr)  # kept beside metrics.jsonl, for a slow or odd row
     if proc.returncode != 0:
         return dict(error=(proc.stdout + proc.stderr).strip().splitlines()[-1][:300])
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
