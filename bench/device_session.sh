@@ -7,10 +7,10 @@
 #                                         tests and two profiles, fused loss on and off), then the 2-GPU rows
 #                                         (one per GPU pair at once)
 #   bench/device_session.sh full-and-4gpu     see its comment below
-#   bench/device_session.sh hsdp-and-sockets  full 7B hsdp on 4 GPUs; two agents x 2 GPUs with NCCL on sockets
-#                                             (docs/multi-node.md): full 1.5B zero2/zero3/hsdp, LoRA 7B ddp/hsdp
-#   bench/device_session.sh sockets-and-variance [SECONDS]   the same two-node picture; then full 1.5B on each GPU
-#                                             at once, printing every step's seconds and the recompiles
+#   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
+#   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
+#                                             zero2/zero3/hsdp, LoRA 7B ddp/hsdp; then full 1.5B on each GPU
+#                                             at once, printing every step's seconds, compile seconds so far, and the recompiles
 # Needs: .whl (pydantic wheels) and .peer/peer_hf.py carried; PYTHONPATH set as below.
 set -u
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -43,13 +43,6 @@ full-and-4gpu)
   wait
   timeout 330 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu,full-7b-4gpu-zero3 --out "$OUT/f" > "$OUT/f.log" 2>&1
   python3 bench/speed_table.py --merge "$OUT"/[a-f]/speed.json --out "$OUT" ;;
-hsdp-and-sockets)
-  timeout 200 $B --rows full-7b-4gpu-hsdp --out "$OUT/g" > "$OUT/g.log" 2>&1; cat "$OUT/g/speed.md"
-  mkdir -p /tmp/w2/7b /tmp/w2/1.5b
-  for size in 7b 1.5b; do [ -e /tmp/wt/models/model-$size ] && ln -sfn /tmp/wt/models/model-$size /tmp/w2/$size/model-$size; done
-  T="python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --steps 8 --job-timeout 120 --work /tmp/w2"
-  timeout 200 $T --jobs full-1.5b --modes zero2,zero3,hsdp --out "$OUT/s1" > "$OUT/s1.log" 2>&1; tail -n 5 "$OUT/s1.log"
-  timeout 160 $T --jobs lora-7b --modes ddp,hsdp --out "$OUT/s2" > "$OUT/s2.log" 2>&1; tail -n 4 "$OUT/s2.log" ;;
 sockets-and-variance)
   # the two-node picture, then (what time is left) four full 1.5B runs at once, one per GPU, with their step times
   T="python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --job-timeout 110 --work /tmp/w2"
@@ -57,6 +50,9 @@ sockets-and-variance)
   timeout 190 $T --steps 7 --jobs lora-7b --modes ddp,hsdp --out "$OUT" > "$OUT/s2.log" 2>&1; tail -n 4 "$OUT/s2.log"
   for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g TORCH_LOGS=recompiles timeout "${2:-60}" python3 bench/speed_table.py \
       --rows full-1.5b --no-peer --work /tmp/v$g --out /tmp/v$g > /dev/null 2>&1 & done; wait
-  for g in 0 1 2 3; do python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print($g, [round(x['tokens']/x['tokens_per_s'],2) for x in r])" \
+  for g in 0 1 2 3; do python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print($g, [(round(x['tokens']/x['tokens_per_s'],2), x.get('compile_s')) for x in r])" \
       /tmp/v$g/1.5b/out-full-1.5b-v0/metrics.jsonl; grep -c Recompiling /tmp/v$g/1.5b/out-full-1.5b-v0/train.log; done ;;
+sockets)  # sockets JOBS MODES [STEPS]: one job list per call; a 7B job starts in about 2 minutes
+  timeout 560 python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --job-timeout 240 \
+    --work /tmp/w2 --steps "${4:-8}" --jobs "$2" --modes "$3" --out "$OUT" > "$OUT/sockets.log" 2>&1; tail -n 8 "$OUT/sockets.log" ;;
 esac

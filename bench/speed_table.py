@@ -115,8 +115,17 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                 mfu=round(flops_per_s / peak, 4) if peak else None, step_s=round(seconds / len(timed), 4),
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
                 alloc_retries=records[-1].get("alloc_retries"),
+                compile_s_timed=compile_seconds_in(records),
                 final_loss=round(records[-1]["loss"], 4),
                 wall_s=round(time.perf_counter() - started, 1), settings=overrides)
+
+
+def compile_seconds_in(records: list[dict]) -> float | None:
+    """Seconds torch.compile took inside the timed steps (after the warm-up): they count in tokens/s."""
+    warm = [r for r in records if r["step"] <= WARMUP]
+    if not warm or "compile_s" not in records[-1]:
+        return None
+    return round(records[-1]["compile_s"] - warm[-1]["compile_s"], 2)
 
 
 def peer_row(args, row: Row, flops_per_token: float, peak: float | None) -> dict:

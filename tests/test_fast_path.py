@@ -28,7 +28,7 @@ def records(tmp_path, model_dir, dataset, name, method, **extra) -> list[dict]:
     result = run(cfg, keep_model=True)
     fast = bool(extra.get("padding_free"))  # the levers asked for are the levers that ran
     assert (result.model.config._attn_implementation == NAME) == fast
-    assert isinstance(output_head(result.model), LossHead) == bool(extra.get("fused_loss", method != "full"))
+    assert isinstance(output_head(result.model), LossHead) == bool(extra.get("fused_loss", True))
     return result.records
 
 
@@ -47,6 +47,8 @@ def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_
     plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
     compiled = records(tmp_path, tiny_model_dir, tiny_dataset, "compiled", "lora", **FAST, torch_compile=True)
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
+    seconds = [r["compile_s"] for r in compiled]  # time spent compiling so far, logged with every step
+    assert seconds[0] > 0 and seconds == sorted(seconds) and "compile_s" not in plain[0]
 
 
 @pytest.mark.parametrize("trains_head", [True, False])

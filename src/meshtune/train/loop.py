@@ -137,6 +137,13 @@ def enable_checkpointing(model: torch.nn.Module, ratio: float = 1.0) -> None:
         block.gradient_checkpointing = i in chosen
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile (dynamo frames, with their inductor compiles)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+
 def compile_blocks(model: torch.nn.Module) -> None:
     """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
     so shapes are marked dynamic from the start instead of recompiling).
@@ -148,12 +155,6 @@ def compile_blocks(model: torch.nn.Module) -> None:
     torch._dynamo.config.optimize_ddp = False
     for block in transformer_blocks(model):
         block.compile(dynamic=True)
-
-
-def fused_loss_wanted(cfg: TrainConfig) -> bool:
-    """The fused loss pays where the head is frozen (LoRA: no full-vocabulary logits, 8 GiB less on 1.5B). Where
-    the head trains, building its weight gradient chunk by chunk was measured 2.5x slower per step (H100)."""
-    return cfg.fused_loss if cfg.fused_loss is not None else cfg.finetuning_type != "full"
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
@@ -247,7 +248,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if padding_free:
         use_varlen(model)
     compiled = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda"
-    fused_loss = fused_loss_wanted(cfg) and install_loss_head(model, compiled)
+    fused_loss = cfg.fused_loss and install_loss_head(model, compiled)
     torch.manual_seed(cfg.seed)
     if cfg.finetuning_type == "lora":
         model = add_lora(model, cfg)
@@ -330,6 +331,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                       "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
             if env.device.type == "cuda":  # the caching allocator freed everything and retried: fragmentation
                 record["alloc_retries"] = torch.cuda.memory_stats(env.device).get("num_alloc_retries", 0)
+            if compiled:  # seconds spent compiling so far: a step that compiled shows up as a jump
+                record["compile_s"] = round(compile_seconds(), 2)
             if peak_flops:
                 record["mfu"] = round(flops_per_gpu / peak_flops, 4)
             total_tokens += tokens
