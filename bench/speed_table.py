@@ -116,6 +116,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
                 alloc_retries=records[-1].get("alloc_retries"),
                 compile_s_timed=compile_seconds_in(records),
+                recompile_limit_hit="recompile_limit" in proc.stdout + proc.stderr,  # dynamo then runs eager
                 final_loss=round(records[-1]["loss"], 4),
                 wall_s=round(time.perf_counter() - started, 1), settings=overrides)
 
@@ -135,8 +136,6 @@ def peer_row(args, row: Row, flops_per_token: float, peak: float | None) -> dict
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {args.row_timeout} s")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train.log").write_text(proc.stdout + proc.stderr)  # kept beside metrics.jsonl, for a slow or odd row
     if proc.returncode != 0:
         return dict(error=(proc.stdout + proc.stderr).strip().splitlines()[-1][:300])
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])

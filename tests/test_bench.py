@@ -1,0 +1,47 @@
+"""The speed table script end to end on CPU (tiny model, a stand-in peer): every row kind it prints, so a broken
+bench script shows up here and not on a GPU machine whose time is counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_PEER = """import json, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+assert args["--size"] == "tiny" and args["--mode"] == "lora" and args["--bs"] == "8", args
+print("peer log line")
+print(json.dumps({"tokens_per_s": 1000.0, "step_s": 2.0, "peak_gib": 1.5}))
+"""
+
+
+def test_speed_table_prints_meshtune_the_peer_and_rows_it_cannot_run(tmp_path):
+    peer = tmp_path / "peer.py"
+    peer.write_text(FAKE_PEER)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "speed_table.py"), "--rows", "lora-tiny,qlora-7b",
+                           "--steps", "7", "--peer", str(peer), "--work", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((out / "speed.json").read_text())["results"]
+    ours, theirs, qlora = results
+    assert ours["system"] == "meshtune" and ours["tokens_per_s"] > 0 and ours["first_loss"] > 0
+    assert ours["compile_s_timed"] is None and ours["recompile_limit_hit"] is False  # no compile on CPU by default
+    assert (tmp_path / "work" / "tiny" / "out-lora-tiny-v0" / "train.log").is_file()
+    assert theirs == {"row": "lora-tiny", "system": "hf_trainer+peft", "gpus": 1, "bs": 8, "tokens_per_s": 1000.0,
+                      "per_gpu": 1000.0, "mfu": None, "step_s": 2.0, "peak_gib": 1.5}
+    assert "not implemented" in qlora["skipped"]
+    table = (out / "speed.md").read_text()
+    assert f"{ours['tokens_per_s'] / 1000:.2f}x" in table and "not run: Q-LoRA" in table
+
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    subprocess.run([sys.executable, str(REPO / "bench" / "speed_table.py"), "--merge", str(out / "speed.json"),
+                    str(out / "speed.json"), "--out", str(merged)], check=True, capture_output=True, timeout=120, env=env)
+    assert len(json.loads((merged / "speed.json").read_text())["results"]) == 6
