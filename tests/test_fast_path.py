@@ -161,3 +161,15 @@ def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatc
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def test_compile_watch_notes_steps_that_compiled_after_the_first():
+    from meshtune.train.loop import CompileWatch
+
+    clock = iter([0.0, 9.0, 9.1, 11.0, 11.0, 14.0, 20.0])  # seconds in torch.compile so far, read after each step
+    watch = CompileWatch(seconds=lambda: next(clock), threshold=0.5, limit=2)
+    notes = [watch.after_step(step) for step in range(1, 7)]
+    assert notes[0] is None and notes[1] is None and notes[3] is None  # step 1 compiles anyway; 0.1 s is noise
+    assert notes[2].startswith("note: step 3 spent 1.9 s compiling") and "no further" not in notes[2]
+    assert notes[4].startswith("note: step 5 spent 3.0 s") and "no further notes" in notes[4]
+    assert notes[5] is None  # the limit

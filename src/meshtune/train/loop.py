@@ -144,6 +144,25 @@ def compile_seconds() -> float:
     return sum(compilation_time_metrics.get("_compile.compile_inner", []))
 
 
+class CompileWatch:
+    """Says when a step after the first spent real time in torch.compile (a sample length or code path the
+    compiled graphs had not met): such a step is slow once, and tokens/s over it is not the steady speed."""
+
+    def __init__(self, seconds=compile_seconds, threshold: float = 0.5, limit: int = 5):
+        self.seconds, self.threshold, self.left = seconds, threshold, limit
+        self.seen = seconds()
+
+    def after_step(self, step: int) -> str | None:
+        now = self.seconds()
+        spent, self.seen = now - self.seen, now
+        if step <= 1 or spent < self.threshold or not self.left:
+            return None
+        self.left -= 1
+        more = "" if self.left else " (no further notes of this kind)"
+        return (f"note: step {step} spent {spent:.1f} s compiling (a new sample length or code path for the compiled "
+                f"blocks); its tokens/s is not the steady speed{more}")
+
+
 def compile_blocks(model: torch.nn.Module) -> None:
     """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
     so shapes are marked dynamic from the start instead of recompiling).
@@ -290,6 +309,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     total_tokens = 0
     model.train()
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
+    compile_watch = CompileWatch() if compiled else None
     for step in range(start_step, total_steps):
         profiler.begin(step + 1)
         epoch, step_in_epoch = plan.position(step)
@@ -343,6 +363,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         if metrics:
             if record:
                 metrics.write(record)
+            note = compile_watch.after_step(done) if compile_watch else None
+            if note:
+                metrics.note(note)
             metrics.advance()
         if save_steps and (done % save_steps == 0 or done == total_steps):
             trainer.update(step=done, epoch=epoch)
