@@ -86,3 +86,27 @@ def test_profile_summary_splits_device_time(tmp_path, tiny_model_dir, tiny_datas
     wall = float(head[0].split(": ")[1].split(" s")[0])
     busy = float(head[1].split("kernels and copies ")[1].split(" s")[0])
     assert 0 < busy <= wall, head
+
+
+def test_full_finetuning_blocks_take_every_token_count_without_compiling_again():
+    """Norm weights that train give inductor's fused RMSNorm backward (mix-order reduction), whose strict checks
+    guard on the token count (>= 4096 rows, >= 5 MiB, rows >= 2 x hidden). Token counts on both sides of each
+    must reuse the blocks compiled at the first step (compile_blocks turns those checks off)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from meshtune.train.loop import compile_blocks, compile_seconds
+
+    torch._dynamo.reset()
+    config = Qwen2Config(vocab_size=1000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=2,
+                         num_attention_heads=12, num_key_value_heads=2)
+    model = Qwen2ForCausalLM(config).cuda()  # fp32 master weights, all trainable, as full fine-tuning
+    compile_blocks(model)
+    seconds = []
+    for tokens in (5000, 3000, 3300, 3500, 4100, 6000):  # around 2 x 1536, 5 MiB / (1536 x 1), 4096
+        ids = torch.randint(0, 1000, (1, tokens), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, use_cache=False).logits.float().mean()
+        loss.backward()
+        seconds.append(compile_seconds())
+    assert seconds[1:] == [seconds[0]] * 5, seconds
+    torch._dynamo.reset()
