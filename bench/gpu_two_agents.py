@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workspace import prepare_workspace, timed_records  # noqa: E402
+from workspace import WARMUP, prepare_workspace, timed_records  # noqa: E402
 
 from meshtune.launch.processes import kill_tree  # noqa: E402
 
@@ -93,15 +93,16 @@ JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4), "lora-ti
 
 
 def speed(args, work: Path) -> None:
-    """Mean step time after 5 warm-up steps: two agents over sockets, and one agent with all GPUs on NVLink."""
+    """Mean step time after the warm-up steps: two agents over sockets, and one agent with all GPUs on NVLink."""
     results = []
     for job in args.jobs.split(","):
         size, method, bs = JOBS[job]
-        model_dir, data_file = prepare_workspace(size, work / size, bs * 2 * args.gpus_per_node * (args.steps + 5),
-                                                 128, 1024)
+        model_dir, data_file = prepare_workspace(size, work / size,
+                                                 bs * 2 * args.gpus_per_node * (args.steps + WARMUP), 128, 1024)
         for mode in args.modes.split(","):
-            for layout in [LAYOUTS[name] for name in args.layouts.split(",")]:
-                out_dir = work / f"speed-{job}-{mode}-{'two' if 'sockets' in layout else 'one'}"
+            for name in args.layouts.split(","):
+                layout, two_nodes = LAYOUTS[name], name == "sockets"
+                out_dir = work / f"speed-{job}-{mode}-{'two' if two_nodes else 'one'}"
                 config = out_dir.with_suffix(".yaml")
                 config.write_text(yaml.safe_dump(dict(
                     model_name_or_path=str(model_dir), dataset=str(data_file),
@@ -112,7 +113,7 @@ def speed(args, work: Path) -> None:
                     hsdp_shard_size=args.gpus_per_node)))
                 started = time.monotonic()
                 port = free_port()
-                if "sockets" in layout:
+                if two_nodes:
                     gpus = [list(range(args.gpus_per_node)), list(range(args.gpus_per_node, 2 * args.gpus_per_node))]
                     nodes = [start_node(r, config, port, gpus[r], work / f"{out_dir.name}-node{r}.log", SOCKETS)
                              for r in (0, 1)]

@@ -99,8 +99,9 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                               timeout=args.row_timeout, env=env)
     except subprocess.TimeoutExpired:
         return dict(error=f"timed out after {args.row_timeout} s")
+    output = proc.stdout + proc.stderr
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train.log").write_text(proc.stdout + proc.stderr)  # kept beside metrics.jsonl, for a slow or odd row
+    (out / "train.log").write_text(output)  # kept beside metrics.jsonl, for a slow or odd row
     if proc.returncode != 0:
         return dict(error=(proc.stdout[-1500:] + proc.stderr[-1500:]).strip().splitlines()[-1][:300],
                     log=proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -116,7 +117,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
                 alloc_retries=records[-1].get("alloc_retries"),
                 compile_s_timed=compile_seconds_in(records),
-                recompile_limit_hit="recompile_limit" in proc.stdout + proc.stderr,  # dynamo then runs eager
+                recompile_limit_hit="recompile_limit" in output,  # dynamo then runs eager
                 final_loss=round(records[-1]["loss"], 4),
                 wall_s=round(time.perf_counter() - started, 1), settings=overrides)
 
@@ -241,7 +242,8 @@ def streams(args) -> None:
             label = f"g{count}s{slot}"
             work, out = Path(args.work) / label, Path(args.out) / label
             out.mkdir(parents=True, exist_ok=True)
-            for size in {ROWS[name].size for name in group if name in runnable}:  # the stream finds the shared model in its work folder
+            # the stream finds the shared model in its work folder
+            for size in {ROWS[name].size for name in group if name in runnable}:
                 (work / size).mkdir(parents=True, exist_ok=True)
                 link = work / size / f"model-{size}"
                 if not link.exists():

@@ -325,7 +325,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     total_tokens = 0
     model.train()
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
-    compile_watch = CompileWatch() if compiled else None
+    compile_watch = CompileWatch() if compiled and metrics else None  # rank 0 writes the notes
     for step in range(start_step, total_steps):
         profiler.begin(step + 1)
         epoch, step_in_epoch = plan.position(step)
