@@ -7,6 +7,7 @@
 #                                         tests and two profiles, fused loss on and off), then the 2-GPU rows
 #                                         (one per GPU pair at once)
 #   bench/device_session.sh full-and-4gpu     see its comment below
+#   bench/device_session.sh steady-and-small | four-gpu   this session's two table calls (see below)
 #   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
 #                                             zero2/zero3/hsdp, LoRA 7B ddp/hsdp; then full 1.5B on each GPU
@@ -15,6 +16,11 @@
 set -u
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+steps() {  # every full-fine-tuning run under the given folders: seconds per step, compile seconds so far, recompiles
+  for m in $(find "$@" -path '*out-full*' -name metrics.jsonl 2>/dev/null); do python3 -c "import json,sys
+r=[json.loads(l) for l in open(sys.argv[1])]
+print(sys.argv[1].split('/')[-2], [(round(x['tokens']/x['tokens_per_s'],2), x.get('compile_s')) for x in r])" "$m"
+    echo "  recompiles: $(grep -c Recompiling "$(dirname "$m")/train.log")"; done; }
 B="python3 bench/speed_table.py --peer .peer/peer_hf.py --work /tmp/wt --streams"
 case "$1" in
 table-small)
@@ -52,6 +58,21 @@ sockets-and-variance)
       --rows full-1.5b --no-peer --work /tmp/v$g --out /tmp/v$g > /dev/null 2>&1 & done; wait
   for g in 0 1 2 3; do python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print($g, [(round(x['tokens']/x['tokens_per_s'],2), x.get('compile_s')) for x in r])" \
       /tmp/v$g/1.5b/out-full-1.5b-v0/metrics.jsonl; grep -c Recompiling /tmp/v$g/1.5b/out-full-1.5b-v0/train.log; done ;;
+steady-and-small)
+  # the fix of fe7423a measured: the CUDA tests, then full 1.5B alone on GPU 3 with its recompiles logged, beside
+  # the 1-GPU rows (one per GPU); then the 2-GPU rows; every full row's step seconds and compile seconds printed
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  ( CUDA_VISIBLE_DEVICES=3 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py > "$OUT/cuda_tests.log" 2>&1
+    CUDA_VISIBLE_DEVICES=3 TORCH_LOGS=recompiles timeout 150 python3 bench/speed_table.py --rows full-1.5b --no-peer \
+      --work /tmp/wv --out /tmp/wv > "$OUT/steady.log" 2>&1 ) &
+  timeout 300 $B --rows lora-1.5b,full-1.5b,lora-7b,qlora-7b --out "$OUT/p1" > "$OUT/p1.log" 2>&1
+  wait
+  timeout 130 $B --rows lora-1.5b-2gpu,full-1.5b-2gpu --out "$OUT/p2" > "$OUT/p2.log" 2>&1
+  python3 bench/speed_table.py --merge "$OUT"/p[12]/speed.json --out "$OUT"
+  tail -n 4 "$OUT/cuda_tests.log"; steps /tmp/wv /tmp/wt ;;
+four-gpu)
+  timeout 560 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu,full-7b-4gpu-zero3,full-7b-4gpu-hsdp --out "$OUT" > "$OUT/f.log" 2>&1
+  cat "$OUT/speed.md"; steps /tmp/wt ;;
 sockets)  # sockets JOBS MODES [STEPS]: one job list per call; a 7B job starts in about 2 minutes
   timeout 560 python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --job-timeout 240 \
     --work /tmp/w2 --steps "${4:-8}" --jobs "$2" --modes "$3" --out "$OUT" > "$OUT/sockets.log" 2>&1; tail -n 8 "$OUT/sockets.log" ;;
