@@ -157,6 +157,19 @@ def test_ddp_checkpoint_loads_into_a_bare_module(tmp_path, world_of_one):
     assert_same(full_state(bare, bare_optimizer), full_state(model, optimizer))
 
 
+def test_fsdp2_checkpoint_loads_into_a_bare_module(tmp_path, world_of_one):
+    """`parallel: auto` trains full fine-tuning with zero2 on several GPUs and without a wrapper on one: a job
+    resumed on one GPU loads the sharded checkpoint into the bare model."""
+    model, optimizer, scheduler = setup(0, fsdp=True)
+    train_step(model, optimizer, scheduler, 1)
+    manager = CheckpointManager(tmp_path, None, False, 0, 1)
+    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+
+    bare, bare_optimizer, bare_scheduler = setup(5)
+    manager.load(tmp_path / "checkpoint-1", training_state(bare, bare_optimizer, bare_scheduler, {}, 0, False))
+    assert_same(full_state(bare, bare_optimizer), full_state(model, optimizer))
+
+
 def test_tmp_never_selected_missing_complete_skipped_and_steps_sorted_as_numbers(tmp_path, world_of_one):
     save_steps(tmp_path, [9, 10, 12])
     (tmp_path / "checkpoint-12" / "COMPLETE").unlink()

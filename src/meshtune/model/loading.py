@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from meshtune.errors import ModelError
 
@@ -52,3 +52,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
             str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa")
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the model in {path}: {exc}") from None
+
+
+def count_parameters(path: str | Path) -> int:
+    """Parameters of the model in `path`, from its config alone (built on the meta device: no weights read)."""
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())

@@ -29,11 +29,13 @@ from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
 from meshtune.model.attention import use_varlen, varlen_available
 from meshtune.model.export import save_final
-from meshtune.model.loading import check_model_dir, load_model, load_tokenizer
+from meshtune.model.loading import check_model_dir, count_parameters, load_model, load_tokenizer
 from meshtune.model.lora import add_lora
 from meshtune.model.loss_head import install_loss_head, targets_for
-from meshtune.model.parallel import finish_gradient_sync, gradient_sync, transformer_blocks, unwrap, wrap_model
+from meshtune.model.parallel import (choose_parallel, finish_gradient_sync, gradient_sync, transformer_blocks, unwrap,
+                                     wrap_model)
 from meshtune.storage import check_shared_output_dir
+from meshtune.train.collection import StepGarbageCollection, default_interval
 from meshtune.train.metrics import MetricsLog, peak_memory_gib, plot_losses, summary
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, warmup_steps
@@ -233,10 +235,10 @@ def keep_global_batch(cfg: TrainConfig, manifest: dict, world_size: int, log) ->
     cfg.gradient_accumulation_steps = accumulation
 
 
-def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan, epoch: int, config_hash: str) -> dict:
+def checkpoint_info(cfg: TrainConfig, env: DistEnv, parallel: str, plan, epoch: int, config_hash: str) -> dict:
     """What manifest.json records besides the files: enough to judge a resume before loading anything."""
     return {"epoch": epoch, "world_size": env.world_size, "processes_per_node": env.local_world_size,
-            "parallel": cfg.parallel, "finetuning_type": cfg.finetuning_type, "global_batch": plan.global_batch,
+            "parallel": parallel, "finetuning_type": cfg.finetuning_type, "global_batch": plan.global_batch,
             "config_hash": config_hash, "versions": package_versions()}
 
 
@@ -275,9 +277,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     plan, total_steps = plan_steps(cfg, train_data, env.world_size, padding_free)
 
     # model: fp32 master weights, LoRA (init seeded identically on every rank), then the parallel wrapper
+    parallel, why = choose_parallel(cfg.parallel, cfg.finetuning_type, env, lambda: count_parameters(model_dir))
+    if cfg.parallel == "auto":
+        log(f"parallel auto: {parallel} ({why})")
     bf16 = use_bf16(cfg, env)
     # LoRA under DDP: frozen base weights in bf16 (only the fp32 adapters are master weights), as PEFT users do
-    frozen_bf16 = bf16 and cfg.finetuning_type == "lora" and cfg.parallel == "ddp"
+    frozen_bf16 = bf16 and cfg.finetuning_type == "lora" and parallel == "ddp"
     model = load_model(model_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32)
     flops = FlopCounter.of(model)
     if padding_free:
@@ -293,15 +298,15 @@ def train(cfg: TrainConfig) -> TrainResult:
         compile_blocks(model)
     model.config.use_cache = False
     model.to(env.device)
-    model = wrap_model(model, cfg.parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
+    model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
     optimizer, params = build_optimizer(model, cfg, env)
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
     scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
-    fast = FastPath(padding_free, fused_loss, autocast_bf16=bf16 and cfg.parallel == "ddp")  # FSDP2 casts itself
+    fast = FastPath(padding_free, fused_loss, autocast_bf16=bf16 and parallel == "ddp")  # FSDP2 casts itself
     pad_id = tokenizer.pad_token_id
-    log(f"{cfg.finetuning_type} on {env.world_size} process(es), {cfg.parallel}, {env.device.type}"
+    log(f"{cfg.finetuning_type} on {env.world_size} process(es), {parallel}, {env.device.type}"
         f"{' bf16' if bf16 else ' fp32'}: {total_steps} steps x global batch {plan.global_batch}"
         f"{' packed rows' if cfg.packing else ''}; trainable parameters {n_trainable:,} of "
         f"{n_total:,}")
@@ -326,67 +331,69 @@ def train(cfg: TrainConfig) -> TrainResult:
     model.train()
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     compile_watch = CompileWatch() if compiled and metrics else None  # rank 0 writes the notes
-    for step in range(start_step, total_steps):
-        profiler.begin(step + 1)
-        epoch, step_in_epoch = plan.position(step)
-        batches = [fast.collate(rows, train_data, pad_id, cfg.packing)
-                   for rows in plan.micro_batches(epoch, step_in_epoch, env.rank)]
-        counts = to_device(torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
-                                         sum(flops.batch_flops(b.sample_lengths) for b in batches)],
-                                        dtype=torch.float64), env.device)
-        all_reduce_sum(counts)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-        for m, batch in enumerate(batches):
-            with gradient_sync(model, sync=m == len(batches) - 1):
-                loss = fast.loss(model, batch.to(env.device), env)
-                (loss * env.world_size / counts[0]).backward()
-            loss_sum += loss.detach().double()
-        finish_gradient_sync(model)
-        grad_norm = clip_gradients(params, cfg.max_grad_norm)
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step used
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        interval_losses.append(all_reduce_sum(loss_sum) / counts[0])
-        interval_tokens += counts[1]
-        interval_flops += counts[2]
+    with StepGarbageCollection(default_interval(cfg.gc_interval, env.world_size)) as collection:
+        for step in range(start_step, total_steps):
+            profiler.begin(step + 1)
+            epoch, step_in_epoch = plan.position(step)
+            batches = [fast.collate(rows, train_data, pad_id, cfg.packing)
+                       for rows in plan.micro_batches(epoch, step_in_epoch, env.rank)]
+            counts = to_device(torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
+                                             sum(flops.batch_flops(b.sample_lengths) for b in batches)],
+                                            dtype=torch.float64), env.device)
+            all_reduce_sum(counts)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+            for m, batch in enumerate(batches):
+                with gradient_sync(model, sync=m == len(batches) - 1):
+                    loss = fast.loss(model, batch.to(env.device), env)
+                    (loss * env.world_size / counts[0]).backward()
+                loss_sum += loss.detach().double()
+            finish_gradient_sync(model)
+            grad_norm = clip_gradients(params, cfg.max_grad_norm)
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step used
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            interval_losses.append(all_reduce_sum(loss_sum) / counts[0])
+            interval_tokens += counts[1]
+            interval_flops += counts[2]
 
-        done = step + 1
-        log_now = done % cfg.logging_steps == 0 or done == total_steps
-        eval_now = eval_data is not None and (done == total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0))
-        record = {}
-        if log_now:
-            tokens = int(interval_tokens)
-            seconds = time.perf_counter() - interval_start
-            flops_per_gpu = float(interval_flops) / max(seconds, 1e-9) / env.world_size  # FLOP/s
-            record = {"step": done, "epoch": round(epoch + (step_in_epoch + 1) / plan.steps_in_epoch(epoch), 4),
-                      "loss": torch.stack(interval_losses).mean().item(), "grad_norm": float(grad_norm),
-                      "lr": lr,
-                      "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-                      "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
-                      "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
-            if env.device.type == "cuda":  # the caching allocator freed everything and retried: fragmentation
-                record["alloc_retries"] = torch.cuda.memory_stats(env.device).get("num_alloc_retries", 0)
-            if compiled:  # seconds spent compiling so far: a step that compiled shows up as a jump
-                record["compile_s"] = round(compile_seconds(), 2)
-            if peak_flops:
-                record["mfu"] = round(flops_per_gpu / peak_flops, 4)
-            total_tokens += tokens
-            interval_start, interval_tokens, interval_flops, interval_losses = time.perf_counter(), 0, 0.0, []
-        if eval_now:
-            record.setdefault("step", done)
-            record["eval_loss"] = evaluate(model, eval_data, cfg, env, pad_id, fast)
-        if metrics:
-            if record:
-                metrics.write(record)
-            note = compile_watch.after_step(done) if compile_watch else None
-            if note:
-                metrics.note(note)
-            metrics.advance()
-        if save_steps and (done % save_steps == 0 or done == total_steps):
-            trainer.update(step=done, epoch=epoch)
-            checkpoints.save(done, state, checkpoint_info(cfg, env, plan, epoch, config_hash))
-        profiler.end(done, last=done == total_steps)
+            done = step + 1
+            log_now = done % cfg.logging_steps == 0 or done == total_steps
+            eval_now = eval_data is not None and (done == total_steps or (cfg.eval_steps and done % cfg.eval_steps == 0))
+            record = {}
+            if log_now:
+                tokens = int(interval_tokens)
+                seconds = time.perf_counter() - interval_start
+                flops_per_gpu = float(interval_flops) / max(seconds, 1e-9) / env.world_size  # FLOP/s
+                record = {"step": done, "epoch": round(epoch + (step_in_epoch + 1) / plan.steps_in_epoch(epoch), 4),
+                          "loss": torch.stack(interval_losses).mean().item(), "grad_norm": float(grad_norm),
+                          "lr": lr,
+                          "tokens": tokens, "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+                          "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
+                          "peak_mem_gib": round(peak_memory_gib(env.device), 3)}
+                if env.device.type == "cuda":  # the caching allocator freed everything and retried: fragmentation
+                    record["alloc_retries"] = torch.cuda.memory_stats(env.device).get("num_alloc_retries", 0)
+                if compiled:  # seconds spent compiling so far: a step that compiled shows up as a jump
+                    record["compile_s"] = round(compile_seconds(), 2)
+                if peak_flops:
+                    record["mfu"] = round(flops_per_gpu / peak_flops, 4)
+                total_tokens += tokens
+                interval_start, interval_tokens, interval_flops, interval_losses = time.perf_counter(), 0, 0.0, []
+            if eval_now:
+                record.setdefault("step", done)
+                record["eval_loss"] = evaluate(model, eval_data, cfg, env, pad_id, fast)
+            if metrics:
+                if record:
+                    metrics.write(record)
+                note = compile_watch.after_step(done) if compile_watch else None
+                if note:
+                    metrics.note(note)
+                metrics.advance()
+            if save_steps and (done % save_steps == 0 or done == total_steps):
+                trainer.update(step=done, epoch=epoch)
+                checkpoints.save(done, state, checkpoint_info(cfg, env, parallel, plan, epoch, config_hash))
+            collection.after_step(done)
+            profiler.end(done, last=done == total_steps)
     profiler.close()
     checkpoints.close()
     seconds = time.perf_counter() - started

@@ -24,7 +24,9 @@ def parse_steps(spec: str) -> tuple[int, int]:
 def device_time_line(averages, wall: float) -> str:
     """Where the window's wall time went on the GPU: kernel time outside and inside NCCL (the two overlap on
     separate streams; compute well under the wall time means the GPU waited, on the host or on another rank)."""
-    kernels = [e for e in averages if e.device_type == DeviceType.CUDA]  # not the CPU ops that launched them
+    # device events only: not the CPU ops that launched them, and not the GPU-side copies of annotated ranges
+    # (nccl:all_reduce, DistributedDataParallel.forward, Optimizer.step), which span kernels counted already
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     nccl = sum(e.device_time_total for e in kernels if "nccl" in e.key.lower()) / 1e6
     compute = sum(e.device_time_total for e in kernels if "nccl" not in e.key.lower()) / 1e6
     return (f"device: kernels and copies {compute:.3f} s ({compute / wall:.0%} of wall), NCCL kernels {nccl:.3f} s "
