@@ -7,7 +7,8 @@
 #                                         tests and two profiles, fused loss on and off), then the 2-GPU rows
 #                                         (one per GPU pair at once)
 #   bench/device_session.sh full-and-4gpu     see its comment below
-#   bench/device_session.sh steady-and-small | four-gpu   this session's two table calls (see below)
+#   bench/device_session.sh steady-and-small | four-gpu   session 9's two table calls
+#   bench/device_session.sh scaling | levers   the next session's scaling call and 7B call (see below)
 #   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
 #                                             zero2/zero3/hsdp, LoRA 7B ddp/hsdp; then full 1.5B on each GPU
@@ -60,19 +61,39 @@ sockets-and-variance)
       /tmp/v$g/1.5b/out-full-1.5b-v0/metrics.jsonl; grep -c Recompiling /tmp/v$g/1.5b/out-full-1.5b-v0/train.log; done ;;
 steady-and-small)
   # the fix of fe7423a measured: the CUDA tests, then full 1.5B alone on GPU 3 with its recompiles logged, beside
-  # the 1-GPU rows (one per GPU); then the 2-GPU rows; every full row's step seconds and compile seconds printed
+  # the 1-GPU rows (one per GPU); then the 2-GPU rows; every full row's step seconds and compile seconds printed.
+  # Limits as after session 9, whose 150 / 300 / 130 s cut the CUDA tests, LoRA 7B and LoRA 1.5B on 2 GPUs
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  ( CUDA_VISIBLE_DEVICES=3 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py > "$OUT/cuda_tests.log" 2>&1
+  ( CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py > "$OUT/cuda_tests.log" 2>&1
     CUDA_VISIBLE_DEVICES=3 TORCH_LOGS=recompiles timeout 150 python3 bench/speed_table.py --rows full-1.5b --no-peer \
       --work /tmp/wv --out /tmp/wv > "$OUT/steady.log" 2>&1 ) &
-  timeout 300 $B --rows lora-1.5b,full-1.5b,lora-7b,qlora-7b --out "$OUT/p1" > "$OUT/p1.log" 2>&1
+  timeout 340 $B --rows lora-1.5b,full-1.5b,lora-7b,qlora-7b --out "$OUT/p1" > "$OUT/p1.log" 2>&1
   wait
-  timeout 130 $B --rows lora-1.5b-2gpu,full-1.5b-2gpu --out "$OUT/p2" > "$OUT/p2.log" 2>&1
+  timeout 160 $B --rows lora-1.5b-2gpu,full-1.5b-2gpu --out "$OUT/p2" > "$OUT/p2.log" 2>&1
   python3 bench/speed_table.py --merge "$OUT"/p[12]/speed.json --out "$OUT"
+  grep -h '^\[g' "$OUT"/p[12].log  # every finished row, as its stream printed it (also where a limit cut the merge)
   tail -n 4 "$OUT/cuda_tests.log"; steps /tmp/wv /tmp/wt ;;
-four-gpu)
+four-gpu)  # session 9's call 2, as run
   timeout 560 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu,full-7b-4gpu-zero3,full-7b-4gpu-hsdp --out "$OUT" > "$OUT/f.log" 2>&1
   cat "$OUT/speed.md"; steps /tmp/wt ;;
+scaling)
+  # scaling on one machine in one call: the 1-GPU baselines alone on the machine first (a host-bound LoRA step
+  # slows down beside other streams, which moved session 9's baseline), then the 4-GPU rows, the full one also
+  # profiled (steps 12-13; rank 0's Chrome trace comes back gzipped), merged into one table
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/speed_table.py --rows lora-1.5b,full-1.5b --no-peer --work /tmp/wb \
+    --out "$OUT/b" > "$OUT/b.log" 2>&1; grep '^{' "$OUT/b.log"
+  timeout 330 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu --no-peer --variants "default;profile_steps=12-13" \
+    --out "$OUT/f" > "$OUT/f.log" 2>&1
+  python3 bench/speed_table.py --merge "$OUT"/b/speed.json "$OUT"/f/speed.json --out "$OUT"
+  cp /tmp/wt/g4s0/1.5b/out-full-1.5b-4gpu-v1/profile/summary.txt "$OUT/profile-full-4gpu.txt"
+  gzip -c /tmp/wt/g4s0/1.5b/out-full-1.5b-4gpu-v1/profile/rank0.json > "$OUT/rank0.json.gz"
+  head -n 3 "$OUT/profile-full-4gpu.txt"; steps /tmp/wb /tmp/wt ;;
+levers)
+  # the 7B rows: zero3 as the table has it, with Python's own garbage collection, and at batch 8 (fits without
+  # checkpointing, by the 41.5 GiB of batch 4); then hsdp
+  timeout 560 $B --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --no-peer \
+    --variants "default;gc_interval=0;per_device_train_batch_size=8" --out "$OUT" > "$OUT/m.log" 2>&1
+  grep '^\[g' "$OUT/m.log"; steps /tmp/wt ;;
 sockets)  # sockets JOBS MODES [STEPS]: one job list per call; a 7B job starts in about 2 minutes
   timeout 560 python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --job-timeout 240 \
     --work /tmp/w2 --steps "${4:-8}" --jobs "$2" --modes "$3" --out "$OUT" > "$OUT/sockets.log" 2>&1; tail -n 8 "$OUT/sockets.log" ;;

@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +55,7 @@ class Row:
 # LoRA stays within the peer's peak memory (bench/README in docs/benchmarks.md has the ablation behind these)
 LORA_15B = {"gradient_checkpointing_ratio": 0.35}
 LORA_7B = {"gradient_checkpointing_ratio": 0.8}
-FULL_15B = {"parallel": "ddp"}  # measured faster than zero2 on one H100 (2026-11-26)
+FULL_15B = {}  # parallel auto: no wrapper on one GPU, zero2 on several (measured faster than ddp on 4 H100s)
 ROWS = {
     "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),
     "lora-1.5b": Row("1.5b", "lora", 1, 8, peer=True, settings=LORA_15B),
@@ -198,8 +200,8 @@ def main() -> None:
         skip = row.unavailable or (f"needs {row.gpus} GPUs, this machine has {gpus}" if row.gpus > max(gpus, 1) else None)
         if skip:
             results.append(dict(row=name, system="meshtune", gpus=row.gpus, skipped=skip))
+            save()  # before the line: a stream's parent takes the line to mean the row is on disk
             print(json.dumps(results[-1]), flush=True)
-            save()
             continue
         if row.size not in prepared:
             work = Path(args.work) / row.size
@@ -211,57 +213,97 @@ def main() -> None:
         for index, variant in enumerate(args.variants.split(";")):
             result = meshtune_row(args, name, row, variant, index, model_dir, data_file, work, peak)
             results.append(dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs, **result))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "log"}), flush=True)
             save()
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "log"}), flush=True)
         if row.peer and not args.no_peer:
             results.append(dict(row=name, system="hf_trainer+peft", gpus=1, bs=row.bs, **peer_row(args, row, fpt, peak)))
+            save()  # before the line: a stream's parent takes the line to mean the row is on disk
             print(json.dumps(results[-1]), flush=True)
-            save()
     summary = save()
     table = render(results, summary)
     Path(args.out, "speed.md").write_text(table + "\n")
     print("\n" + table)
 
 
+STREAM_OWN = {"--rows", "--work", "--out", "--streams"}  # set per stream; every other option passes through
+
+
+def child_argv(argv: list[str], rows: str, work: Path, out: Path) -> list[str]:
+    """This script's own command line for one stream: the options given, except those the stream sets itself."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in STREAM_OWN:
+            skip = "=" not in arg and name != "--streams"
+            continue
+        kept.append(arg)
+    return [*kept, "--rows", rows, "--work", str(work), "--out", str(out)]
+
+
+def echo_results(child: subprocess.Popen, log: Path, label: str) -> threading.Thread:
+    """Copy a stream's output to its log, and each row's result line to this script's output as it comes: a
+    call cut short by its time limit still shows every row that finished."""
+    def copy() -> None:
+        with log.open("w") as sink:
+            for line in child.stdout:
+                sink.write(line)
+                if line.startswith("{"):
+                    print(f"[{label}] {line}", end="", flush=True)
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
+
+
 def streams(args) -> None:
     """Rows grouped by GPU count; each group dealt round-robin onto as many disjoint GPU sets as the machine has,
     one child process of this script per set (CUDA_VISIBLE_DEVICES), the groups one after another. Every stream
-    shares the models built here first, and keeps its own work folder for the data and outputs."""
+    shares the models built here first, and keeps its own work folder for the data and outputs. Stopped early
+    (SIGTERM, e.g. from `timeout`), it stops the streams and still merges the rows they finished."""
     gpus = torch.cuda.device_count()
     names = args.rows.split(",")
     models = Path(args.work) / "models"
     runnable = [n for n in names if not ROWS[n].unavailable and ROWS[n].gpus <= max(gpus, 1)]
     for size in dict.fromkeys(ROWS[n].size for n in runnable):
         build_model_dir(size, models)
-    files = []
-    for count in sorted({ROWS[name].gpus for name in names}):
-        group = [name for name in names if ROWS[name].gpus == count]
-        slots = max(1, gpus // count)
-        children = []
-        for slot in range(min(slots, len(group))):
-            label = f"g{count}s{slot}"
-            work, out = Path(args.work) / label, Path(args.out) / label
-            out.mkdir(parents=True, exist_ok=True)
-            # the stream finds the shared model in its work folder
-            for size in {ROWS[name].size for name in group if name in runnable}:
-                (work / size).mkdir(parents=True, exist_ok=True)
-                link = work / size / f"model-{size}"
-                if not link.exists():
-                    link.symlink_to(models / f"model-{size}")
-            visible = ",".join(str(slot * count + i) for i in range(count))
-            cmd = [sys.executable, __file__, "--rows", ",".join(group[slot::slots]), "--variants", args.variants,
-                   "--steps", str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen),
-                   "--row-timeout", str(args.row_timeout), "--peer", args.peer, "--work", str(work), "--out", str(out)]
-            if args.no_peer:
-                cmd.append("--no-peer")
-            print(f"stream {label} on GPU {visible}: {' '.join(group[slot::slots])}", flush=True)
-            with (out / "log").open("w") as log:
-                children.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                 env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}))
-            files.append(out / "speed.json")
+    files, children = [], []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped early: merging the rows that finished"))
+    try:
+        for count in sorted({ROWS[name].gpus for name in names}):
+            group = [name for name in names if ROWS[name].gpus == count]
+            slots = max(1, gpus // count)
+            children, copiers = [], []
+            for slot in range(min(slots, len(group))):
+                label = f"g{count}s{slot}"
+                work, out = Path(args.work) / label, Path(args.out) / label
+                out.mkdir(parents=True, exist_ok=True)
+                # the stream finds the shared model in its work folder
+                for size in {ROWS[name].size for name in group if name in runnable}:
+                    (work / size).mkdir(parents=True, exist_ok=True)
+                    link = work / size / f"model-{size}"
+                    if not link.exists():
+                        link.symlink_to(models / f"model-{size}")
+                visible = ",".join(str(slot * count + i) for i in range(count))
+                rows = ",".join(group[slot::slots])
+                print(f"stream {label} on GPU {visible}: {rows}", flush=True)
+                child = subprocess.Popen([sys.executable, __file__, *child_argv(sys.argv[1:], rows, work, out)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         env={**os.environ, "CUDA_VISIBLE_DEVICES": visible})
+                children.append(child)
+                copiers.append(echo_results(child, out / "log", label))
+                files.append(out / "speed.json")
+            for child, copier in zip(children, copiers):
+                child.wait()
+                copier.join()
+    finally:
         for child in children:
-            child.wait()
-    merge([str(f) for f in files if f.is_file()], Path(args.out))
+            if child.poll() is None:
+                child.kill()
+        finished = [str(f) for f in files if f.is_file()]
+        if finished:
+            merge(finished, Path(args.out))
 
 
 def merge(files: list[str], out: Path) -> None:

@@ -45,3 +45,44 @@ def test_speed_table_prints_meshtune_the_peer_and_rows_it_cannot_run(tmp_path):
     subprocess.run([sys.executable, str(REPO / "bench" / "speed_table.py"), "--merge", str(out / "speed.json"),
                     str(out / "speed.json"), "--out", str(merged)], check=True, capture_output=True, timeout=120, env=env)
     assert len(json.loads((merged / "speed.json").read_text())["results"]) == 6
+
+
+def test_a_stream_passes_every_option_on_except_its_own():
+    sys.path.insert(0, str(REPO / "bench"))
+    from speed_table import child_argv
+
+    argv = ["--streams", "--rows", "a,b", "--steps", "7", "--work=/w", "--no-peer", "--out", "/o", "--variants", "x=1"]
+    assert child_argv(argv, "a", Path("/w/g1s0"), Path("/o/g1s0")) == [
+        "--steps", "7", "--no-peer", "--variants", "x=1", "--rows", "a", "--work", "/w/g1s0", "--out", "/o/g1s0"]
+
+
+def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
+    """Two variants of one row in one stream: SIGTERM once the first result is printed. The first row is in the
+    merged table, the stream is stopped, and the script ends at once."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "speed_table.py"), "--streams", "--rows", "lora-tiny",
+                             "--variants", "default;default", "--steps", "7", "--no-peer", "--row-timeout", "200",
+                             "--work", str(tmp_path / "work"), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[g1s0] {"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        started = time.monotonic()
+        rest = proc.communicate(timeout=60)[0]
+        assert time.monotonic() - started < 30, "the stream was not stopped"
+        assert any(line.startswith("[g1s0] {") for line in lines), "".join(lines)[-2000:]
+        results = json.loads((out / "speed.json").read_text())["results"]
+        assert len(results) == 1 and results[0]["tokens_per_s"] > 0, rest[-2000:]
+        assert "lora-tiny" in (out / "speed.md").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
