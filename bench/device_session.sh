@@ -9,6 +9,7 @@
 #   bench/device_session.sh full-and-4gpu     see its comment below
 #   bench/device_session.sh steady-and-small | four-gpu   session 9's two table calls
 #   bench/device_session.sh scaling | levers   the next session's scaling call and 7B call (see below)
+#   bench/device_session.sh eight-gpu PART   the 8-GPU issue, one part a call (see below)
 #   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
 #                                             zero2/zero3/hsdp, LoRA 7B ddp/hsdp; then full 1.5B on each GPU
@@ -94,6 +95,22 @@ levers)
   timeout 560 $B --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --no-peer \
     --variants "default;gc_interval=0;per_device_train_batch_size=8" --out "$OUT" > "$OUT/m.log" 2>&1
   grep '^\[g' "$OUT/m.log"; steps /tmp/wt ;;
+eight-gpu)
+  # the 8-GPU issue on nvidia-h100-x8 / h200-x8, one part a call (each fits 10 minutes; the issue's "one call"
+  # does not): scaling-a (1, 2, 4 GPUs) and scaling-b (8 GPUs), merged after with --merge; nodes-zero3 and
+  # nodes-hsdp (full 7B, two agents x 4 GPUs on sockets vs one agent with 8); restart (one agent killed after a
+  # checkpoint, started again, resume and losses on CUDA)
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  T="python3 bench/gpu_two_agents.py --gpus-per-node 4 --work /tmp/w8 --out $OUT"
+  case "$2" in
+  scaling-a) timeout 560 $B --no-peer --rows lora-1.5b,lora-1.5b-2gpu,full-7b-2gpu-zero3,full-7b-2gpu-hsdp,lora-1.5b-4gpu,full-7b-4gpu-zero3,full-7b-4gpu-hsdp \
+               --out "$OUT" > "$OUT/a.log" 2>&1; grep '^\[g' "$OUT/a.log"; cat "$OUT/speed.md" ;;
+  scaling-b) timeout 560 $B --no-peer --rows lora-1.5b-8gpu,full-7b-8gpu-zero3,full-7b-8gpu-hsdp --out "$OUT" > "$OUT/b.log" 2>&1
+             grep '^\[g' "$OUT/b.log" ;;
+  nodes-zero3|nodes-hsdp) timeout 560 $T --speed --jobs full-7b --modes "${2#nodes-}" --steps 8 --job-timeout 260 > "$OUT/n.log" 2>&1
+             tail -n 6 "$OUT/n.log" ;;
+  restart) timeout 560 $T --modes zero3 --size 0.5b --steps 120 --save-steps 40 > "$OUT/r.log" 2>&1; tail -n 5 "$OUT/r.log" ;;
+  esac ;;
 sockets)  # sockets JOBS MODES [STEPS]: one job list per call; a 7B job starts in about 2 minutes
   timeout 560 python3 bench/gpu_two_agents.py --speed --layouts sockets --gpus-per-node 2 --job-timeout 240 \
     --work /tmp/w2 --steps "${4:-8}" --jobs "$2" --modes "$3" --out "$OUT" > "$OUT/sockets.log" 2>&1; tail -n 8 "$OUT/sockets.log" ;;

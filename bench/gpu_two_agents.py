@@ -11,6 +11,7 @@ for two nodes on a slow network, and step time per parallel mode, beside the sam
 The variables are per process, so traffic inside a "node" goes over sockets too.
 
   python bench/gpu_two_agents.py --speed --modes zero2,zero3,hsdp --jobs full-1.5b,lora-7b --gpus-per-node 2
+  python bench/gpu_two_agents.py --speed --modes zero3,hsdp --jobs full-7b --gpus-per-node 4    (8 GPUs: 2 x 4 vs 1 x 8)
   (--modes takes ddp too; --layouts sockets skips the one-node runs)
 """
 
@@ -89,7 +90,8 @@ def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at
 
 
 LAYOUTS = {"sockets": "2 nodes, sockets", "nvlink": "1 node, NVLink"}
-JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4), "lora-tiny": ("tiny", "lora", 2)}  # size, method, batch per GPU; tiny: CPU smoke test
+JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4), "full-7b": ("7b", "full", 4),
+        "lora-tiny": ("tiny", "lora", 2)}  # size, method, batch per GPU; tiny: CPU smoke test
 
 
 def speed(args, work: Path) -> None:

@@ -47,7 +47,7 @@ class Row:
     bs: int  # per GPU
     peer: bool = False
     settings: dict = field(default_factory=dict)
-    scaling_of: str | None = None  # the 1-GPU row this one scales
+    scaling_of: str | None = None  # the row this one scales: 1 GPU, or the fewest GPUs that hold the model
     unavailable: str | None = None
 
 
@@ -55,6 +55,8 @@ class Row:
 # LoRA stays within the peer's peak memory (bench/README in docs/benchmarks.md has the ablation behind these)
 LORA_15B = {"gradient_checkpointing_ratio": 0.35}
 LORA_7B = {"gradient_checkpointing_ratio": 0.8}
+FULL_7B_ZERO3 = {"parallel": "zero3", "gradient_checkpointing": False}
+FULL_7B_HSDP = {"parallel": "hsdp", "hsdp_shard_size": 2}  # replicas of 2 GPUs each, checkpointing on
 FULL_15B = {}  # parallel auto: no wrapper on one GPU, zero2 on several (measured faster than ddp on 4 H100s)
 ROWS = {
     "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),
@@ -63,15 +65,28 @@ ROWS = {
     "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
     "qlora-7b": Row("7b", "qlora", 1, 4, unavailable="Q-LoRA is not implemented in meshtune yet"),
     # 7B full, 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
-    # block's activations (~20 GB at bs 4); over 2 (hsdp) it is 61 GB, so hsdp recomputes every block on 80 GB cards
-    "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings={"parallel": "zero3", "gradient_checkpointing": False}),
-    "full-7b-4gpu-hsdp": Row("7b", "full", 4, 4, settings={"parallel": "hsdp", "hsdp_shard_size": 2}),
+    # block's activations (~12 GB at bs 4, measured 41.5 GiB peak); over 2 (hsdp's shard) it is 61 GB, so hsdp
+    # recomputes every block on 80 GB cards
+    "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings=FULL_7B_ZERO3, scaling_of="full-7b-2gpu-zero3"),
+    "full-7b-4gpu-hsdp": Row("7b", "full", 4, 4, settings=FULL_7B_HSDP, scaling_of="full-7b-2gpu-hsdp"),
     "lora-1.5b-2gpu": Row("1.5b", "lora", 2, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
     "lora-1.5b-4gpu": Row("1.5b", "lora", 4, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
     "full-1.5b-2gpu": Row("1.5b", "full", 2, 8, settings=FULL_15B, scaling_of="full-1.5b"),
     "full-1.5b-4gpu": Row("1.5b", "full", 4, 8, settings=FULL_15B, scaling_of="full-1.5b"),
+    # the 8-GPU issue: scaling to 8 GPUs on one host. Full 7B cannot train on one 80 GB GPU (122 GB of state), so
+    # its scaling is per GPU against 2 GPUs, the fewest that hold it, with the same settings at every count
+    # (zero3 without checkpointing on 2 GPUs: 57 GiB of state + ~12 GiB of activations, expected to fit 80 GB)
+    "lora-1.5b-8gpu": Row("1.5b", "lora", 8, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
+    "full-7b-2gpu-zero3": Row("7b", "full", 2, 4, settings=FULL_7B_ZERO3),
+    "full-7b-8gpu-zero3": Row("7b", "full", 8, 4, settings=FULL_7B_ZERO3, scaling_of="full-7b-2gpu-zero3"),
+    "full-7b-2gpu-hsdp": Row("7b", "full", 2, 4, settings=FULL_7B_HSDP),
+    "full-7b-8gpu-hsdp": Row("7b", "full", 8, 4, settings=FULL_7B_HSDP, scaling_of="full-7b-2gpu-hsdp"),
 }
-DEFAULT_ROWS = [name for name in ROWS if name != "lora-tiny"]
+SCALING_8GPU = ["lora-1.5b", "lora-1.5b-2gpu", "lora-1.5b-4gpu", "lora-1.5b-8gpu", "full-7b-2gpu-zero3",
+                "full-7b-4gpu-zero3", "full-7b-8gpu-zero3", "full-7b-2gpu-hsdp", "full-7b-4gpu-hsdp", "full-7b-8gpu-hsdp"]
+# the performance issue's table: every row up to 4 GPUs
+DEFAULT_ROWS = [name for name, row in ROWS.items() if name != "lora-tiny" and row.gpus <= 4]
+PRESETS = {"default": DEFAULT_ROWS, "scaling-8gpu": SCALING_8GPU}
 
 
 def parse_variant(text: str) -> dict:
@@ -159,7 +174,8 @@ def mean_flops_per_token(model_dir: Path, samples) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--rows", default="default",
+                   help=f"comma list of {', '.join(ROWS)}; or a preset: {', '.join(PRESETS)} (the 8-GPU issue's rows)")
     p.add_argument("--variants", default="default",
                    help="';'-separated meshtune config overrides, each run for every row, e.g. "
                         "'default;padding_free=false;gradient_checkpointing_ratio=0.5' (an ablation)")
@@ -178,6 +194,10 @@ def main() -> None:
                    help="run rows side by side on disjoint GPUs of this machine (1-GPU rows one per GPU, 2-GPU rows "
                         "on GPU pairs, ...), each stream a child of this script, then merge their tables")
     args = p.parse_args()
+    args.rows = ",".join(PRESETS.get(args.rows, args.rows.split(",")))
+    unknown = [name for name in args.rows.split(",") if name not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(unknown)}: rows are {', '.join(ROWS)}; presets {', '.join(PRESETS)}")
     if args.merge:
         return merge(args.merge, Path(args.out))
     if args.streams:
@@ -205,6 +225,8 @@ def main() -> None:
             continue
         if row.size not in prepared:
             work = Path(args.work) / row.size
+            # one sample pool for every row and stream, whatever GPUs it sees: the largest global batch of any
+            # row (8 GPUs) times the steps
             n = max(r.bs * r.gpus for r in ROWS.values()) * (args.steps + WARMUP)
             model_dir, data_file = prepare_workspace(row.size, work, n, args.minlen, args.maxlen)
             fpt = mean_flops_per_token(model_dir, workspace_samples(model_dir, n, args.minlen, args.maxlen))

@@ -86,3 +86,27 @@ def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_presets_name_rows_and_every_scaling_row_has_its_base_in_the_table():
+    sys.path.insert(0, str(REPO / "bench"))
+    from speed_table import DEFAULT_ROWS, PRESETS, ROWS, render
+
+    assert all(ROWS[name].gpus <= 4 for name in DEFAULT_ROWS) and "lora-1.5b-8gpu" not in DEFAULT_ROWS
+    for preset in PRESETS.values():
+        for name in preset:
+            base = ROWS[name].scaling_of
+            assert base is None or (base in preset and ROWS[base].gpus < ROWS[name].gpus), (name, base)
+    results = [dict(row="full-7b-2gpu-zero3", system="meshtune", variant="default", gpus=2, bs=4, tokens_per_s=12000,
+                    per_gpu=6000, mfu=0.3, peak_gib=70.0),
+               dict(row="full-7b-8gpu-zero3", system="meshtune", variant="default", gpus=8, bs=4, tokens_per_s=45600,
+                    per_gpu=5700, mfu=0.29, peak_gib=30.0)]
+    table = render(results, dict(device="cpu", gpus=8, peak_tflops=None, args=dict(steps=25, minlen=128, maxlen=1024)))
+    assert "| full-7b-8gpu-zero3 | default | meshtune | 8 | 4 | 45,600 | 5,700 |  | 29.0% | 30.0 | 95.0% |" in table
+
+
+def test_an_unknown_row_is_named_with_the_choices():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "speed_table.py"), "--rows", "lora-1.5b,lora-15b"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "unknown row(s) lora-15b" in proc.stderr and "scaling-8gpu" in proc.stderr
