@@ -96,6 +96,7 @@ class TrainConfig(BaseModel):
 
     # parallelism and launch
     parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = Field("auto", description="auto | ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard) | hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, for one process and on CPU; full fine-tuning on several GPUs: zero2 (measured 20% faster than ddp on 4 H100s, at a third of the memory), or zero3 where zero2's full bf16 weights plus its share of the fp32 state would take over half a GPU")
+    load_weights_on: Literal["rank0", "every_rank"] = Field("rank0", description="rank0: only global rank 0 reads the model files; the other processes build the model without weights and receive rank 0's over the process group (under zero2 / zero3 / hsdp only their shard), so a node's host memory holds one copy, not one per process | every_rank: each process reads the files itself")
     hsdp_shard_size: int | None = Field(None, gt=0, description="hsdp: processes that shard one replica; default: the processes of one node")
     nproc_per_node: int | None = Field(None, gt=0, description="processes on this machine; default: visible GPUs, 1 on CPU")
     ddp_timeout: int = Field(600, gt=0, description="seconds a collective may wait before the job fails")

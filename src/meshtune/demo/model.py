@@ -33,9 +33,8 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerBase, out_dir: Path, seed: in
     `seed`: the global torch RNG is forked, so the caller's random state is left as it was.
     """
     config = Qwen2Config(
-        **{**TINY_CONFIG, **overrides},
+        **{"tie_word_embeddings": False, **TINY_CONFIG, **overrides},
         vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         # Qwen2's tokenizer has no bos token; its config names <|endoftext|>, which is our pad token.
         bos_token_id=tokenizer.pad_token_id,

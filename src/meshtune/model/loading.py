@@ -60,3 +60,11 @@ def count_parameters(path: str | Path) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The model of `path` built on the meta device: its modules, names, shapes and dtypes, and no weights (the
+    processes that receive rank 0's weights instead of reading the files)."""
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

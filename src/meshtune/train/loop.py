@@ -29,11 +29,12 @@ from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown
 from meshtune.model.attention import use_varlen, varlen_available
 from meshtune.model.export import save_final
-from meshtune.model.loading import check_model_dir, count_parameters, load_model, load_tokenizer
+from meshtune.model.loading import check_model_dir, count_parameters, load_model, load_tokenizer, model_skeleton
 from meshtune.model.lora import add_lora
 from meshtune.model.loss_head import install_loss_head, targets_for
 from meshtune.model.parallel import (choose_parallel, finish_gradient_sync, gradient_sync, transformer_blocks, unwrap,
                                      wrap_model)
+from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
 from meshtune.storage import check_shared_output_dir
 from meshtune.train.collection import StepGarbageCollection, default_interval
 from meshtune.train.metrics import MetricsLog, peak_memory_gib, plot_losses, summary
@@ -283,7 +284,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     bf16 = use_bf16(cfg, env)
     # LoRA under DDP: frozen base weights in bf16 (only the fp32 adapters are master weights), as PEFT users do
     frozen_bf16 = bf16 and cfg.finetuning_type == "lora" and parallel == "ddp"
-    model = load_model(model_dir, dtype=torch.bfloat16 if frozen_bf16 else torch.float32)
+    dtype = torch.bfloat16 if frozen_bf16 else torch.float32
+    from_rank0 = env.world_size > 1 and cfg.load_weights_on == "rank0"  # the others build it without weights
+    model = model_skeleton(model_dir, dtype) if from_rank0 and not env.is_main else load_model(model_dir, dtype)
     flops = FlopCounter.of(model)
     if padding_free:
         use_varlen(model)
@@ -297,8 +300,20 @@ def train(cfg: TrainConfig) -> TrainResult:
     if compiled:
         compile_blocks(model)
     model.config.use_cache = False
-    model.to(env.device)
-    model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
+    if from_rank0:
+        check_same_model(model, env)
+    if parallel == "ddp":
+        if from_rank0:
+            receive_replicated(model, env)
+        else:
+            model.to(env.device)
+        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
+    else:  # fully_shard moves each block to the GPU as it shards it: the whole model is never on one GPU
+        state = full_state(model, env) if from_rank0 else None
+        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
+        if from_rank0:
+            receive_shards(model, state, env)
+            del state
     optimizer, params = build_optimizer(model, cfg, env)
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
