@@ -112,7 +112,7 @@ def speed(args, work: Path) -> None:
                     lora_rank=64, lora_alpha=16, lora_target="all", parallel=mode, per_device_train_batch_size=bs,
                     max_steps=args.steps, logging_steps=1, learning_rate=1e-5, gradient_checkpointing=True,
                     cutoff_len=1024, seed=1, rdzv_timeout=120, ddp_timeout=300, resume_from_checkpoint="none",
-                    hsdp_shard_size=args.gpus_per_node)))
+                    hsdp_shard_size=args.gpus_per_node, save_final=False)))
                 started = time.monotonic()
                 port = free_port()
                 if two_nodes:

@@ -105,7 +105,8 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                output_dir=str(out), finetuning_type=row.mode, lora_rank=64, lora_alpha=16, lora_dropout=0.05,
                lora_target="all", per_device_train_batch_size=row.bs, max_steps=args.steps, logging_steps=1,
                learning_rate=3e-4, lr_scheduler_type="cosine", weight_decay=0.1, cutoff_len=args.maxlen,
-               gradient_checkpointing=True, nproc_per_node=row.gpus, seed=1, resume_from_checkpoint="none")
+               gradient_checkpointing=True, nproc_per_node=row.gpus, seed=1, resume_from_checkpoint="none",
+               save_final=False)  # nothing of a row's output is read but its metrics; a 7B model is 30 GB to write
     cfg.update(overrides)
     path = work / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))

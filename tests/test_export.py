@@ -50,3 +50,11 @@ def test_final_dir_reloads_with_the_trained_logits(tmp_path, tiny_model_dir, tin
     assert "eval_loss" in records[-1]
     for key in ("epoch", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "peak_mem_gib"):
         assert key in records[0]
+
+
+def test_save_final_false_writes_no_model_and_says_so(tmp_path, tiny_model_dir, tiny_dataset, capsys):
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2, save_final=False))
+    result = run(cfg)
+    assert result.final_dir is None and not (tmp_path / "out" / "final").exists()
+    assert (tmp_path / "out" / "metrics.jsonl").is_file()
+    assert "saved          nothing (save_final: false)" in capsys.readouterr().out

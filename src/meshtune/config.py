@@ -112,6 +112,7 @@ class TrainConfig(BaseModel):
     output_dir: str = Field("output", description="metrics.jsonl, config.yaml, loss.png and final/ go here")
     logging_steps: int = Field(10, gt=0, description="log (and write metrics.jsonl) every N optimizer steps")
     eval_steps: int | None = Field(None, gt=0, description="evaluate every N steps (default: only at the end); needs val_size or eval_dataset")
+    save_final: bool = Field(True, description="write the trained model (or LoRA adapter) to output_dir/final at the end; false for throughput runs and smoke tests, where writing a 7B model's 30 GB would take longer than the training")
     save_steps: int = Field(0, ge=0, description="write a sharded checkpoint every N optimizer steps (0 = only final/)")
     save_total_limit: int | None = Field(None, gt=0, description="complete checkpoints to keep (the newest is never deleted)")
     async_save: bool = Field(False, description="write checkpoints in the background while training continues (one at a time)")
@@ -164,7 +165,7 @@ class TrainConfig(BaseModel):
         exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps", "nnodes", "node_rank",
                    "master_addr", "master_port", "local_addr", "max_restarts", "rdzv_timeout", "ddp_timeout",
                    "resume_from_checkpoint", "async_save", "allow_local_checkpoints", "save_total_limit",
-                   "profile_steps"}
+                   "profile_steps", "gc_interval"}
         blob = json.dumps(self.model_dump(exclude=exclude), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -47,7 +47,7 @@ from meshtune.train.throughput import FlopCounter, measure_peak_flops
 class TrainResult:
     model: torch.nn.Module | None  # the wrapped (DDP / FSDP2) model after the last step, if kept
     records: list[dict]  # what metrics.jsonl holds (rank 0; empty elsewhere)
-    final_dir: Path
+    final_dir: Path | None  # None with save_final: false
 
 
 def seed_everything(seed: int) -> None:
@@ -415,7 +415,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     if metrics:
         metrics.close()
 
-    final_dir = save_final(model, tokenizer, output_dir / "final", cfg.finetuning_type == "lora", env)
+    final_dir = (save_final(model, tokenizer, output_dir / "final", cfg.finetuning_type == "lora", env)
+                 if cfg.save_final else None)
     records = metrics.records if metrics else []
     if env.is_main:
         plot_losses(records, output_dir / "loss.png")

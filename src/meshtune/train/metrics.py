@@ -73,7 +73,7 @@ def plot_losses(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def summary(records: list[dict], seconds: float, total_tokens: int, final_dir: Path, world_size: int) -> str:
+def summary(records: list[dict], seconds: float, total_tokens: int, final_dir: Path | None, world_size: int) -> str:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     lines = ["", "=" * 60, "meshtune: training finished"]
@@ -86,6 +86,6 @@ def summary(records: list[dict], seconds: float, total_tokens: int, final_dir: P
     lines.append(f"  tokens         {total_tokens:,} ({total_tokens / max(seconds, 1e-9):,.0f} tokens/s)")
     if train and "peak_mem_gib" in train[-1]:
         lines.append(f"  peak memory    {max(r['peak_mem_gib'] for r in train):.2f} GiB (rank 0)")
-    lines.append(f"  saved          {final_dir}")
+    lines.append(f"  saved          {final_dir or 'nothing (save_final: false)'}")
     lines.append("=" * 60)
     return "\n".join(lines)
