@@ -307,7 +307,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             receive_replicated(model, env)
         else:
             model.to(env.device)
-        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
+        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync,
+                           in_sync=from_rank0)
     else:  # fully_shard moves each block to the GPU as it shards it: the whole model is never on one GPU
         state = full_state(model, env) if from_rank0 else None
         model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
