@@ -110,3 +110,28 @@ def test_an_unknown_row_is_named_with_the_choices():
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "unknown row(s) lora-15b" in proc.stderr and "scaling-8gpu" in proc.stderr
+
+
+def test_two_agent_speed_script_runs_both_layouts_on_cpu(tmp_path):
+    """bench/gpu_two_agents.py --speed end to end with the tiny job: two agents (one process each) as two nodes,
+    then one agent with both processes; a broken script shows up here, not on a GPU machine."""
+    import signal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "gpu_two_agents.py"), "--speed", "--jobs", "lora-tiny",
+                             "--modes", "ddp", "--gpus-per-node", "1", "--steps", "7", "--job-timeout", "150",
+                             "--work", str(tmp_path / "work"), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        output = proc.communicate(timeout=400)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    rows = json.loads((out / "two_agents_speed.json").read_text())
+    assert [(r["layout"], r["exit_codes"]) for r in rows] == [("2 nodes, sockets", [0, 0]), ("1 node, NVLink", [0])]
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
+    assert "| lora-tiny | ddp | 2 nodes, sockets |" in output
