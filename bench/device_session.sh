@@ -83,18 +83,19 @@ scaling)
   # profiled (steps 12-13; rank 0's Chrome trace comes back gzipped), merged into one table
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/speed_table.py --rows lora-1.5b,full-1.5b --no-peer --work /tmp/wb \
     --out "$OUT/b" > "$OUT/b.log" 2>&1; grep '^{' "$OUT/b.log"
-  timeout 330 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu --no-peer --variants "default;profile_steps=12-13" \
+  timeout 400 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu --no-peer --variants "default;profile_steps=12-13;grad_reduce_dtype=bf16" \
     --out "$OUT/f" > "$OUT/f.log" 2>&1
   python3 bench/speed_table.py --merge "$OUT"/b/speed.json "$OUT"/f/speed.json --out "$OUT"
   cp /tmp/wt/g4s0/1.5b/out-full-1.5b-4gpu-v1/profile/summary.txt "$OUT/profile-full-4gpu.txt"
   gzip -c /tmp/wt/g4s0/1.5b/out-full-1.5b-4gpu-v1/profile/rank0.json > "$OUT/rank0.json.gz"
   head -n 3 "$OUT/profile-full-4gpu.txt"; steps /tmp/wb /tmp/wt ;;
 levers)
-  # the 7B rows: zero3 as the table has it, with Python's own garbage collection, and at batch 8 (fits without
-  # checkpointing, by the 41.5 GiB of batch 4); then hsdp
-  timeout 560 $B --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --no-peer \
-    --variants "default;gc_interval=0;per_device_train_batch_size=8" --out "$OUT" > "$OUT/m.log" 2>&1
-  grep '^\[g' "$OUT/m.log"; steps /tmp/wt ;;
+  # the 7B rows: zero3 as the table has it, with Python's own garbage collection, at batch 8 (fits without
+  # checkpointing, by the 41.5 GiB of batch 4), and with bf16 gradient reduce-scatters; then hsdp as it is
+  timeout 400 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/z" \
+    --variants "default;gc_interval=0;per_device_train_batch_size=8;grad_reduce_dtype=bf16" > "$OUT/z.log" 2>&1
+  timeout 150 $B --rows full-7b-4gpu-hsdp --no-peer --out "$OUT/h" > "$OUT/h.log" 2>&1
+  grep -h '^\[g' "$OUT/z.log" "$OUT/h.log"; steps /tmp/wt ;;
 eight-gpu)
   # the 8-GPU issue on nvidia-h100-x8 / h200-x8, one part a call (each fits 10 minutes; the issue's "one call"
   # does not): scaling-a (1, 2, 4 GPUs) and scaling-b (8 GPUs), merged after with --merge; nodes-zero3 and

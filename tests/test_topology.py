@@ -54,3 +54,17 @@ def assert_close(losses: list[float], reference: list[float], what: str) -> None
     for step, (got, want) in enumerate(zip(losses, reference), start=1):
         name = f"step {step} loss" if step <= 5 else "final eval loss"
         assert abs(got - want) / abs(want) < 1e-4, f"{what}: {name} {got} vs 1x4 ddp {want}"
+
+
+@pytest.mark.slow
+def test_bf16_gradient_reduction_stays_close_to_fp32_and_is_not_a_no_op(tmp_path, tiny_model_dir, tiny_dataset):
+    """grad_reduce_dtype: bf16 under ddp (torch's bf16 compression hook), the flat sync and FSDP2's reduce-scatter:
+    the losses follow the fp32 reduction's closely, and differ from them (the gradients did travel in bf16)."""
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 2, 2)
+    for parallel, extra in (("ddp", {}), ("ddp", {"grad_sync": "flat"}), ("zero2", {})):
+        losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", parallel, 2, 2,
+                              grad_reduce_dtype="bf16", **extra)
+        what = f"{parallel} {extra} bf16 reduce"
+        assert losses[0] == reference[0], f"{what}: step 1 runs before any reduction"
+        assert all(abs(a - b) / abs(b) < 2e-2 for a, b in zip(losses, reference)), f"{what}: {losses} vs {reference}"
+        assert losses[1:] != reference[1:], f"{what}: identical to the fp32 reduction"

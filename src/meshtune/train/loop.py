@@ -308,10 +308,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         else:
             model.to(env.device)
         model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync,
-                           in_sync=from_rank0)
+                           in_sync=from_rank0, reduce_bf16=cfg.grad_reduce_dtype == "bf16")
     else:  # fully_shard moves each block to the GPU as it shards it: the whole model is never on one GPU
         state = full_state(model, env) if from_rank0 else None
-        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync)
+        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync,
+                           reduce_bf16=cfg.grad_reduce_dtype == "bf16")
         if from_rank0:
             receive_shards(model, state, env)
             del state
