@@ -8,7 +8,8 @@
 #                                         (one per GPU pair at once)
 #   bench/device_session.sh full-and-4gpu     see its comment below
 #   bench/device_session.sh steady-and-small | four-gpu   session 9's two table calls
-#   bench/device_session.sh scaling | levers   the next session's scaling call and 7B call (see below)
+#   bench/device_session.sh table | scaling | levers   the next session's calls: the whole table in one call
+#                                         (if it fits), the scaling call, the 7B call (see below)
 #   bench/device_session.sh eight-gpu PART   the 8-GPU issue, one part a call (see below)
 #   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
@@ -77,6 +78,13 @@ steady-and-small)
 four-gpu)  # session 9's call 2, as run
   timeout 560 $B --rows lora-1.5b-4gpu,full-1.5b-4gpu,full-7b-4gpu-zero3,full-7b-4gpu-hsdp --out "$OUT" > "$OUT/f.log" 2>&1
   cat "$OUT/speed.md"; steps /tmp/wt ;;
+table)
+  # the performance issue's whole table in one call, which may now fit (no final/ written, weights read once):
+  # rows print as they finish, so a row the limit cuts is the only one lost; the CUDA tests on GPU 3 meanwhile
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py > "$OUT/cuda_tests.log" 2>&1 &
+  timeout 570 $B --out "$OUT" > "$OUT/t.log" 2>&1; wait
+  grep -h '^\[g' "$OUT/t.log"; tail -n 3 "$OUT/cuda_tests.log"; cat "$OUT/speed.md"; steps /tmp/wt ;;
 scaling)
   # scaling on one machine in one call: the 1-GPU baselines alone on the machine first (a host-bound LoRA step
   # slows down beside other streams, which moved session 9's baseline), then the 4-GPU rows, the full one also
