@@ -13,6 +13,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,28 @@ def compile_blocks(model: torch.nn.Module) -> None:
         block.compile(dynamic=True)
 
 
+def place_and_wrap(model: torch.nn.Module, cfg: TrainConfig, parallel: str, env: DistEnv, bf16: bool,
+                   from_rank0: bool) -> torch.nn.Module:
+    """The model on this process's device inside its data-parallel wrapper, holding rank 0's weights where only
+    rank 0 read them (the others built it empty)."""
+    if from_rank0:
+        check_same_model(model, env)
+    wrap = partial(wrap_model, parallel=parallel, env=env, bf16=bf16, hsdp_shard_size=cfg.hsdp_shard_size,
+                   prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16")
+    if parallel == "ddp":
+        if from_rank0:
+            receive_replicated(model, env)
+        else:
+            model.to(env.device)
+        return wrap(model, in_sync=from_rank0)
+    # fully_shard moves each block to the GPU as it shards it: the whole model is never on one GPU
+    state = full_state(model, env) if from_rank0 else None
+    model = wrap(model)
+    if from_rank0:
+        receive_shards(model, state, env)
+    return model
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, env: DistEnv):
     """AdamW; like HF, no weight decay on biases and norm weights (1-D tensors)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -300,22 +323,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if compiled:
         compile_blocks(model)
     model.config.use_cache = False
-    if from_rank0:
-        check_same_model(model, env)
-    if parallel == "ddp":
-        if from_rank0:
-            receive_replicated(model, env)
-        else:
-            model.to(env.device)
-        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync,
-                           in_sync=from_rank0, reduce_bf16=cfg.grad_reduce_dtype == "bf16")
-    else:  # fully_shard moves each block to the GPU as it shards it: the whole model is never on one GPU
-        state = full_state(model, env) if from_rank0 else None
-        model = wrap_model(model, parallel, env, bf16, cfg.hsdp_shard_size, cfg.fsdp_prefetch, cfg.grad_sync,
-                           reduce_bf16=cfg.grad_reduce_dtype == "bf16")
-        if from_rank0:
-            receive_shards(model, state, env)
-            del state
+    model = place_and_wrap(model, cfg, parallel, env, bf16, from_rank0)
     optimizer, params = build_optimizer(model, cfg, env)
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
