@@ -36,6 +36,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workspace import WARMUP, build_model_dir, prepare_workspace, timed_records, workspace_samples  # noqa: E402
 
+from meshtune.model.loading import model_skeleton  # noqa: E402
 from meshtune.train.throughput import FlopCounter, measure_peak_flops  # noqa: E402
 
 
@@ -166,12 +167,8 @@ def peer_row(args, row: Row, flops_per_token: float, peak: float | None) -> dict
 
 def mean_flops_per_token(model_dir: Path, samples) -> float:
     """FLOPs per real token over the whole sample set (the peer's batches draw from the same lengths)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
     lengths = [len(s) for s in samples]
-    return FlopCounter.of(model).batch_flops(lengths) / sum(lengths)
+    return FlopCounter.of(model_skeleton(model_dir)).batch_flops(lengths) / sum(lengths)
 
 
 def main() -> None:

@@ -49,10 +49,16 @@ def test_full_finetuning_on_several_gpus_shards_by_memory(n_params, gpus, expect
     assert f"on {gpus} GPUs" in why and "GiB" in why
 
 
-def test_collection_runs_at_the_interval_only_and_walks_every_generation_now_and_then(monkeypatch):
-    calls = []
+@pytest.fixture
+def calls(monkeypatch) -> list[int]:
+    """The generation of every gc.collect call from here on (each still collects)."""
+    recorded: list[int] = []
     real = gc.collect
-    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or real(generation))
+    monkeypatch.setattr(gc, "collect", lambda generation=2: recorded.append(generation) or real(generation))
+    return recorded
+
+
+def test_collection_runs_at_the_interval_only_and_walks_every_generation_now_and_then(calls):
     assert gc.isenabled()
     with StepGarbageCollection(3) as collection:
         assert not gc.isenabled()
@@ -79,10 +85,7 @@ def test_interval_zero_leaves_python_alone():
 
 
 def test_training_collects_at_the_interval_and_says_what_auto_chose(tmp_path, tiny_model_dir, tiny_dataset,
-                                                                    monkeypatch, capsys):
-    calls = []
-    real = gc.collect
-    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or real(generation))
+                                                                    calls, capsys):
     cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=4, gc_interval=2,
                                    parallel="auto", finetuning_type="full"))
     records = run(cfg).records

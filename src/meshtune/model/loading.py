@@ -55,11 +55,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
 
 
 def count_parameters(path: str | Path) -> int:
-    """Parameters of the model in `path`, from its config alone (built on the meta device: no weights read)."""
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of the model in `path`, from its config alone (no weights read)."""
+    return sum(p.numel() for p in model_skeleton(path).parameters())
 
 
 def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

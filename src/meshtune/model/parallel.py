@@ -32,10 +32,13 @@ class FlatGradientSync:
     one flat buffer. DDP's per-parameter hooks and bucket copies cost a fifth of a LoRA step even on one GPU
     (measured); hundreds of adapter tensors are a few hundred MB, a few ms over NVLink, not worth overlapping."""
 
-    def __init__(self, model: torch.nn.Module, world_size: int, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, model: torch.nn.Module, world_size: int, reduce_dtype: torch.dtype | None = None,
+                 in_sync: bool = False):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = world_size
         self.reduce_dtype = reduce_dtype  # None: the gradients' own
+        if in_sync:  # every replica already holds rank 0's values (rank0_weights)
+            return
         for group in self._by_dtype([p.data for p in self.params]):
             flat = _flatten_dense_tensors(group)
             dist.broadcast(flat, src=0)
@@ -124,13 +127,14 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                hsdp_shard_size: int | None = None, prefetch: int = 1, grad_sync: str = "ddp",
                in_sync: bool = False, reduce_bf16: bool = False) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
-    already holds rank 0's values (rank0_weights), so DDP need not broadcast them once more. `reduce_bf16`:
+    already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
     gradients cross the processes in bf16 (half the bytes), and are summed back into fp32."""
     if parallel == "ddp":
         if env.world_size == 1:
             return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
         if grad_sync == "flat":
-            model.meshtune_flat_sync = FlatGradientSync(model, env.world_size, torch.bfloat16 if reduce_bf16 else None)
+            model.meshtune_flat_sync = FlatGradientSync(model, env.world_size, torch.bfloat16 if reduce_bf16 else None,
+                                                        in_sync)
             return model
         # broadcast_buffers off: a decoder's buffers (rotary frequencies) never change, and the broadcast would
         # be one more collective, a wait for the slowest rank, before every forward

@@ -59,7 +59,7 @@ def receive_replicated(model: torch.nn.Module, env: DistEnv) -> None:
         model.to(env.device)
     else:
         empty_on_device(model, env.device)
-    _broadcast_from_rank0(model)
+    _broadcast_from_rank0([*model.parameters(), *model.buffers()])
 
 
 def receive_shards(model: torch.nn.Module, state: dict[str, torch.Tensor], env: DistEnv) -> None:
@@ -68,8 +68,7 @@ def receive_shards(model: torch.nn.Module, state: dict[str, torch.Tensor], env: 
     if not env.is_main:
         empty_on_device(model, env.device)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    _broadcast_from_rank0(list(model.buffers()))
 
 
 def empty_on_device(model: torch.nn.Module, device: torch.device) -> None:
@@ -87,7 +86,7 @@ def empty_on_device(model: torch.nn.Module, device: torch.device) -> None:
             setattr(model.get_submodule(owner), leaf, shared)
 
 
-def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+def _broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
+        for tensor in tensors:
             dist.broadcast(tensor.data, src=0)
