@@ -85,6 +85,19 @@ table)
   CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py > "$OUT/cuda_tests.log" 2>&1 &
   timeout 570 $B --out "$OUT" > "$OUT/t.log" 2>&1; wait
   grep -h '^\[g' "$OUT/t.log"; tail -n 3 "$OUT/cuda_tests.log"; cat "$OUT/speed.md"; steps /tmp/wt ;;
+table-1.5b)
+  # session 10's first call: every 1.5B row of the table (1 GPU beside the peer, 2 and 4 GPUs, with the new defaults:
+  # parallel auto, rank-0 loading, gc_interval) and the CUDA tests on GPU 3 meanwhile; then full 1.5B on 4 GPUs
+  # profiled (steps 12-13) with rank 0's Chrome trace brought back gzipped. The 7B rows are the 'levers' call's
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  CUDA_VISIBLE_DEVICES=3 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py > "$OUT/cuda_tests.log" 2>&1 &
+  timeout 400 $B --rows lora-1.5b,full-1.5b,lora-1.5b-2gpu,full-1.5b-2gpu,lora-1.5b-4gpu,full-1.5b-4gpu --out "$OUT" \
+    > "$OUT/t.log" 2>&1; wait
+  grep -h '^\[g' "$OUT/t.log"; tail -n 3 "$OUT/cuda_tests.log"; cat "$OUT/speed.md"; steps /tmp/wt
+  mkdir -p /tmp/wp; ln -sfn /tmp/wt/models /tmp/wp/models  # the models built above
+  timeout 150 $B --rows full-1.5b-4gpu --no-peer --variants profile_steps=12-13 --work /tmp/wp --out "$OUT/p" > "$OUT/p.log" 2>&1
+  grep -h '^\[g' "$OUT/p.log"; d=/tmp/wp/g4s0/1.5b/out-full-1.5b-4gpu-v0/profile
+  cp "$d/summary.txt" "$OUT/profile-full-4gpu.txt"; gzip -c "$d/rank0.json" > "$OUT/rank0.json.gz"; head -n 12 "$OUT/profile-full-4gpu.txt" ;;
 scaling)
   # scaling on one machine in one call: the 1-GPU baselines alone on the machine first (a host-bound LoRA step
   # slows down beside other streams, which moved session 9's baseline), then the 4-GPU rows, the full one also
