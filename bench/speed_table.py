@@ -278,6 +278,13 @@ def echo_results(child: subprocess.Popen, log: Path, label: str) -> threading.Th
     return thread
 
 
+def stop_once(*_) -> None:
+    """SIGTERM: leave for the merge. GNU `timeout` signals its child and then the child's whole process group, so
+    a second SIGTERM follows at once; ignored, it cannot cut the merge short (session 10 lost a merge to it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit("stopped early: merging the rows that finished")
+
+
 def streams(args) -> None:
     """Rows grouped by GPU count; each group dealt round-robin onto as many disjoint GPU sets as the machine has,
     one child process of this script per set (CUDA_VISIBLE_DEVICES), the groups one after another. Every stream
@@ -290,7 +297,7 @@ def streams(args) -> None:
     for size in dict.fromkeys(ROWS[n].size for n in runnable):
         build_model_dir(size, models)
     files, children = [], []
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped early: merging the rows that finished"))
+    signal.signal(signal.SIGTERM, stop_once)
     try:
         for count in sorted({ROWS[name].gpus for name in names}):
             group = [name for name in names if ROWS[name].gpus == count]

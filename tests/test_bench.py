@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 FAKE_PEER = """import json, sys
@@ -57,8 +59,8 @@ def test_a_stream_passes_every_option_on_except_its_own():
 
 
 def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
-    """Two variants of one row in one stream: SIGTERM once the first result is printed. The first row is in the
-    merged table, the stream is stopped, and the script ends at once."""
+    """Two variants of one row in one stream: SIGTERM twice once the first result is printed. The first row is in
+    the merged table, the stream is stopped, and the script ends at once."""
     import signal
     import time
 
@@ -74,6 +76,7 @@ def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("[g1s0] {"):
+                proc.send_signal(signal.SIGTERM)  # twice, as GNU timeout does (child, then its process group)
                 proc.send_signal(signal.SIGTERM)
                 break
         started = time.monotonic()
@@ -137,3 +140,20 @@ def test_two_agent_speed_script_runs_both_layouts_on_cpu(tmp_path):
     assert [(r["layout"], r["exit_codes"]) for r in rows] == [("2 nodes, sockets", [0, 0]), ("1 node, NVLink", [0])]
     assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
     assert "| lora-tiny | ddp | 2 nodes, sockets |" in output
+
+
+def test_a_second_sigterm_cannot_cut_the_merge():
+    """GNU timeout sends SIGTERM to the script and then to its process group: the first one starts the merge, and
+    from then on SIGTERM is ignored."""
+    import signal
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from speed_table import stop_once
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit, match="merging"):
+            stop_once(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
