@@ -10,6 +10,7 @@
 #   bench/device_session.sh steady-and-small | four-gpu   session 9's two table calls
 #   bench/device_session.sh table | scaling | levers   the next session's calls: the whole table in one call
 #                                         (if it fits), the scaling call, the 7B call (see below)
+#   bench/device_session.sh scaling-full | scaling-lora | levers-7b   session 11's calls (see below)
 #   bench/device_session.sh eight-gpu PART   the 8-GPU issue, one part a call (see below)
 #   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
@@ -98,6 +99,33 @@ table-1.5b)
   timeout 150 $B --rows full-1.5b-4gpu --no-peer --variants profile_steps=12-13 --work /tmp/wp --out "$OUT/p" > "$OUT/p.log" 2>&1
   grep -h '^\[g' "$OUT/p.log"; d=/tmp/wp/g4s0/1.5b/out-full-1.5b-4gpu-v0/profile
   cp "$d/summary.txt" "$OUT/profile-full-4gpu.txt"; gzip -c "$d/rank0.json" > "$OUT/rank0.json.gz"; head -n 12 "$OUT/profile-full-4gpu.txt" ;;
+scaling-full|scaling-lora)
+  # session 11's scaling calls (the misses of session 10: 79% at 2 GPUs for full 1.5B, 81-84% for LoRA 1.5B).
+  # full: NCCL alone at FSDP2's per-block sizes; the 1-GPU baseline alone on the machine; 4 GPUs with one, two and
+  # four blocks per FSDP unit; then profiled, every rank's Chrome trace back gzipped (which rank the others wait for).
+  # lora: the baseline alone; 4 GPUs with DDP, the flat sync, and without compiled blocks (105% in session 8); profiled
+  kind=${1#scaling-}; rows=$kind-1.5b-4gpu
+  variants="default;grad_sync=flat;torch_compile=false"
+  if [ "$kind" = full ]; then
+    variants="default;fsdp_blocks_per_unit=2;fsdp_blocks_per_unit=4"
+    timeout 60 torchrun --nproc_per_node 4 bench/allreduce_probe.py 2>/dev/null | grep '^nccl'
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout 110 $B --rows $kind-1.5b --no-peer --out "$OUT/b" > "$OUT/b.log" 2>&1; grep -h '^\[g' "$OUT/b.log"
+  timeout 300 $B --rows $rows --no-peer --variants "$variants" --out "$OUT/f" > "$OUT/f.log" 2>&1; grep -h '^\[g' "$OUT/f.log"
+  mkdir -p /tmp/wp; ln -sfn /tmp/wt/models /tmp/wp/models  # the model built above
+  timeout 100 $B --rows $rows --no-peer --variants profile_steps=12-13 --work /tmp/wp --out "$OUT/p" > "$OUT/p.log" 2>&1
+  grep -h '^\[g' "$OUT/p.log"; d=/tmp/wp/g4s0/1.5b/out-$rows-v0/profile; head -n 2 "$d/summary.txt"
+  for r in 0 1 2 3; do gzip -c "$d/rank$r.json" > "$OUT/rank$r.json.gz"; done
+  python3 bench/speed_table.py --merge "$OUT"/b/speed.json "$OUT"/f/speed.json --out "$OUT" > /dev/null; cat "$OUT/speed.md" ;;
+levers-7b)
+  # full 7B zero3 on 4 GPUs (27.6% MFU in session 10, with 50 allocator retries): bf16 gradient reduce-scatters and
+  # two blocks per FSDP unit; then with expandable segments (no fragmentation retries), also at batch 8
+  timeout 300 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/z" \
+    --variants "default;grad_reduce_dtype=bf16;fsdp_blocks_per_unit=2" > "$OUT/z.log" 2>&1
+  mkdir -p /tmp/we; ln -sfn /tmp/wt/models /tmp/we/models
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/e" \
+    --work /tmp/we --variants "default;per_device_train_batch_size=8" > "$OUT/e.log" 2>&1
+  grep -h '^\[g' "$OUT/z.log" "$OUT/e.log"; steps /tmp/wt /tmp/we ;;
 scaling)
   # scaling on one machine in one call: the 1-GPU baselines alone on the machine first (a host-bound LoRA step
   # slows down beside other streams, which moved session 9's baseline), then the 4-GPU rows, the full one also

@@ -157,3 +157,19 @@ def test_a_second_sigterm_cannot_cut_the_merge():
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_collective_probe_prints_every_collective_and_size(tmp_path):
+    """bench/allreduce_probe.py on two gloo ranks (on the device it runs on NCCL): one line per collective and size."""
+    from test_checkpoint import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(REPO / "bench" / "allreduce_probe.py"), "--sizes-mb", "1,2",
+                             "--unit-params-m", "0.5"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("gloo ")]
+    assert [line.split(" MB")[0].split(" ", 2)[2] for line in lines] == [
+        "all_reduce fp32 1", "all_reduce fp32 2", "all_gather bf16 (0.5M params) 1",
+        "reduce_scatter fp32 (0.5M params) 2"], result.stdout
+    assert all("bus bandwidth" in line and " ms," in line for line in lines)

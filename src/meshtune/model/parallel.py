@@ -125,10 +125,11 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                hsdp_shard_size: int | None = None, prefetch: int = 1, grad_sync: str = "ddp",
-               in_sync: bool = False, reduce_bf16: bool = False) -> torch.nn.Module:
+               in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
-    gradients cross the processes in bf16 (half the bytes), and are summed back into fp32."""
+    gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `blocks_per_unit`:
+    consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all)."""
     if parallel == "ddp":
         if env.world_size == 1:
             return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
@@ -147,13 +148,19 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     reshard = parallel in ("zero3", "hsdp")
     mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
-    blocks = transformer_blocks(model)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
+    units = fsdp_units(transformer_blocks(model), blocks_per_unit)
+    for unit in units:
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
     if prefetch:
-        set_prefetch(blocks, prefetch)
+        set_prefetch([unit[0] for unit in units], prefetch)
     return model
+
+
+def fsdp_units(blocks: list[torch.nn.Module], blocks_per_unit: int) -> list[list[torch.nn.Module]]:
+    """Consecutive blocks in groups of `blocks_per_unit` (the last may be shorter). Fewer units mean fewer, larger
+    collectives and fewer FSDP hooks on the host per step; a unit's whole parameters are gathered at once."""
+    return [blocks[i:i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
 
 
 def set_prefetch(blocks: list[torch.nn.Module], depth: int) -> None:

@@ -203,7 +203,8 @@ def place_and_wrap(model: torch.nn.Module, cfg: TrainConfig, parallel: str, env:
     if from_rank0:
         check_same_model(model, env)
     wrap = partial(wrap_model, parallel=parallel, env=env, bf16=bf16, hsdp_shard_size=cfg.hsdp_shard_size,
-                   prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16")
+                   prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16",
+                   blocks_per_unit=cfg.fsdp_blocks_per_unit)
     if parallel == "ddp":
         if from_rank0:
             receive_replicated(model, env)

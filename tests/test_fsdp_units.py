@@ -1,0 +1,79 @@
+"""fsdp_blocks_per_unit: consecutive transformer blocks sharded as one FSDP2 unit. Two real gloo ranks: the grouped
+model gathers each unit's parameters in one collective, and one training step gives the weights of one unit per
+block."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from meshtune.demo.model import build_tiny_model
+from meshtune.demo.tokenizer import train_tokenizer
+from meshtune.distributed import DistEnv
+from meshtune.model.loading import load_model
+from meshtune.model.parallel import fsdp_units, wrap_model
+from test_checkpoint import run_ranks
+from test_rank0_weights import one_step
+
+
+@pytest.fixture(scope="module")
+def five_block_model(tmp_path_factory) -> Path:
+    """Five blocks: with two blocks a unit, the last unit holds one."""
+    tokenizer = train_tokenizer(["a few words to train a tokenizer on"] * 20, vocab_size=300)
+    return build_tiny_model(tokenizer, tmp_path_factory.mktemp("five"), seed=5, hidden_size=32, intermediate_size=64,
+                            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=5)
+
+
+def units_job(rank: int, world_size: int, workdir: Path) -> None:
+    task = json.loads((workdir / "task.json").read_text())
+    env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"))
+    model = wrap_model(load_model(task["model"]), task["parallel"], env, bf16=False,
+                       blocks_per_unit=task["blocks_per_unit"], prefetch=task["prefetch"])
+    gathers = []  # one all-gather per unit (and one for the root) in a forward
+    name = next(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n))
+    original = getattr(torch.distributed, name)  # what FSDP2 calls: all_gather_single from torch 2.12 on
+    setattr(torch.distributed, name, lambda *a, **k: gathers.append(1) or original(*a, **k))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(12).reshape(1, 12) + 3)
+    finally:
+        setattr(torch.distributed, name, original)
+    # the FSDP state each block belongs to: blocks of one unit share it
+    states = [id(block._get_fsdp_state()) for block in model.model.layers]  # private: no public accessor
+    one_step(model)
+    trained = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    torch.save({"gathers": len(gathers), "states": states,
+                "trained": {k: v.detach().clone() for k, v in trained.items()}}, workdir / f"rank{rank}.pt")
+
+
+def run_units(tmp_path: Path, model_dir: Path, parallel: str, blocks_per_unit: int, prefetch: int = 0) -> dict:
+    work = tmp_path / f"{parallel}-{blocks_per_unit}-{prefetch}"
+    work.mkdir()
+    (work / "task.json").write_text(json.dumps({"model": str(model_dir), "parallel": parallel,
+                                                "blocks_per_unit": blocks_per_unit, "prefetch": prefetch}))
+    run_ranks(units_job, 2, work)
+    return torch.load(work / "rank1.pt")
+
+
+def test_blocks_are_grouped_in_order_and_the_last_unit_takes_the_rest():
+    assert fsdp_units(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
+    assert fsdp_units(list("abcde"), 1) == [["a"], ["b"], ["c"], ["d"], ["e"]]
+    assert fsdp_units(list("abc"), 8) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("parallel,prefetch", [("zero3", 0), ("zero2", 1)])
+def test_grouped_units_gather_once_per_unit_and_train_the_same(tmp_path, five_block_model, parallel, prefetch):
+    one = run_units(tmp_path, five_block_model, parallel, 1, prefetch)
+    two = run_units(tmp_path, five_block_model, parallel, 2, prefetch)
+    assert len(set(one["states"])) == 5 and one["gathers"] == 6  # five blocks and the root
+    assert two["states"][0] == two["states"][1] != two["states"][2] == two["states"][3] != two["states"][4]
+    assert two["gathers"] == 4  # three units and the root
+    reference = load_model(five_block_model)
+    one_step(reference)  # one process, no wrapper
+    for name, tensor in reference.state_dict().items():
+        for result in (one, two):
+            assert torch.allclose(result["trained"][name], tensor, rtol=1e-5, atol=1e-7), name
