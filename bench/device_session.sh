@@ -108,22 +108,23 @@ scaling-full|scaling-lora)
   variants="default;grad_sync=flat;torch_compile=false"
   if [ "$kind" = full ]; then
     variants="default;fsdp_blocks_per_unit=2;fsdp_blocks_per_unit=4"
-    timeout 60 torchrun --nproc_per_node 4 bench/allreduce_probe.py 2>/dev/null | grep '^nccl'
+    timeout 45 torchrun --nproc_per_node 4 bench/allreduce_probe.py 2>/dev/null | grep '^nccl'
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout 110 $B --rows $kind-1.5b --no-peer --out "$OUT/b" > "$OUT/b.log" 2>&1; grep -h '^\[g' "$OUT/b.log"
-  timeout 300 $B --rows $rows --no-peer --variants "$variants" --out "$OUT/f" > "$OUT/f.log" 2>&1; grep -h '^\[g' "$OUT/f.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 $B --rows $kind-1.5b --no-peer --out "$OUT/b" > "$OUT/b.log" 2>&1; grep -h '^\[g' "$OUT/b.log"
+  timeout $([ "$kind" = full ] && echo 300 || echo 330) $B --rows $rows --no-peer --variants "$variants" --out "$OUT/f" > "$OUT/f.log" 2>&1; grep -h '^\[g' "$OUT/f.log"
   mkdir -p /tmp/wp; ln -sfn /tmp/wt/models /tmp/wp/models  # the model built above
-  timeout 100 $B --rows $rows --no-peer --variants profile_steps=12-13 --work /tmp/wp --out "$OUT/p" > "$OUT/p.log" 2>&1
+  timeout 115 $B --rows $rows --no-peer --variants profile_steps=12-13 --work /tmp/wp --out "$OUT/p" > "$OUT/p.log" 2>&1
   grep -h '^\[g' "$OUT/p.log"; d=/tmp/wp/g4s0/1.5b/out-$rows-v0/profile; head -n 2 "$d/summary.txt"
   for r in 0 1 2 3; do gzip -c "$d/rank$r.json" > "$OUT/rank$r.json.gz"; done
   python3 bench/speed_table.py --merge "$OUT"/b/speed.json "$OUT"/f/speed.json --out "$OUT" > /dev/null; cat "$OUT/speed.md" ;;
 levers-7b)
-  # full 7B zero3 on 4 GPUs (27.6% MFU in session 10, with 50 allocator retries): bf16 gradient reduce-scatters and
-  # two blocks per FSDP unit; then with expandable segments (no fragmentation retries), also at batch 8
-  timeout 300 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/z" \
-    --variants "default;grad_reduce_dtype=bf16;fsdp_blocks_per_unit=2" > "$OUT/z.log" 2>&1
+  # full 7B zero3 on 4 GPUs (27.6% MFU in session 10, with 50 allocator retries): as it is and with two blocks per
+  # FSDP unit; then with expandable segments (no fragmentation retries), at batch 4 and 8. Building the 7B model
+  # took about 3 minutes of session 10's call 3, so four rows are what fits
+  timeout 370 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/z" \
+    --variants "default;fsdp_blocks_per_unit=2" > "$OUT/z.log" 2>&1
   mkdir -p /tmp/we; ln -sfn /tmp/wt/models /tmp/we/models
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/e" \
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 185 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/e" \
     --work /tmp/we --variants "default;per_device_train_batch_size=8" > "$OUT/e.log" 2>&1
   grep -h '^\[g' "$OUT/z.log" "$OUT/e.log"; steps /tmp/wt /tmp/we ;;
 scaling)
