@@ -10,13 +10,13 @@
 #   bench/device_session.sh steady-and-small | four-gpu   session 9's two table calls
 #   bench/device_session.sh table | scaling | levers   the next session's calls: the whole table in one call
 #                                         (if it fits), the scaling call, the 7B call (see below)
-#   bench/device_session.sh scaling-full | scaling-lora | levers-7b   session 11's calls (see below)
+#   bench/device_session.sh qlora | scaling-full | levers-7b | scaling-lora   session 11's calls (see their comments)
 #   bench/device_session.sh eight-gpu PART   the 8-GPU issue, one part a call (see below)
 #   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
 #                                             zero2/zero3/hsdp, LoRA 7B ddp/hsdp; then full 1.5B on each GPU
 #                                             at once, printing every step's seconds, compile seconds so far, and the recompiles
-# Needs: .whl (pydantic wheels) and .peer/peer_hf.py carried; PYTHONPATH set as below.
+# Needs: .whl (pydantic and torchao wheels) and .peer/peer_hf.py carried; PYTHONPATH set as below.
 set -u
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -99,6 +99,12 @@ table-1.5b)
   timeout 150 $B --rows full-1.5b-4gpu --no-peer --variants profile_steps=12-13 --work /tmp/wp --out "$OUT/p" > "$OUT/p.log" 2>&1
   grep -h '^\[g' "$OUT/p.log"; d=/tmp/wp/g4s0/1.5b/out-full-1.5b-4gpu-v0/profile
   cp "$d/summary.txt" "$OUT/profile-full-4gpu.txt"; gzip -c "$d/rank0.json" > "$OUT/rank0.json.gz"; head -n 12 "$OUT/profile-full-4gpu.txt" ;;
+qlora)
+  # Q-LoRA's first GPU run: LoRA 7B and Q-LoRA 7B side by side (one GPU each), uncompiled (Q-LoRA's default until
+  # its compiled blocks have run on a GPU) and compiled; the table judges Q-LoRA against our LoRA (the target:
+  # >= 0.7x its tokens/s at <= 40% of its peak memory). Needs the torchao wheel in .whl/
+  timeout 560 $B --rows lora-7b,qlora-7b --no-peer --variants "default;torch_compile=true" --out "$OUT" > "$OUT/q.log" 2>&1
+  grep -h '^\[g' "$OUT/q.log"; cat "$OUT/speed.md"; grep -h "qlora:" /tmp/wt/g1s1/7b/out-qlora-7b-v0/train.log ;;
 scaling-full|scaling-lora)
   # session 11's scaling calls (the misses of session 10: 79% at 2 GPUs for full 1.5B, 81-84% for LoRA 1.5B).
   # full: NCCL alone at FSDP2's per-block sizes; the 1-GPU baseline alone on the machine; 4 GPUs with one, two and

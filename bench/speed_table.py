@@ -5,7 +5,8 @@ Every row trains the same model shape (random init), on the peer's own synthetic
 tokens/s counts real (non-padding) tokens after 5 warm-up steps. MFU = achieved FLOP/s per GPU over a bf16
 matmul measured on this card (both printed); FLOPs as torchtitan counts them (meshtune/train/throughput.py), for
 the peer too (from its tokens/s and the samples' lengths). Scaling = per-GPU tokens/s at N GPUs / at 1 GPU.
-Rows that need more GPUs than the machine has, or a method meshtune lacks, are listed as not run, with why.
+Rows that need more GPUs than the machine has are listed as not run, with why. Q-LoRA has no peer run (the peer
+has no 4-bit path here): its row is judged against meshtune's LoRA row of the same model.
 A failed run is reported in its row; the others still run.
 
 On the device machine (peer copied to .peer/ and carried):
@@ -49,13 +50,14 @@ class Row:
     peer: bool = False
     settings: dict = field(default_factory=dict)
     scaling_of: str | None = None  # the row this one scales: 1 GPU, or the fewest GPUs that hold the model
-    unavailable: str | None = None
+    against: str | None = None  # a meshtune row this one is judged against (Q-LoRA: our LoRA's tokens/s and memory)
 
 
 # Checkpointing as the peer (on), but selective: the fraction of blocks recomputed is chosen per row so that
 # LoRA stays within the peer's peak memory (bench/README in docs/benchmarks.md has the ablation behind these)
 LORA_15B = {"gradient_checkpointing_ratio": 0.35}
 LORA_7B = {"gradient_checkpointing_ratio": 0.8}
+QLORA_7B = {"gradient_checkpointing_ratio": 1.0}  # the target is memory (<= 40% of LoRA's): every block recomputed
 FULL_7B_ZERO3 = {"parallel": "zero3", "gradient_checkpointing": False}
 FULL_7B_HSDP = {"parallel": "hsdp", "hsdp_shard_size": 2}  # replicas of 2 GPUs each, checkpointing on
 FULL_15B = {}  # parallel auto: no wrapper on one GPU, zero2 on several (measured faster than ddp on 4 H100s)
@@ -64,7 +66,7 @@ ROWS = {
     "lora-1.5b": Row("1.5b", "lora", 1, 8, peer=True, settings=LORA_15B),
     "lora-7b": Row("7b", "lora", 1, 4, peer=True, settings=LORA_7B),
     "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
-    "qlora-7b": Row("7b", "qlora", 1, 4, unavailable="Q-LoRA is not implemented in meshtune yet"),
+    "qlora-7b": Row("7b", "qlora", 1, 4, settings=QLORA_7B, against="lora-7b"),
     # 7B full, 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
     # block's activations (~12 GB at bs 4, measured 41.5 GiB peak); over 2 (hsdp's shard) it is 61 GB, so hsdp
     # recomputes every block on 80 GB cards
@@ -216,7 +218,7 @@ def main() -> None:
 
     for name in args.rows.split(","):
         row = ROWS[name]
-        skip = row.unavailable or (f"needs {row.gpus} GPUs, this machine has {gpus}" if row.gpus > max(gpus, 1) else None)
+        skip = f"needs {row.gpus} GPUs, this machine has {gpus}" if row.gpus > max(gpus, 1) else None
         if skip:
             results.append(dict(row=name, system="meshtune", gpus=row.gpus, skipped=skip))
             save()  # before the line: a stream's parent takes the line to mean the row is on disk
@@ -293,7 +295,7 @@ def streams(args) -> None:
     gpus = torch.cuda.device_count()
     names = args.rows.split(",")
     models = Path(args.work) / "models"
-    runnable = [n for n in names if not ROWS[n].unavailable and ROWS[n].gpus <= max(gpus, 1)]
+    runnable = [n for n in names if ROWS[n].gpus <= max(gpus, 1)]
     for size in dict.fromkeys(ROWS[n].size for n in runnable):
         build_model_dir(size, models)
     files, children = [], []
@@ -361,6 +363,11 @@ def render(results: list[dict], summary: dict) -> str:
             continue
         peer = peers.get(r["row"])
         ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer and r["system"] == "meshtune" else ""
+        against = ROWS[r["row"]].against
+        mine = against and (base.get((against, r.get("variant"))) or base.get((against, "default")))
+        if mine and r["system"] == "meshtune":  # no peer of its own: judged against our row (tokens/s, memory)
+            ratio = (f"{r['tokens_per_s'] / mine['tokens_per_s']:.2f}x {against}, "
+                     f"{r['peak_gib'] / mine['peak_gib']:.0%} of its memory")
         scaling = ""
         of = ROWS[r["row"]].scaling_of
         if of and (of, r.get("variant")) in base:

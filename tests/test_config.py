@@ -31,9 +31,11 @@ def test_missing_required_key():
         build_config({"model_name_or_path": "/m"})
 
 
-def test_qlora_says_not_yet_supported():
-    with pytest.raises(ConfigError, match=r"qlora.*not yet supported"):
-        build_config({**BASE, "finetuning_type": "qlora"})
+def test_qlora_takes_ddp_or_auto_and_names_the_way_out_otherwise():
+    assert build_config({**BASE, "finetuning_type": "qlora"}).is_lora
+    assert build_config({**BASE, "finetuning_type": "qlora", "parallel": "ddp"}).parallel == "ddp"
+    with pytest.raises(ConfigError, match=r"qlora trains with parallel: ddp.*zero3 is not supported: set parallel: ddp"):
+        build_config({**BASE, "finetuning_type": "qlora", "parallel": "zero3"})
 
 
 def test_overrides_are_parsed_as_yaml_and_win(tmp_path):

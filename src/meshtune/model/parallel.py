@@ -86,7 +86,7 @@ def choose_parallel(requested: str, finetuning_type: str, env: DistEnv, count_pa
     """
     if requested != "auto":
         return requested, ""
-    if finetuning_type == "lora":
+    if finetuning_type in ("lora", "qlora"):
         return "ddp", "LoRA: only the adapters' gradients are all-reduced"
     if env.world_size == 1:
         return "ddp", "one process"
@@ -140,6 +140,10 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
         # broadcast_buffers off: a decoder's buffers (rotary frequencies) never change, and the broadcast would
         # be one more collective, a wait for the slowest rank, before every forward
         device_ids = [env.device.index] if env.device.type == "cuda" else None
+        # frozen tensors of a subclass (Q-LoRA's NF4 weights) are left out: DDP would broadcast and check them as
+        # plain tensors; they never train, and every rank quantized the same files itself
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
+            name for name, p in model.named_parameters() if not p.requires_grad and type(p.data) is not torch.Tensor])
         ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False, init_sync=not in_sync)
         if reduce_bf16:
             ddp.register_comm_hook(None, bf16_allreduce_hook)

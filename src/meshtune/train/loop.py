@@ -32,6 +32,7 @@ from meshtune.model.attention import use_varlen, varlen_available
 from meshtune.model.export import save_final
 from meshtune.model.loading import check_model_dir, count_parameters, load_model, load_tokenizer, model_skeleton
 from meshtune.model.lora import add_lora
+from meshtune.model.qlora import quantize_frozen_linears
 from meshtune.model.loss_head import install_loss_head, targets_for
 from meshtune.model.parallel import (choose_parallel, finish_gradient_sync, gradient_sync, transformer_blocks, unwrap,
                                      wrap_model)
@@ -307,18 +308,27 @@ def train(cfg: TrainConfig) -> TrainResult:
         log(f"parallel auto: {parallel} ({why})")
     bf16 = use_bf16(cfg, env)
     # LoRA under DDP: frozen base weights in bf16 (only the fp32 adapters are master weights), as PEFT users do
-    frozen_bf16 = bf16 and cfg.finetuning_type == "lora" and parallel == "ddp"
+    frozen_bf16 = bf16 and cfg.is_lora and parallel == "ddp"
     dtype = torch.bfloat16 if frozen_bf16 else torch.float32
-    from_rank0 = env.world_size > 1 and cfg.load_weights_on == "rank0"  # the others build it without weights
+    # the others build it without weights; Q-LoRA quantizes what each rank loads itself (4-bit weights: no broadcast)
+    from_rank0 = env.world_size > 1 and cfg.load_weights_on == "rank0" and cfg.finetuning_type != "qlora"
     model = model_skeleton(model_dir, dtype) if from_rank0 and not env.is_main else load_model(model_dir, dtype)
     flops = FlopCounter.of(model)
     if padding_free:
         use_varlen(model)
-    compiled = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda"
+    # Q-LoRA's NF4 weights under torch.compile have not run on a GPU here yet: compiled only when asked for
+    compiled = (cfg.torch_compile if cfg.torch_compile is not None
+                else env.device.type == "cuda" and cfg.finetuning_type != "qlora")
     fused_loss = cfg.fused_loss and install_loss_head(model, compiled)
     torch.manual_seed(cfg.seed)
-    if cfg.finetuning_type == "lora":
+    if cfg.is_lora:
         model = add_lora(model, cfg)
+    if cfg.finetuning_type == "qlora":
+        count, before, after = quantize_frozen_linears(model, env.device)
+        log(f"qlora: {count} frozen linear weights of the transformer blocks in 4-bit NF4 (torchao), "
+            f"{before / 2**20:,.1f} MiB -> {after / 2**20:,.1f} MiB" if count else
+            "warning: qlora quantized no weight: no block linear layer holds whole NF4 scale groups (64 x 256 "
+            "values); this trains as plain LoRA")
     if cfg.gradient_checkpointing:
         enable_checkpointing(model, cfg.gradient_checkpointing_ratio)
     if compiled:
@@ -344,7 +354,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         log(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     trainer = {"step": 0}
-    state = training_state(model, optimizer, scheduler, trainer, env.rank, trainable_only=cfg.finetuning_type == "lora")
+    state = training_state(model, optimizer, scheduler, trainer, env.rank, trainable_only=cfg.is_lora)
     if resume_path:
         checkpoints.load(resume_path, state)
         log(f"resumed from {resume_path} at step {trainer['step']} of {total_steps}")
@@ -426,7 +436,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if metrics:
         metrics.close()
 
-    final_dir = (save_final(model, tokenizer, output_dir / "final", cfg.finetuning_type == "lora", env)
+    final_dir = (save_final(model, tokenizer, output_dir / "final", cfg.is_lora, env)
                  if cfg.save_final else None)
     records = metrics.records if metrics else []
     if env.is_main:

@@ -1,0 +1,56 @@
+"""Q-LoRA: the frozen linear weights of the transformer blocks stored in 4-bit NF4 (torchao's NF4Tensor, as
+torchtune's Q-LoRA), the LoRA adapters in full precision on top. NF4Tensor dequantizes inside `F.linear` to the
+input's dtype, so peft's LoRA layers, autograd and gradient checkpointing work unchanged; the base weights get no
+gradient. The embeddings, the output head and the norms stay as loaded (the head is what the fused loss reads).
+
+Quantizing is deterministic, so every rank that loads the same files holds the same 4-bit weights: no broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtune.errors import ConfigError
+from meshtune.model.parallel import transformer_blocks
+
+BLOCK_SIZE = 64  # values per absmax scale, as bitsandbytes' and torchtune's NF4
+SCALER_BLOCK_SIZE = 256  # scales per double-quantized (int8) scale group
+
+
+def nf4_quantizer():
+    """torchao's `to_nf4` (its compiled kernels stay unloaded, and its import notes quiet: meshtune/__init__.py)."""
+    try:
+        from torchao.quantization import to_nf4  # torchao >= 0.15
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4  # older torchao
+        except ImportError:
+            raise ConfigError("finetuning_type: qlora needs torchao (its NF4 tensor): pip install torchao") from None
+    return to_nf4
+
+
+def quantize_frozen_linears(model: torch.nn.Module, device: torch.device) -> tuple[int, int, int]:
+    """Move each block to `device` and store its frozen linear weights in NF4, one block at a time, so the
+    unquantized weights of only one block are ever on the device. Returns (layers, bytes before, bytes after)."""
+    to_nf4 = nf4_quantizer()
+    count = before = after = 0
+    for block in transformer_blocks(model):
+        block.to(device)
+        for name, module in block.named_modules():
+            if not isinstance(module, torch.nn.Linear) or module.weight.requires_grad or ".lora_" in f".{name}":
+                continue  # trainable, or an adapter (frozen too when peft loads one for inference)
+            weight = module.weight.detach()
+            if weight.numel() % (BLOCK_SIZE * SCALER_BLOCK_SIZE):
+                continue  # not whole scale groups (only in toy models): stays as loaded
+            quantized = to_nf4(weight, BLOCK_SIZE, SCALER_BLOCK_SIZE)
+            module.weight = torch.nn.Parameter(quantized, requires_grad=False)
+            count += 1
+            before += weight.numel() * weight.element_size()
+            after += nf4_bytes(quantized)
+    return count, before, after
+
+
+def nf4_bytes(tensor: torch.Tensor) -> int:
+    """Storage of an NF4Tensor: its packed 4-bit values and its quantized scales."""
+    inner = [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
+    return sum(t.numel() * t.element_size() for t in inner)
