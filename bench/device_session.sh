@@ -16,7 +16,7 @@
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
 #                                             zero2/zero3/hsdp, LoRA 7B ddp/hsdp; then full 1.5B on each GPU
 #                                             at once, printing every step's seconds, compile seconds so far, and the recompiles
-# Needs: .whl (pydantic and torchao wheels) and .peer/peer_hf.py carried; PYTHONPATH set as below.
+# Needs: .whl (pydantic wheels) and .peer/peer_hf.py carried (and .whl-ao, torchao, for the qlora stage); PYTHONPATH set as below.
 set -u
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -102,8 +102,14 @@ table-1.5b)
 qlora)
   # Q-LoRA's first GPU run: LoRA 7B and Q-LoRA 7B side by side (one GPU each), uncompiled (Q-LoRA's default until
   # its compiled blocks have run on a GPU) and compiled; the table judges Q-LoRA against our LoRA (the target:
-  # >= 0.7x its tokens/s at <= 40% of its peak memory). Needs the torchao wheel in .whl/
-  timeout 560 $B --rows lora-7b,qlora-7b --no-peer --variants "default;torch_compile=true" --out "$OUT" > "$OUT/q.log" 2>&1
+  # >= 0.7x its tokens/s at <= 40% of its peak memory). Needs the torchao wheel in .whl-ao/ (carried)
+  # torchao only here: peft and transformers import it wherever it is installed, and whether this build (0.18)
+  # imports on the image's torch 2.11 is checked first
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl-ao/*.whl || exit 1
+  PYTHONPATH=/tmp/site-ao:$PYTHONPATH python3 -c "from torchao.quantization import to_nf4; import torch
+print('torchao NF4 on', torch.__version__, to_nf4(torch.randn(256, 64, device='cuda')).dtype)" || exit 1
+  PYTHONPATH=/tmp/site-ao:$PYTHONPATH timeout 540 $B --rows lora-7b,qlora-7b --no-peer --variants "default;torch_compile=true" \
+    --out "$OUT" > "$OUT/q.log" 2>&1
   grep -h '^\[g' "$OUT/q.log"; cat "$OUT/speed.md"; grep -h "qlora:" /tmp/wt/g1s1/7b/out-qlora-7b-v0/train.log ;;
 scaling-full|scaling-lora)
   # session 11's scaling calls (the misses of session 10: 79% at 2 GPUs for full 1.5B, 81-84% for LoRA 1.5B).
