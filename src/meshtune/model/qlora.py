@@ -25,7 +25,8 @@ def nf4_quantizer():
         try:
             from torchao.dtypes.nf4tensor import to_nf4  # older torchao
         except ImportError:
-            raise ConfigError("finetuning_type: qlora needs torchao (its NF4 tensor): pip install torchao") from None
+            raise ConfigError("finetuning_type: qlora needs torchao (its NF4 tensor), which is not installed: "
+                              "pip install 'meshtune[qlora]' (or pip install torchao)") from None
     return to_nf4
 
 
