@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -124,3 +125,13 @@ def test_qlora_on_two_processes_matches_one_process_with_accumulation(qlora_mode
         losses[nproc] = [r["loss"] for r in read_metrics(out / "output")]
     for one, two in zip(losses[1], losses[2]):
         assert abs(one - two) / abs(one) < 1e-4, losses
+
+
+def test_without_torchao_qlora_says_what_to_install(monkeypatch):
+    from meshtune.errors import ConfigError
+
+    for name in [n for n in list(sys.modules) if n == "torchao" or n.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
+    with pytest.raises(ConfigError, match=r"qlora needs torchao.*pip install 'meshtune\[qlora\]'"):
+        nf4_quantizer()
