@@ -32,10 +32,10 @@ from meshtune.model.attention import use_varlen, varlen_available
 from meshtune.model.export import save_final
 from meshtune.model.loading import check_model_dir, count_parameters, load_model, load_tokenizer, model_skeleton
 from meshtune.model.lora import add_lora
-from meshtune.model.qlora import quantize_frozen_linears
 from meshtune.model.loss_head import install_loss_head, targets_for
 from meshtune.model.parallel import (choose_parallel, finish_gradient_sync, gradient_sync, transformer_blocks, unwrap,
                                      wrap_model)
+from meshtune.model.qlora import quantize_frozen_linears
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
 from meshtune.storage import check_shared_output_dir
 from meshtune.train.collection import StepGarbageCollection, default_interval
