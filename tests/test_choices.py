@@ -27,13 +27,13 @@ def never_counted() -> int:
 
 @pytest.mark.parametrize("requested", ["ddp", "zero2", "zero3", "hsdp"])
 def test_an_explicit_parallel_mode_is_kept(requested):
-    assert choose_parallel(requested, "full", env(4, "cpu"), never_counted) == (requested, "")
+    assert choose_parallel(requested, False, env(4, "cpu"), never_counted) == (requested, "")
 
 
-@pytest.mark.parametrize("method, world_size, device, reason", [
-    ("lora", 8, "cpu", "LoRA"), ("full", 1, "cpu", "one process"), ("full", 2, "cpu", "CPU processes")])
-def test_auto_is_ddp_for_lora_one_process_and_cpu(method, world_size, device, reason):
-    mode, why = choose_parallel("auto", method, env(world_size, device), never_counted)
+@pytest.mark.parametrize("is_lora, world_size, device, reason", [
+    (True, 8, "cpu", "LoRA"), (False, 1, "cpu", "one process"), (False, 2, "cpu", "CPU processes")])
+def test_auto_is_ddp_for_lora_one_process_and_cpu(is_lora, world_size, device, reason):
+    mode, why = choose_parallel("auto", is_lora, env(world_size, device), never_counted)
     assert mode == "ddp" and reason in why
 
 

@@ -74,7 +74,7 @@ def finish_gradient_sync(model: torch.nn.Module) -> None:
         sync()
 
 
-def choose_parallel(requested: str, finetuning_type: str, env: DistEnv, count_parameters: Callable[[], int]
+def choose_parallel(requested: str, is_lora: bool, env: DistEnv, count_parameters: Callable[[], int]
                     ) -> tuple[str, str]:
     """`parallel: auto` made concrete, with the reason, the same on every rank; other values pass through.
 
@@ -86,7 +86,7 @@ def choose_parallel(requested: str, finetuning_type: str, env: DistEnv, count_pa
     """
     if requested != "auto":
         return requested, ""
-    if finetuning_type in ("lora", "qlora"):
+    if is_lora:
         return "ddp", "LoRA: only the adapters' gradients are all-reduced"
     if env.world_size == 1:
         return "ddp", "one process"

@@ -303,7 +303,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     plan, total_steps = plan_steps(cfg, train_data, env.world_size, padding_free)
 
     # model: fp32 master weights, LoRA (init seeded identically on every rank), then the parallel wrapper
-    parallel, why = choose_parallel(cfg.parallel, cfg.finetuning_type, env, lambda: count_parameters(model_dir))
+    parallel, why = choose_parallel(cfg.parallel, cfg.is_lora, env, lambda: count_parameters(model_dir))
     if cfg.parallel == "auto":
         log(f"parallel auto: {parallel} ({why})")
     bf16 = use_bf16(cfg, env)
