@@ -15,7 +15,7 @@ from meshtune.demo.model import build_tiny_model
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.distributed import DistEnv
 from meshtune.model.loading import load_model
-from meshtune.model.parallel import fsdp_units, wrap_model
+from meshtune.model.parallel import default_blocks_per_unit, fsdp_units, wrap_model
 from test_checkpoint import run_ranks
 from test_rank0_weights import one_step
 
@@ -50,7 +50,7 @@ def units_job(rank: int, world_size: int, workdir: Path) -> None:
                 "trained": {k: v.detach().clone() for k, v in trained.items()}}, workdir / f"rank{rank}.pt")
 
 
-def run_units(tmp_path: Path, model_dir: Path, parallel: str, blocks_per_unit: int, prefetch: int = 0) -> dict:
+def run_units(tmp_path: Path, model_dir: Path, parallel: str, blocks_per_unit: int | None, prefetch: int = 0) -> dict:
     work = tmp_path / f"{parallel}-{blocks_per_unit}-{prefetch}"
     work.mkdir()
     (work / "task.json").write_text(json.dumps({"model": str(model_dir), "parallel": parallel,
@@ -65,6 +65,20 @@ def test_blocks_are_grouped_in_order_and_the_last_unit_takes_the_rest():
     assert fsdp_units(list("abc"), 8) == [["a", "b", "c"]]
 
 
+def block_of(params_m: float) -> torch.nn.Module:
+    """A block of about `params_m` million parameters, on the meta device (no memory)."""
+    side = int((params_m * 1e6) ** 0.5)
+    return torch.nn.Linear(side, side, bias=False, device="meta")
+
+
+@pytest.mark.parametrize("params_m,expected", [(0.01, 4), (46.8, 4), (233, 4), (306, 3), (488, 2), (878, 1),
+                                               (2000, 1)])
+def test_default_units_hold_at_most_four_blocks_and_about_a_billion_parameters(params_m, expected):
+    # 1.5B, 7B, 14B, 32B and 72B Qwen2.5 blocks; a unit is never empty
+    assert default_blocks_per_unit([block_of(params_m)] * 28) == expected
+    assert default_blocks_per_unit([]) == 1
+
+
 @pytest.mark.parametrize("parallel,prefetch", [("zero3", 0), ("zero2", 1)])
 def test_grouped_units_gather_once_per_unit_and_train_the_same(tmp_path, five_block_model, parallel, prefetch):
     one = run_units(tmp_path, five_block_model, parallel, 1, prefetch)
@@ -72,6 +86,12 @@ def test_grouped_units_gather_once_per_unit_and_train_the_same(tmp_path, five_bl
     assert len(set(one["states"])) == 5 and one["gathers"] == 6  # five blocks and the root
     assert two["states"][0] == two["states"][1] != two["states"][2] == two["states"][3] != two["states"][4]
     assert two["gathers"] == 4  # three units and the root
+    if parallel == "zero3":  # left open: the tiny blocks go four a unit
+        default = run_units(tmp_path, five_block_model, parallel, None, prefetch)
+        assert default["gathers"] == 3 and len(set(default["states"][:4])) == 1
+        assert default["states"][3] != default["states"][4]
+        for name, tensor in default["trained"].items():
+            assert torch.allclose(tensor, two["trained"][name], rtol=1e-5, atol=1e-7), name
     reference = load_model(five_block_model)
     one_step(reference)  # one process, no wrapper
     for name, tensor in reference.state_dict().items():

@@ -43,3 +43,26 @@ def test_profile_steps_write_a_trace_and_a_summary(tmp_path, tiny_model_dir, tin
     assert '"traceEvents"' in trace and "aten::" in trace
     summary = (profile / "summary.txt").read_text()
     assert summary.startswith("optimizer steps 2-4") and "aten::" in summary  # the window ends with the run
+
+
+@pytest.mark.parametrize("enabled,user_env,cuda,expected", [
+    (True, None, True, ["expandable_segments:True"]),
+    (True, "PYTORCH_CUDA_ALLOC_CONF", True, []),  # the user's own allocator settings win
+    (True, "PYTORCH_ALLOC_CONF", True, []),
+    (False, None, True, []),
+    (True, None, False, []),
+])
+def test_expandable_segments_are_set_unless_turned_off_or_set_by_the_user(monkeypatch, enabled, user_env, cuda,
+                                                                           expected):
+    import torch
+
+    from meshtune.distributed import ALLOC_CONF_VARS, use_expandable_segments
+    for name in ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    if user_env:
+        monkeypatch.setenv(user_env, "max_split_size_mb:512")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    assert use_expandable_segments(enabled) is bool(expected)
+    assert calls == expected
