@@ -10,7 +10,9 @@
 #   bench/device_session.sh steady-and-small | four-gpu   session 9's two table calls
 #   bench/device_session.sh table | scaling | levers   the next session's calls: the whole table in one call
 #                                         (if it fits), the scaling call, the 7B call (see below)
-#   bench/device_session.sh qlora | scaling-full | levers-7b | scaling-lora   session 11's calls (see their comments)
+#   bench/device_session.sh qlora | scaling-full   session 11's calls 1 and 2; s11-7b | s11-mixed | s11-lora-base: its
+#                                         calls 3-5 (levers-7b and scaling-lora, planned, did not fit its 30 minutes)
+#   bench/device_session.sh defaults-1.5b | defaults-7b   session 12: the defaults new in session 11 measured
 #   bench/device_session.sh eight-gpu PART   the 8-GPU issue, one part a call (see below)
 #   bench/device_session.sh sockets JOBS MODES [STEPS]   the two-node picture alone (what a call fits)
 #   bench/device_session.sh sockets-and-variance [SECONDS]   two agents x 2 GPUs, NCCL on sockets: full 1.5B
@@ -158,6 +160,41 @@ levers)
     --variants "default;gc_interval=0;per_device_train_batch_size=8;grad_reduce_dtype=bf16" > "$OUT/z.log" 2>&1
   timeout 150 $B --rows full-7b-4gpu-hsdp --no-peer --out "$OUT/h" > "$OUT/h.log" 2>&1
   grep -h '^\[g' "$OUT/z.log" "$OUT/h.log"; steps /tmp/wt ;;
+s11-7b)  # session 11's call 3, as run: 7B zero3 default and 4 blocks a unit; then 4 blocks with expandable segments
+  B="python3 bench/speed_table.py --peer .peer/peer_hf.py --work /tmp/w7 --streams"
+  timeout 380 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/z" --variants "default;fsdp_blocks_per_unit=4" > "$OUT/z.log" 2>&1
+  mkdir -p /tmp/we; ln -sfn /tmp/w7/models /tmp/we/models
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 150 $B --rows full-7b-4gpu-zero3 --no-peer --out "$OUT/e" \
+    --work /tmp/we --variants "fsdp_blocks_per_unit=4" > "$OUT/e.log" 2>&1
+  grep -h '^\[g' "$OUT/z.log" "$OUT/e.log" ;;
+s11-mixed)  # session 11's call 4, as run, on the machine of s11-7b (models kept): 7B with expandable segments, default
+  # and 2 blocks a unit; full 1.5B 2 GPUs at 4 blocks; LoRA 1.5B alone; LoRA 1.5B on 4 and 2 GPUs. Only the first
+  # and last rows finished: a new work folder tokenizes and compiles for about 70 s, more than 80-100 s limits allow
+  B="python3 bench/speed_table.py --peer .peer/peer_hf.py --streams --no-peer"
+  for w in a b c d; do mkdir -p /tmp/x$w; done; ln -sfn /tmp/w7/models /tmp/xa/models
+  for w in b c d; do ln -sfn /tmp/wt/models /tmp/x$w/models; done
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 $B --rows full-7b-4gpu-zero3 --work /tmp/xa --out "$OUT/a" \
+    --variants "default;fsdp_blocks_per_unit=2" > "$OUT/a.log" 2>&1
+  timeout 100 $B --rows full-1.5b-2gpu --work /tmp/xb --out "$OUT/b" --variants "fsdp_blocks_per_unit=4" > "$OUT/b.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 80 $B --rows lora-1.5b --work /tmp/xc --out "$OUT/c" > "$OUT/c.log" 2>&1
+  timeout 160 $B --rows lora-1.5b-4gpu,lora-1.5b-2gpu --work /tmp/xd --out "$OUT/d" > "$OUT/d.log" 2>&1
+  grep -h '^\[g' "$OUT"/?.log ;;
+s11-lora-base)  # session 11's call 5, as run: LoRA 1.5B alone on the machine (the baseline of s11-mixed's 2-GPU row)
+  mkdir -p /tmp/xe; ln -sfn /tmp/wt/models /tmp/xe/models
+  CUDA_VISIBLE_DEVICES=0 timeout 140 python3 bench/speed_table.py --streams --no-peer --rows lora-1.5b --work /tmp/xe \
+    --out "$OUT/e" > "$OUT/e.log" 2>&1; grep -h '^\[g' "$OUT/e.log" ;;
+defaults-1.5b)  # session 12: the defaults new in session 11 (blocks per unit 4, expandable segments) on the 1.5B
+  # scaling rows: each baseline alone on the machine, then 2 and 4 GPUs, one table
+  CUDA_VISIBLE_DEVICES=0 timeout 150 $B --rows full-1.5b,lora-1.5b --no-peer --out "$OUT/b" > "$OUT/b.log" 2>&1
+  timeout 380 $B --rows full-1.5b-2gpu,full-1.5b-4gpu,lora-1.5b-2gpu,lora-1.5b-4gpu --no-peer --out "$OUT/f" > "$OUT/f.log" 2>&1
+  grep -h '^\[g' "$OUT/b.log" "$OUT/f.log"
+  python3 bench/speed_table.py --merge "$OUT"/b/speed.json "$OUT"/f/speed.json --out "$OUT" > /dev/null; cat "$OUT/speed.md" ;;
+defaults-7b)  # session 12: the 7B rows under the new defaults: zero3 and hsdp on 4 GPUs, then LoRA beside Q-LoRA
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl-ao/*.whl || exit 1
+  timeout 370 $B --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --no-peer --out "$OUT/z" > "$OUT/z.log" 2>&1
+  mkdir -p /tmp/wq; ln -sfn /tmp/wt/models /tmp/wq/models
+  PYTHONPATH=/tmp/site-ao:$PYTHONPATH timeout 180 $B --rows lora-7b,qlora-7b --no-peer --work /tmp/wq --out "$OUT/q" > "$OUT/q.log" 2>&1
+  grep -h '^\[g' "$OUT/z.log" "$OUT/q.log" ;;
 eight-gpu)
   # the 8-GPU issue on nvidia-h100-x8 / h200-x8, one part a call (each fits 10 minutes; the issue's "one call"
   # does not): scaling-a (1, 2, 4 GPUs) and scaling-b (8 GPUs), merged after with --merge; nodes-zero3 and
