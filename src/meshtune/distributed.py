@@ -38,8 +38,8 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 def use_expandable_segments(enabled: bool) -> bool:
     """Before this process allocates on CUDA: let the caching allocator grow segments instead of allocating new ones
-    (fewer fragmentation retries; torchtitan runs with it). Through torch's setter, which works whenever torch parsed
-    the variable; a variable the user set wins. True where it was set."""
+    (fewer fragmentation retries; torchtitan runs with it). Through torch's setter, which takes effect whether or not
+    torch has already read the environment; a variable the user set wins. True where it was set."""
     if not enabled or any(name in os.environ for name in ALLOC_CONF_VARS) or not torch.cuda.is_available():
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
