@@ -27,6 +27,8 @@ steps() {  # every full-fine-tuning run under the given folders: seconds per ste
 r=[json.loads(l) for l in open(sys.argv[1])]
 print(sys.argv[1].split('/')[-2], [(round(x['tokens']/x['tokens_per_s'],2), x.get('compile_s')) for x in r])" "$m"
     echo "  recompiles: $(grep -c Recompiling "$(dirname "$m")/train.log")"; done; }
+install_torchao() {  # Q-LoRA's stages only: peft and transformers import torchao wherever it is installed
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl-ao/*.whl || exit 1; }
 B="python3 bench/speed_table.py --peer .peer/peer_hf.py --work /tmp/wt --streams"
 case "$1" in
 table-small)
@@ -107,7 +109,7 @@ qlora)
   # >= 0.7x its tokens/s at <= 40% of its peak memory). Needs the torchao wheel in .whl-ao/ (carried)
   # torchao only here: peft and transformers import it wherever it is installed, and whether this build (0.18)
   # imports on the image's torch 2.11 is checked first
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl-ao/*.whl || exit 1
+  install_torchao
   PYTHONPATH=/tmp/site-ao:$PYTHONPATH python3 -c "from torchao.quantization import to_nf4; import torch
 print('torchao NF4 on', torch.__version__, to_nf4(torch.randn(256, 64, device='cuda')).dtype)" || exit 1
   PYTHONPATH=/tmp/site-ao:$PYTHONPATH timeout 540 $B --rows lora-7b,qlora-7b --no-peer --variants "default;torch_compile=true" \
@@ -190,7 +192,7 @@ defaults-1.5b)  # session 12: the defaults new in session 11 (blocks per unit 4,
   grep -h '^\[g' "$OUT/b.log" "$OUT/f.log"
   python3 bench/speed_table.py --merge "$OUT"/b/speed.json "$OUT"/f/speed.json --out "$OUT" > /dev/null; cat "$OUT/speed.md" ;;
 defaults-7b)  # session 12: the 7B rows under the new defaults: zero3 and hsdp on 4 GPUs, then LoRA beside Q-LoRA
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-ao .whl-ao/*.whl || exit 1
+  install_torchao
   timeout 370 $B --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --no-peer --out "$OUT/z" > "$OUT/z.log" 2>&1
   mkdir -p /tmp/wq; ln -sfn /tmp/wt/models /tmp/wq/models
   PYTHONPATH=/tmp/site-ao:$PYTHONPATH timeout 180 $B --rows lora-7b,qlora-7b --no-peer --work /tmp/wq --out "$OUT/q" > "$OUT/q.log" 2>&1
