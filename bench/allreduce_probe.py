@@ -21,7 +21,7 @@ import torch.distributed as dist
 SIZES_MB = (25, 100, 1000)
 UNIT_PARAMS_M = (46.8, 233.0)  # one decoder block of Qwen2.5-1.5B and of Qwen2.5-7B, millions of parameters
 REPEATS = 10
-# the names torch 2.12 gave them; the GPU image's torch 2.11 has only the old ones
+# torch 2.12's names; earlier releases have only the old ones
 all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
@@ -54,7 +54,7 @@ def main() -> None:
                         help="FSDP unit sizes to probe, millions of parameters, comma-separated")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")  # gloo on CPU: the script itself tested without a GPU
+    dist.init_process_group("nccl" if cuda else "gloo")  # gloo on CPU: the script itself runs without a GPU
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
     if cuda:

@@ -1,10 +1,10 @@
-"""A simulated 2-node job on one GPU host: two `meshtune train` launchers (each a torchrun agent) with NCCL.
+"""A 2-node job simulated on one GPU host: two `meshtune train` launchers (each a torchrun agent) joined over NCCL.
 
-Recovery (default): first uninterrupted, then with one node killed (agent and workers, SIGKILL) after a
-checkpoint and started again with the same command. Prints whether the job resumed and how far its losses are
-from the uninterrupted run.
+Recovery (default): each parallel mode trains once uninterrupted, then once with one node killed (agent and
+workers, SIGKILL) after a checkpoint and started again with the same command. Prints whether the job resumed and
+how far its losses are from the uninterrupted run's.
 
-  python bench/gpu_two_agents.py --modes zero2,hsdp --gpus-per-node 2 --out $OUT     (on nvidia-h100-x4)
+  python bench/gpu_two_agents.py --modes zero2,hsdp --gpus-per-node 2 --out results      (4 GPUs)
 
 Speed (--speed): NCCL forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1), a stand-in
 for two nodes on a slow network, and step time per parallel mode, beside the same GPUs as one node on NVLink.
@@ -13,6 +13,10 @@ The variables are per process, so traffic inside a "node" goes over sockets too.
   python bench/gpu_two_agents.py --speed --modes zero2,zero3,hsdp --jobs full-1.5b,lora-7b --gpus-per-node 2
   python bench/gpu_two_agents.py --speed --modes zero3,hsdp --jobs full-7b --gpus-per-node 4    (8 GPUs: 2 x 4 vs 1 x 8)
   (--modes takes ddp too; --layouts sockets skips the one-node runs)
+
+Every job starts from an empty output folder and fresh logs, so a second invocation on the same --work measures
+a new run rather than resuming the last one's checkpoints. A job that trained no tokens, or resumed where it
+should have started afresh, fails the script (exit code 1) after its table is printed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,9 +34,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import kill_tree  # noqa: E402
 from workspace import WARMUP, prepare_workspace, timed_records  # noqa: E402
-
-from meshtune.launch.processes import kill_tree  # noqa: E402
 
 
 def free_port() -> int:
@@ -58,10 +62,32 @@ def start_node(rank: int, config: Path, port: int, gpus: list[int], log: Path, e
                                 stderr=subprocess.STDOUT, env=env)
 
 
+def fresh(out_dir: Path, logs: list[Path]) -> None:
+    """An empty output folder and no logs: a job must not resume, or read the metrics and log lines of, an
+    earlier invocation's job of the same name (the logs are appended to, by both starts of a killed node)."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    for log in logs:
+        log.unlink(missing_ok=True)
+
+
+def problem(records: list[dict], log_text: str, expect_resume: bool) -> str | None:
+    """Why a job's figures are not a fresh run's: no tokens trained, a resume where none was due, or none where
+    the restarted node should have resumed."""
+    if not sum(r.get("tokens", 0) for r in records):
+        return "trained 0 tokens"
+    resumed = [line.strip() for line in log_text.splitlines() if "resum" in line.lower()]
+    if resumed and not expect_resume:
+        return f"resumed instead of starting afresh: {resumed[0][:200]}"
+    if expect_resume and not any("resumed from" in line for line in resumed):
+        return "the restarted node did not resume from the checkpoint"
+    return None
+
+
 def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at: int | None) -> dict:
     port = free_port()
     gpus = [list(range(0, gpus_per_node)), list(range(gpus_per_node, 2 * gpus_per_node))]
     logs = [work / f"{out_dir.name}-node{r}.log" for r in (0, 1)]
+    fresh(out_dir, logs)
     started = time.monotonic()
     nodes = [start_node(0, config, port, gpus[0], logs[0])]
     time.sleep(2)
@@ -83,7 +109,8 @@ def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at
     resumed = [line for line in text.splitlines() if "resumed from" in line]
     result = {"exit_codes": codes, "wall_s": round(time.monotonic() - started, 1), "steps": records[-1]["step"],
               "losses": [r["loss"] for r in records], "resumed": resumed[-1] if resumed else None,
-              "tokens_per_s_last": records[-1]["tokens_per_s"], "peak_gib": records[-1]["peak_mem_gib"]}
+              "tokens_per_s_last": records[-1]["tokens_per_s"], "peak_gib": records[-1]["peak_mem_gib"],
+              "problem": problem(records, text, expect_resume=bool(kill_at))}
     if kill_at:
         result.update(killed_after_s=killed_after, finished_before_kill=finished_before_kill)
     return result
@@ -94,56 +121,81 @@ JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4), "full-7b
         "lora-tiny": ("tiny", "lora", 2)}  # size, method, batch per GPU; tiny: CPU smoke test
 
 
+def speed_config(args, work: Path, job: str, mode: str, out_dir: Path, model_dir: Path, data_file: Path) -> Path:
+    """The job's config: the same for both layouts, so only the network differs."""
+    size, method, bs = JOBS[job]
+    config = out_dir.with_suffix(".yaml")
+    config.write_text(yaml.safe_dump(dict(
+        model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / size / "tokenized"),
+        output_dir=str(out_dir), finetuning_type=method, lora_rank=64, lora_alpha=16, lora_target="all",
+        parallel=mode, per_device_train_batch_size=bs, max_steps=args.steps, logging_steps=1, learning_rate=1e-5,
+        gradient_checkpointing=True, cutoff_len=1024, seed=1, rdzv_timeout=120, ddp_timeout=300,
+        resume_from_checkpoint="none", hsdp_shard_size=args.gpus_per_node, save_final=False)))
+    return config
+
+
+def run_speed_job(args, work: Path, config: Path, out_dir: Path, two_nodes: bool) -> tuple[list, list[dict], str]:
+    """Two agents (NCCL on sockets) or one with all the GPUs: exit codes, metrics records and the logs' text."""
+    port, per_node = free_port(), args.gpus_per_node
+    if two_nodes:
+        logs = [work / f"{out_dir.name}-node{r}.log" for r in (0, 1)]
+        fresh(out_dir, logs)
+        gpus = [list(range(per_node)), list(range(per_node, 2 * per_node))]
+        nodes = [start_node(r, config, port, gpus[r], logs[r], SOCKETS) for r in (0, 1)]
+    else:
+        logs = [work / f"{out_dir.name}.log"]
+        fresh(out_dir, logs)
+        nodes = [start_node(0, config, port, list(range(2 * per_node)), logs[0], nnodes=1)]
+    try:
+        codes = [node.wait(timeout=args.job_timeout) for node in nodes]
+    except subprocess.TimeoutExpired:
+        codes = ["timeout"]
+    finally:
+        for node in nodes:
+            kill_node(node)
+    metrics = out_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return codes, records, "".join(log.read_text() for log in logs if log.exists())
+
+
 def speed(args, work: Path) -> None:
     """Mean step time after the warm-up steps: two agents over sockets, and one agent with all GPUs on NVLink."""
     results = []
     for job in args.jobs.split(","):
-        size, method, bs = JOBS[job]
+        size, _, bs = JOBS[job]
         model_dir, data_file = prepare_workspace(size, work / size,
                                                  bs * 2 * args.gpus_per_node * (args.steps + WARMUP), 128, 1024)
         for mode in args.modes.split(","):
             for name in args.layouts.split(","):
-                layout, two_nodes = LAYOUTS[name], name == "sockets"
+                two_nodes = name == "sockets"
                 out_dir = work / f"speed-{job}-{mode}-{'two' if two_nodes else 'one'}"
-                config = out_dir.with_suffix(".yaml")
-                config.write_text(yaml.safe_dump(dict(
-                    model_name_or_path=str(model_dir), dataset=str(data_file),
-                    tokenized_path=str(work / size / "tokenized"), output_dir=str(out_dir), finetuning_type=method,
-                    lora_rank=64, lora_alpha=16, lora_target="all", parallel=mode, per_device_train_batch_size=bs,
-                    max_steps=args.steps, logging_steps=1, learning_rate=1e-5, gradient_checkpointing=True,
-                    cutoff_len=1024, seed=1, rdzv_timeout=120, ddp_timeout=300, resume_from_checkpoint="none",
-                    hsdp_shard_size=args.gpus_per_node, save_final=False)))
+                config = speed_config(args, work, job, mode, out_dir, model_dir, data_file)
                 started = time.monotonic()
-                port = free_port()
-                if two_nodes:
-                    gpus = [list(range(args.gpus_per_node)), list(range(args.gpus_per_node, 2 * args.gpus_per_node))]
-                    nodes = [start_node(r, config, port, gpus[r], work / f"{out_dir.name}-node{r}.log", SOCKETS)
-                             for r in (0, 1)]
-                else:
-                    nodes = [start_node(0, config, port, list(range(2 * args.gpus_per_node)),
-                                        work / f"{out_dir.name}.log", nnodes=1)]
-                try:
-                    codes = [node.wait(timeout=args.job_timeout) for node in nodes]
-                except subprocess.TimeoutExpired:
-                    codes = ["timeout"]
-                finally:
-                    for node in nodes:
-                        kill_node(node)
-                metrics = out_dir / "metrics.jsonl"
-                records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+                codes, records, text = run_speed_job(args, work, config, out_dir, two_nodes)
+                failed = codes != [0] * len(codes)
+                row = dict(job=job, mode=mode, layout=LAYOUTS[name], exit_codes=codes,
+                           wall_s=round(time.monotonic() - started),
+                           problem=f"exit codes {codes}" if failed else problem(records, text, expect_resume=False))
                 timed, seconds = timed_records(records)
-                row = dict(job=job, mode=mode, layout=layout, exit_codes=codes, wall_s=round(time.monotonic() - started))
-                if timed:
+                if timed and not row["problem"]:
                     row.update(step_s=round(seconds / len(timed), 3),
                                tokens_per_s=round(sum(r["tokens"] for r in timed) / seconds),
                                peak_gib=max(r["peak_mem_gib"] for r in records))
                 results.append(row)
                 print(json.dumps(row), flush=True)
     Path(args.out, "two_agents_speed.json").write_text(json.dumps(results, indent=1))
-    print(f"\n| job | mode | layout | step s | tokens/s | peak GiB |\n|---|---|---|---|---|---|")
+    print("\n| job | mode | layout | step s | tokens/s | peak GiB |\n|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['job']} | {r['mode']} | {r['layout']} | {r.get('step_s', 'failed')} | {r.get('tokens_per_s', '')} "
-              f"| {r.get('peak_gib', '')} |")
+        print(f"| {r['job']} | {r['mode']} | {r['layout']} | {r.get('step_s', 'failed: ' + str(r['problem']))} "
+              f"| {r.get('tokens_per_s', '')} | {r.get('peak_gib', '')} |")
+    fail_on_problems({f"{r['job']} {r['mode']} {r['layout']}": r["problem"] for r in results})
+
+
+def fail_on_problems(problems: dict[str, str | None]) -> None:
+    """Exit code 1, naming each job whose figures are not a fresh run's: a report must not pass for a measurement."""
+    bad = {job: why for job, why in problems.items() if why}
+    if bad:
+        raise SystemExit("gpu_two_agents.py: " + "; ".join(f"{job}: {why}" for job, why in bad.items()))
 
 
 def main() -> None:
@@ -162,6 +214,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     work = Path(args.work)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.speed:
         return speed(args, work)
     model_dir, data_file = prepare_workspace(args.size, work, 4 * args.steps * 2, 128, 1024)
@@ -187,6 +240,7 @@ def main() -> None:
     Path(args.out, "two_agents.json").write_text(json.dumps(summary, indent=1))
     for log in work.glob("*killed*.log"):
         (Path(args.out) / log.name).write_text(log.read_text()[-20000:])
+    fail_on_problems({job: result["problem"] for job, result in summary.items()})
 
 
 if __name__ == "__main__":

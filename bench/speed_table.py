@@ -1,21 +1,37 @@
-"""The speed table of the performance issue: meshtune beside the peer (HF Trainer + PEFT) on the same card, one call.
+"""meshtune's speed table: tokens/s, MFU and peak memory of meshtune beside its peer, HF Trainer + PEFT, plain and
+with Liger kernels (bench/peer_hf.py), on the same card, model shape and samples.
 
-Every row trains the same model shape (random init), on the peer's own synthetic samples (lengths uniform in
-128..1024, seed 1), with the same batch per GPU and gradient checkpointing on, as the peer's published figures.
-tokens/s counts real (non-padding) tokens after 5 warm-up steps. MFU = achieved FLOP/s per GPU over a bf16
-matmul measured on this card (both printed); FLOPs as torchtitan counts them (meshtune/train/throughput.py), for
-the peer too (from its tokens/s and the samples' lengths). Scaling = per-GPU tokens/s at N GPUs / at 1 GPU.
-Rows that need more GPUs than the machine has are listed as not run, with why. Q-LoRA has no peer run (the peer
-has no 4-bit path here): its row is judged against meshtune's LoRA row of the same model.
-A failed run is reported in its row; the others still run.
+What a row measures. Every row trains a random-init model of a Qwen2.5 shape (weights do not change speed) on
+synthetic samples (lengths uniform in --minlen..--maxlen, seed 1; bench/workspace.py) with the same batch per GPU
+and gradient checkpointing on, for --steps steps. tokens/s counts real (non-padding) tokens after 5 warm-up steps.
+MFU = achieved FLOP/s per GPU over a bf16 matmul measured on this card (both printed); FLOPs as torchtitan counts
+them (meshtune.model.flops), for the peer too (from its tokens/s and the samples' lengths). "vs peer" and
+"vs peer+Liger": meshtune's tokens/s over that peer's, and meshtune's peak memory as a share of the peer's.
+Scaling = per-GPU tokens/s at N GPUs over the row it scales (1 GPU, or the fewest GPUs that hold the model).
+Q-LoRA has no peer (the peer has no 4-bit path): its row is judged against meshtune's LoRA row of the same model.
+Every run starts from a fresh output folder. A row that needs more GPUs than the machine has, a run that fails,
+and a run not started within --time-limit are listed as not run, with why; the other rows still run.
 
-On the device machine (peer copied to .peer/ and carried):
-  python3 bench/speed_table.py --peer .peer/peer_hf.py --out $OUT
-  python3 bench/speed_table.py --rows lora-1.5b --variants "default;padding_free=false;fused_loss=false"
-  python3 bench/speed_table.py --rows lora-1.5b-2gpu --no-peer --variants "profile_steps=12-13"   (operator table
-      of rank 0 to $OUT/profile-*.txt; the steps inside the window run slower and count in tokens/s)
-On a CPU (smoke test of the script itself):
-  python3 bench/speed_table.py --rows lora-tiny --steps 8 --peer ../shared/bench/peer_hf.py
+Set-up on a GPU machine with CUDA torch, transformers and peft, from the repository root: meshtune's other
+dependencies (pydantic, ...), liger-kernel for the Liger peer, torchao for the Q-LoRA row (the release made for
+the installed torch: peft and transformers import torchao wherever it is installed):
+  pip install -e . liger-kernel 'torchao==<the release for your torch>'
+Offline, download those wheels elsewhere (pip download) and put them on the path:
+  pip install --no-index --no-deps --target /tmp/site wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
+
+The table (4 GPUs: the 1-GPU rows side by side, one per GPU, then the 2- and 4-GPU rows; speed.md and speed.json
+in --out):
+  python3 bench/speed_table.py --rows table --streams --out results
+A machine held for a fixed time window: a part per window (a preset or a list of rows), then one table of the parts:
+  python3 bench/speed_table.py --rows table-1gpu --streams --time-limit 540 --out results/a
+  python3 bench/speed_table.py --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --streams --time-limit 540 --out results/b
+  python3 bench/speed_table.py --merge results/a/speed.json results/b/speed.json --out results
+Ablations and profiles:
+  python3 bench/speed_table.py --rows lora-1.5b --no-peer --variants "default;padding_free=false;fused_loss=false"
+  python3 bench/speed_table.py --rows lora-1.5b-2gpu --no-peer --variants profile_steps=12-13   (rank 0's
+      operator table to --out/profile-*.txt; the profiled steps run slower and count in tokens/s)
+On a CPU (a smoke test of the scripts, a minute or two):
+  python3 bench/speed_table.py --rows lora-tiny --steps 8 --out /tmp/speed
 """
 
 from __future__ import annotations
@@ -23,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,10 +52,14 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import kill_tree  # noqa: E402
 from workspace import WARMUP, build_model_dir, prepare_workspace, timed_records, workspace_samples  # noqa: E402
 
+from meshtune.hardware import measure_peak_flops  # noqa: E402
+from meshtune.model.flops import FlopCounter  # noqa: E402
 from meshtune.model.loading import model_skeleton  # noqa: E402
-from meshtune.train.throughput import FlopCounter, measure_peak_flops  # noqa: E402
+
+STARTED = time.monotonic()  # --time-limit counts from here
 
 
 @dataclass
@@ -53,44 +74,65 @@ class Row:
     against: str | None = None  # a meshtune row this one is judged against (Q-LoRA: our LoRA's tokens/s and memory)
 
 
-# Checkpointing as the peer (on), but selective: the fraction of blocks recomputed is chosen per row so that
-# LoRA stays within the peer's peak memory (bench/README in docs/benchmarks.md has the ablation behind these)
+# Checkpointing on, as the peer, but selective: the fraction of blocks recomputed is chosen per row so that LoRA
+# stays within the plain peer's peak memory (docs/benchmarks.md has the ablation behind these)
 LORA_15B = {"gradient_checkpointing_ratio": 0.35}
 LORA_7B = {"gradient_checkpointing_ratio": 0.8}
-QLORA_7B = {"gradient_checkpointing_ratio": 1.0}  # the target is memory (<= 40% of LoRA's): every block recomputed
+QLORA_7B = {"gradient_checkpointing_ratio": 1.0}  # Q-LoRA's aim is memory: every block recomputed
 FULL_7B_ZERO3 = {"parallel": "zero3", "gradient_checkpointing": False}
 FULL_7B_HSDP = {"parallel": "hsdp", "hsdp_shard_size": 2}  # replicas of 2 GPUs each, checkpointing on
-FULL_15B = {}  # parallel auto: no wrapper on one GPU, zero2 on several (measured faster than ddp on 4 H100s)
+FULL_15B = {}  # parallel auto: no wrapper on one GPU, zero2 on several
 ROWS = {
-    "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),
+    "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),  # CPU smoke test
     "lora-1.5b": Row("1.5b", "lora", 1, 8, peer=True, settings=LORA_15B),
     "lora-7b": Row("7b", "lora", 1, 4, peer=True, settings=LORA_7B),
     "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
     "qlora-7b": Row("7b", "qlora", 1, 4, settings=QLORA_7B, against="lora-7b"),
-    # 7B full, 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
-    # block's activations (~12 GB at bs 4, measured 41.5 GiB peak); over 2 (hsdp's shard) it is 61 GB, so hsdp
-    # recomputes every block on 80 GB cards
+    # 7B full holds 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
+    # block's activations; over 2 (hsdp's shard) it is 61 GB, so hsdp recomputes every block on 80 GB cards
     "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings=FULL_7B_ZERO3, scaling_of="full-7b-2gpu-zero3"),
     "full-7b-4gpu-hsdp": Row("7b", "full", 4, 4, settings=FULL_7B_HSDP, scaling_of="full-7b-2gpu-hsdp"),
     "lora-1.5b-2gpu": Row("1.5b", "lora", 2, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
     "lora-1.5b-4gpu": Row("1.5b", "lora", 4, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
     "full-1.5b-2gpu": Row("1.5b", "full", 2, 8, settings=FULL_15B, scaling_of="full-1.5b"),
     "full-1.5b-4gpu": Row("1.5b", "full", 4, 8, settings=FULL_15B, scaling_of="full-1.5b"),
-    # the 8-GPU issue: scaling to 8 GPUs on one host. Full 7B cannot train on one 80 GB GPU (122 GB of state), so
-    # its scaling is per GPU against 2 GPUs, the fewest that hold it, with the same settings at every count
-    # (zero3 without checkpointing on 2 GPUs: 57 GiB of state + ~12 GiB of activations, expected to fit 80 GB)
+    # full 7B cannot train on one 80 GB GPU (122 GB of state): its scaling is per GPU against 2 GPUs, the fewest
+    # that hold it, with the same settings at every count
     "lora-1.5b-8gpu": Row("1.5b", "lora", 8, 8, settings=LORA_15B, scaling_of="lora-1.5b"),
     "full-7b-2gpu-zero3": Row("7b", "full", 2, 4, settings=FULL_7B_ZERO3),
     "full-7b-8gpu-zero3": Row("7b", "full", 8, 4, settings=FULL_7B_ZERO3, scaling_of="full-7b-2gpu-zero3"),
     "full-7b-2gpu-hsdp": Row("7b", "full", 2, 4, settings=FULL_7B_HSDP),
     "full-7b-8gpu-hsdp": Row("7b", "full", 8, 4, settings=FULL_7B_HSDP, scaling_of="full-7b-2gpu-hsdp"),
 }
-SCALING_8GPU = ["lora-1.5b", "lora-1.5b-2gpu", "lora-1.5b-4gpu", "lora-1.5b-8gpu", "full-7b-2gpu-zero3",
-                "full-7b-4gpu-zero3", "full-7b-8gpu-zero3", "full-7b-2gpu-hsdp", "full-7b-4gpu-hsdp", "full-7b-8gpu-hsdp"]
-# the performance issue's table (the 8-GPU issue's rows are in SCALING_8GPU)
+TABLE_1GPU = ["lora-1.5b", "full-1.5b", "lora-7b", "qlora-7b"]
+SCALING_2GPU = ["lora-1.5b", "full-1.5b", "lora-1.5b-2gpu", "full-1.5b-2gpu"]
+# the speed table: every peer row, Q-LoRA, and scaling to 4 GPUs (the 7B rows' 2-GPU bases are in scaling-8gpu)
 DEFAULT_ROWS = ["lora-1.5b", "lora-7b", "full-1.5b", "qlora-7b", "full-7b-4gpu-zero3", "full-7b-4gpu-hsdp",
                 "lora-1.5b-2gpu", "lora-1.5b-4gpu", "full-1.5b-2gpu", "full-1.5b-4gpu"]
-PRESETS = {"default": DEFAULT_ROWS, "scaling-8gpu": SCALING_8GPU}
+SCALING_8GPU = ["lora-1.5b", "lora-1.5b-2gpu", "lora-1.5b-4gpu", "lora-1.5b-8gpu", "full-7b-2gpu-zero3",
+                "full-7b-4gpu-zero3", "full-7b-8gpu-zero3", "full-7b-2gpu-hsdp", "full-7b-4gpu-hsdp", "full-7b-8gpu-hsdp"]
+PRESETS = {"table": DEFAULT_ROWS, "table-1gpu": TABLE_1GPU, "scaling-2gpu": SCALING_2GPU,
+           "scaling-8gpu": SCALING_8GPU}
+PEERS = {"plain": ("hf_trainer+peft", []), "liger": ("hf_trainer+peft+liger", ["--liger", "1"])}
+
+
+def expand_rows(text: str) -> list[str]:
+    """--rows: a preset name, or a comma list of row names and presets; ValueError names the choices."""
+    names = [n for item in text.split(",") if item.strip() for n in PRESETS.get(item.strip(), [item.strip()])]
+    unknown = [name for name in names if name not in ROWS]
+    if unknown or not names:
+        raise ValueError(f"unknown row(s) {', '.join(unknown) or repr(text)}: rows are {', '.join(ROWS)}; "
+                         f"presets {', '.join(f'{k} ({len(v)} rows)' for k, v in PRESETS.items())}")
+    return names
+
+
+def parse_peers(text: str, no_peer: bool) -> list[str]:
+    """--peers as a list of PEERS keys (none with --no-peer); ValueError names the choices."""
+    kinds = [] if no_peer else [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)}: peers are {', '.join(PEERS)}")
+    return kinds
 
 
 def parse_variant(text: str) -> dict:
@@ -101,10 +143,56 @@ def parse_variant(text: str) -> dict:
     return {key.strip(): yaml.safe_load(value) for key, value in pairs}
 
 
+class Deadline:
+    """--time-limit: seconds left from the script's start (None: no limit)."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.limit = limit
+
+    def left(self) -> float | None:
+        return None if self.limit is None else self.limit - (time.monotonic() - STARTED)
+
+    def passed(self) -> bool:
+        left = self.left()
+        return left is not None and left <= 0
+
+    def timeout(self, row_timeout: float) -> tuple[float, str]:
+        """A run's timeout: its own limit, or the time left if sooner; and what to call being stopped by it."""
+        left = self.left()
+        if left is not None and left < row_timeout:
+            return max(left, 1.0), "stopped at the time limit"
+        return row_timeout, f"timed out after {row_timeout} s"
+
+
+def run_captured(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str]:
+    """Run a command; (exit code or None when the timeout stopped it, stdout, stderr). On timeout the whole tree
+    goes: torchrun's workers live in their own sessions and would keep their GPUs."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def last_line(text: str) -> str:
+    """A failed run's last output line: the error meshtune or Python ends with."""
+    lines = text.strip().splitlines()
+    return lines[-1][:300] if lines else "no output"
+
+
+def fresh(folder: Path) -> Path:
+    """An empty output folder: a run must never resume, or read the metrics of, an earlier run in it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
 def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir: Path, data_file: Path, work: Path,
-                 peak: float | None) -> dict:
+                 peak: float | None, deadline: Deadline) -> dict:
     overrides = {**row.settings, **parse_variant(variant)}
-    out = work / f"out-{name}-v{index}"
+    out = fresh(work / f"out-{name}-v{index}")
     cfg = dict(model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
                output_dir=str(out), finetuning_type=row.mode, lora_rank=64, lora_alpha=16, lora_dropout=0.05,
                lora_target="all", per_device_train_batch_size=row.bs, max_steps=args.steps, logging_steps=1,
@@ -115,18 +203,15 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     path = work / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     started = time.perf_counter()
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "meshtune", "train", str(path)], capture_output=True, text=True,
-                              timeout=args.row_timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timed out after {args.row_timeout} s")
-    output = proc.stdout + proc.stderr
+    timeout, stopped = deadline.timeout(args.row_timeout)
+    code, stdout, stderr = run_captured([sys.executable, "-m", "meshtune", "train", str(path)], timeout,
+                                        env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train.log").write_text(output)  # kept beside metrics.jsonl, for a slow or odd row
-    if proc.returncode != 0:
-        return dict(error=(proc.stdout[-1500:] + proc.stderr[-1500:]).strip().splitlines()[-1][:300],
-                    log=proc.stdout[-4000:] + proc.stderr[-4000:])
+    (out / "train.log").write_text(stdout + stderr)  # kept beside metrics.jsonl, for a slow or odd row
+    if code is None:
+        return dict(error=stopped)
+    if code != 0:
+        return dict(error=last_line(stdout[-1500:] + stderr[-1500:]), log=stdout[-4000:] + stderr[-4000:])
     summary = out / "profile" / "summary.txt"
     if summary.is_file():  # a variant with profile_steps=A-B: bring rank 0's operator table back
         Path(args.out, f"profile-{name}-v{index}.txt").write_text(summary.read_text())
@@ -137,9 +222,9 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     return dict(tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / row.gpus),
                 mfu=round(flops_per_s / peak, 4) if peak else None, step_s=round(seconds / len(timed), 4),
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
-                alloc_retries=records[-1].get("alloc_retries"),
+                trained_tokens=sum(r["tokens"] for r in records), alloc_retries=records[-1].get("alloc_retries"),
                 compile_s_timed=compile_seconds_in(records),
-                recompile_limit_hit="recompile_limit" in output,  # dynamo then runs eager
+                recompile_limit_hit="recompile_limit" in stdout + stderr,  # dynamo then runs eager
                 final_loss=round(records[-1]["loss"], 4),
                 wall_s=round(time.perf_counter() - started, 1), settings=overrides)
 
@@ -152,19 +237,23 @@ def compile_seconds_in(records: list[dict]) -> float | None:
     return round(records[-1]["compile_s"] - warm[-1]["compile_s"], 2)
 
 
-def peer_row(args, row: Row, flops_per_token: float, peak: float | None) -> dict:
+def peer_row(args, row: Row, kind: str, pool: int, flops_per_token: float, peak: float | None,
+             deadline: Deadline) -> dict:
+    """One peer run on this row's shape, batch and samples (the same pool of samples as meshtune's rows)."""
     cmd = [sys.executable, args.peer, "--size", row.size, "--mode", row.mode, "--bs", str(row.bs), "--steps",
-           str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen), "--gc", "1"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timed out after {args.row_timeout} s")
-    if proc.returncode != 0:
-        return dict(error=(proc.stdout + proc.stderr).strip().splitlines()[-1][:300])
-    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+           str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen), "--samples", str(pool),
+           "--gc", "1", *PEERS[kind][1]]
+    timeout, stopped = deadline.timeout(args.row_timeout)
+    code, stdout, stderr = run_captured(cmd, timeout)
+    if code is None:
+        return dict(error=stopped)
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if code != 0 or not lines:
+        return dict(error=last_line(stdout + stderr))
+    result = json.loads(lines[-1])
     tps = result["tokens_per_s"]
     return dict(tokens_per_s=tps, per_gpu=tps, mfu=round(tps * flops_per_token / peak, 4) if peak else None,
-                step_s=result["step_s"], peak_gib=result["peak_gib"])
+                step_s=result["step_s"], peak_gib=result["peak_gib"], reported=result)  # the peer's line, as printed
 
 
 def mean_flops_per_token(model_dir: Path, samples) -> float:
@@ -173,86 +262,124 @@ def mean_flops_per_token(model_dir: Path, samples) -> float:
     return FlopCounter.of(model_skeleton(model_dir)).batch_flops(lengths) / sum(lengths)
 
 
-def main() -> None:
+def prepare(args, size: str) -> tuple[Path, Path, Path, float]:
+    """A size's model, cached samples and work folder, and the samples' mean FLOPs per token."""
+    work = Path(args.work) / size
+    n = pool_size(args.steps)
+    model_dir, data_file = prepare_workspace(size, work, n, args.minlen, args.maxlen)
+    return model_dir, data_file, work, mean_flops_per_token(model_dir, workspace_samples(model_dir, n, args.minlen,
+                                                                                          args.maxlen))
+
+
+def pool_size(steps: int) -> int:
+    """One sample pool for every row, stream and peer, whatever GPUs it sees: the largest global batch of any row
+    times the steps."""
+    return max(r.bs * r.gpus for r in ROWS.values()) * (steps + WARMUP)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="default",
-                   help=f"comma list of {', '.join(ROWS)}; or a preset: {', '.join(PRESETS)} (the 8-GPU issue's rows)")
+    p.add_argument("--rows", default="table",
+                   help=f"a preset ({', '.join(PRESETS)}) or a comma list of rows and presets; rows: {', '.join(ROWS)}")
     p.add_argument("--variants", default="default",
                    help="';'-separated meshtune config overrides, each run for every row, e.g. "
                         "'default;padding_free=false;gradient_checkpointing_ratio=0.5' (an ablation)")
+    p.add_argument("--peers", default="plain,liger",
+                   help="the peer runs of a row that has a peer: plain (HF Trainer + PEFT) and/or liger (the same "
+                        "with Liger kernels)")
     p.add_argument("--no-peer", action="store_true", help="meshtune only")
-    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--peer", default=str(Path(__file__).resolve().parent / "peer_hf.py"),
+                   help="the peer script (its arguments and JSON line as bench/peer_hf.py's)")
+    p.add_argument("--steps", type=int, default=25, help=f"optimizer steps a run, the first {WARMUP} not timed")
     p.add_argument("--minlen", type=int, default=128)
     p.add_argument("--maxlen", type=int, default=1024)
-    p.add_argument("--row-timeout", type=int, default=400)
-    p.add_argument("--peer", default=str(Path(__file__).resolve().parents[2] / "shared" / "bench" / "peer_hf.py"))
-    p.add_argument("--work", default="/tmp/meshtune-bench")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--row-timeout", type=int, default=400, help="seconds one run may take")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds from this script's start: no run starts after it, a run still going is stopped "
+                        "at it, and the table is written with the rest listed as not run")
+    p.add_argument("--work", default="/tmp/meshtune-bench", help="models, samples and run outputs")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="speed.json and speed.md (created if missing)")
     p.add_argument("--merge", nargs="+", metavar="SPEED_JSON",
                    help="render one table from the speed.json files of several invocations of this script on the same "
                         "machine (e.g. 1-GPU rows run side by side on separate GPUs, then the multi-GPU rows)")
     p.add_argument("--streams", action="store_true",
                    help="run rows side by side on disjoint GPUs of this machine (1-GPU rows one per GPU, 2-GPU rows "
                         "on GPU pairs, ...), each stream a child of this script, then merge their tables")
-    args = p.parse_args()
-    args.rows = ",".join(PRESETS.get(args.rows, args.rows.split(",")))
-    unknown = [name for name in args.rows.split(",") if name not in ROWS]
-    if unknown:
-        p.error(f"unknown row(s) {', '.join(unknown)}: rows are {', '.join(ROWS)}; presets {', '.join(PRESETS)}")
+    args = p.parse_args(argv)
+    try:
+        args.rows = ",".join(expand_rows(args.rows))
+        args.peer_kinds = parse_peers(args.peers, args.no_peer)
+    except ValueError as error:
+        p.error(str(error))
+    if args.peer_kinds and not Path(args.peer).is_file():
+        p.error(f"--peer {args.peer}: no such file (or --no-peer)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.merge:
         return merge(args.merge, Path(args.out))
     if args.streams:
         return streams(args)
+    run_rows(args)
 
+
+def run_rows(args) -> None:
+    """Every row in this process, one after another, on the GPUs this process sees."""
+    deadline = Deadline(args.time_limit)
     gpus = torch.cuda.device_count()
     device = torch.cuda.get_device_name() if gpus else "cpu"
     peak = measure_peak_flops(torch.device("cuda", 0)) if gpus else None
     print(f"{device} x {gpus}; bf16 matmul peak measured: {peak / 1e12:.0f} TFLOP/s" if peak else device, flush=True)
     results, prepared, started = [], {}, time.perf_counter()
 
-    def save() -> dict:  # after every row, so a run cut short still leaves what it measured
+    def save() -> dict:  # after every run, so a run cut short still leaves what it measured
         summary = dict(device=device, gpus=gpus, peak_tflops=round(peak / 1e12, 1) if peak else None,
                        args=vars(args), wall_s=round(time.perf_counter() - started), results=results)
         Path(args.out, "speed.json").write_text(json.dumps(summary, indent=1))
         return summary
 
+    def add(result: dict) -> None:
+        results.append(result)
+        save()  # before the line: a stream's parent takes the line to mean the row is on disk
+        print(json.dumps({k: v for k, v in result.items() if k != "log"}), flush=True)
+
     for name in args.rows.split(","):
         row = ROWS[name]
-        skip = f"needs {row.gpus} GPUs, this machine has {gpus}" if row.gpus > max(gpus, 1) else None
-        if skip:
-            results.append(dict(row=name, system="meshtune", gpus=row.gpus, skipped=skip))
-            save()  # before the line: a stream's parent takes the line to mean the row is on disk
-            print(json.dumps(results[-1]), flush=True)
+        runs = [("meshtune", index, variant) for index, variant in enumerate(args.variants.split(";"))]
+        runs += [(kind, None, None) for kind in args.peer_kinds if row.peer]
+        if row.gpus > max(gpus, 1):
+            add(dict(row=name, system="meshtune", gpus=row.gpus,
+                     skipped=f"needs {row.gpus} GPUs, this machine has {gpus}"))
             continue
-        if row.size not in prepared:
-            work = Path(args.work) / row.size
-            # one sample pool for every row and stream, whatever GPUs it sees: the largest global batch of any
-            # row (8 GPUs) times the steps
-            n = max(r.bs * r.gpus for r in ROWS.values()) * (args.steps + WARMUP)
-            model_dir, data_file = prepare_workspace(row.size, work, n, args.minlen, args.maxlen)
-            fpt = mean_flops_per_token(model_dir, workspace_samples(model_dir, n, args.minlen, args.maxlen))
-            prepared[row.size] = (model_dir, data_file, work, fpt)
-        model_dir, data_file, work, fpt = prepared[row.size]
-        for index, variant in enumerate(args.variants.split(";")):
-            result = meshtune_row(args, name, row, variant, index, model_dir, data_file, work, peak)
-            results.append(dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs, **result))
-            save()
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "log"}), flush=True)
-        if row.peer and not args.no_peer:
-            results.append(dict(row=name, system="hf_trainer+peft", gpus=1, bs=row.bs, **peer_row(args, row, fpt, peak)))
-            save()  # before the line: a stream's parent takes the line to mean the row is on disk
-            print(json.dumps(results[-1]), flush=True)
+        if row.size not in prepared and not deadline.passed():
+            prepared[row.size] = prepare(args, row.size)
+        for system, index, variant in runs:
+            head = (dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs) if system == "meshtune"
+                    else dict(row=name, system=PEERS[system][0], gpus=1, bs=row.bs))
+            if deadline.passed():
+                add(dict(head, skipped="time limit"))
+                continue
+            model_dir, data_file, work, fpt = prepared[row.size]
+            if system == "meshtune":
+                add(dict(head, **meshtune_row(args, name, row, variant, index, model_dir, data_file, work, peak,
+                                              deadline)))
+            else:
+                add(dict(head, **peer_row(args, row, system, pool_size(args.steps), fpt, peak, deadline)))
     summary = save()
     table = render(results, summary)
     Path(args.out, "speed.md").write_text(table + "\n")
     print("\n" + table)
 
 
-STREAM_OWN = {"--rows", "--work", "--out", "--streams"}  # set per stream; every other option passes through
+STREAM_OWN = {"--rows", "--work", "--out", "--streams", "--time-limit"}  # set per stream; the rest passes through
 
 
-def child_argv(argv: list[str], rows: str, work: Path, out: Path) -> list[str]:
-    """This script's own command line for one stream: the options given, except those the stream sets itself."""
+def child_argv(argv: list[str], rows: str, work: Path, out: Path, time_limit: float | None = None) -> list[str]:
+    """This script's own command line for one stream: the options given, except those the stream sets itself
+    (its rows, folders, and the time left of this script's limit)."""
     kept, skip = [], False
     for arg in argv:
         if skip:
@@ -263,12 +390,13 @@ def child_argv(argv: list[str], rows: str, work: Path, out: Path) -> list[str]:
             skip = "=" not in arg and name != "--streams"
             continue
         kept.append(arg)
-    return [*kept, "--rows", rows, "--work", str(work), "--out", str(out)]
+    limit = [] if time_limit is None else ["--time-limit", f"{max(time_limit, 0):.0f}"]
+    return [*kept, "--rows", rows, "--work", str(work), "--out", str(out), *limit]
 
 
 def echo_results(child: subprocess.Popen, log: Path, label: str) -> threading.Thread:
     """Copy a stream's output to its log, and each row's result line to this script's output as it comes: a
-    call cut short by its time limit still shows every row that finished."""
+    run cut short by a time limit still shows every row that finished."""
     def copy() -> None:
         with log.open("w") as sink:
             for line in child.stdout:
@@ -282,9 +410,18 @@ def echo_results(child: subprocess.Popen, log: Path, label: str) -> threading.Th
 
 def stop_once(*_) -> None:
     """SIGTERM: leave for the merge. GNU `timeout` signals its child and then the child's whole process group, so
-    a second SIGTERM follows at once; ignored, it cannot cut the merge short (session 10 lost a merge to it)."""
+    a second SIGTERM follows at once; ignored, it cannot cut the merge short."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.exit("stopped early: merging the rows that finished")
+
+
+def link_models(work: Path, models: Path, sizes: set[str]) -> None:
+    """A stream finds the models built once by the parent in its own work folder."""
+    for size in sizes:
+        (work / size).mkdir(parents=True, exist_ok=True)
+        link = work / size / f"model-{size}"
+        if not link.exists():
+            link.symlink_to(models / f"model-{size}")
 
 
 def streams(args) -> None:
@@ -292,6 +429,7 @@ def streams(args) -> None:
     one child process of this script per set (CUDA_VISIBLE_DEVICES), the groups one after another. Every stream
     shares the models built here first, and keeps its own work folder for the data and outputs. Stopped early
     (SIGTERM, e.g. from `timeout`), it stops the streams and still merges the rows they finished."""
+    deadline = Deadline(args.time_limit)
     gpus = torch.cuda.device_count()
     names = args.rows.split(",")
     models = Path(args.work) / "models"
@@ -309,17 +447,13 @@ def streams(args) -> None:
                 label = f"g{count}s{slot}"
                 work, out = Path(args.work) / label, Path(args.out) / label
                 out.mkdir(parents=True, exist_ok=True)
-                # the stream finds the shared model in its work folder
-                for size in {ROWS[name].size for name in group if name in runnable}:
-                    (work / size).mkdir(parents=True, exist_ok=True)
-                    link = work / size / f"model-{size}"
-                    if not link.exists():
-                        link.symlink_to(models / f"model-{size}")
+                link_models(work, models, {ROWS[name].size for name in group if name in runnable})
                 visible = ",".join(str(slot * count + i) for i in range(count))
                 rows = ",".join(group[slot::slots])
                 print(f"stream {label} on GPU {visible}: {rows}", flush=True)
-                child = subprocess.Popen([sys.executable, __file__, *child_argv(sys.argv[1:], rows, work, out)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                argv = child_argv(sys.argv[1:], rows, work, out, deadline.left())
+                child = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True,
                                          env={**os.environ, "CUDA_VISIBLE_DEVICES": visible})
                 children.append(child)
                 copiers.append(echo_results(child, out / "log", label))
@@ -330,7 +464,7 @@ def streams(args) -> None:
     finally:
         for child in children:
             if child.poll() is None:
-                child.kill()
+                kill_tree(child.pid)
         finished = [str(f) for f in files if f.is_file()]
         if finished:
             merge(finished, Path(args.out))
@@ -347,33 +481,47 @@ def merge(files: list[str], out: Path) -> None:
     print(table)
 
 
+def versus(ours: dict, theirs: dict | None, label: str = "") -> str:
+    """'1.23x' ours over theirs in tokens/s, with our peak memory as a share of theirs where both are known."""
+    if not theirs:
+        return ""
+    text = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x{' ' + label if label else ''}"
+    if ours.get("peak_gib") and theirs.get("peak_gib"):
+        text += f", {ours['peak_gib'] / theirs['peak_gib']:.0%} of its memory"
+    return text
+
+
+COLUMNS = ["row", "variant", "system", "GPUs", "bs/GPU", "tokens/s", "per GPU", "vs peer", "vs peer+Liger", "MFU",
+           "peak GiB", "scaling"]
+
+
 def render(results: list[dict], summary: dict) -> str:
-    peers = {r["row"]: r for r in results if r["system"] != "meshtune" and "tokens_per_s" in r}
+    peers = {(r["row"], r["system"]): r for r in results if r["system"] != "meshtune" and "tokens_per_s" in r}
     base = {(r["row"], r.get("variant")): r for r in results if r["system"] == "meshtune" and "per_gpu" in r}
     lines = [f"{summary['device']} x {summary['gpus']}, bf16 matmul peak {summary['peak_tflops']} TFLOP/s (measured), "
              f"{summary['args']['steps']} steps ({WARMUP} warm-up), lengths {summary['args']['minlen']}.."
              f"{summary['args']['maxlen']}", "",
-             "| row | variant | system | GPUs | bs/GPU | tokens/s | per GPU | vs peer | MFU | peak GiB | scaling |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in results:
         variant = r.get("variant", "") or ""
         head = f"| {r['row']} | {variant} | {r['system']} | {r['gpus']} | {r.get('bs', '')} |"
         if "skipped" in r or "error" in r:
-            lines.append(f"{head} not run: {r.get('skipped') or r.get('error')} | | | | | |")
+            lines.append(f"{head} not run: {r.get('skipped') or r.get('error')} |" + " |" * (len(COLUMNS) - 6))
             continue
-        peer = peers.get(r["row"])
-        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer and r["system"] == "meshtune" else ""
-        against = ROWS[r["row"]].against
-        mine = against and (base.get((against, r.get("variant"))) or base.get((against, "default")))
-        if mine and r["system"] == "meshtune":  # no peer of its own: judged against our row (tokens/s, memory)
-            ratio = (f"{r['tokens_per_s'] / mine['tokens_per_s']:.2f}x {against}, "
-                     f"{r['peak_gib'] / mine['peak_gib']:.0%} of its memory")
-        scaling = ""
-        of = ROWS[r["row"]].scaling_of
-        if of and (of, r.get("variant")) in base:
-            scaling = f"{r['per_gpu'] / base[(of, r.get('variant'))]['per_gpu']:.1%}"
+        plain = liger = scaling = ""
+        if r["system"] == "meshtune":
+            plain = versus(r, peers.get((r["row"], PEERS["plain"][0])))
+            liger = versus(r, peers.get((r["row"], PEERS["liger"][0])))
+            against = ROWS[r["row"]].against  # no peer of its own: judged against our row (tokens/s, memory)
+            if against:
+                plain = versus(r, base.get((against, r.get("variant"))) or base.get((against, "default")), against)
+            of = ROWS[r["row"]].scaling_of
+            if of and (of, r.get("variant")) in base:
+                scaling = f"{r['per_gpu'] / base[(of, r.get('variant'))]['per_gpu']:.1%}"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
-        lines.append(f"{head} {r['tokens_per_s']:,} | {r['per_gpu']:,} | {ratio} | {mfu} | {r['peak_gib']} | {scaling} |")
+        peak = r["peak_gib"] if r.get("peak_gib") is not None else ""
+        cells = [f"{r['tokens_per_s']:,}", f"{r['per_gpu']:,}", plain, liger, mfu, peak, scaling]
+        lines.append(f"{head} " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 

@@ -1,10 +1,10 @@
-"""What the GPU bench scripts share: a random-init model of a Qwen2.5 shape and the peer's synthetic samples,
-written where `meshtune train` reads them.
+"""What the bench scripts share: a random-init model of a Qwen2.5 shape and synthetic samples, written where
+`meshtune train` reads them.
 
-Same model shape as the peer (`../shared/bench/peer_hf.py`; random init: weights do not change speed) and the
-peer's own samples (lengths uniform in minlen..maxlen, token ids from torch.Generator seed 1, every token
-trained). meshtune reads them through its real tokenized-cache path: the arrays are written where
-`meshtune train` looks for them, so only text tokenization is skipped.
+meshtune and the peer (`bench/peer_hf.py`, HF Trainer + PEFT) train the same model shape (`model_config`; random
+init: weights do not change speed) on the same samples (`peer_samples`: lengths uniform in minlen..maxlen, token
+ids from torch.Generator seed 1, every token trained). meshtune reads them through its real tokenized-cache path:
+the arrays are written where `meshtune train` looks for them, so only text tokenization is skipped.
 """
 
 from __future__ import annotations
@@ -15,18 +15,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SIZES = {  # Qwen2.5 shapes, as in peer_hf.py
+SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
 }
-WARMUP = 5
+WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up
+
+
+def model_config(size: str):
+    """The Qwen2 config of a bench size: Qwen2.5's vocabulary (1000 ids for tiny), untied head."""
+    from transformers import Qwen2Config
+
+    vocab = 151936 if size != "tiny" else 1000
+    return Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **SIZES[size])
 
 
 def build_model_dir(size: str, root: Path) -> Path:
     """Random-init Qwen2 of the given shape, saved in bf16 with a small local tokenizer (ids < vocab)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from meshtune.demo.tokenizer import write_tokenizer
 
@@ -34,8 +42,7 @@ def build_model_dir(size: str, root: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     write_tokenizer(["a small corpus for a benchmark tokenizer"] * 4, out, vocab_size=300)
-    vocab = 151936 if size != "tiny" else 1000
-    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **SIZES[size])
+    cfg = model_config(size)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -45,7 +52,8 @@ def build_model_dir(size: str, root: Path) -> Path:
 
 
 def peer_samples(vocab: int, n: int, minlen: int, maxlen: int) -> list[np.ndarray]:
-    """Exactly the peer's data: the same generator calls in the same order."""
+    """The bench's samples: n lengths uniform in minlen..maxlen, then each sample's token ids, from one generator
+    (seed 1), so meshtune and the peer draw the same arrays."""
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(minlen, maxlen + 1, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (length,), generator=g).numpy().astype(np.int32) for length in lens]
@@ -76,6 +84,7 @@ def prepare_workspace(size: str, work: Path, n_samples: int, minlen: int, maxlen
 
 
 def workspace_samples(model_dir: Path, n_samples: int, minlen: int, maxlen: int) -> list[np.ndarray]:
+    """The samples of a built model directory (its vocabulary from config.json)."""
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     return peer_samples(vocab, n_samples, minlen, maxlen)
 

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshtune.demo.model import build_tiny_model
-from meshtune.launch.processes import kill_tree
-from meshtune.demo.tokenizer import train_tokenizer
-
 REPO = Path(__file__).resolve().parents[1]
-SHARED_COMPAT = REPO.parent / "shared" / "compat"
+sys.path.insert(0, str(REPO / "bench"))  # the bench scripts' process-tree helpers serve the tests too
+
+from meshtune.demo.model import build_tiny_model  # noqa: E402
+from meshtune.demo.tokenizer import train_tokenizer  # noqa: E402
+from processes import kill_tree  # noqa: E402
+
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing about rain, "
          "sun and wind in the green valley near our old house").split()
 

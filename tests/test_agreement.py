@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from meshtune.agreement import find_disagreements
+from meshtune.train.agreement import find_disagreements
 
 
 def facts(rank: int, agent: int, node_rank: int, host: str, **changes) -> dict:
     base = {"rank": rank, "local_rank": rank % 2, "host": host, "agent": agent, "node_rank": node_rank,
-            "config hash": "aaaa", "processes per node": 2, "device type": "cpu", "torch version": "2.13.0"}
+            "config key learning_rate": "0.0001", "processes per node": 2, "device type": "cpu", "torch version": "2.13.0"}
     if rank % 2 == 0:
         base["dataset checksum"] = "d1"
     base.update(changes)
@@ -24,9 +24,9 @@ def test_agreeing_nodes_pass():
 
 
 def test_different_config_names_both_nodes_and_values():
-    [problem] = find_disagreements(cluster(**{"config hash": "bbbb"}))
-    assert "config hash differs" in problem
-    assert "node 0 (node-a): aaaa" in problem and "node 1 (node-b): bbbb" in problem
+    [problem] = find_disagreements(cluster(**{"config key learning_rate": "0.0002"}))
+    assert "config key learning_rate differs" in problem
+    assert "node 0 (node-a): 0.0001" in problem and "node 1 (node-b): 0.0002" in problem
     assert "same config" in problem
 
 

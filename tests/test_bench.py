@@ -1,76 +1,180 @@
-"""The speed table script end to end on CPU (tiny model, a stand-in peer): every row kind it prints, so a broken
-bench script shows up here and not on a GPU machine whose time is counted."""
+"""The bench scripts end to end on CPU (tiny model, short samples): every row kind the speed table prints, the
+in-repo peer, the two-agent script, so a broken bench script shows up here and not on a GPU machine whose time
+is counted."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+SPEED_TABLE = str(REPO / "bench" / "speed_table.py")
+SHORT = ["--steps", "6", "--minlen", "32", "--maxlen", "128"]  # the fewest steps with a timed one; short samples
+LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
 
-FAKE_PEER = """import json, sys
-args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-assert args["--size"] == "tiny" and args["--mode"] == "lora" and args["--bs"] == "8", args
-print("peer log line")
-print(json.dumps({"tokens_per_s": 1000.0, "step_s": 2.0, "peak_gib": 1.5}))
-"""
+def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """A bench script, its whole process tree killed if it outlives `timeout`."""
+    from processes import kill_tree
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def test_speed_table_prints_meshtune_the_peer_and_rows_it_cannot_run(tmp_path):
-    peer = tmp_path / "peer.py"
-    peer.write_text(FAKE_PEER)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "speed_table.py"), "--rows", "lora-tiny,lora-1.5b-2gpu",
-                           "--steps", "7", "--peer", str(peer), "--work", str(tmp_path / "work"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
+@pytest.fixture(scope="module")
+def table_run(tmp_path_factory):
+    """One speed-table run with the default (in-repo) peers into an --out folder that does not exist yet: the
+    tiny LoRA row (meshtune, the plain peer, the Liger peer) and a 2-GPU row this machine cannot run."""
+    tmp = tmp_path_factory.mktemp("table")
+    out, work = tmp / "new" / "dir", tmp / "work"
+    proc = run([sys.executable, SPEED_TABLE, "--rows", "lora-tiny,lora-1.5b-2gpu", *SHORT, "--work", str(work),
+                "--out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out, work
+
+
+@pytest.mark.timeout(400)
+def test_speed_table_runs_meshtune_both_peers_and_lists_rows_it_cannot_run(table_run, tmp_path):
+    out, work = table_run
     results = json.loads((out / "speed.json").read_text())["results"]
-    ours, theirs, two_gpus = results
+    ours, plain, liger, two_gpus = results
     assert ours["system"] == "meshtune" and ours["tokens_per_s"] > 0 and ours["first_loss"] > 0
     assert ours["compile_s_timed"] is None and ours["recompile_limit_hit"] is False  # no compile on CPU by default
-    assert (tmp_path / "work" / "tiny" / "out-lora-tiny-v0" / "train.log").is_file()
-    assert theirs == {"row": "lora-tiny", "system": "hf_trainer+peft", "gpus": 1, "bs": 8, "tokens_per_s": 1000.0,
-                      "per_gpu": 1000.0, "mfu": None, "step_s": 2.0, "peak_gib": 1.5}
+    assert (work / "tiny" / "out-lora-tiny-v0" / "train.log").is_file()
+    assert plain["system"] == "hf_trainer+peft" and plain["tokens_per_s"] > 0 and plain["step_s"] > 0
+    assert plain["peak_gib"] is None and plain["mfu"] is None  # no CUDA: no peak memory, no measured peak FLOP/s
+    reported = plain["reported"]  # bench/peer_hf.py's JSON line
+    assert {k: reported[k] for k in ("peer", "size", "mode", "bs", "gc", "peak_gib", "gpu")} == dict(
+        peer="hf_trainer+peft", size="tiny", mode="lora", bs=8, gc=1, peak_gib=None, gpu="cpu")
+    assert 8 * 32 <= reported["timed_tokens"] <= 8 * 128  # the one timed step: 8 samples of 32..128 real tokens
+    assert reported["tokens_per_s"] == plain["tokens_per_s"]
+    assert liger["system"] == "hf_trainer+peft+liger"
+    if not LIGER_INSTALLED:
+        assert "liger-kernel" in liger["error"] and "pip install liger-kernel" in liger["error"], liger
     assert two_gpus["skipped"] == "needs 2 GPUs, this machine has 0"
     table = (out / "speed.md").read_text()
-    assert f"{ours['tokens_per_s'] / 1000:.2f}x" in table and "not run: needs 2 GPUs" in table
+    assert "| vs peer | vs peer+Liger |" in table
+    line = next(line for line in table.splitlines() if line.startswith("| lora-tiny | default | meshtune |"))
+    assert f"| {ours['tokens_per_s'] / plain['tokens_per_s']:.2f}x |" in line, line
+    assert "not run: needs 2 GPUs" in table
+    if not LIGER_INSTALLED:
+        assert "| hf_trainer+peft+liger | 1 | 8 | not run: peer_hf.py: --liger 1 needs the liger-kernel" in table
 
-    merged = tmp_path / "merged"
-    merged.mkdir()
-    subprocess.run([sys.executable, str(REPO / "bench" / "speed_table.py"), "--merge", str(out / "speed.json"),
-                    str(out / "speed.json"), "--out", str(merged)], check=True, capture_output=True, timeout=120, env=env)
-    assert len(json.loads((merged / "speed.json").read_text())["results"]) == 6
+    from speed_table import merge
+
+    merge([str(out / "speed.json"), str(out / "speed.json")], tmp_path)
+    assert len(json.loads((tmp_path / "speed.json").read_text())["results"]) == 8
+    assert (tmp_path / "speed.md").read_text().count("| lora-tiny | default | meshtune |") == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_second_run_in_the_same_work_folder_trains_afresh(table_run, tmp_path):
+    """The same row again in the first run's --work: its output folder is emptied first, so the run neither
+    resumes nor reads the first run's files."""
+    _, work = table_run
+    first = work / "tiny" / "out-lora-tiny-v0"
+    (first / "checkpoint-3").mkdir()  # what a first run with checkpoints leaves
+    (first / "checkpoint-3" / "COMPLETE").write_text("")
+    proc = run([sys.executable, SPEED_TABLE, "--rows", "lora-tiny", "--no-peer", *SHORT, "--work", str(work),
+                "--out", str(tmp_path)], timeout=200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [second] = json.loads((tmp_path / "speed.json").read_text())["results"]
+    assert second["trained_tokens"] > 0 and second["tokens_per_s"] > 0, second
+    assert not (first / "checkpoint-3").exists()
+    log = (first / "train.log").read_text()
+    assert "training finished" in log and "resum" not in log.lower(), log[-2000:]
+
+
+def test_the_peer_counts_real_tokens_and_pads_to_the_longest_sample():
+    import numpy as np
+
+    from peer_hf import CountingCollator
+
+    collator = CountingCollator()
+    batch = collator([{"input_ids": np.array([5, 6, 7], dtype=np.int32)}, {"input_ids": np.array([8], dtype=np.int32)}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
+    assert collator.tokens == [4]
+
+
+@pytest.mark.timeout(60)
+def test_the_liger_peer_names_the_package_it_needs():
+    if LIGER_INSTALLED:
+        pytest.skip("liger-kernel is installed here")
+    proc = run([sys.executable, str(REPO / "bench" / "peer_hf.py"), "--size", "tiny", "--liger", "1"], timeout=50)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "peer_hf.py: --liger 1 needs the liger-kernel package (>= 0.3.0), which is not installed: "
+        "pip install liger-kernel")
+
+
+def test_the_table_shows_our_speed_and_memory_against_each_peer():
+    """tokens/s over each peer's, and our peak memory as a share of that peer's: the figures behind a claim such
+    as "faster than HF with Liger, at no more memory"."""
+    from speed_table import render
+
+    results = [dict(row="lora-tiny", system="meshtune", variant="default", gpus=1, bs=8, tokens_per_s=3000,
+                    per_gpu=3000, mfu=None, peak_gib=1.2),
+               dict(row="lora-tiny", system="hf_trainer+peft", gpus=1, bs=8, tokens_per_s=1000, per_gpu=1000,
+                    mfu=None, peak_gib=1.5),
+               dict(row="lora-tiny", system="hf_trainer+peft+liger", gpus=1, bs=8, tokens_per_s=2000, per_gpu=2000,
+                    mfu=None, peak_gib=1.0)]
+    table = render(results, dict(device="cpu", gpus=0, peak_tflops=None, args=dict(steps=6, minlen=32, maxlen=128)))
+    assert ("| lora-tiny | default | meshtune | 1 | 8 | 3,000 | 3,000 | 3.00x, 80% of its memory | "
+            "1.50x, 120% of its memory |  | 1.2 |  |") in table
+    assert "| lora-tiny |  | hf_trainer+peft+liger | 1 | 8 | 2,000 | 2,000 |  |  |  | 1.0 |  |" in table
+
+
+@pytest.mark.timeout(120)
+def test_runs_past_the_time_limit_are_listed_as_not_run_and_the_table_is_written(tmp_path):
+    out = tmp_path / "out"
+    proc = run([sys.executable, SPEED_TABLE, "--rows", "lora-tiny,lora-1.5b-2gpu", "--time-limit", "0", *SHORT,
+                "--work", str(tmp_path / "work"), "--out", str(out)], timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((out / "speed.json").read_text())["results"]
+    assert [(r["system"], r["skipped"]) for r in results] == [
+        ("meshtune", "time limit"), ("hf_trainer+peft", "time limit"), ("hf_trainer+peft+liger", "time limit"),
+        ("meshtune", "needs 2 GPUs, this machine has 0")]
+    assert (out / "speed.md").read_text().count("not run: time limit") == 3
+    assert not (tmp_path / "work" / "tiny").exists()  # nothing was prepared for rows that do not run
 
 
 def test_a_stream_passes_every_option_on_except_its_own():
-    sys.path.insert(0, str(REPO / "bench"))
     from speed_table import child_argv
 
-    argv = ["--streams", "--rows", "a,b", "--steps", "7", "--work=/w", "--no-peer", "--out", "/o", "--variants", "x=1"]
+    argv = ["--streams", "--rows", "a,b", "--steps", "7", "--work=/w", "--no-peer", "--out", "/o", "--variants", "x=1",
+            "--time-limit", "500"]
     assert child_argv(argv, "a", Path("/w/g1s0"), Path("/o/g1s0")) == [
         "--steps", "7", "--no-peer", "--variants", "x=1", "--rows", "a", "--work", "/w/g1s0", "--out", "/o/g1s0"]
+    assert child_argv(argv, "a", Path("/w"), Path("/o"), time_limit=123.4)[-2:] == ["--time-limit", "123"]
+    assert child_argv(argv, "a", Path("/w"), Path("/o"), time_limit=-5)[-2:] == ["--time-limit", "0"]
 
 
+@pytest.mark.timeout(200)
 def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
     """Two variants of one row in one stream: SIGTERM twice once the first result is printed. The first row is in
     the merged table, the stream is stopped, and the script ends at once."""
-    import signal
-    import time
-
     out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "speed_table.py"), "--streams", "--rows", "lora-tiny",
-                             "--variants", "default;default", "--steps", "7", "--no-peer", "--row-timeout", "200",
-                             "--work", str(tmp_path / "work"), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, SPEED_TABLE, "--streams", "--rows", "lora-tiny", "--variants",
+                             "default;default", *SHORT, "--no-peer", "--row-timeout", "150", "--work",
+                             str(tmp_path / "work"), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         lines = []
         for line in proc.stdout:
@@ -88,13 +192,19 @@ def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
         assert "lora-tiny" in (out / "speed.md").read_text()
     finally:
         if proc.poll() is None:
-            proc.kill()
+            from processes import kill_tree
+
+            kill_tree(proc.pid)
+            proc.wait()
 
 
 def test_presets_name_rows_and_every_scaling_row_has_its_base_in_the_table():
-    sys.path.insert(0, str(REPO / "bench"))
-    from speed_table import DEFAULT_ROWS, PRESETS, ROWS, SCALING_8GPU, render
+    from speed_table import DEFAULT_ROWS, PRESETS, ROWS, SCALING_8GPU, expand_rows, render
 
+    assert expand_rows("table-1gpu") == ["lora-1.5b", "full-1.5b", "lora-7b", "qlora-7b"]
+    assert expand_rows("scaling-2gpu") == ["lora-1.5b", "full-1.5b", "lora-1.5b-2gpu", "full-1.5b-2gpu"]
+    assert expand_rows("table") == DEFAULT_ROWS
+    assert expand_rows("lora-tiny,scaling-8gpu") == ["lora-tiny", *SCALING_8GPU]
     assert all(ROWS[name].gpus <= 4 for name in DEFAULT_ROWS) and "full-7b-2gpu-zero3" not in DEFAULT_ROWS
     assert set(DEFAULT_ROWS) | set(SCALING_8GPU) | {"lora-tiny"} == set(ROWS)  # every row is in a preset
     for preset in PRESETS.values():  # the default table has no 2-GPU 7B rows: its 7B rows show no scaling
@@ -107,28 +217,39 @@ def test_presets_name_rows_and_every_scaling_row_has_its_base_in_the_table():
                dict(row="full-7b-8gpu-zero3", system="meshtune", variant="default", gpus=8, bs=4, tokens_per_s=45600,
                     per_gpu=5700, mfu=0.29, peak_gib=30.0)]
     table = render(results, dict(device="cpu", gpus=8, peak_tflops=None, args=dict(steps=25, minlen=128, maxlen=1024)))
-    assert "| full-7b-8gpu-zero3 | default | meshtune | 8 | 4 | 45,600 | 5,700 |  | 29.0% | 30.0 | 95.0% |" in table
+    assert "| full-7b-8gpu-zero3 | default | meshtune | 8 | 4 | 45,600 | 5,700 |  |  | 29.0% | 30.0 | 95.0% |" in table
 
 
-def test_an_unknown_row_is_named_with_the_choices():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "speed_table.py"), "--rows", "lora-1.5b,lora-15b"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 2 and "unknown row(s) lora-15b" in proc.stderr and "scaling-8gpu" in proc.stderr
+@pytest.mark.timeout(120)
+def test_an_unknown_row_preset_or_peer_is_named_with_the_choices():
+    from speed_table import PRESETS, expand_rows, parse_peers
+
+    proc = run([sys.executable, SPEED_TABLE, "--rows", "lora-1.5b,lora-15b"], timeout=110)
+    assert proc.returncode == 2 and "unknown row(s) lora-15b" in proc.stderr, proc.stderr[-2000:]
+    assert all(preset in proc.stderr for preset in PRESETS) and "full-7b-8gpu-hsdp" in proc.stderr
+    with pytest.raises(ValueError, match="unknown row.*table-2gpu.*presets table .*table-1gpu"):
+        expand_rows("table-2gpu")
+    with pytest.raises(ValueError, match="unknown peer.*deepspeed.*peers are plain, liger"):
+        parse_peers("plain,deepspeed", no_peer=False)
+    assert parse_peers("plain,liger", no_peer=True) == []
 
 
+@pytest.mark.timeout(420)
 def test_two_agent_speed_script_runs_both_layouts_on_cpu(tmp_path):
     """bench/gpu_two_agents.py --speed end to end with the tiny job: two agents (one process each) as two nodes,
-    then one agent with both processes; a broken script shows up here, not on a GPU machine."""
-    import signal
-
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "gpu_two_agents.py"), "--speed", "--jobs", "lora-tiny",
-                             "--modes", "ddp", "--gpus-per-node", "1", "--steps", "7", "--job-timeout", "150",
-                             "--work", str(tmp_path / "work"), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    then one agent with both processes; a broken script shows up here, not on a GPU machine. The work folder holds
+    what an earlier invocation leaves (an output folder with a checkpoint, a log that resumed): both jobs start
+    afresh all the same."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    stale = work / "speed-lora-tiny-ddp-two"
+    (stale / "checkpoint-7").mkdir(parents=True)
+    (stale / "checkpoint-7" / "COMPLETE").write_text("")
+    (work / "speed-lora-tiny-ddp-two-node0.log").write_text("resumed from checkpoint-7 at step 7 of 7\n")
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "gpu_two_agents.py"), "--speed", "--jobs",
+                             "lora-tiny", "--modes", "ddp", "--gpus-per-node", "1", "--steps", "7", "--job-timeout",
+                             "150", "--work", str(work), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                            start_new_session=True)
     try:
         output = proc.communicate(timeout=400)[0]
     finally:
@@ -137,17 +258,34 @@ def test_two_agent_speed_script_runs_both_layouts_on_cpu(tmp_path):
             proc.wait()
     assert proc.returncode == 0, output[-3000:]
     rows = json.loads((out / "two_agents_speed.json").read_text())
-    assert [(r["layout"], r["exit_codes"]) for r in rows] == [("2 nodes, sockets", [0, 0]), ("1 node, NVLink", [0])]
+    assert [(r["layout"], r["exit_codes"], r["problem"]) for r in rows] == [
+        ("2 nodes, sockets", [0, 0], None), ("1 node, NVLink", [0], None)]
     assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
+    assert not (stale / "checkpoint-7").exists()
     assert "| lora-tiny | ddp | 2 nodes, sockets |" in output
+
+
+def test_a_two_agent_job_that_did_not_train_afresh_fails_the_report():
+    from gpu_two_agents import fail_on_problems, problem
+
+    trained = [{"step": 1, "tokens": 100}, {"step": 2, "tokens": 90}]
+    assert problem(trained, "train: 100%\n", expect_resume=False) is None
+    assert problem([], "", expect_resume=False) == "trained 0 tokens"
+    assert problem([{"step": 40, "tokens": 0}], "", expect_resume=False) == "trained 0 tokens"
+    log = ("warning: checkpoint-40 was written with another config (hash a, now b); resuming anyway\n"
+           "resumed from runs/checkpoint-40 at step 40 of 40\n")
+    assert problem(trained, log, expect_resume=False).startswith(
+        "resumed instead of starting afresh: warning: checkpoint-40")
+    assert problem(trained, log, expect_resume=True) is None
+    assert problem(trained, "", expect_resume=True) == "the restarted node did not resume from the checkpoint"
+    fail_on_problems({"zero2/uninterrupted": None})
+    with pytest.raises(SystemExit, match="zero2/uninterrupted: trained 0 tokens"):
+        fail_on_problems({"zero2/uninterrupted": "trained 0 tokens", "zero2/killed": None})
 
 
 def test_a_second_sigterm_cannot_cut_the_merge():
     """GNU timeout sends SIGTERM to the script and then to its process group: the first one starts the merge, and
     from then on SIGTERM is ignored."""
-    import signal
-
-    sys.path.insert(0, str(REPO / "bench"))
     from speed_table import stop_once
 
     previous = signal.getsignal(signal.SIGTERM)
@@ -159,14 +297,14 @@ def test_a_second_sigterm_cannot_cut_the_merge():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_collective_probe_prints_every_collective_and_size(tmp_path):
-    """bench/allreduce_probe.py on two gloo ranks (on the device it runs on NCCL): one line per collective and size."""
+@pytest.mark.timeout(150)
+def test_collective_probe_prints_every_collective_and_size():
+    """bench/allreduce_probe.py on two gloo ranks (on GPUs it runs on NCCL): one line per collective and size."""
     from test_checkpoint import free_port
 
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), str(REPO / "bench" / "allreduce_probe.py"), "--sizes-mb", "1,2",
-                             "--unit-params-m", "0.5"], capture_output=True, text=True, timeout=120, env=env)
+    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                  str(free_port()), str(REPO / "bench" / "allreduce_probe.py"), "--sizes-mb", "1,2",
+                  "--unit-params-m", "0.5"], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("gloo ")]
     assert [line.split(" MB")[0].split(" ", 2)[2] for line in lines] == [
@@ -177,7 +315,6 @@ def test_collective_probe_prints_every_collective_and_size(tmp_path):
 
 def test_the_qlora_row_is_judged_against_our_lora_row():
     """The Q-LoRA target is relative to meshtune's own LoRA 7B (tokens/s and peak memory): the table says both."""
-    sys.path.insert(0, str(REPO / "bench"))
     from speed_table import render
 
     results = [dict(row="lora-7b", system="meshtune", variant="default", gpus=1, bs=4, tokens_per_s=9000,

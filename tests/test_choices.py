@@ -1,8 +1,10 @@
-"""Choices made for the user: `parallel: auto`, and garbage collection at the same steps on every rank."""
+"""Choices made for the user, resolved once into the run plan: `parallel: auto` and the other defaults, and garbage
+collection at the same steps on every rank."""
 
 from __future__ import annotations
 
 import gc
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -10,31 +12,79 @@ import torch
 
 from conftest import base_config
 from meshtune.config import build_config
-from meshtune.model.parallel import choose_parallel, sharding_for_full
-from meshtune.train.collection import StepGarbageCollection, default_interval
+from meshtune.errors import ConfigError
+from meshtune.plan import ModelSize, default_blocks_per_unit, resolve, sharding_for_full
+from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.loop import run
 
 GIB = 2**30
 
 
-def env(world_size: int, device: str) -> SimpleNamespace:
-    return SimpleNamespace(world_size=world_size, device=torch.device(device))
+def env(world_size: int, device: str, local_world_size: int | None = None) -> SimpleNamespace:
+    return SimpleNamespace(world_size=world_size, device=torch.device(device), rank=0,
+                           local_world_size=local_world_size or world_size)
 
 
-def never_counted() -> int:
-    raise AssertionError("the parameter count is needed only for full fine-tuning on several GPUs")
+def config(**values):
+    return build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", **values})
+
+
+def never_counted() -> ModelSize:
+    raise AssertionError("the model's size is needed only for full fine-tuning on several GPUs and FSDP2 units")
 
 
 @pytest.mark.parametrize("requested", ["ddp", "zero2", "zero3", "hsdp"])
 def test_an_explicit_parallel_mode_is_kept(requested):
-    assert choose_parallel(requested, False, env(4, "cpu"), never_counted) == (requested, "")
+    plan = resolve(config(parallel=requested, finetuning_type="full", fsdp_blocks_per_unit=2), env(4, "cpu", 2), None,
+                   never_counted)
+    assert plan.parallel == requested and "parallel" not in plan.why
 
 
-@pytest.mark.parametrize("is_lora, world_size, device, reason", [
-    (True, 8, "cpu", "LoRA"), (False, 1, "cpu", "one process"), (False, 2, "cpu", "CPU processes")])
-def test_auto_is_ddp_for_lora_one_process_and_cpu(is_lora, world_size, device, reason):
-    mode, why = choose_parallel("auto", is_lora, env(world_size, device), never_counted)
-    assert mode == "ddp" and reason in why
+@pytest.mark.parametrize("method, world_size, device, reason", [
+    ("lora", 8, "cpu", "LoRA"), ("full", 1, "cpu", "one process"), ("full", 2, "cpu", "CPU processes")])
+def test_auto_is_ddp_for_lora_one_process_and_cpu(method, world_size, device, reason):
+    plan = resolve(config(finetuning_type=method), env(world_size, device), None, never_counted)
+    assert plan.parallel == "ddp" and reason in plan.why["parallel"]
+    assert plan.blocks_per_unit is None and plan.hsdp_shard_size is None
+
+
+def test_cpu_defaults_are_resolved_with_their_reasons():
+    plan = resolve(config(finetuning_type="full", bf16=True), env(2, "cpu"), None, never_counted)
+    assert (plan.bf16, plan.padding_free, plan.compile, plan.fused_adamw, plan.gc_interval) == (False, False, False,
+                                                                                                 False, 50)
+    assert plan.weights_from_rank0 and plan.gradient_accumulation_steps == 1
+    assert "ignored on CPU" in plan.why["precision"] and "on with CUDA" in plan.why["torch_compile"]
+    text = plan.describe()
+    assert "parallel                     ddp  (auto: CPU processes)" in text and "optim" in text
+    one = resolve(config(gc_interval=7), env(1, "cpu"), None, never_counted)
+    assert (one.gc_interval, resolve(config(), env(1, "cpu"), None, never_counted).gc_interval) == (7, 0)
+
+
+def test_fsdp_units_and_hsdp_shards_are_resolved_from_the_model_and_the_node():
+    plan = resolve(config(finetuning_type="full", parallel="hsdp"), env(4, "cpu", 2), None,
+                   lambda: ModelSize(7_600_000_000, 233_000_000))
+    assert (plan.blocks_per_unit, plan.hsdp_shard_size) == (4, 2)
+    assert "within ~1B parameters" in plan.why["fsdp_blocks_per_unit"]
+    with pytest.raises(ConfigError, match="hsdp_shard_size: 3 does not divide the 4 processes"):
+        resolve(config(finetuning_type="full", parallel="hsdp", hsdp_shard_size=3), env(4, "cpu"), None,
+                lambda: ModelSize(10, 1))
+
+
+def test_a_resume_on_another_world_size_keeps_the_global_batch_or_says_why_not():
+    manifest = {"global_batch": 8}
+    plan = resolve(config(per_device_train_batch_size=2, gradient_accumulation_steps=1), env(2, "cpu"), manifest,
+                   never_counted)
+    assert plan.gradient_accumulation_steps == 2 and "1 -> 2" in plan.why["gradient_accumulation_steps"]
+    with pytest.raises(ConfigError, match="global batch of 8, which 3 processes"):
+        resolve(config(per_device_train_batch_size=2), env(3, "cpu"), manifest, never_counted)
+
+
+@pytest.mark.parametrize("params_m,expected", [(0.01, 4), (46.8, 4), (233, 4), (306, 3), (488, 2), (878, 1),
+                                               (2000, 1)])
+def test_default_units_hold_at_most_four_blocks_and_about_a_billion_parameters(params_m, expected):
+    # 1.5B, 7B, 14B, 32B and 72B Qwen2.5 blocks; a unit is never empty
+    assert default_blocks_per_unit(int(params_m * 1e6)) == expected
+    assert default_blocks_per_unit(0) == 4
 
 
 @pytest.mark.parametrize("n_params, gpus, expected", [
@@ -81,7 +131,6 @@ def test_interval_zero_leaves_python_alone():
         assert gc.isenabled()
         collection.after_step(50)
     assert collection.collections == 0
-    assert (default_interval(None, 1), default_interval(None, 2), default_interval(7, 1)) == (0, 50, 7)
 
 
 def test_training_collects_at_the_interval_and_says_what_auto_chose(tmp_path, tiny_model_dir, tiny_dataset,
@@ -92,4 +141,6 @@ def test_training_collects_at_the_interval_and_says_what_auto_chose(tmp_path, ti
     assert [r["step"] for r in records][-1] == 4
     assert calls.count(1) == 2  # after steps 2 and 4
     assert gc.isenabled()
-    assert "parallel auto: ddp (one process)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "parallel                     ddp  (auto: one process)" in out
+    assert json.loads((tmp_path / "out" / "run_plan.json").read_text())["parallel"] == "ddp"

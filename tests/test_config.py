@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from conftest import run_cli, write_config
-from meshtune.config import build_config, describe_keys, load_config, parse_overrides
+from meshtune.config import (JOB, MATH, NODE, TrainConfig, build_config, describe_keys, load_config,
+                             parse_overrides)
 from meshtune.errors import ConfigError
 
 BASE = {"model_name_or_path": "/models/x", "dataset": "train.jsonl"}
@@ -65,11 +67,35 @@ def test_hash_ignores_where_outputs_go():
     assert a.hash() == b.hash() != c.hash()
 
 
-def test_help_lists_every_key_with_its_default():
+@pytest.mark.parametrize("key, value, changes_math", [
+    ("learning_rate", 3e-4, True), ("grad_reduce_dtype", "bf16", True), ("seed", 1, True), ("cutoff_len", 99, True),
+    ("save_steps", 5, False), ("parallel", "zero3", False), ("padding_free", True, False), ("gc_interval", 3, False),
+    ("logging_steps", 1, False), ("master_port", 29500, False)])
+def test_hash_covers_exactly_the_keys_that_change_the_math(key, value, changes_math):
+    assert (build_config({**BASE, key: value}).hash() != build_config(BASE).hash()) == changes_math
+
+
+def test_every_key_has_a_section_and_a_scope():
+    fields = TrainConfig.model_fields
+    assert set(TrainConfig.keys_of(MATH, JOB, NODE)) == set(fields)
+    assert {"learning_rate", "dataset", "lora_rank", "bf16"} <= set(TrainConfig.keys_of(MATH))
+    assert {"parallel", "save_steps", "eval_steps", "torch_compile"} <= set(TrainConfig.keys_of(JOB))
+    assert {"node_rank", "output_dir", "tokenized_path"} <= set(TrainConfig.keys_of(NODE))
+
+
+def test_the_config_is_never_changed_after_validation():
+    cfg = build_config(BASE)
+    with pytest.raises(ValidationError):
+        cfg.gradient_accumulation_steps = 4
+
+
+def test_help_lists_every_key_with_its_default_by_section():
     text = describe_keys()
-    for key in ("learning_rate", "per_device_train_batch_size", "lora_target", "parallel", "packing"):
-        assert key in text
+    for key in TrainConfig.model_fields:
+        assert f"  {key} " in text
     assert "0.0001" in text  # learning_rate's default
+    sections = [line for line in text.splitlines() if line and not line.startswith(" ")]
+    assert sections[0] == "model and method:" and "parallelism:" in sections and len(sections) == 7
 
 
 def test_cli_reports_config_errors_fast_without_traceback(tmp_path):

@@ -94,7 +94,8 @@ def test_full_finetuning_blocks_take_every_token_count_without_compiling_again()
     must reuse the blocks compiled at the first step (compile_blocks turns those checks off)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from meshtune.train.loop import compile_blocks, compile_seconds
+    from meshtune.model.compile import compile_blocks
+    from meshtune.train.metrics import compile_seconds
 
     torch._dynamo.reset()
     config = Qwen2Config(vocab_size=1000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=2,

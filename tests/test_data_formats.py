@@ -10,7 +10,12 @@ import pytest
 from meshtune.data.formats import dataset_checksum, detect_format, load_records, read_dataset, to_messages
 from meshtune.errors import DataError
 
-COMPAT = Path(__file__).resolve().parents[2] / "shared" / "compat" / "llamafactory" / "data"
+# LLaMA-Factory data files: our own small fixtures always, the real files too where ../shared/compat exists.
+FIXTURE_COMPAT = Path(__file__).resolve().parent / "fixtures" / "compat" / "llamafactory" / "data"
+SHARED_COMPAT = Path(__file__).resolve().parents[2] / "shared" / "compat" / "llamafactory" / "data"
+NEEDS_SHARED = pytest.mark.skipif(
+    not SHARED_COMPAT.is_dir(), reason=f"compat data folder {SHARED_COMPAT} is absent (not in a user's clone)"
+)
 
 ALPACA = [
     {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
@@ -210,19 +215,49 @@ def test_checksum_covers_content_and_order(tmp_path):
     assert dataset_checksum([a, b]) != first
 
 
-@pytest.mark.skipif(not COMPAT.is_dir(), reason=f"compat data folder {COMPAT} is absent (not in a user's clone)")
 @pytest.mark.parametrize(
-    "name, fmt, count",
+    "data_dir, counts",
     [
-        ("alpaca_en_demo.json", "alpaca", 999),
-        ("identity.json", "alpaca", 91),
-        ("glaive_toolcall_en_demo.json", "sharegpt", 300),
+        pytest.param(
+            FIXTURE_COMPAT,
+            {"alpaca_en_demo.json": 5, "identity.json": 4, "glaive_toolcall_en_demo.json": 4},
+            id="fixtures",
+        ),
+        pytest.param(
+            SHARED_COMPAT,
+            {"alpaca_en_demo.json": 999, "identity.json": 91, "glaive_toolcall_en_demo.json": 300},
+            id="shared",
+            marks=NEEDS_SHARED,
+        ),
     ],
 )
-def test_llamafactory_compat_files(name, fmt, count):
-    path = COMPAT / name
+@pytest.mark.parametrize(
+    "name, fmt",
+    [("alpaca_en_demo.json", "alpaca"), ("identity.json", "alpaca"), ("glaive_toolcall_en_demo.json", "sharegpt")],
+)
+def test_llamafactory_compat_files(data_dir, counts, name, fmt):
+    path = data_dir / name
     assert detect_format(load_records(path), path) == fmt
     conversations, skipped = read_dataset([path])
-    assert (len(conversations), skipped) == (count, 0)
+    assert (len(conversations), skipped) == (counts[name], 0)
     if fmt == "sharegpt":
         assert any(m["role"] == "tool" for c in conversations for m in c)
+
+
+def test_llamafactory_fixture_conversations():
+    """Our fixtures, message by message: input joined or left out, placeholders kept, tool calls as turns."""
+    alpaca, _ = read_dataset([FIXTURE_COMPAT / "alpaca_en_demo.json"])
+    assert [c[0]["content"] for c in alpaca[:2]] == [
+        "Give two tips for keeping houseplants healthy.",
+        "Rewrite the sentence in the passive voice.\nThe committee approved the new budget.",
+    ]
+    identity, _ = read_dataset([FIXTURE_COMPAT / "identity.json"])
+    assert all("{{name}}" in c[1]["content"] and "{{author}}" in c[1]["content"] for c in identity)
+    glaive, _ = read_dataset([FIXTURE_COMPAT / "glaive_toolcall_en_demo.json"])
+    assert [[m["role"] for m in c] for c in glaive] == [
+        ["user", "assistant", "tool", "assistant"],
+        ["user", "assistant", "tool", "assistant"] * 2,
+        ["user", "assistant"] * 2,
+        ["user", "assistant"],
+    ]
+    assert json.loads(glaive[0][1]["content"]) == {"name": "get_forecast", "arguments": {"city": "Lisbon", "days": 1}}

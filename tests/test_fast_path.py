@@ -108,7 +108,7 @@ def test_padding_free_batch_holds_every_sample_once(tiny_model_dir, tiny_dataset
 
 def test_flop_count_follows_torchtitan(tiny_model_dir):
     from meshtune.model.loading import load_model
-    from meshtune.train.throughput import FlopCounter
+    from meshtune.model.flops import FlopCounter
 
     model = load_model(tiny_model_dir)
     counter = FlopCounter.of(model)
@@ -136,7 +136,7 @@ def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatc
     from torch.nn.parallel import DistributedDataParallel
 
     from meshtune.model.loading import load_model
-    from meshtune.train.loop import compile_blocks
+    from meshtune.model.compile import compile_blocks
 
     splits = []
     original = dynamo_ddp.DDPOptimizer.compile_fn
@@ -164,7 +164,7 @@ def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatc
 
 
 def test_compile_watch_notes_steps_that_compiled_after_the_first():
-    from meshtune.train.loop import CompileWatch
+    from meshtune.train.metrics import CompileWatch
 
     clock = iter([0.0, 9.0, 9.1, 11.0, 11.0, 14.0, 20.0])  # seconds in torch.compile so far, read after each step
     watch = CompileWatch(seconds=lambda: next(clock), threshold=0.5, limit=2)

@@ -229,7 +229,7 @@ def test_g_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_mod
     codes = [node0.wait(120), node1.wait(120)]
     assert codes[0] != 0 and codes[1] != 0
     text = node0.output() + node1.output()
-    assert "config hash differs between nodes" in text and "node 1 (" in text and "node 0 (" in text
+    assert "config key learning_rate differs between nodes" in text and "node 1 (" in text and "node 0 (" in text
     assert not (tmp_path / "output" / "checkpoint-4").exists(), "it trained before noticing"
 
 

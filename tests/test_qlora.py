@@ -18,9 +18,9 @@ from conftest import base_config, read_metrics, run_cli, sentence, write_config
 from meshtune.config import build_config
 from meshtune.demo.model import build_tiny_model
 from meshtune.demo.tokenizer import train_tokenizer
-from meshtune.model.loading import load_model
 from meshtune.model.lora import add_lora
-from meshtune.model.parallel import transformer_blocks, unwrap
+from meshtune.model.loading import load_model, transformer_blocks
+from meshtune.model.parallel import unwrap
 from meshtune.model.qlora import nf4_quantizer, quantize_frozen_linears
 from meshtune.train.loop import run
 

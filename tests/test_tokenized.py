@@ -17,7 +17,12 @@ from meshtune.data.tokenized import TokenizedDataset, build_tokenized, cache_key
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
 
-COMPAT = Path(__file__).resolve().parents[2] / "shared" / "compat" / "llamafactory" / "data"
+# LLaMA-Factory data files: our own small fixtures always, the real files too where ../shared/compat exists.
+FIXTURE_COMPAT = Path(__file__).resolve().parent / "fixtures" / "compat" / "llamafactory" / "data"
+SHARED_COMPAT = Path(__file__).resolve().parents[2] / "shared" / "compat" / "llamafactory" / "data"
+NEEDS_SHARED = pytest.mark.skipif(
+    not SHARED_COMPAT.is_dir(), reason=f"compat data folder {SHARED_COMPAT} is absent (not in a user's clone)"
+)
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "What is the capital of France? Paris is the capital of France.",
@@ -182,10 +187,22 @@ def test_two_processes_build_once(tokenizer, data_file, tmp_path, capfd):
     assert "waiting for another process to tokenize" in capfd.readouterr().out
 
 
-@pytest.mark.skipif(not COMPAT.is_dir(), reason=f"compat data folder {COMPAT} is absent (not in a user's clone)")
-def test_llamafactory_compat_files_tokenize(tokenizer, tmp_path):
-    paths = [COMPAT / "identity.json", COMPAT / "glaive_toolcall_en_demo.json"]
+# Our fixtures are small enough that every record gives one whole sample; the real files only have to give
+# one sample or one dropped record each.
+FIXTURE_STATS = {"n_samples": 8, "n_dropped_no_target": 0, "n_truncated": 0, "n_skipped_invalid": 0}
+
+
+@pytest.mark.parametrize(
+    "data_dir, n_records, exact_stats",
+    [
+        pytest.param(FIXTURE_COMPAT, 8, FIXTURE_STATS, id="fixtures"),
+        pytest.param(SHARED_COMPAT, 391, {}, id="shared", marks=NEEDS_SHARED),
+    ],
+)
+def test_llamafactory_compat_files_tokenize(tokenizer, tmp_path, data_dir, n_records, exact_stats):
+    paths = [data_dir / "identity.json", data_dir / "glaive_toolcall_en_demo.json"]
     dataset = build(tokenizer, paths, tmp_path / "cache", cutoff_len=1024)
-    assert dataset.stats["n_records"] == 391
-    assert dataset.stats["n_samples"] + dataset.stats["n_dropped_no_target"] == 391
+    assert dataset.stats["n_records"] == n_records
+    assert dataset.stats["n_samples"] + dataset.stats["n_dropped_no_target"] == n_records
     assert dataset.stats["n_target_tokens"] > 0
+    assert {k: dataset.stats[k] for k in exact_stats} == exact_stats

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from meshtune import __version__
@@ -17,9 +18,9 @@ Fine-tune a model from one YAML config plus key=value overrides, e.g.
   meshtune train cfg.yaml learning_rate=1e-4 max_steps=50 nproc_per_node=2
 
 With nproc_per_node > 1 meshtune starts torchrun itself; under torchrun it trains directly.
-Outputs in output_dir: config.yaml, metrics.jsonl, loss.png, final/ (PEFT adapter or HF model dir).
-
-config keys (default, meaning):
+Outputs in output_dir: config.yaml (the keys as given), run_plan.json (every auto and default as resolved for this
+run, with the reason), metrics.jsonl, loss.png, checkpoint-N/ (with save_steps), final/ (PEFT adapter or HF model
+dir).
 """
 
 LAUNCH_HELP = """\
@@ -51,6 +52,14 @@ examples:
 """
 
 
+def key_scopes() -> str:
+    from meshtune.config import MATH, NODE, TrainConfig
+
+    return "\n" + textwrap.fill(f"The run's math, and its identity in every checkpoint, is set by: {', '.join(TrainConfig.keys_of(MATH))}. "
+                         f"Every node must run with the same keys, except: {', '.join(TrainConfig.keys_of(NODE))}.",
+                         width=116) + "\n\nconfig keys (default, meaning):\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from meshtune.config import describe_keys
 
@@ -59,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="fine-tune from a YAML config", description=TRAIN_HELP + describe_keys(),
+    train = commands.add_parser("train", help="fine-tune from a YAML config", description=TRAIN_HELP + key_scopes() + describe_keys(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")

@@ -38,90 +38,109 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
+class Section:
+    """One group of keys: its title in `meshtune train --help`, and the scope its keys have unless one says otherwise.
+
+    Scopes: `math` keys define what is computed (`TrainConfig.hash()`: the run's identity, kept in every checkpoint's
+    manifest); `job` keys must be the same on every node without changing the math (they decide collectives, such as
+    when to evaluate or save); `node` keys may differ from node to node (where this node writes, its address, its
+    housekeeping). The startup agreement check compares the math and job keys of every node.
+    """
+
+    def __init__(self, title: str, scope: str):
+        self.title, self.scope = title, scope
+
+    def __call__(self, default: Any = ..., description: str = "", scope: str | None = None, **constraints) -> Any:
+        return Field(default, description=description, **constraints,
+                     json_schema_extra={"section": self.title, "scope": scope or self.scope})
+
+
+MATH, JOB, NODE = "math", "job", "node"
+MODEL = Section("model and method", MATH)
+DATA = Section("data", MATH)
+OPTIMIZATION = Section("optimisation", MATH)
+SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; the math stays the same", JOB)
+PARALLELISM = Section("parallelism", JOB)
+LAUNCH = Section("nodes and launch (each node may set these for itself; the launcher checks them)", NODE)
+OUTPUT = Section("outputs, evaluation and checkpoints", JOB)
+
+
 class TrainConfig(BaseModel):
     """All keys of `meshtune train`. The field descriptions are the `--help` text."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # model and method
-    model_name_or_path: str = Field(description="local Hugging Face model directory (config.json, safetensors, tokenizer)")
-    finetuning_type: Literal["full", "lora", "qlora"] = Field("lora", description="full | lora | qlora (LoRA on a base whose block linear weights are stored in 4-bit NF4 through torchao: about a quarter of the base's memory; parallel ddp; every process reads the model files)")
-    lora_rank: int = Field(8, gt=0, description="LoRA rank r")
-    lora_alpha: float | None = Field(None, gt=0, description="LoRA alpha; default 2 x lora_rank")
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA path (0 keeps runs topology-independent)")
-    lora_target: list[str] = Field(["all"], description="'all' (every linear layer but the head) or module names, e.g. q_proj,v_proj")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
-    gradient_checkpointing_ratio: float = Field(1.0, gt=0.0, le=1.0, description="with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory)")
-    bf16: bool | None = Field(None, description="bf16 compute on CUDA; default: on when the GPU supports it; CPU runs fp32")
+    model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, tokenizer); meshtune never downloads")
+    finetuning_type: Literal["full", "lora", "qlora"] = MODEL("lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do not fit otherwise; needs torchao)")
+    lora_rank: int = MODEL(8, "LoRA rank r: larger adapters learn more and cost more memory", gt=0)
+    lora_alpha: float | None = MODEL(None, "LoRA scaling alpha (the update is scaled by alpha / r); default 2 x lora_rank", gt=0)
+    lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
+    lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. q_proj,v_proj")
+    gradient_checkpointing: bool = MODEL(False, "recompute activations in backward instead of storing them: less memory, more compute; turn on when a batch does not fit", scope=JOB)
+    gradient_checkpointing_ratio: float = MODEL(1.0, "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory)", gt=0.0, le=1.0, scope=JOB)
+    bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports it; CPU runs fp32")
 
-    # data
-    dataset: list[str] = Field(description="training data file(s): JSON list or JSONL; comma-separated or a list")
-    eval_dataset: list[str] | None = Field(None, description="held-out data file(s); otherwise val_size splits the training data")
-    dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = Field("auto", description="auto | alpaca | sharegpt | qwen | messages")
-    template: Literal["auto", "chatml", "tokenizer"] = Field("auto", description="auto (tokenizer's chat template, else ChatML) | chatml | tokenizer")
-    cutoff_len: int = Field(2048, gt=1, description="samples are truncated to this many tokens")
-    val_size: float = Field(0.0, ge=0.0, description="held-out part of the training data: a fraction (<1) or a count")
-    skip_invalid: bool = Field(False, description="skip malformed records (counted) instead of stopping")
-    tokenized_path: str | None = Field(None, description="where the tokenized cache lives (default: output_dir/tokenized); share it across nodes to tokenize once")
-    packing: bool = Field(False, description="pack samples into rows of up to cutoff_len (no attention across samples)")
-    group_by_length: bool = Field(False, description="without packing: micro-batches of similar lengths inside each global batch")
+    dataset: list[str] = DATA(description="training data file(s), JSON list or JSONL; comma-separated or a list")
+    eval_dataset: list[str] | None = DATA(None, "held-out data file(s); otherwise val_size splits the training data")
+    dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA("auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
+    template: Literal["auto", "chatml", "tokenizer"] = DATA("auto", "auto (the tokenizer's chat template, else ChatML) | chatml | tokenizer")
+    cutoff_len: int = DATA(2048, "samples are truncated to this many tokens", gt=1)
+    val_size: float = DATA(0.0, "held-out part of the training data: a fraction (<1) or a count", ge=0.0)
+    skip_invalid: bool = DATA(False, "skip malformed records (counted) instead of stopping at the first")
+    tokenized_path: str | None = DATA(None, "where the tokenized cache lives (default: output_dir/tokenized); put it on storage all nodes share to tokenize once", scope=NODE)
+    packing: bool = DATA(False, "pack samples into rows of up to cutoff_len (no attention across samples): fewer, fuller rows")
+    group_by_length: bool = DATA(False, "without packing: micro-batches of similar lengths inside each global batch (less padding)")
 
-    # optimisation
-    per_device_train_batch_size: int = Field(1, gt=0, description="samples (or packed rows) per process per micro-step")
-    per_device_eval_batch_size: int = Field(8, gt=0, description="samples per process per evaluation step")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-steps per optimizer step")
-    learning_rate: float = Field(1e-4, gt=0.0, description="peak learning rate (AdamW)")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
-    adam_beta1: float = Field(0.9, gt=0.0, lt=1.0, description="AdamW beta1")
-    adam_beta2: float = Field(0.999, gt=0.0, lt=1.0, description="AdamW beta2")
-    num_train_epochs: float = Field(3.0, gt=0.0, description="epochs, used when max_steps is -1")
-    max_steps: int = Field(-1, ge=-1, description="optimizer steps; -1 = from num_train_epochs")
-    lr_scheduler_type: Literal["cosine", "linear", "constant"] = Field("cosine", description="cosine | linear | constant (after warmup)")
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="warmup as a fraction of all steps")
-    warmup_steps: int = Field(0, ge=0, description="warmup steps; overrides warmup_ratio when > 0")
-    max_grad_norm: float = Field(1.0, ge=0.0, description="gradient clipping; 0 turns it off")
-    seed: int = Field(42, description="seeds the data order, model init of new weights and RNG streams")
+    per_device_train_batch_size: int = OPTIMIZATION(1, "samples (or packed rows) per process per micro-step", gt=0)
+    gradient_accumulation_steps: int = OPTIMIZATION(1, "micro-steps per optimizer step; global batch = per_device_train_batch_size x this x processes", gt=0)
+    learning_rate: float = OPTIMIZATION(1e-4, "peak learning rate (AdamW)", gt=0.0)
+    weight_decay: float = OPTIMIZATION(0.0, "AdamW weight decay (never on biases and norms)", ge=0.0)
+    adam_beta1: float = OPTIMIZATION(0.9, "AdamW beta1", gt=0.0, lt=1.0)
+    adam_beta2: float = OPTIMIZATION(0.999, "AdamW beta2", gt=0.0, lt=1.0)
+    num_train_epochs: float = OPTIMIZATION(3.0, "epochs, used when max_steps is -1", gt=0.0)
+    max_steps: int = OPTIMIZATION(-1, "optimizer steps; -1 = from num_train_epochs", ge=-1)
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = OPTIMIZATION("cosine", "cosine | linear | constant (after warmup)")
+    warmup_ratio: float = OPTIMIZATION(0.0, "warmup as a fraction of all steps", ge=0.0, lt=1.0)
+    warmup_steps: int = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0", ge=0)
+    max_grad_norm: float = OPTIMIZATION(1.0, "gradient clipping; 0 turns it off (the norm is still logged)", ge=0.0)
+    grad_reduce_dtype: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "the dtype gradients cross the processes in: fp32 (exact sums) | bf16 (half the bytes, as DeepSpeed's default under bf16; sums over many processes lose precision: try it when the network is the bottleneck). The optimizer always steps fp32 gradients")
+    seed: int = OPTIMIZATION(42, "seeds the data order, the init of new weights and every random stream")
 
-    # speed levers: each on by default where it pays, and each can be turned off for debugging
-    padding_free: bool | None = Field(None, description="the samples of a micro-batch end to end in one row, attended by torch's variable-length flash attention: no padding, no attention across samples. The global batch is then dealt to micro-batches by tokens: equal token counts, not equal sample counts. Default: on with CUDA; elsewhere off (it still works: one attention call per sample)")
-    fused_loss: bool = Field(True, description="output head and cross-entropy in row chunks over target positions only: the full-vocabulary logits are never stored (5-8 GiB less on a 1.5B model)")
-    torch_compile: bool | None = Field(None, description="torch.compile every transformer block and the fused loss (as HF torch_compile). Default: on with CUDA (the first steps then include compilation)")
-    optim: Literal["auto", "adamw_torch", "adamw_torch_fused"] = Field("auto", description="auto (fused AdamW on CUDA) | adamw_torch | adamw_torch_fused")
-    grad_sync: Literal["ddp", "flat"] = Field("ddp", description="parallel ddp on several processes: ddp (DistributedDataParallel, gradients all-reduced in buckets during backward) | flat (no wrapper: one all-reduce of all gradients after backward; for small trainable sets such as LoRA)")
-    grad_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="the dtype gradients cross the processes in (all-reduce, reduce-scatter): fp32 (exact sums, as torchtitan) | bf16 (half the bytes, as DeepSpeed's default communication_data_type under bf16; sums over many ranks lose precision). The optimizer always steps fp32 gradients")
-    fsdp_blocks_per_unit: int | None = Field(None, ge=1, description="zero2 / zero3 / hsdp: consecutive transformer blocks sharded as one FSDP2 unit. More blocks per unit: fewer, larger all-gathers and reduce-scatters and fewer hooks on the host each step, at the memory of gathering them all at once (zero3 / hsdp). Default: as many as keep a unit within about 1B parameters, at most 4 (4 measured 39% faster than 1 on full 1.5B over 4 H100s, and 30% faster on full 7B zero3 with expandable_segments)")
-    fsdp_prefetch: int = Field(0, ge=0, description="zero2 / zero3 / hsdp: blocks whose parameters are explicitly gathered ahead of use in forward and backward (0 = FSDP2's own implicit prefetching, measured faster on one H100)")
+    padding_free: bool | None = SPEED(None, "the samples of a micro-batch end to end in one row, attended by torch's variable-length flash attention: no padding, no attention across samples; micro-batches then hold equal token counts rather than equal sample counts. Default: on with CUDA; elsewhere off (it works there too, one attention call per sample)")
+    fused_loss: bool = SPEED(True, "the output head and cross-entropy in row chunks over target positions only: the full-vocabulary logits are never stored. Turn off to compare with the plain F.cross_entropy path")
+    torch_compile: bool | None = SPEED(None, "torch.compile every transformer block and the fused loss. Default: on with CUDA (the first steps then include compilation); turn off to debug")
+    optim: Literal["auto", "adamw_torch", "adamw_torch_fused"] = SPEED("auto", "auto (fused AdamW on CUDA) | adamw_torch | adamw_torch_fused")
+    grad_sync: Literal["ddp", "flat"] = SPEED("ddp", "parallel ddp on several processes: ddp (DistributedDataParallel: gradients all-reduced in buckets during backward) | flat (no wrapper: one all-reduce of all gradients after backward; can be faster for small trainable sets such as LoRA)")
+    fsdp_blocks_per_unit: int | None = SPEED(None, "zero2 / zero3 / hsdp: consecutive transformer blocks sharded as one FSDP2 unit. More blocks a unit: fewer, larger collectives and fewer host hooks each step, at the memory of gathering them at once. Default: as many as keep a unit within about 1B parameters, at most 4; lower it if zero3 runs out of memory", ge=1)
+    fsdp_prefetch: int = SPEED(0, "zero2 / zero3 / hsdp: blocks whose parameters are gathered explicitly ahead of use in forward and backward (0 = FSDP2's own implicit prefetching, usually as fast)", ge=0)
+    expandable_segments: bool = SPEED(True, "CUDA: the caching allocator grows its segments instead of allocating new ones (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): no fragmentation retries when large units are gathered and freed. A PYTORCH_CUDA_ALLOC_CONF you set yourself is left as it is", scope=NODE)
+    gc_interval: int | None = SPEED(None, "Python's garbage collection every N optimizer steps, on all ranks at the same step and never in between, so no rank stalls the others at a collective while it collects. 0 = Python's automatic collection. Default: 50 with several processes, 0 with one", ge=0, scope=NODE)
+    profile_steps: str | None = SPEED(None, "profile optimizer steps FIRST-LAST (e.g. 10-12) with torch.profiler: a Chrome trace per rank and rank 0's costliest operators in output_dir/profile/", scope=NODE)
 
-    expandable_segments: bool = Field(True, description="CUDA: the caching allocator grows its segments instead of allocating new ones (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as torchtitan runs): no fragmentation retries. Measured on full 7B zero3 over 4 H100s: 102 allocator retries a run without it at 4 blocks a unit, none with it. A PYTORCH_CUDA_ALLOC_CONF you set yourself is left as it is")
+    parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = PARALLELISM("auto", "auto | ddp | zero2 (FSDP2, parameters kept after forward) | zero3 (FSDP2, resharded after forward) | hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, one process and CPU; full fine-tuning on several GPUs: zero2, or zero3 where zero2's whole bf16 weights plus its share of the fp32 state would take over half a GPU. Set hsdp yourself on several nodes with a slow network between them")
+    load_weights_on: Literal["rank0", "every_rank"] = PARALLELISM("rank0", "rank0: only global rank 0 reads the model files; the other processes build the model without weights and receive rank 0's (under zero2 / zero3 / hsdp only their shard), so a node's memory holds one copy, not one per process | every_rank: each process reads the files itself")
+    hsdp_shard_size: int | None = PARALLELISM(None, "hsdp: processes that shard one replica; default: the processes of one node", gt=0)
 
-    gc_interval: int | None = Field(None, ge=0, description="Python's garbage collection every N optimizer steps, on all ranks at the same step, and never in between: otherwise each rank collects at its own moments and the others wait for it at the next collective (as torchtitan does). 0 = Python's automatic collection. Default: 50 with several processes, 0 with one")
+    nproc_per_node: int | None = LAUNCH(None, "processes on this machine; default: env NPROC_PER_NODE, else visible GPUs (1 on CPU)", gt=0)
+    nnodes: str | None = LAUNCH(None, "nodes in the job, or an elastic range MIN:MAX; default: env NNODES / the scheduler, else 1")
+    node_rank: int | None = LAUNCH(None, "this node's rank (0 = the node at master_addr); default: env NODE_RANK / the scheduler", ge=0)
+    master_addr: str | None = LAUNCH(None, "address of node 0, the rendezvous host; default: env MASTER_ADDR / the scheduler, else 127.0.0.1")
+    master_port: int | None = LAUNCH(None, "rendezvous port on master_addr; required for several nodes (the same free port on every node)", gt=0, lt=65536)
+    local_addr: str | None = LAUNCH(None, "the address other nodes reach this node at (torchrun --local-addr); default: hostname lookup. Set it when the hostname resolves to the wrong network")
+    max_restarts: int = LAUNCH(3, "times torchrun restarts all workers after a failure (they resume from the newest checkpoint)", ge=0)
+    rdzv_timeout: int = LAUNCH(300, "seconds to wait for all nodes to join before failing with a diagnosis", gt=0)
+    ddp_timeout: int = LAUNCH(600, "seconds a collective may wait before the job fails", gt=0)
 
-    profile_steps: str | None = Field(None, description="profile optimizer steps FIRST-LAST (e.g. 10-12) with torch.profiler: a Chrome trace per rank and rank 0's costliest operators in output_dir/profile/")
-
-    # parallelism and launch
-    parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = Field("auto", description="auto | ddp | zero2 (FSDP2, keep params after forward) | zero3 (FSDP2, reshard) | hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, for one process and on CPU; full fine-tuning on several GPUs: zero2 (measured 20% faster than ddp on 4 H100s, at a third of the memory), or zero3 where zero2's full bf16 weights plus its share of the fp32 state would take over half a GPU")
-    load_weights_on: Literal["rank0", "every_rank"] = Field("rank0", description="rank0: only global rank 0 reads the model files; the other processes build the model without weights and receive rank 0's over the process group (under zero2 / zero3 / hsdp only their shard), so a node's host memory holds one copy, not one per process | every_rank: each process reads the files itself")
-    hsdp_shard_size: int | None = Field(None, gt=0, description="hsdp: processes that shard one replica; default: the processes of one node")
-    nproc_per_node: int | None = Field(None, gt=0, description="processes on this machine; default: visible GPUs, 1 on CPU")
-    ddp_timeout: int = Field(600, gt=0, description="seconds a collective may wait before the job fails")
-    nnodes: str | None = Field(None, description="nodes in the job, or an elastic range MIN:MAX; default from env / scheduler, else 1")
-    node_rank: int | None = Field(None, ge=0, description="this node's rank (0 = master); default from env / scheduler")
-    master_addr: str | None = Field(None, description="address of node 0 (rendezvous host); default from env / scheduler")
-    master_port: int | None = Field(None, gt=0, lt=65536, description="rendezvous port on master_addr; required for several nodes")
-    local_addr: str | None = Field(None, description="the address other nodes reach this node at (torchrun --local-addr); default: hostname lookup. Set it when the hostname resolves to the wrong network")
-    max_restarts: int = Field(3, ge=0, description="times torchrun restarts all workers after a failure (they resume from the newest checkpoint)")
-    rdzv_timeout: int = Field(300, gt=0, description="seconds to wait for all nodes to join before failing with a diagnosis")
-
-    # outputs
-    output_dir: str = Field("output", description="metrics.jsonl, config.yaml, loss.png and final/ go here")
-    logging_steps: int = Field(10, gt=0, description="log (and write metrics.jsonl) every N optimizer steps")
-    eval_steps: int | None = Field(None, gt=0, description="evaluate every N steps (default: only at the end); needs val_size or eval_dataset")
-    save_final: bool = Field(True, description="write the trained model (or LoRA adapter) to output_dir/final at the end; false for throughput runs and smoke tests, where writing a 7B model's 30 GB would take longer than the training")
-    save_steps: int = Field(0, ge=0, description="write a sharded checkpoint every N optimizer steps (0 = only final/)")
-    save_total_limit: int | None = Field(None, gt=0, description="complete checkpoints to keep (the newest is never deleted)")
-    async_save: bool = Field(False, description="write checkpoints in the background while training continues (one at a time)")
-    resume_from_checkpoint: str = Field("auto", description="auto (newest complete, verified checkpoint in output_dir) | none | a checkpoint path")
-    allow_local_checkpoints: bool = Field(False, description="start even if output_dir is not shared by all nodes (checkpoints then split across nodes)")
+    output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and final/ go; shared storage across nodes (checked at start)", scope=NODE)
+    logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps", gt=0, scope=NODE)
+    per_device_eval_batch_size: int = OUTPUT(8, "samples per process per evaluation step", gt=0)
+    eval_steps: int | None = OUTPUT(None, "evaluate every N steps (default: only at the end); needs val_size or eval_dataset", gt=0)
+    save_final: bool = OUTPUT(True, "write the trained model (or LoRA adapter) to output_dir/final at the end; false for throughput runs and smoke tests, where only the metrics matter")
+    save_steps: int = OUTPUT(0, "write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
+    save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: all", gt=0)
+    async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); turn on when saving stalls training")
+    resume_from_checkpoint: str = OUTPUT("auto", "auto (newest complete, verified checkpoint in output_dir) | none | a checkpoint path", scope=NODE)
+    allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then writes no periodic checkpoint and does not resume")
 
     @field_validator("nnodes", mode="before")
     @classmethod
@@ -170,13 +189,13 @@ class TrainConfig(BaseModel):
     def resolved_lora_alpha(self) -> float:
         return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
 
+    @classmethod
+    def keys_of(cls, *scopes: str) -> list[str]:
+        return [name for name, field in cls.model_fields.items() if field.json_schema_extra["scope"] in scopes]
+
     def hash(self) -> str:
-        """Identity of the run's math: every key but where things are written and how many local processes."""
-        exclude = {"output_dir", "tokenized_path", "nproc_per_node", "logging_steps", "nnodes", "node_rank",
-                   "master_addr", "master_port", "local_addr", "max_restarts", "rdzv_timeout", "ddp_timeout",
-                   "resume_from_checkpoint", "async_save", "allow_local_checkpoints", "save_total_limit",
-                   "profile_steps", "gc_interval", "expandable_segments"}
-        blob = json.dumps(self.model_dump(exclude=exclude), sort_keys=True)
+        """Identity of the run's math: the keys of scope `math` (see Section), nothing about where or how it runs."""
+        blob = json.dumps(self.model_dump(include=set(self.keys_of(MATH))), sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def write_yaml(self, path: Path) -> None:
@@ -249,9 +268,12 @@ def _explain(exc: ValidationError, source: str) -> str:
 
 
 def describe_keys() -> str:
-    """One line per key with its default, for `meshtune train --help`."""
-    rows = []
+    """Every key with its default and meaning, by section, for `meshtune train --help`."""
+    rows, section = [], None
     for name, field in TrainConfig.model_fields.items():
+        if field.json_schema_extra["section"] != section:
+            section = field.json_schema_extra["section"]
+            rows.append(f"\n{section}:")
         default = "(required)" if field.is_required() else json.dumps(field.default)
         rows.append(f"  {name:<30} {default:<12} {field.description}")
-    return "\n".join(rows)
+    return "\n".join(rows).lstrip("\n")

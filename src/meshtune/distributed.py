@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshtune.launch.nodes import torchrun_worker
+from meshtune.worker_env import torchrun_worker
 
 
 @dataclass(frozen=True)

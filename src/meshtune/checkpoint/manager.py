@@ -48,12 +48,14 @@ class CheckpointManager:
     """
 
     def __init__(self, output_dir: Path, save_total_limit: int | None, async_save: bool, rank: int,
-                 world_size: int):
+                 world_size: int, save_steps: int = 0):
+        """`save_steps`: `maybe_save` writes a checkpoint every that many steps and at the last one (0: never)."""
         if save_total_limit is not None and save_total_limit < 1:
             raise CheckpointError(f"save_total_limit must be at least 1 (or unset to keep all), got {save_total_limit}")
         if world_size > 1 and not dist.is_initialized():
             raise CheckpointError("CheckpointManager with world_size > 1 needs an initialised process group")
         self.output_dir = Path(output_dir)
+        self.save_steps = save_steps
         self.save_total_limit = save_total_limit
         self.async_save = async_save
         self.rank = rank
@@ -62,6 +64,13 @@ class CheckpointManager:
         # new_group is collective: every rank builds the manager at the same point of the loop
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._pending: _Pending | None = None
+
+    def maybe_save(self, step: int, state: dict[str, Any], info: dict[str, Any], last: bool) -> bool:
+        """Save checkpoint `step` if it is due: every `save_steps` optimizer steps and at the last one."""
+        if not self.save_steps or (step % self.save_steps and not last):
+            return False
+        self.save(step, state, info)
+        return True
 
     def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
         """Write `state` as checkpoint `step`; `info` (epoch, world size, parallel mode, mesh, config hash,
@@ -125,6 +134,21 @@ class CheckpointManager:
         if isinstance(answer, str):
             raise CheckpointError(answer)
         return answer
+
+    def find_resume(self, resume: str, config_hash: str) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+        """The checkpoint to resume from (or None), its manifest, and warnings for the user: the checkpoints passed
+        over and why, and a resume point written with another config (it is still resumed: the user may have
+        changed a key on purpose)."""
+        path, skipped = self.select_resume(resume)
+        warnings_ = [f"warning: not resuming from {skip.name}: {reason}" for skip, reason in skipped]
+        if path is None:
+            return None, None, warnings_
+        manifest = read_manifest(path)
+        if manifest.get("config_hash") != config_hash:
+            warnings_.append(f"warning: {path.name} was written with another config (hash {manifest.get('config_hash')}, "
+                             f"now {config_hash}); resuming anyway. For a new experiment use another output_dir or "
+                             f"resume_from_checkpoint: none")
+        return path, manifest, warnings_
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load checkpoint `path` into `state` in place, resharding onto this world size; returns its manifest.

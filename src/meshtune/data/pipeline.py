@@ -53,11 +53,12 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Call
     return full, None
 
 
-def plan_steps(cfg: TrainConfig, train_data, dp_size: int, padding_free: bool = False) -> tuple[GlobalBatchPlan, int]:
+def plan_steps(cfg: TrainConfig, train_data, dp_size: int, accumulation: int,
+               padding_free: bool = False) -> tuple[GlobalBatchPlan, int]:
     """The run's global batches and step count; an error when not even one global batch fits in the data.
-    Padding-free micro-batches need no equal row counts, so they are balanced by tokens instead."""
-    plan = GlobalBatchPlan(train_data.lengths, cfg.seed, cfg.per_device_train_batch_size,
-                           cfg.gradient_accumulation_steps, dp_size,
+    `accumulation` is the run plan's (the config's, or what keeps a resumed checkpoint's global batch). Padding-free
+    micro-batches need no equal row counts, so they are balanced by tokens instead."""
+    plan = GlobalBatchPlan(train_data.lengths, cfg.seed, cfg.per_device_train_batch_size, accumulation, dp_size,
                            packing_capacity=cfg.cutoff_len if cfg.packing else None,
                            group_by_length=cfg.group_by_length and not cfg.packing,
                            balance_tokens=padding_free)
@@ -66,7 +67,7 @@ def plan_steps(cfg: TrainConfig, train_data, dp_size: int, padding_free: bool = 
         raise ConfigError(
             f"the training data has {len(plan.rows(0)):,} {'packed rows' if cfg.packing else 'samples'} but one "
             f"optimizer step needs a global batch of {plan.global_batch} (per_device_train_batch_size "
-            f"{cfg.per_device_train_batch_size} x gradient_accumulation_steps {cfg.gradient_accumulation_steps} x "
+            f"{cfg.per_device_train_batch_size} x gradient_accumulation_steps {accumulation} x "
             f"{dp_size} processes) and num_train_epochs={cfg.num_train_epochs} must give at least one step: "
             f"add data or lower one of them")
     return plan, total_steps

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshtune.errors import ConfigError
+from meshtune.worker_env import torchrun_worker
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 FIELDS = ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node")
@@ -72,11 +73,6 @@ def default_nproc_per_node() -> int:
     import torch  # here, not at the top: `meshtune launch --dry-run` with NPROC_PER_NODE set needs no torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
-
-
-def torchrun_worker(environ: Mapping[str, str] = os.environ) -> bool:
-    """A process torchrun started (it sets both). Not RANK/WORLD_SIZE alone: PyTorchJob sets those per pod."""
-    return "LOCAL_RANK" in environ or "TORCHELASTIC_RUN_ID" in environ
 
 
 def node_range(nnodes: str) -> tuple[int, int]:

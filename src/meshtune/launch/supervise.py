@@ -79,7 +79,7 @@ def prepare_data_once(cfg, nproc: int) -> None:
 
     tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
     train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, log=lambda _line: None)
-    plan_steps(cfg, train_data, nproc)
+    plan_steps(cfg, train_data, nproc, cfg.gradient_accumulation_steps)
 
 
 def worker_label() -> str | None:

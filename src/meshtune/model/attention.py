@@ -10,34 +10,12 @@ math, which is how the CPU tests check this path (and what fp32 runs on CUDA use
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 
+from meshtune.hardware import VARLEN_ATTN, VARLEN_KWARGS, varlen_available
+
 NAME = "meshtune_varlen"
-
-
-def _find_varlen():
-    """torch's varlen attention and the keywords this torch spells causal with (2.10: `is_causal=True`; 2.11+:
-    `window_size=(-1, 0)`, plus `enable_gqa` for grouped-query attention). Looked up once, at import: inside a
-    compiled block, `inspect` or an import would break the graph at every layer."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, {}
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    return varlen_attn, kwargs
-
-
-VARLEN_ATTN, VARLEN_KWARGS = _find_varlen()
-
-
-def varlen_available(device: torch.device) -> bool:
-    return device.type == "cuda" and VARLEN_ATTN is not None
 
 
 def causal_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from meshtune.errors import ModelError
+from meshtune.plan import ModelSize
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -54,9 +55,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
         raise ModelError(f"cannot load the model in {path}: {exc}") from None
 
 
-def count_parameters(path: str | Path) -> int:
-    """Parameters of the model in `path`, from its config alone (no weights read)."""
-    return sum(p.numel() for p in model_skeleton(path).parameters())
+def model_size(path: str | Path) -> ModelSize:
+    """Parameters of the model in `path`, and of one of its transformer blocks, from its config alone (no weights)."""
+    model = model_skeleton(path)
+    return ModelSize(sum(p.numel() for p in model.parameters()),
+                     sum(p.numel() for p in transformer_blocks(model)[0].parameters()))
 
 
 def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -65,3 +68,14 @@ def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreT
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder layers, found by the class names HF models list in `_no_split_modules`."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ModelError(f"cannot find the transformer blocks of {type(base).__name__} (none of its modules is one of "
+                         f"its _no_split_modules)")
+    return blocks

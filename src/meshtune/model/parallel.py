@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -13,17 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtune.distributed import DistEnv
-from meshtune.errors import ConfigError
-
-
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated decoder layers, found by the class names HF models list in `_no_split_modules`."""
-    base = getattr(model, "get_base_model", lambda: model)()
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    blocks = [module for module in model.modules() if type(module).__name__ in names]
-    if not blocks:
-        raise RuntimeError(f"cannot find the transformer blocks of {type(base).__name__} to shard")
-    return blocks
+from meshtune.model.loading import transformer_blocks
 
 
 class FlatGradientSync:
@@ -74,40 +64,6 @@ def finish_gradient_sync(model: torch.nn.Module) -> None:
         sync()
 
 
-def choose_parallel(requested: str, is_lora: bool, env: DistEnv, count_parameters: Callable[[], int]
-                    ) -> tuple[str, str]:
-    """`parallel: auto` made concrete, with the reason, the same on every rank; other values pass through.
-
-    LoRA trains a few million parameters: ddp all-reduces only theirs and keeps the frozen base in bf16. Full
-    fine-tuning on several GPUs: zero2 reduce-scatters the gradients and steps the optimizer on a shard, measured
-    20% faster than ddp on 4 H100s (full 1.5B, docs/benchmarks.md) at a third of its peak memory. zero2 keeps
-    every block's bf16 weights whole from forward to backward; where those plus its 16-byte-per-parameter share of
-    the fp32 state would take over half the smallest GPU, zero3 (reshard after forward) leaves room for activations.
-    """
-    if requested != "auto":
-        return requested, ""
-    if is_lora:
-        return "ddp", "LoRA: only the adapters' gradients are all-reduced"
-    if env.world_size == 1:
-        return "ddp", "one process"
-    if env.device.type != "cuda":
-        return "ddp", "CPU processes"
-    smallest = torch.tensor([torch.cuda.get_device_properties(env.device).total_memory], dtype=torch.float64,
-                            device=env.device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)  # one choice for nodes with different GPUs
-    return sharding_for_full(count_parameters(), env.world_size, smallest.item())
-
-
-def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float) -> tuple[str, str]:
-    """zero2 unless its whole bf16 weights plus its share of the fp32 state (16 bytes a parameter: weights,
-    gradients, two Adam moments) would take over half of a GPU's memory."""
-    zero2_bytes = 2 * n_params + 16 * n_params / world_size
-    share = f"{zero2_bytes / 2**30:.1f} GiB of weights and state per GPU of {gpu_bytes / 2**30:.0f} GiB"
-    if zero2_bytes <= 0.5 * gpu_bytes:
-        return "zero2", f"full fine-tuning on {world_size} GPUs, {share}"
-    return "zero3", f"full fine-tuning on {world_size} GPUs; zero2 would hold {share}"
-
-
 def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares them with its classes, not strings
     """DDP communication hook: the bucket averaged in bf16, then copied back into its fp32 gradients. What torch's
     `bf16_compress_hook` does; DDP accepts that one, by its name, only on NCCL, and gloo sums bf16 too."""
@@ -125,12 +81,11 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                hsdp_shard_size: int | None = None, prefetch: int = 1, grad_sync: str = "ddp",
-               in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int | None = 1) -> torch.nn.Module:
+               in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
     gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `blocks_per_unit`:
-    consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all);
-    None: `default_blocks_per_unit`."""
+    consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all)."""
     if parallel == "ddp":
         if env.world_size == 1:
             return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
@@ -154,28 +109,13 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     reshard = parallel in ("zero3", "hsdp")
     mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
     blocks = transformer_blocks(model)
-    units = fsdp_units(blocks, blocks_per_unit or default_blocks_per_unit(blocks))
+    units = fsdp_units(blocks, blocks_per_unit)
     for unit in units:
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
     if prefetch:
         set_prefetch([unit[0] for unit in units], prefetch)
     return model
-
-
-UNIT_PARAMS = 1_000_000_000  # a unit's parameters, at most; 4 blocks of Qwen2.5-7B (0.93B) were measured
-MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (1.5B and 7B); larger ones are unmeasured
-
-
-def default_blocks_per_unit(blocks: list[torch.nn.Module]) -> int:
-    """Blocks per FSDP2 unit when the config leaves it open. On 4 H100s, 4 blocks a unit were 39% faster than 1 on
-    full 1.5B (zero2) and 30% on full 7B (zero3): each unit's hooks and collectives cost host time, and the
-    ranks wait for the slowest host at every collective. The cap keeps what zero3 gathers at once (a unit, and
-    the next one prefetched) small beside the GPU: 72B's 0.9B-parameter blocks stay one a unit."""
-    if not blocks:
-        return 1
-    per_block = max(sum(p.numel() for p in blocks[0].parameters()), 1)
-    return max(1, min(MAX_BLOCKS_PER_UNIT, UNIT_PARAMS // per_block))
 
 
 def fsdp_units(blocks: list[torch.nn.Module], blocks_per_unit: int) -> list[list[torch.nn.Module]]:
@@ -199,10 +139,7 @@ def data_parallel_mesh(parallel: str, env: DistEnv, hsdp_shard_size: int | None)
     device_type = env.device.type
     if parallel != "hsdp":
         return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
-    shard = hsdp_shard_size or env.local_world_size
-    if env.world_size % shard:
-        raise ConfigError(f"hsdp_shard_size: {shard} does not divide the {env.world_size} processes; use a divisor "
-                          f"(by default the processes of one node: {env.local_world_size})")
+    shard = hsdp_shard_size or env.local_world_size  # the run plan checked that it divides the processes
     return init_device_mesh(device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 

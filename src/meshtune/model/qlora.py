@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshtune.errors import ConfigError
-from meshtune.model.parallel import transformer_blocks
+from meshtune.model.loading import transformer_blocks
 
 BLOCK_SIZE = 64  # values per absmax scale, as bitsandbytes' and torchtune's NF4
 SCALER_BLOCK_SIZE = 256  # scales per double-quantized (int8) scale group

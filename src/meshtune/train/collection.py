@@ -37,10 +37,3 @@ class StepGarbageCollection:
     def __exit__(self, *exc) -> None:
         if self.interval and self._was_enabled:
             gc.enable()
-
-
-def default_interval(configured: int | None, world_size: int) -> int:
-    """50 steps with several processes (torchtitan's default); one process has no one to keep waiting."""
-    if configured is not None:
-        return configured
-    return 50 if world_size > 1 else 0

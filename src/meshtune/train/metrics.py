@@ -1,4 +1,5 @@
-"""What rank 0 shows and keeps: one progress bar, metrics.jsonl, loss.png and a closing summary."""
+"""What a run measures and rank 0 shows: each logging interval's record (loss, tokens/s, TFLOP/s, MFU, memory), one
+progress bar, metrics.jsonl, loss.png and a closing summary."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from meshtune.distributed import DistEnv
+
 
 def peak_memory_gib(device: torch.device) -> float:
     """GPU: peak allocated by torch; CPU: the process's peak resident set."""
@@ -19,20 +22,102 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl; only rank 0 holds one."""
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile (dynamo frames, with their inductor compiles)."""
+    from torch._dynamo.utils import compilation_time_metrics
 
-    def __init__(self, path: Path, total_steps: int, show_progress: bool, start_step: int = 0):
+    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+
+class StepMeter:
+    """Adds up each optimizer step's loss, tokens and FLOPs (all ranks' totals) and, every `logging_steps` steps and at
+    the last, turns the interval into one metrics record. Tokens and FLOPs stay on the device until a record is
+    made, so counting never waits for the GPU."""
+
+    def __init__(self, logging_steps: int, total_steps: int, env: DistEnv, peak_flops: float | None, compiled: bool):
+        self.logging_steps, self.total_steps = logging_steps, total_steps
+        self.env, self.peak_flops, self.compiled = env, peak_flops, compiled
+        self.total_tokens = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.started, self.tokens, self.flops, self.losses = time.perf_counter(), 0, 0.0, []
+
+    def add(self, loss: torch.Tensor, tokens: torch.Tensor, flops: torch.Tensor) -> None:
+        """One step: its loss per target token, and its token and FLOP counts summed over all ranks."""
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.flops += flops
+
+    def record(self, step: int, epoch: float, grad_norm: torch.Tensor, lr: float) -> dict:
+        """The interval's record when `step` ends one, else {} (and the interval goes on)."""
+        if step % self.logging_steps and step != self.total_steps:
+            return {}
+        tokens = int(self.tokens)
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        flops_per_gpu = float(self.flops) / seconds / self.env.world_size  # FLOP/s
+        record = {"step": step, "epoch": round(epoch, 4), "loss": torch.stack(self.losses).mean().item(),
+                  "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
+                  "tokens_per_s": round(tokens / seconds, 1), "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
+                  "peak_mem_gib": round(peak_memory_gib(self.env.device), 3)}
+        if self.env.device.type == "cuda":  # the caching allocator freed everything and retried: fragmentation
+            record["alloc_retries"] = torch.cuda.memory_stats(self.env.device).get("num_alloc_retries", 0)
+        if self.compiled:  # seconds spent compiling so far: a step that compiled shows up as a jump
+            record["compile_s"] = round(compile_seconds(), 2)
+        if self.peak_flops:
+            record["mfu"] = round(flops_per_gpu / self.peak_flops, 4)
+        self.total_tokens += tokens
+        self._reset()
+        return record
+
+
+class CompileWatch:
+    """Says when a step after the first spent real time in torch.compile (a sample length or code path the
+    compiled graphs had not met): such a step is slow once, and tokens/s over it is not the steady speed."""
+
+    def __init__(self, seconds=compile_seconds, threshold: float = 0.5, limit: int = 5):
+        self.seconds, self.threshold, self.left = seconds, threshold, limit
+        self.seen = seconds()
+
+    def after_step(self, step: int) -> str | None:
+        now = self.seconds()
+        spent, self.seen = now - self.seen, now
+        if step <= 1 or spent < self.threshold or not self.left:
+            return None
+        self.left -= 1
+        more = "" if self.left else " (no further notes of this kind)"
+        return (f"note: step {step} spent {spent:.1f} s compiling (a new sample length or code path for the compiled "
+                f"blocks); its tokens/s is not the steady speed{more}")
+
+
+class MetricsLog:
+    """Rank 0's side of the metrics: appends each record to metrics.jsonl and drives the progress bar. On the other
+    ranks (`enabled` False) every method does nothing."""
+
+    def __init__(self, path: Path, total_steps: int, enabled: bool, start_step: int = 0, compiled: bool = False):
         """A resumed run keeps the records up to `start_step` and continues the file from there."""
-        self.path = path
+        self.path, self.enabled = path, enabled
         self.records: list[dict] = []
+        self.compile_watch = CompileWatch() if compiled and enabled else None
+        if not enabled:
+            return
         if start_step and path.is_file():
             kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             self.records = [r for r in kept if r.get("step", 0) <= start_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                        file=sys.stdout, disable=not show_progress, mininterval=1.0)
-        self.started = time.perf_counter()
+                        file=sys.stdout, mininterval=1.0)
+
+    def after_step(self, step: int, record: dict) -> None:
+        """The step's record (if it made one), a note if it spent time compiling, and one more step on the bar."""
+        if not self.enabled:
+            return
+        if record:
+            self.write(record)
+        note = self.compile_watch.after_step(step) if self.compile_watch else None
+        if note:
+            self.bar.write(note)
+        self.bar.update(1)
 
     def write(self, record: dict) -> None:
         self.records.append(record)
@@ -41,14 +126,9 @@ class MetricsLog:
         shown = {k: record[k] for k in ("loss", "eval_loss", "lr", "tokens_per_s") if k in record}
         self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()}, refresh=False)
 
-    def advance(self, steps: int = 1) -> None:
-        self.bar.update(steps)
-
-    def note(self, text: str) -> None:
-        self.bar.write(text)
-
     def close(self) -> None:
-        self.bar.close()
+        if self.enabled:
+            self.bar.close()
 
 
 def plot_losses(records: list[dict], path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation: FLOPs a step needs, over what the card can do.
+"""The FLOPs a batch needs: the numerator of model FLOPs utilisation (the card's rate is measured in hardware.py).
 
 FLOPs per token as torchtitan counts them: 6 x the parameters outside the input embedding (forward plus
 backward of every matrix, the output head included) + 12 x layers x heads x head_dim x the token's attention
@@ -35,23 +35,3 @@ class FlopCounter:
         tokens = sum(sample_lengths)
         attention = 12 * self.layers * self.heads * self.head_dim * sum(n * n for n in sample_lengths)
         return 6.0 * self.dense_params * tokens + float(attention)
-
-
-def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 20) -> float | None:
-    """Dense bf16 matmul FLOP/s of this card, measured (datasheet numbers overstate what a kernel reaches)."""
-    if device.type != "cuda":
-        return None
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1000
-    del a, b
-    torch.cuda.empty_cache()
-    return 2.0 * size**3 * repeats / seconds

@@ -1,6 +1,7 @@
 """The startup agreement check: right after rendezvous, before any model loads, every rank shares a few facts
-(config hash, library versions, dataset checksum, processes per node, device type, its node rank) and all ranks
-stop with the same message if the nodes disagree, naming the nodes and both values.
+(every config key all nodes must share, library versions, dataset checksum, processes per node, device type, its
+node rank) and all ranks stop with the same message if the nodes disagree, naming the key, the nodes and both
+values.
 
 Version drift and a stale data copy on one node otherwise show up hours later as an obscure NCCL error or a
 silently diverging loss.
@@ -8,6 +9,7 @@ silently diverging loss.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections import defaultdict
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshtune.config import TrainConfig
+from meshtune.config import JOB, MATH, TrainConfig
+from meshtune.data.formats import dataset_checksum
 from meshtune.distributed import DistEnv
 from meshtune.errors import MeshtuneError
 
@@ -44,11 +47,9 @@ def node_rank_of_this_process() -> int:
 
 def local_facts(cfg: TrainConfig, env: DistEnv) -> dict:
     """What this rank knows; a failure to compute a fact becomes a reported fact, so no rank is left waiting."""
-    from meshtune.data.formats import dataset_checksum
-
     facts = {"rank": env.rank, "local_rank": env.local_rank, "host": socket.gethostname(),
              "agent": int(os.environ.get("GROUP_RANK", "0")), "node_rank": node_rank_of_this_process(),
-             "config hash": cfg.hash(), "processes per node": env.local_world_size,
+             **shared_config(cfg), "processes per node": env.local_world_size,
              "device type": env.device.type, **{f"{name} version": v for name, v in package_versions().items()}}
     if env.is_local_main:  # hashing the data once per node is enough
         try:
@@ -57,6 +58,12 @@ def local_facts(cfg: TrainConfig, env: DistEnv) -> dict:
         except MeshtuneError as exc:
             facts["dataset checksum"] = f"unreadable ({exc})"
     return facts
+
+
+def shared_config(cfg: TrainConfig) -> dict[str, str]:
+    """The keys every node must run with the same value (scopes math and job: config.Section), one fact each."""
+    values = cfg.model_dump(include=set(TrainConfig.keys_of(MATH, JOB)))
+    return {f"config key {name}": json.dumps(value) for name, value in values.items()}
 
 
 def find_disagreements(all_facts: list[dict]) -> list[str]:
@@ -86,8 +93,9 @@ def find_disagreements(all_facts: list[dict]) -> list[str]:
 
 
 def advice(key: str) -> str:
-    if key == "config hash":
-        return "Run the same config and overrides on every node (only node_rank and local_addr may differ)."
+    if key.startswith("config key"):
+        return ("Run the same config and overrides on every node (only the keys of nodes and launch, output paths "
+                "and housekeeping may differ).")
     if key == "dataset checksum":
         return "The data files differ: put them on shared storage or copy the same files to every node."
     if key.endswith("version"):

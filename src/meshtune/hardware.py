@@ -1,0 +1,67 @@
+"""What this process's torch and device can do: the facts the run plan is resolved from.
+
+torch's variable-length attention (padding-free rows), bf16 on the GPU, the smallest GPU of the job (one choice
+for nodes with different cards) and the card's measured bf16 matmul rate (the denominator of MFU).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+
+def _find_varlen():
+    """torch's varlen attention and the keywords this torch spells causal with (2.10: `is_causal=True`; 2.11+:
+    `window_size=(-1, 0)`, plus `enable_gqa` for grouped-query attention). Looked up once, at import: inside a
+    compiled block, `inspect` or an import would break the graph at every layer."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, {}
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return varlen_attn, kwargs
+
+
+VARLEN_ATTN, VARLEN_KWARGS = _find_varlen()
+
+
+def varlen_available(device: torch.device) -> bool:
+    return device.type == "cuda" and VARLEN_ATTN is not None
+
+
+def bf16_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def smallest_gpu_memory(device: torch.device) -> float:
+    """Bytes of the smallest GPU among all ranks (a collective: every rank calls it)."""
+    smallest = torch.tensor([torch.cuda.get_device_properties(device).total_memory], dtype=torch.float64,
+                            device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return smallest.item()
+
+
+def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 20) -> float | None:
+    """Dense bf16 matmul FLOP/s of this card, measured (datasheet numbers overstate what a kernel reaches)."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    del a, b
+    torch.cuda.empty_cache()
+    return 2.0 * size**3 * repeats / seconds

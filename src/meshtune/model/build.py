@@ -1,0 +1,83 @@
+"""The model a run trains, built in one fixed order: each step relies on the ones before it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshtune.config import TrainConfig
+from meshtune.distributed import DistEnv
+from meshtune.model.attention import use_varlen
+from meshtune.model.checkpointing import enable_checkpointing
+from meshtune.model.compile import compile_blocks
+from meshtune.model.flops import FlopCounter
+from meshtune.model.loading import load_model, model_skeleton
+from meshtune.model.lora import add_lora
+from meshtune.model.loss_head import install_loss_head
+from meshtune.model.parallel import wrap_model
+from meshtune.model.qlora import quantize_frozen_linears
+from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
+from meshtune.plan import RunPlan
+
+
+@dataclass
+class BuiltModel:
+    model: torch.nn.Module  # inside its data-parallel wrapper (DDP, FSDP2, the flat sync, or none on one process)
+    flops: FlopCounter      # FLOPs a batch needs, counted on the model as loaded
+    fused_loss: bool        # the head returns the summed loss (False where the head is not a bias-free linear layer)
+
+
+def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[str], None]) -> BuiltModel:
+    model_dir = Path(cfg.model_name_or_path).expanduser()
+    # rank 0 reads the files; the others build the same modules on the meta device (no memory, no reads)
+    empty = plan.weights_from_rank0 and not env.is_main
+    model = model_skeleton(model_dir, plan.load_dtype) if empty else load_model(model_dir, plan.load_dtype)
+    flops = FlopCounter.of(model)  # before LoRA adds parameters and FSDP2 shards them
+    if plan.padding_free:
+        use_varlen(model)  # before compile: the blocks are traced with the attention they will run
+    # the model's own head, before peft wraps it: same weight, same state-dict keys
+    fused_loss = plan.fused_loss and install_loss_head(model, plan.compile)
+    torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
+    if cfg.is_lora:
+        model = add_lora(model, cfg)
+    if cfg.finetuning_type == "qlora":
+        log(describe_quantized(*quantize_frozen_linears(model, env.device)))  # after LoRA: its frozen base layers only
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model, cfg.gradient_checkpointing_ratio)  # before compile: recompute runs the compiled block
+    if plan.compile:
+        compile_blocks(model)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
+    model.config.use_cache = False  # training never reads a key-value cache
+    return BuiltModel(data_parallel(model, cfg, plan, env), flops, fused_loss)
+
+
+def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> torch.nn.Module:
+    """The model on this process's device inside its data-parallel wrapper, holding rank 0's weights where the
+    other ranks built it empty: ddp receives them whole before DDP wraps it; FSDP2 moves each unit to the GPU as it
+    shards it (the whole model is never on one GPU), then every rank receives its shard."""
+    if plan.weights_from_rank0:
+        check_same_model(model, env)  # the empty models match rank 0's tensor for tensor, or the broadcast would hang
+    wrap = dict(parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
+                prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16",
+                blocks_per_unit=plan.blocks_per_unit or 1)
+    if plan.parallel == "ddp":
+        if plan.weights_from_rank0:
+            receive_replicated(model, env)
+        else:
+            model.to(env.device)
+        return wrap_model(model, in_sync=plan.weights_from_rank0, **wrap)
+    state = full_state(model, env) if plan.weights_from_rank0 else None  # taken before sharding moves the parameters
+    model = wrap_model(model, **wrap)
+    if state is not None:
+        receive_shards(model, state, env)
+    return model
+
+
+def describe_quantized(count: int, before: int, after: int) -> str:
+    if not count:
+        return ("warning: qlora quantized no weight: no block linear layer holds whole NF4 scale groups (64 x 256 "
+                "values); this trains as plain LoRA")
+    return (f"qlora: {count} frozen linear weights of the transformer blocks in 4-bit NF4 (torchao), "
+            f"{before / 2**20:,.1f} MiB -> {after / 2**20:,.1f} MiB")

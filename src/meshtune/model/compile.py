@@ -1,0 +1,37 @@
+"""torch.compile of the transformer blocks: one graph that every layer reuses, for every sample length."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+
+from meshtune.model.loading import transformer_blocks
+
+
+def keep_one_graph_for_all_lengths() -> None:
+    """Inductor's mix-order reduction (the fused RMSNorm backward that computes the input and weight gradients in one
+    kernel, GPU only) decides whether to fuse by the token count with guards: >= 4096 rows, >= 5 MiB, rows >= 2 x
+    hidden. Where the norm weights train (full fine-tuning), a step whose token count lands on the other side of one
+    of these recompiles the blocks, and the layers' shared frame can reach dynamo's recompile limit and run
+    uncompiled from then on. Non-strict mode skips those checks, so no guard is added; the fusion stays."""
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        inductor_config.triton.mix_order_reduction_non_strict_mode = True
+    # one frame serves every layer: checkpointed forward, recompute, plain forward and eval are separate entries
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
+    so shapes are marked dynamic from the start instead of recompiling).
+
+    Dynamo's DDPOptimizer is switched off: under DDP's forward it would cut every block's graph at DDP's bucket
+    boundaries (25 MB, the first 1 MB) and compile the pieces apart. A block is already a natural bucket
+    boundary: its backward returns all its gradients at once, and DDP all-reduces them while earlier blocks
+    run their backward."""
+    torch._dynamo.config.optimize_ddp = False
+    keep_one_graph_for_all_lengths()
+    for block in transformer_blocks(model):
+        block.compile(dynamic=True)

@@ -1,0 +1,198 @@
+"""The run plan: every setting the config leaves open (`auto`, or unset) made concrete once, with the reason.
+
+`resolve` reads the config, the processes and their devices, and the checkpoint being resumed. The model builder,
+the data plan and the loop read the plan and never an `auto`; the config stays what the user wrote (its hash is
+the run's identity across nodes and checkpoints) and is never changed. The plan is logged once, as one block,
+and written to output_dir/run_plan.json.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from meshtune.config import TrainConfig
+from meshtune.distributed import DistEnv
+from meshtune.errors import ConfigError
+from meshtune.hardware import bf16_supported, smallest_gpu_memory, varlen_available
+
+SHARDED = ("zero2", "zero3", "hsdp")
+UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the config leaves blocks per unit open
+MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks.md)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the plan needs to know of the model, read from its config alone (no weights)."""
+
+    parameters: int
+    block_parameters: int  # one transformer block's
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    parallel: str                # ddp | zero2 | zero3 | hsdp
+    bf16: bool                   # compute in bf16 (fp32 master weights)
+    frozen_bf16: bool            # the frozen base stored in bf16 (LoRA under ddp): only adapters are master weights
+    padding_free: bool           # a micro-batch's samples end to end in one row, varlen attention
+    fused_loss: bool             # the head computes the loss in chunks (where the head is a bias-free linear layer)
+    compile: bool                # torch.compile each transformer block and the loss chunks
+    blocks_per_unit: int | None  # consecutive blocks per FSDP2 unit; None under ddp
+    hsdp_shard_size: int | None  # processes sharding one replica; None unless hsdp
+    gradient_accumulation_steps: int  # the config's, or what keeps a resumed checkpoint's global batch
+    fused_adamw: bool
+    gc_interval: int             # 0: Python's automatic garbage collection
+    weights_from_rank0: bool     # rank 0 reads the model files, the others receive its weights
+    why: dict[str, str] = field(default_factory=dict)  # the reason for each setting meshtune chose
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.frozen_bf16 else torch.float32
+
+    @property
+    def autocast_bf16(self) -> bool:
+        """DDP computes in bf16 through autocast; FSDP2's mixed-precision policy casts by itself."""
+        return self.bf16 and self.parallel == "ddp"
+
+    def describe(self) -> str:
+        precision = ("bf16 compute, frozen base in bf16, fp32 adapters" if self.frozen_bf16 else
+                     "bf16 compute, fp32 master weights" if self.bf16 else "fp32")
+        rows = [("parallel", self.parallel), ("precision", precision),
+                ("padding_free", on(self.padding_free)), ("fused_loss", on(self.fused_loss)),
+                ("torch_compile", on(self.compile))]
+        if self.blocks_per_unit is not None:
+            rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
+        if self.hsdp_shard_size is not None:
+            rows.append(("hsdp_shard_size", str(self.hsdp_shard_size)))
+        rows += [("gradient_accumulation_steps", str(self.gradient_accumulation_steps)),
+                 ("optim", "adamw_torch_fused" if self.fused_adamw else "adamw_torch"),
+                 ("gc_interval", str(self.gc_interval)),
+                 ("load_weights_on", "rank0" if self.weights_from_rank0 else "every_rank")]
+        lines = ["run plan (also in output_dir/run_plan.json):"]
+        for key, value in rows:
+            reason = self.why.get(key)
+            lines.append(f"  {key:<28} {value}{f'  ({reason})' if reason else ''}")
+        return "\n".join(lines)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+
+def on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
+            model_size: Callable[[], ModelSize]) -> RunPlan:
+    """The plan of this run, the same on every rank. `model_size` is called only where a choice depends on it
+    (full fine-tuning on several GPUs, FSDP2 units); choosing the parallel mode may be a collective."""
+    why: dict[str, str] = {}
+    parallel = choose_parallel(cfg, env, model_size, why)
+    bf16 = bf16_supported(env.device) if cfg.bf16 is None else cfg.bf16 and env.device.type == "cuda"
+    if cfg.bf16 and env.device.type != "cuda":
+        why["precision"] = "bf16 is ignored on CPU"
+    frozen_bf16 = bf16 and cfg.is_lora and parallel == "ddp"
+    padding_free = cfg.padding_free if cfg.padding_free is not None else varlen_available(env.device)
+    compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda"
+    for key, value, default in (("padding_free", cfg.padding_free, "on with CUDA"),
+                                ("torch_compile", cfg.torch_compile, "on with CUDA")):
+        if value is None:
+            why[key] = f"default, {default}"
+    fused_adamw = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
+    if cfg.optim == "auto":
+        why["optim"] = "auto: fused on CUDA"
+    gc_interval = cfg.gc_interval if cfg.gc_interval is not None else (50 if env.world_size > 1 else 0)
+    if cfg.gc_interval is None:
+        why["gc_interval"] = ("default: all ranks collect at the same steps" if gc_interval else
+                              "default with one process: Python's automatic collection")
+    weights_from_rank0 = env.world_size > 1 and cfg.load_weights_on == "rank0" and cfg.finetuning_type != "qlora"
+    if env.world_size > 1 and cfg.load_weights_on == "rank0" and not weights_from_rank0:
+        why["load_weights_on"] = "qlora: each process quantizes the files it reads"
+    blocks_per_unit = None
+    if parallel in SHARDED:
+        blocks_per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(model_size().block_parameters)
+        if cfg.fsdp_blocks_per_unit is None:
+            why["fsdp_blocks_per_unit"] = f"default: up to {MAX_BLOCKS_PER_UNIT} blocks within ~1B parameters a unit"
+    accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
+    return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, padding_free=padding_free,
+                   fused_loss=cfg.fused_loss, compile=compile_, blocks_per_unit=blocks_per_unit,
+                   hsdp_shard_size=hsdp_shard_size(cfg, env, parallel, why),
+                   gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
+                   weights_from_rank0=weights_from_rank0, why=why)
+
+
+def choose_parallel(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize], why: dict[str, str]) -> str:
+    """`parallel: auto` made concrete; other values pass through.
+
+    LoRA trains a few million parameters: ddp all-reduces only theirs and keeps the frozen base in bf16. Full
+    fine-tuning on several GPUs: zero2 reduce-scatters the gradients and steps the optimizer on a shard, faster than
+    ddp at a fraction of its memory. zero2 keeps every block's bf16 weights whole from forward to backward; where
+    those plus its 16-byte-per-parameter share of the fp32 state would take over half the smallest GPU, zero3
+    (reshard after forward) leaves room for activations.
+    """
+    if cfg.parallel != "auto":
+        return cfg.parallel
+    if cfg.is_lora:
+        mode, reason = "ddp", "LoRA: only the adapters' gradients are all-reduced"
+    elif env.world_size == 1:
+        mode, reason = "ddp", "one process"
+    elif env.device.type != "cuda":
+        mode, reason = "ddp", "CPU processes"
+    else:
+        mode, reason = sharding_for_full(model_size().parameters, env.world_size, smallest_gpu_memory(env.device))
+    why["parallel"] = f"auto: {reason}"
+    return mode
+
+
+def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float) -> tuple[str, str]:
+    """zero2 unless its whole bf16 weights plus its share of the fp32 state (16 bytes a parameter: weights,
+    gradients, two Adam moments) would take over half of a GPU's memory."""
+    zero2_bytes = 2 * n_params + 16 * n_params / world_size
+    share = f"{zero2_bytes / 2**30:.1f} GiB of weights and state per GPU of {gpu_bytes / 2**30:.0f} GiB"
+    if zero2_bytes <= 0.5 * gpu_bytes:
+        return "zero2", f"full fine-tuning on {world_size} GPUs, {share}"
+    return "zero3", f"full fine-tuning on {world_size} GPUs; zero2 would hold {share}"
+
+
+def default_blocks_per_unit(block_parameters: int) -> int:
+    """Blocks per FSDP2 unit when the config leaves it open: each unit's hooks and collectives cost host time, and
+    the ranks wait for the slowest host at every collective, so fewer, larger units run faster. The cap keeps what
+    zero3 gathers at once (a unit, and the next one prefetched) small beside the GPU: 72B's 0.9B-parameter blocks
+    stay one a unit."""
+    return max(1, min(MAX_BLOCKS_PER_UNIT, UNIT_PARAMS // max(block_parameters, 1)))
+
+
+def hsdp_shard_size(cfg: TrainConfig, env: DistEnv, parallel: str, why: dict[str, str]) -> int | None:
+    """hsdp shards each replica over the processes of one node unless told otherwise; the size must divide the job."""
+    if parallel != "hsdp":
+        return None
+    shard = cfg.hsdp_shard_size or env.local_world_size
+    if cfg.hsdp_shard_size is None:
+        why["hsdp_shard_size"] = "default: the processes of one node"
+    if env.world_size % shard:
+        raise ConfigError(f"hsdp_shard_size: {shard} does not divide the {env.world_size} processes; use a divisor "
+                          f"(by default the processes of one node: {env.local_world_size})")
+    return shard
+
+
+def keep_global_batch(cfg: TrainConfig, manifest: dict | None, world_size: int, why: dict[str, str]) -> int:
+    """Resuming on another world size: the same global batch (so the same data order and math) through another
+    gradient accumulation, or a clear error when no whole number of micro-steps gives it."""
+    configured = cfg.gradient_accumulation_steps
+    saved = (manifest or {}).get("global_batch")
+    per_step = cfg.per_device_train_batch_size * world_size
+    if not saved or per_step * configured == saved:
+        return configured
+    if saved % per_step:
+        raise ConfigError(
+            f"the checkpoint was trained with a global batch of {saved}, which {world_size} processes x "
+            f"per_device_train_batch_size {cfg.per_device_train_batch_size} cannot make up; choose a process count "
+            f"or batch size that divides {saved}, or resume_from_checkpoint: none to start over")
+    accumulation = saved // per_step
+    why["gradient_accumulation_steps"] = (f"resuming on {world_size} processes: gradient_accumulation_steps "
+                                          f"{configured} -> {accumulation} keeps the checkpoint's global batch of {saved}")
+    return accumulation

@@ -1,0 +1,45 @@
+"""Exact evaluation across ranks: the mean token loss over the whole held-out set, at the steps the config names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from meshtune.data.collate import Batch
+from meshtune.distributed import DistEnv, all_reduce_sum
+
+
+class Evaluator:
+    """Decides when to evaluate (`due`) and runs it (`run`): every `eval_steps` optimizer steps and at the last one,
+    when there is held-out data. Collective: every rank calls both at the same steps."""
+
+    def __init__(self, dataset, batch_size: int, eval_steps: int | None, total_steps: int, env: DistEnv,
+                 collate: Callable[[list[list[int]]], Batch], loss: Callable[[Batch], torch.Tensor]):
+        self.dataset, self.batch_size, self.eval_steps, self.total_steps = dataset, batch_size, eval_steps, total_steps
+        self.env, self.collate, self.loss = env, collate, loss
+
+    def due(self, step: int) -> bool:
+        if self.dataset is None:
+            return False
+        return step == self.total_steps or bool(self.eval_steps and step % self.eval_steps == 0)
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module) -> float:
+        """Every rank runs the same number of forwards (FSDP2 gathers parameters collectively); a rank with nothing
+        left runs a batch whose targets are all ignored."""
+        model.eval()
+        env, size = self.env, self.batch_size
+        sums = torch.zeros(2, dtype=torch.float64, device=env.device)
+        for start in range(0, len(self.dataset), size * env.world_size):
+            first = start + env.rank * size
+            mine = list(range(first, min(first + size, len(self.dataset))))
+            batch = self.collate([[i] for i in mine] or [[0]])
+            if not mine:
+                batch.ignore_all()
+            loss = self.loss(batch.to(env.device))
+            sums += torch.stack([loss.double(), torch.tensor(float(batch.num_targets), dtype=torch.float64,
+                                                             device=env.device)])
+        all_reduce_sum(sums)
+        model.train()
+        return (sums[0] / sums[1].clamp(min=1)).item()
