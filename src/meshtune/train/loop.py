@@ -178,7 +178,7 @@ def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan: RunPlan, batches: Glob
 
 
 def prepare_output_dir(cfg: TrainConfig, env: DistEnv) -> Path:
-    """output_dir, with the config as run (rank 0 writes it)."""
+    """output_dir, holding the config as given (rank 0 writes it)."""
     output_dir = Path(cfg.output_dir)
     if env.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
