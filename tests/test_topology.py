@@ -12,15 +12,26 @@ from conftest import base_config, read_metrics, run_cli, write_config
 LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (nproc_per_node, gradient_accumulation_steps): global batch 8
 
 
+RUNS: dict[tuple, list[float]] = {}  # a layout two tests compare against runs once per session
+
+
 def train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation, **extra) -> list[float]:
-    """Per-step losses, then the final eval loss (6 held-out samples: with 4 ranks, three evaluate padding only)."""
+    """Per-step losses, then the final eval loss (6 held-out samples: with 4 ranks, three evaluate padding only).
+    No final/ is written: only the metrics are compared (test_export checks final/)."""
+    key = (str(model_dir), str(dataset), method, parallel, nproc, accumulation, tuple(sorted(extra.items())))
+    if key not in RUNS:
+        RUNS[key] = _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation, **extra)
+    return RUNS[key]
+
+
+def _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation, **extra) -> list[float]:
     out = tmp_path / "-".join([method, parallel, f"{nproc}x{accumulation}", *(f"{k}{v}" for k, v in extra.items())])
     out.mkdir()
     values = base_config(model_dir, dataset, out / "output", finetuning_type=method, parallel=parallel,
                          nproc_per_node=nproc, per_device_train_batch_size=2,
                          gradient_accumulation_steps=accumulation, tokenized_path=str(tmp_path / "tokenized"),
                          learning_rate=5e-3 if method == "lora" else 1e-3, val_size=6,
-                         per_device_eval_batch_size=2, **extra)
+                         per_device_eval_batch_size=2, save_final=False, **extra)
     result, _ = run_cli(["train", str(write_config(out, **values))], timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     records = read_metrics(out / "output")
