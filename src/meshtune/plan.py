@@ -8,6 +8,7 @@ and written to output_dir/run_plan.json.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -91,6 +92,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     """The plan of this run, the same on every rank. `model_size` is called only where a choice depends on it
     (full fine-tuning on several GPUs, FSDP2 units); choosing the parallel mode may be a collective."""
     why: dict[str, str] = {}
+    model_size = functools.cache(model_size)  # builds a model without weights: once, and only if a choice needs it
     parallel = choose_parallel(cfg, env, model_size, why)
     bf16 = bf16_supported(env.device) if cfg.bf16 is None else cfg.bf16 and env.device.type == "cuda"
     if cfg.bf16 and env.device.type != "cuda":
