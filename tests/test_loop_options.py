@@ -24,6 +24,17 @@ def test_option_keeps_the_losses(tmp_path, tiny_model_dir, tiny_dataset, method,
     assert changed == pytest.approx(plain, rel=1e-5)
 
 
+def test_lora_on_the_output_head_trains_with_the_plain_loss(tmp_path, tiny_model_dir, tiny_dataset, capsys):
+    """LoRA on lm_head: peft adds the adapter's logits to the head's output, which the fused loss head would have
+    replaced by a scalar loss ('grad can be implicitly created only for scalar outputs'). The head keeps its
+    logits, and the run trains as with fused_loss: false."""
+    adapted = losses(tmp_path, tiny_model_dir, tiny_dataset, "head", "lora", lora_target=["lm_head", "q_proj"])
+    assert "fused_loss: off, lora_target adapts the output head (lm_head)" in capsys.readouterr().out
+    plain = losses(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", lora_target=["lm_head", "q_proj"],
+                   fused_loss=False)
+    assert adapted == pytest.approx(plain, rel=1e-6) and len(adapted) == 4
+
+
 def test_packing_trains_on_packed_rows(tmp_path, tiny_model_dir, tiny_dataset):
     cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "packed", packing=True, cutoff_len=128,
                                    per_device_train_batch_size=1, max_steps=-1, num_train_epochs=1))

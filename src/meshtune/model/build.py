@@ -16,7 +16,7 @@ from meshtune.model.compile import compile_blocks
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.lora import add_lora
-from meshtune.model.loss_head import install_loss_head
+from meshtune.model.loss_head import install_loss_head, output_head
 from meshtune.model.parallel import wrap_model
 from meshtune.model.qlora import quantize_frozen_linears
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
@@ -39,7 +39,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     if plan.padding_free:
         use_varlen(model)  # before compile: the blocks are traced with the attention they will run
     # the model's own head, before peft wraps it: same weight, same state-dict keys
-    fused_loss = plan.fused_loss and install_loss_head(model, plan.compile)
+    fused_loss = plan.fused_loss and not head_adapted(model, cfg, log) and install_loss_head(model, plan.compile)
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
     if cfg.is_lora:
         model = add_lora(model, cfg)
@@ -73,6 +73,17 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
     if state is not None:
         receive_shards(model, state, env)
     return model
+
+
+def head_adapted(model: torch.nn.Module, cfg: TrainConfig, log: Callable[[str], None]) -> bool:
+    """LoRA on the output head itself (lora_target names it): peft adds the adapter's logits to the head's output,
+    so the head must return logits, not the fused loss; the plain loss path trains it."""
+    head = output_head(model)
+    name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), None)
+    if not cfg.is_lora or name not in cfg.lora_target:
+        return False
+    log(f"fused_loss: off, lora_target adapts the output head ({name}), whose logits the loss then needs")
+    return True
 
 
 def describe_quantized(count: int, before: int, after: int) -> str:
