@@ -138,7 +138,7 @@ def test_cli_names_the_malformed_record(tmp_path, tiny_model_dir):
                         output_dir=str(tmp_path / "out"), nproc_per_node=2)
     result, _ = run_cli(["train", str(path)], timeout=120)
     assert result.returncode == 1
-    assert f"{data}: record 1:" in result.stdout and "skip_invalid" in result.stdout
+    assert f"{data}: record 2 (line 2):" in result.stdout and "skip_invalid" in result.stdout
     assert "Traceback" not in result.stdout
 
 

@@ -180,22 +180,40 @@ def test_read_dataset_detects_per_file(tmp_path):
         write(tmp_path / "q.json", QWEN),
         write(tmp_path / "m.jsonl", MESSAGES),
     ]
-    conversations, skipped = read_dataset(paths)
-    assert (len(conversations), skipped) == (5, 0)
-    assert conversations[2][0]["content"] == "You can call tools."
+    read = read_dataset(paths)
+    assert (len(read.conversations), read.skipped) == (5, [])
+    assert read.conversations[2][0]["content"] == "You can call tools."
+    assert read.sources[0] == f"{paths[0]}: record 1" and read.sources[2] == f"{paths[1]}: record 1 (line 1)"
 
 
 def test_bad_record_names_file_index_and_option(tmp_path):
     path = write(tmp_path / "a.json", ALPACA + [{"instruction": "no output"}] + ALPACA)
-    with pytest.raises(DataError, match=r"a\.json: record 2: missing 'output'.*skip_invalid: true"):
+    with pytest.raises(DataError, match=r"a\.json: record 3: missing 'output'.*numbered from 1.*skip_invalid: true"):
         read_dataset([path])
-    conversations, skipped = read_dataset([path], skip_invalid=True)
-    assert (len(conversations), skipped) == (4, 1)
+    read = read_dataset([path], skip_invalid=True)
+    assert (len(read.conversations), read.skipped) == (4, [f"{path}: record 3: missing 'output'"])
+
+
+def test_jsonl_records_count_from_one_as_json_and_a_broken_line_is_skipped_when_asked(tmp_path):
+    """The same numbering in both file types (JSONL adds the line); skip_invalid skips a line that is not JSON."""
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps(r) for r in ALPACA]
+    path.write_text(lines[0] + "\n\n" + '{"instruction": "x", "output": \n' + lines[1] + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl: line 3: invalid JSON"):
+        read_dataset([path])
+    read = read_dataset([path], skip_invalid=True)
+    assert len(read.conversations) == 2
+    assert read.skipped == [f"{path}: record 2 (line 3): invalid JSON at column 32: Expecting value"]
+    assert read.sources == [f"{path}: record 1 (line 1)", f"{path}: record 3 (line 4)"]
+    bad = tmp_path / "e.jsonl"
+    bad.write_text(lines[0] + "\n" + json.dumps({"instruction": "no output"}) + "\n")
+    with pytest.raises(DataError, match=r"e\.jsonl: record 2 \(line 2\): missing 'output'"):
+        read_dataset([bad])
 
 
 def test_forced_format_and_unknown_format(tmp_path):
     path = write(tmp_path / "q.json", QWEN)
-    assert read_dataset([path], fmt="sharegpt")[0] == read_dataset([path], fmt="qwen")[0]
+    assert read_dataset([path], fmt="sharegpt").conversations == read_dataset([path], fmt="qwen").conversations
     with pytest.raises(DataError, match="unknown dataset_format 'csv'"):
         read_dataset([path], fmt="csv")
 
@@ -238,22 +256,22 @@ def test_checksum_covers_content_and_order(tmp_path):
 def test_llamafactory_compat_files(data_dir, counts, name, fmt):
     path = data_dir / name
     assert detect_format(load_records(path), path) == fmt
-    conversations, skipped = read_dataset([path])
-    assert (len(conversations), skipped) == (counts[name], 0)
+    read = read_dataset([path])
+    assert (len(read.conversations), read.skipped) == (counts[name], [])
     if fmt == "sharegpt":
-        assert any(m["role"] == "tool" for c in conversations for m in c)
+        assert any(m["role"] == "tool" for c in read.conversations for m in c)
 
 
 def test_llamafactory_fixture_conversations():
     """Our fixtures, message by message: input joined or left out, placeholders kept, tool calls as turns."""
-    alpaca, _ = read_dataset([FIXTURE_COMPAT / "alpaca_en_demo.json"])
+    alpaca = read_dataset([FIXTURE_COMPAT / "alpaca_en_demo.json"]).conversations
     assert [c[0]["content"] for c in alpaca[:2]] == [
         "Give two tips for keeping houseplants healthy.",
         "Rewrite the sentence in the passive voice.\nThe committee approved the new budget.",
     ]
-    identity, _ = read_dataset([FIXTURE_COMPAT / "identity.json"])
+    identity = read_dataset([FIXTURE_COMPAT / "identity.json"]).conversations
     assert all("{{name}}" in c[1]["content"] and "{{author}}" in c[1]["content"] for c in identity)
-    glaive, _ = read_dataset([FIXTURE_COMPAT / "glaive_toolcall_en_demo.json"])
+    glaive = read_dataset([FIXTURE_COMPAT / "glaive_toolcall_en_demo.json"]).conversations
     assert [[m["role"] for m in c] for c in glaive] == [
         ["user", "assistant", "tool", "assistant"],
         ["user", "assistant", "tool", "assistant"] * 2,

@@ -13,6 +13,7 @@ import pytest
 
 from meshtune.data import tokenized
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
+from meshtune.data.pipeline import describe
 from meshtune.data.tokenized import TokenizedDataset, build_tokenized, cache_key, load_or_build
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
@@ -64,16 +65,26 @@ def test_truncation_and_dropped_samples(tokenizer):
     long_answer = conversation("Hi.", "The quick brown fox jumps over the lazy dog. " * 4)
     long_prompt = conversation("The weather today is sunny. " * 20, "Paris.")
     cutoff = len(template.encode(short)[0]) + 3
-    dataset = build_tokenized([short, long_answer, long_prompt], template, cutoff, show_progress=False)
+    dataset = build_tokenized([short, long_answer, long_prompt], template, cutoff, show_progress=False,
+                              sources=["d.json: record 1", "d.json: record 2", "d.json: record 3"],
+                              skipped=["d.json: record 4: missing 'output'"])
     assert dataset.stats == {
         "n_records": 3,
         "n_samples": 2,
         "n_dropped_no_target": 1,
-        "n_truncated": 2,
+        "n_truncated": 1,  # the long answer; the dropped sample is not counted twice
         "n_tokens": int(dataset.lengths.sum()),
         "n_target_tokens": int((dataset.labels != IGNORE_INDEX).sum()),
-        "n_skipped_invalid": 0,
+        "n_skipped_invalid": 1,
+        "dropped_examples": ["d.json: record 3"],
+        "skipped_examples": ["d.json: record 4: missing 'output'"],
     }
+    report = describe("train data", dataset.stats)
+    assert report[1:] == [
+        "warning: train data: skipped 1 malformed records (skip_invalid: true): d.json: record 4: missing 'output'",
+        "warning: train data: dropped 1 samples with no assistant token left after truncation to cutoff_len: "
+        "d.json: record 3",
+        "train data: 1 samples truncated to cutoff_len"]
     assert dataset.lengths.tolist() == [cutoff - 3, cutoff]
     ids, labels = dataset[0]
     assert (ids.tolist(), labels.tolist()) == tuple(template.encode(short))

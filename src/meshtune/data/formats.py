@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,9 +37,22 @@ _FORMAT_HELP = (
 )
 
 
+class Unparseable:
+    """A JSONL line that is not JSON, kept in place of its record when `skip_invalid` skips bad records."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+
 def load_records(path: Path) -> list[Any]:
     """Parse a .json list or a .jsonl file. Items that are not objects are kept and reported per record later,
     so that `skip_invalid` can skip them like any other bad record."""
+    return [record for record, _ in located_records(path, keep_unparseable=False)]
+
+
+def located_records(path: Path, keep_unparseable: bool) -> list[tuple[Any, str]]:
+    """Each record with where it is, for messages: `record N` (numbered from 1) and, in JSONL, its line.
+    `keep_unparseable`: a JSONL line that is not JSON becomes an `Unparseable` record instead of an error."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found; check the dataset paths in your config")
@@ -50,7 +64,7 @@ def load_records(path: Path) -> list[Any]:
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e}); re-save the file as UTF-8") from None
     if suffix == ".jsonl":
-        return _parse_jsonl(text, path)
+        return _parse_jsonl(text, path, keep_unparseable)
     try:
         records = json.loads(text)
     except json.JSONDecodeError as e:
@@ -60,25 +74,29 @@ def load_records(path: Path) -> list[Any]:
             f"{path}: expected a JSON list of records at the top level, found {type(records).__name__}; "
             "wrap the records in [...] or write one object per line in a .jsonl file"
         )
-    return records
+    return [(record, f"record {n}") for n, record in enumerate(records, start=1)]
 
 
-def _parse_jsonl(text: str, path: Path) -> list[Any]:
+def _parse_jsonl(text: str, path: Path, keep_unparseable: bool) -> list[tuple[Any, str]]:
     records = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"record {len(records) + 1} (line {lineno})"
         try:
-            records.append(json.loads(line))
+            records.append((json.loads(line), where))
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: line {lineno}: invalid JSON at column {e.colno}: {e.msg}") from None
+            problem = f"invalid JSON at column {e.colno}: {e.msg}"
+            if not keep_unparseable:
+                raise DataError(f"{path}: line {lineno}: {problem}") from None
+            records.append((Unparseable(problem), where))
     return records
 
 
 def detect_format(records: list[Any], path: Path) -> str:
     """Guess the format from the first object record: files are homogeneous in practice, and looking at one
     record keeps the guess cheap and easy to explain when it is wrong."""
-    first = next((r for r in records if isinstance(r, dict)), None)
+    first = next((r for r in records if isinstance(r, dict)), None)  # an Unparseable line is not one
     if first is None:
         raise DataError(f"{path}: no JSON object records found; each record must be an object {{...}}")
     if "messages" in first:
@@ -103,6 +121,8 @@ def to_messages(record: Any, fmt: str) -> list[dict]:
 
     Raises ValueError with a short problem text; the caller knows the file and record index and adds them.
     """
+    if isinstance(record, Unparseable):
+        raise ValueError(record.problem)
     if not isinstance(record, dict):
         raise ValueError(f"record is a JSON {type(record).__name__}, not an object")
     converters: dict[str, Callable[[dict], list[dict]]] = {
@@ -203,39 +223,47 @@ def _validate(messages: list[dict]) -> None:
         raise ValueError("no assistant message with content, so nothing to train on")
 
 
-def read_dataset(
-    paths: list[Path], fmt: str = "auto", skip_invalid: bool = False
-) -> tuple[list[list[dict]], int]:
-    """Read all files into conversations; return them and the number of invalid records skipped.
+@dataclass
+class Conversations:
+    """What the dataset files hold: every usable conversation with where it came from, and the records skipped."""
 
-    A bad record stops the run by default (silently training on less data than intended is worse); record
-    indices in messages count from 0 in file order.
+    conversations: list[list[dict]]
+    sources: list[str]  # "path: record N" (numbered from 1; with the line in JSONL), one per conversation
+    skipped: list[str]  # "path: record N: problem" of each malformed record skipped (skip_invalid)
+
+
+def read_dataset(paths: list[Path], fmt: str = "auto", skip_invalid: bool = False) -> Conversations:
+    """Read all files into conversations.
+
+    A bad record stops the run by default (silently training on less data than intended is worse); records are
+    numbered from 1 in file order, and JSONL records name their line too.
     """
     if fmt != "auto" and fmt not in FORMATS:
         raise DataError(f"unknown dataset_format '{fmt}'; use auto or one of {', '.join(FORMATS)}")
     if not paths:
         raise DataError("no dataset files given; list at least one .json or .jsonl file")
-    conversations: list[list[dict]] = []
-    skipped = 0
+    read = Conversations([], [], [])
     for path in paths:
-        records = load_records(path)
+        records = located_records(path, keep_unparseable=skip_invalid)
         if not records:
             continue
-        file_fmt = detect_format(records, path) if fmt == "auto" else fmt
-        for index, record in enumerate(records):
+        file_fmt = detect_format([r for r, _ in records], path) if fmt == "auto" else fmt
+        for record, where in records:
             try:
-                conversations.append(to_messages(record, file_fmt))
+                read.conversations.append(to_messages(record, file_fmt))
+                read.sources.append(f"{path}: {where}")
             except ValueError as e:
                 if not skip_invalid:
                     raise DataError(
-                        f"{path}: record {index}: {e} (format {file_fmt}). "
+                        f"{path}: {where}: {e} (format {file_fmt}; records are numbered from 1). "
                         "Fix the record, or set `skip_invalid: true` to skip such records"
                     ) from None
-                skipped += 1
-    if not conversations:
+                read.skipped.append(f"{path}: {where}: {e}")
+    if not read.conversations:
         names = ", ".join(str(p) for p in paths)
-        raise DataError(f"no usable record in {names} ({skipped} invalid skipped); check the files and their format")
-    return conversations, skipped
+        raise DataError(f"no usable record in {names} ({len(read.skipped)} invalid skipped); check the files and "
+                        f"their format")
+    return read
 
 
 def dataset_checksum(paths: list[Path]) -> str:

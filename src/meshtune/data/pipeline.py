@@ -27,13 +27,23 @@ def describe(name: str, stats: dict) -> list[str]:
     lines = [f"{name}: {stats.get('n_samples', 0):,} samples, {stats.get('n_tokens', 0):,} tokens "
              f"({stats.get('n_target_tokens', 0):,} trained)"]
     if stats.get("n_skipped_invalid"):
-        lines.append(f"warning: {name}: skipped {stats['n_skipped_invalid']:,} malformed records (skip_invalid: true)")
+        lines.append(f"warning: {name}: skipped {stats['n_skipped_invalid']:,} malformed records (skip_invalid: true)"
+                     f"{examples(stats.get('skipped_examples'), stats['n_skipped_invalid'])}")
     if stats.get("n_dropped_no_target"):
         lines.append(f"warning: {name}: dropped {stats['n_dropped_no_target']:,} samples with no assistant token "
-                     f"left after truncation to cutoff_len")
+                     f"left after truncation to cutoff_len"
+                     f"{examples(stats.get('dropped_examples'), stats['n_dropped_no_target'])}")
     if stats.get("n_truncated"):
         lines.append(f"{name}: {stats['n_truncated']:,} samples truncated to cutoff_len")
     return lines
+
+
+def examples(named: list[str] | None, count: int) -> str:
+    """': A; B and 2 more' for a report line."""
+    if not named:
+        return ""
+    more = f" and {count - len(named):,} more" if count > len(named) else ""
+    return ": " + "; ".join(named) + more
 
 
 def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Callable[[str], None]):

@@ -75,27 +75,34 @@ class TokenizedDataset:
         return cls(input_ids, labels, offsets, meta["stats"])
 
 
+EXAMPLES = 3  # records named in the report, of each kind
+
+
 def build_tokenized(
     conversations: list[list[dict]],
     template: ChatTemplate,
     cutoff_len: int,
     show_progress: bool,
     *,
-    n_skipped_invalid: int = 0,
+    sources: list[str] | None = None,
+    skipped: list[str] | None = None,
 ) -> TokenizedDataset:
-    """Encode each conversation, keep its first `cutoff_len` tokens, and drop samples left with no target."""
+    """Encode each conversation, keep its first `cutoff_len` tokens, and drop samples left with no target.
+    `sources` (where each conversation came from) and `skipped` (malformed records passed over) go into the
+    stats, a few of each by name, for the report."""
     ids_parts: list[np.ndarray] = []
     label_parts: list[np.ndarray] = []
-    n_truncated = n_dropped = 0
-    for messages in tqdm(conversations, desc="tokenizing", unit="rec", disable=not show_progress):
+    n_truncated = 0
+    dropped: list[str] = []
+    for n, messages in enumerate(tqdm(conversations, desc="tokenizing", unit="rec", disable=not show_progress)):
         input_ids, labels = template.encode(messages)
-        if len(input_ids) > cutoff_len:
-            n_truncated += 1
-            input_ids, labels = input_ids[:cutoff_len], labels[:cutoff_len]
-        labels_arr = np.asarray(labels, dtype=np.int32)
-        if not (labels_arr != IGNORE_INDEX).any():
-            n_dropped += 1
+        cut = len(input_ids) > cutoff_len
+        labels_arr = np.asarray(labels[:cutoff_len], dtype=np.int32)
+        if not (labels_arr != IGNORE_INDEX).any():  # dropped, not counted as truncated too
+            dropped.append(sources[n] if sources else f"conversation {n + 1}")
             continue
+        n_truncated += cut
+        input_ids = input_ids[:cutoff_len]
         ids_parts.append(np.asarray(input_ids, dtype=np.int32))
         label_parts.append(labels_arr)
     if not ids_parts:
@@ -109,11 +116,13 @@ def build_tokenized(
     stats = {
         "n_records": len(conversations),
         "n_samples": len(ids_parts),
-        "n_dropped_no_target": n_dropped,
+        "n_dropped_no_target": len(dropped),
         "n_truncated": n_truncated,
         "n_tokens": int(offsets[-1]),
         "n_target_tokens": int((labels_all != IGNORE_INDEX).sum()),
-        "n_skipped_invalid": n_skipped_invalid,
+        "n_skipped_invalid": len(skipped or []),
+        "dropped_examples": dropped[:EXAMPLES],
+        "skipped_examples": (skipped or [])[:EXAMPLES],
     }
     return TokenizedDataset(np.concatenate(ids_parts), labels_all, offsets, stats)
 
@@ -208,10 +217,9 @@ def _build_into(
         shutil.rmtree(leftover, ignore_errors=True)
     tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     try:
-        conversations, n_skipped = read_dataset(paths, fmt, skip_invalid)
-        dataset = build_tokenized(
-            conversations, ChatTemplate(tokenizer, template), cutoff_len, show_progress, n_skipped_invalid=n_skipped
-        )
+        read = read_dataset(paths, fmt, skip_invalid)
+        dataset = build_tokenized(read.conversations, ChatTemplate(tokenizer, template), cutoff_len, show_progress,
+                                  sources=read.sources, skipped=read.skipped)
         dataset.save(tmp)
         os.rename(tmp, final)
     except BaseException:
