@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from meshtune import __version__
-from meshtune.errors import MeshtuneError
+from meshtune.errors import MeshtuneError, lasting_storage_error
 from meshtune.launch.supervise import (launch_training, mark_worker_started, report_to_launcher, stop_restarts,
                                        worker_label)
 
@@ -170,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     mark_worker_started()
     try:
-        return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "demo": cmd_demo}[args.command](args)
+        try:
+            return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "demo": cmd_demo}[args.command](args)
+        except OSError as exc:  # read-only, full, no permission: the same on every restart
+            lasting = lasting_storage_error(exc)
+            if lasting is None or args.debug:
+                raise
+            raise lasting from exc
     except MeshtuneError as exc:
         if args.debug:
             raise

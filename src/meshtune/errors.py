@@ -1,5 +1,7 @@
 """Errors a user can act on. The CLI catches `MeshtuneError` once and prints its message without a trace."""
 
+import errno
+
 
 class MeshtuneError(Exception):
     """Base class: the message says what is wrong and what to do."""
@@ -15,3 +17,26 @@ class DataError(MeshtuneError):
 
 class ModelError(MeshtuneError):
     """A model directory that is missing, incomplete or unsupported."""
+
+
+class StorageError(MeshtuneError):
+    """A directory meshtune must write to that it cannot: missing, read-only, full, or not a directory."""
+
+
+# storage failures a restart cannot fix, and what each means to a user
+STORAGE_CAUSES = {errno.EACCES: "no permission to write there", errno.EPERM: "no permission to write there",
+                  errno.EROFS: "the file system is read-only", errno.ENOSPC: "the storage is full",
+                  errno.EDQUOT: "the disk quota is used up",
+                  errno.ENOTDIR: "a part of the path is a file, not a directory",
+                  errno.ENOENT: "a part of the path cannot be created there"}
+LASTING = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
+def lasting_storage_error(error: OSError) -> StorageError | None:
+    """A StorageError for an OSError that every restart would meet again (read-only, full, no permission), so the
+    job stops at once with the cause as its last line instead of burning its restarts; None for other errors."""
+    if error.errno not in LASTING:
+        return None
+    where = f"{error.filename}: " if error.filename else ""
+    return StorageError(f"{where}{STORAGE_CAUSES[error.errno]} ({error.strerror}); a restart cannot fix this: fix "
+                        f"the storage (or point output_dir elsewhere) and run the same command again to resume")

@@ -90,8 +90,8 @@ class CheckpointManager:
             return
         try:
             dcp.save(state, storage_writer=writer)
-        except CheckpointException as error:
-            raise CheckpointError(f"writing {tmp} failed: {error}") from error
+        except (CheckpointException, OSError) as error:
+            raise CheckpointError(self._write_failure(tmp, error)) from error
         maybe_die("save", step, self.rank)
         self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None)
         self.wait()
@@ -176,6 +176,21 @@ class CheckpointManager:
         state.update(request)  # dcp.load replaces plain (non-Stateful) values in the dict it was given
         return manifest
 
+    def _write_failure(self, tmp: Path, error: Exception) -> str:
+        """What a failed write tells the user: the path, the space left there, and what still stands."""
+        try:
+            usage = shutil.disk_usage(self.output_dir)
+            space = f"{human_bytes(usage.free)} free of {human_bytes(usage.total)}"
+        except OSError:
+            space = "free space unknown"
+        full = "No space left" in str(error) or "Disk quota exceeded" in str(error)
+        newest = max((c.step for c in list_checkpoints(self.output_dir) if c.complete), default=None)
+        keeps = (f"checkpoint-{newest} stays the resume point" if newest is not None
+                 else "no earlier checkpoint exists to resume from")
+        advice = "; free space or lower save_total_limit" if full else ""
+        return (f"writing {tmp} failed ({space} on that storage{advice}); it is not published and {keeps}: "
+                f"{error}")
+
     def _publish(self, pending: _Pending, reports: list[tuple[str | None, dict[str, Any]]]) -> str | None:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns what went wrong, or None."""
         errors = [error for error, _ in reports if error]
@@ -236,6 +251,14 @@ class CheckpointManager:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:,.1f} TiB"
 
 
 def _delete(path: Path) -> None:

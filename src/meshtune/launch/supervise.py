@@ -25,6 +25,7 @@ def launch_training(cfg, argv: list[str]) -> int:
 
     if not torchrun_worker():
         settings = detect_node_settings(cfg)
+        check_output_paths(cfg)
         if needs_torchrun(settings):
             print(describe(settings), flush=True)
             prepare_data_once(cfg, settings.max_processes)
@@ -70,6 +71,15 @@ def check_rendezvous(settings, cfg) -> None:
         print(f"waiting for node 0 at {settings.master_addr}:{settings.master_port} "
               f"(up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
         wait_for_master(settings, cfg.rdzv_timeout)
+
+
+def check_output_paths(cfg) -> None:
+    """output_dir and the tokenized cache are writable: one named error here, not one per worker."""
+    from meshtune.data.pipeline import cache_dir
+    from meshtune.train.storage import ensure_writable_dir
+
+    ensure_writable_dir(cfg.output_dir, "output_dir")
+    ensure_writable_dir(cache_dir(cfg), "tokenized_path" if cfg.tokenized_path else "output_dir")
 
 
 def prepare_data_once(cfg, nproc: int) -> None:

@@ -36,7 +36,7 @@ from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
 from meshtune.plan import RunPlan, resolve
-from meshtune.train.storage import check_shared_output_dir
+from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
@@ -181,7 +181,7 @@ def prepare_output_dir(cfg: TrainConfig, env: DistEnv) -> Path:
     """output_dir, holding the config as given (rank 0 writes it)."""
     output_dir = Path(cfg.output_dir)
     if env.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        ensure_writable_dir(output_dir, "output_dir")
         cfg.write_yaml(output_dir / "config.yaml")
     return output_dir
 

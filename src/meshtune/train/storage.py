@@ -1,5 +1,6 @@
-"""Is output_dir one storage for all nodes? Checkpoints written to node-local disks are split across nodes and
-cannot be resumed from any single one (LLaMA-Factory #2398, DeepSpeed #2319), so meshtune checks at start."""
+"""Where a run writes: can it write there at all (checked before any process starts), and is output_dir one storage
+for all nodes? Checkpoints written to node-local disks are split across nodes and cannot be resumed from any single
+one (LLaMA-Factory #2398, DeepSpeed #2319), so meshtune checks at start."""
 
 from __future__ import annotations
 
@@ -11,9 +12,25 @@ from pathlib import Path
 import torch.distributed as dist
 
 from meshtune.distributed import DistEnv, barrier
-from meshtune.errors import MeshtuneError
+from meshtune.errors import STORAGE_CAUSES, MeshtuneError, StorageError
 
 TOKEN_PREFIX = ".meshtune-shared-"
+
+
+def ensure_writable_dir(path: str | Path, key: str) -> Path:
+    """Create `path` if needed and write a file in it; a StorageError naming `key`, the path and the cause if that
+    fails, so a bad output_dir stops before any process starts instead of deep inside one."""
+    path = Path(path).expanduser()
+    probe = path / f".meshtune-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("meshtune")
+        probe.unlink()
+    except OSError as error:
+        why = STORAGE_CAUSES.get(error.errno, error.strerror or str(error))
+        raise StorageError(f"{key}: cannot write to {path}: {why} ({error}). Set {key} to a directory this "
+                           f"user can write on every node") from None
+    return path
 
 
 def check_shared_output_dir(output_dir: Path, env: DistEnv, allow_local: bool) -> bool:
