@@ -203,6 +203,36 @@ def test_flipped_byte_fails_verify_and_auto_falls_back(tmp_path, world_of_one):
     assert select_resume(tmp_path, str(tmp_path / "checkpoint-1")) == (tmp_path / "checkpoint-1", [])
 
 
+def test_when_every_checkpoint_is_damaged_the_run_stops_naming_each_and_changes_nothing(tmp_path, world_of_one):
+    save_steps(tmp_path, [1, 2])
+    for step in (1, 2):
+        shard = tmp_path / f"checkpoint-{step}" / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointError) as failure:
+        CheckpointManager(tmp_path, None, False, 0, 1).select_resume("auto")
+    message = str(failure.value)
+    assert "no checkpoint in" in message and "Nothing was changed" in message and "resume_from_checkpoint: none" in message
+    assert "checkpoint-2: size mismatch in __0_0.distcp" in message and "checkpoint-1: size mismatch" in message
+    assert [c.path.name for c in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # untouched
+    assert select_resume(tmp_path, "none") == (None, [])
+
+
+def test_a_damaged_checkpoint_passed_over_is_moved_aside_and_listed_as_damaged(tmp_path, world_of_one):
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / "checkpoint-2" / "__0_0.distcp").write_bytes(b"short")
+    listing = format_listing(tmp_path)
+    assert "damaged: __0_0.distcp is 5 bytes, the manifest says" in listing
+    (tmp_path / "checkpoint-1" / "manifest.json").write_text("{not json")
+    assert "damaged: " in format_listing(tmp_path).splitlines()[1]  # an unreadable manifest too
+    save_steps(tmp_path / "again", [1, 2])
+    (tmp_path / "again" / "checkpoint-2" / "__0_0.distcp").write_bytes(b"short")
+    path, skipped = CheckpointManager(tmp_path / "again", None, False, 0, 1).select_resume("auto")
+    assert path == tmp_path / "again" / "checkpoint-1"
+    assert skipped[0][1].endswith("moved aside to checkpoint-2.damaged")
+    assert [c.path.name for c in list_checkpoints(tmp_path / "again")] == ["checkpoint-1"]
+    assert (tmp_path / "again" / "checkpoint-2.damaged" / "__0_0.distcp").read_bytes() == b"short"
+
+
 def test_verify_names_each_problem(tmp_path, world_of_one):
     save_steps(tmp_path / "out", [1])
     good = tmp_path / "out" / "checkpoint-1"

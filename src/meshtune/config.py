@@ -139,6 +139,7 @@ class TrainConfig(BaseModel):
     save_steps: int = OUTPUT(0, "write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
     save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: all", gt=0)
     async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); turn on when saving stalls training")
+    resume_allow_changed: list[str] = OUTPUT([], "keys of the run's math that may differ from the checkpoint being resumed, e.g. max_steps to train further or learning_rate; by default resuming a checkpoint written with other values is an error naming the keys (checkpoints keep their config)")
     resume_from_checkpoint: str = OUTPUT("auto", "auto (newest complete, verified checkpoint in output_dir) | none | a checkpoint path", scope=NODE)
     allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then writes no periodic checkpoint and does not resume")
 
@@ -161,7 +162,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"'{text}' is not FIRST-LAST with 1 <= FIRST <= LAST (optimizer steps, e.g. 10-12)")
         return text
 
-    @field_validator("dataset", "eval_dataset", "lora_target", mode="before")
+    @field_validator("dataset", "eval_dataset", "lora_target", "resume_allow_changed", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         """LLaMA-Factory writes lists as comma-separated strings: `lora_target: q_proj,v_proj`."""
@@ -176,6 +177,10 @@ class TrainConfig(BaseModel):
                              f"weights with {self.parallel} is not supported: set parallel: ddp or auto")
         if not self.dataset:
             raise ValueError("dataset: no file given; set dataset: path/to/train.jsonl")
+        unknown = [key for key in self.resume_allow_changed if key not in self.keys_of(MATH)]
+        if unknown:
+            raise ValueError(f"resume_allow_changed: {', '.join(unknown)} is not a key of the run's math; those are "
+                             f"{', '.join(self.keys_of(MATH))}")
         if self.val_size >= 1 and self.val_size != int(self.val_size):
             raise ValueError(f"val_size: {self.val_size} is neither a fraction below 1 nor a whole count")
         return self
@@ -193,13 +198,21 @@ class TrainConfig(BaseModel):
     def keys_of(cls, *scopes: str) -> list[str]:
         return [name for name, field in cls.model_fields.items() if field.json_schema_extra["scope"] in scopes]
 
+    def math(self) -> dict[str, Any]:
+        """The keys of scope `math` (see Section) and their values: what the run computes, kept in checkpoints."""
+        return self.model_dump(include=set(self.keys_of(MATH)))
+
     def hash(self) -> str:
-        """Identity of the run's math: the keys of scope `math` (see Section), nothing about where or how it runs."""
-        blob = json.dumps(self.model_dump(include=set(self.keys_of(MATH))), sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        """Identity of the run's math, nothing about where or how it runs."""
+        return math_hash(self.math())
 
     def write_yaml(self, path: Path) -> None:
         path.write_text(yaml.safe_dump(self.model_dump(), sort_keys=False))
+
+
+def math_hash(values: dict[str, Any]) -> str:
+    """The hash of a run's math keys and values (`TrainConfig.math()`)."""
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

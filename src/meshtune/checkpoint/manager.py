@@ -25,8 +25,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, fsync_dir, hash_file, read_manifest, write_manifest
-from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume
+from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume, set_aside
 from meshtune.checkpoint.state import RNGState
+from meshtune.config import math_hash
 from meshtune.faults import maybe_die
 
 
@@ -127,28 +128,50 @@ class CheckpointManager:
         answer: Any = None
         if self.rank == 0:
             try:
-                answer = select_resume(self.output_dir, resume)
-            except CheckpointError as error:
+                path, skipped = select_resume(self.output_dir, resume)
+                answer = path, [self._aside(skip, reason) for skip, reason in skipped]
+            except (CheckpointError, OSError) as error:  # every rank waits for this answer
                 answer = str(error)
         answer = self._broadcast(answer)
         if isinstance(answer, str):
             raise CheckpointError(answer)
         return answer
 
-    def find_resume(self, resume: str, config_hash: str) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-        """The checkpoint to resume from (or None), its manifest, and warnings for the user: the checkpoints passed
-        over and why, and a resume point written with another config (it is still resumed: the user may have
-        changed a key on purpose)."""
+    @staticmethod
+    def _aside(path: Path, reason: str) -> tuple[Path, str]:
+        """A published checkpoint passed over because it failed verification is moved aside (a save of its step
+        would otherwise replace it, and retention could delete it); others are left as they are."""
+        if path.name.endswith(".tmp") or not (path / COMPLETE).is_file():
+            return path, reason
+        return path, f"{reason}; moved aside to {set_aside(path).name}"
+
+    def find_resume(self, resume: str, config: dict[str, Any], allowed: list[str] = ()
+                    ) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+        """The checkpoint to resume from (or None), its manifest, and warnings for the user (the checkpoints passed
+        over and why). A checkpoint written under other values of `config` (the run's math) is an error naming
+        the keys, unless each is in `allowed`."""
         path, skipped = self.select_resume(resume)
-        warnings_ = [f"warning: not resuming from {skip.name}: {reason}" for skip, reason in skipped]
+        notes = [f"warning: not resuming from {skip.name}: {reason}" for skip, reason in skipped]
         if path is None:
-            return None, None, warnings_
+            return None, None, notes
         manifest = read_manifest(path)
-        if manifest.get("config_hash") != config_hash:
-            warnings_.append(f"warning: {path.name} was written with another config (hash {manifest.get('config_hash')}, "
-                             f"now {config_hash}); resuming anyway. For a new experiment use another output_dir or "
-                             f"resume_from_checkpoint: none")
-        return path, manifest, warnings_
+        saved = manifest.get("config")
+        if saved is None:  # written before checkpoints kept their config: only the hash can be compared
+            if manifest.get("config_hash") != math_hash(config):
+                notes.append(f"warning: {path.name} was written with another config (its manifest keeps only the "
+                             f"hash); resuming anyway")
+            return path, manifest, notes
+        changed = {key: (saved.get(key), value) for key, value in config.items() if saved.get(key) != value}
+        refused = [key for key in changed if key not in allowed]
+        if refused:
+            listing = "; ".join(f"{key}: {changed[key][0]!r} -> {changed[key][1]!r}" for key in refused)
+            raise CheckpointError(
+                f"{path} was written with other values of the run's math: {listing}. To continue it with these "
+                f"values, add the keys to resume_allow_changed (e.g. resume_allow_changed: [{', '.join(refused)}]); "
+                f"for a new run use another output_dir or resume_from_checkpoint: none")
+        if changed:
+            notes.append(f"resuming {path.name} with changed {', '.join(changed)} (resume_allow_changed)")
+        return path, manifest, notes
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load checkpoint `path` into `state` in place, resharding onto this world size; returns its manifest.

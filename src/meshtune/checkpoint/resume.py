@@ -1,7 +1,9 @@
 """Which checkpoints an output directory holds, and which one a run resumes from.
 
 Steps are compared as numbers (`checkpoint-10` is newer than `checkpoint-9`). A `.tmp` directory is never
-resumed from, even if it looks finished: only the rename publishes a checkpoint.
+resumed from, even if it looks finished: only the rename publishes a checkpoint. A published checkpoint that fails
+verification is never resumed from, overwritten or deleted: a resume from an older one moves it aside
+(`checkpoint-N.damaged`), and with no good one left the run stops and says why.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from meshtune.checkpoint.manifest import COMPLETE, MANIFEST, NO_COMPLETE, Checkp
 
 NAME = re.compile(r"^checkpoint-(\d+)(\.tmp)?$")
 TMP_REASON = ".tmp: being written or interrupted"
+DAMAGED = ".damaged"  # a published checkpoint that failed verification, kept aside for a human to judge
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ def select_resume(output_dir: Path, resume: str) -> tuple[Path | None, list[tupl
             raise CheckpointError(f"cannot resume from {path}: {'; '.join(problems)}. "
                                   f"Pick another checkpoint (meshtune ckpt list {path.parent}) or resume: auto")
         return path, []
-    skipped = []
+    skipped, damaged = [], []
     for candidate in reversed(list_checkpoints(output_dir)):
         if not candidate.complete:
             skipped.append((candidate.path, candidate.status))
@@ -76,24 +79,57 @@ def select_resume(output_dir: Path, resume: str) -> tuple[Path | None, list[tupl
         if not problems:
             return candidate.path, skipped
         skipped.append((candidate.path, "; ".join(problems)))
+        damaged.append(f"{candidate.path.name}: {'; '.join(problems)}")
+    if damaged:
+        raise CheckpointError(
+            f"no checkpoint in {output_dir} can be resumed from: {' | '.join(damaged)}. Nothing was changed. Check "
+            f"the storage, then repair or remove them, name a good copy with resume_from_checkpoint: PATH, or set "
+            f"resume_from_checkpoint: none to start over")
     return None, skipped
+
+
+def set_aside(path: Path) -> Path:
+    """Move a published checkpoint that failed verification out of the way (never listed, resumed from, replaced by
+    a new save of its step, or pruned): `checkpoint-N.damaged`, numbered if that exists."""
+    target, n = path.with_name(path.name + DAMAGED), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{DAMAGED}-{n}")
+    path.rename(target)
+    return target
 
 
 def format_listing(output_dir: Path) -> str:
     """The table `meshtune ckpt list OUTPUT_DIR` prints, newest last."""
     rows = []
     for c in list_checkpoints(output_dir):
-        details = ""
-        if (c.path / MANIFEST).is_file():
+        details, status = "", c.status
+        if c.complete or (c.path / MANIFEST).is_file():
             try:
                 manifest = read_manifest(c.path)
                 size = sum(f.get("size", 0) for f in manifest["files"].values())
                 details = (f"{size / 2**20:9.1f} MiB  world {manifest.get('world_size', '?')}  "
                            f"{manifest.get('parallel', '?')}  epoch {manifest.get('epoch', '?')}")
+                wrong = size_problems(c.path, manifest)
             except CheckpointError as error:
-                details = str(error)
-        rows.append(f"{c.step:>8}  {c.path.name:<24}  {c.status:<44}  {details}".rstrip())
+                wrong = [str(error)]
+            if wrong and c.complete:
+                status = "damaged: " + "; ".join(wrong)
+        rows.append(f"{c.step:>8}  {c.path.name:<24}  {status:<44}  {details}".rstrip())
     if not rows:
         return f"no checkpoints in {output_dir}"
     header = f"{'step':>8}  {'directory':<24}  {'status':<44}  details"
-    return "\n".join([header, *rows, "checksums are not read here: meshtune ckpt verify CHECKPOINT checks them"])
+    return "\n".join([header, *rows,
+                      "sizes are checked here, checksums are not: meshtune ckpt verify CHECKPOINT checks them"])
+
+
+def size_problems(path: Path, manifest: dict) -> list[str]:
+    """Files the manifest lists that are missing or of another size: cheap (no file is read)."""
+    problems = []
+    for name, expected in manifest.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} missing")
+        elif file.stat().st_size != expected.get("size"):
+            problems.append(f"{name} is {file.stat().st_size} bytes, the manifest says {expected.get('size')}")
+    return problems

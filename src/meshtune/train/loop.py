@@ -62,7 +62,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
                                     save_steps=cfg.save_steps if shared else 0)
-    resume_path, manifest, notes = checkpoints.find_resume(cfg.resume_from_checkpoint if shared else "none", cfg.hash())
+    resume_path, manifest, notes = checkpoints.find_resume(cfg.resume_from_checkpoint if shared else "none",
+                                                           cfg.math(), cfg.resume_allow_changed)
     for note in notes:
         log(note)
     model_dir = check_model_dir(cfg.model_name_or_path)
@@ -174,7 +175,7 @@ def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan: RunPlan, batches: Glob
     """What manifest.json records besides the files and the epoch: enough to judge a resume before loading."""
     return {"world_size": env.world_size, "processes_per_node": env.local_world_size, "parallel": plan.parallel,
             "finetuning_type": cfg.finetuning_type, "global_batch": batches.global_batch,
-            "config_hash": cfg.hash(), "versions": package_versions()}
+            "config_hash": cfg.hash(), "config": cfg.math(), "versions": package_versions()}
 
 
 def prepare_output_dir(cfg: TrainConfig, env: DistEnv) -> Path:
