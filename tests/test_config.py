@@ -142,6 +142,27 @@ def test_cli_names_the_malformed_record(tmp_path, tiny_model_dir):
     assert "Traceback" not in result.stdout
 
 
+def test_a_key_given_twice_in_the_yaml_is_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model_name_or_path: /m\ndataset: d.jsonl\nlearning_rate: 1e-4\nlearning_rate: 2e-4\n")
+    with pytest.raises(ConfigError, match=r"key 'learning_rate' is given twice \(lines 3 and 4\)"):
+        load_config(path)
+
+
+def test_a_truncated_weights_file_is_named_by_the_model_directory_check(tmp_path, tiny_model_dir):
+    import shutil
+
+    from meshtune.errors import ModelError
+    from meshtune.model.loading import check_model_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelError, match=r"model\.safetensors is truncated .*1,000 bytes.*download it again"):
+        check_model_dir(model)
+
+
 def test_yaml_reads_elastic_ranges_and_exponents_as_meant(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model_name_or_path: /m\ndataset: d.jsonl\nnnodes: 1:4\nlearning_rate: 2e-5\n")

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import base_config
 from meshtune.config import build_config
+from meshtune.model.export import export_kind, verify_export
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
 
@@ -43,6 +44,13 @@ def test_final_dir_reloads_with_the_trained_logits(tmp_path, tiny_model_dir, tin
     torch.testing.assert_close(probe_logits(reloaded, ids), trained, rtol=1e-5, atol=1e-5)
     assert AutoTokenizer.from_pretrained(str(final)).pad_token_id is not None
 
+    kind = "PEFT adapter" if method == "lora" else "Hugging Face model"
+    assert verify_export(final) == [] and export_kind(final) == kind
+    weights = next(final.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-10])
+    assert verify_export(final) == [f"{weights.name} is truncated: {weights.stat().st_size:,} bytes, its header "
+                                    f"describes {weights.stat().st_size + 10:,}"]
+
     out = tmp_path / "out"
     assert (out / "config.yaml").is_file() and (out / "loss.png").stat().st_size > 1000
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -53,8 +61,26 @@ def test_final_dir_reloads_with_the_trained_logits(tmp_path, tiny_model_dir, tin
 
 
 def test_save_final_false_writes_no_model_and_says_so(tmp_path, tiny_model_dir, tiny_dataset, capsys):
-    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2, save_final=False))
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2, save_final=False,
+                                   logging_steps=5))
     result = run(cfg)
     assert result.final_dir is None and not (tmp_path / "out" / "final").exists()
     assert (tmp_path / "out" / "metrics.jsonl").is_file()
-    assert "saved          nothing (save_final: false)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "saved          nothing (save_final: false)" in out
+    assert "train loss     " in out and "(one logged step)" in out and " -> " not in out.split("train loss")[1]
+
+
+def test_ckpt_verify_knows_a_final_export_from_a_checkpoint(tmp_path, tiny_model_dir):
+    """`ckpt verify` on final/ says what it is and checks its files, instead of 'no COMPLETE marker'."""
+    import shutil
+
+    from conftest import run_cli
+
+    final = tmp_path / "final"
+    shutil.copytree(tiny_model_dir, final)
+    result, _ = run_cli(["ckpt", "verify", str(final)], timeout=60)
+    assert result.returncode == 0 and "a final export (Hugging Face model), not a checkpoint: valid" in result.stdout
+    (final / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{x")
+    result, _ = run_cli(["ckpt", "verify", str(final)], timeout=60)
+    assert result.returncode == 1 and "model.safetensors is not a readable safetensors file" in result.stdout

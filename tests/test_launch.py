@@ -319,3 +319,16 @@ def test_two_agents_on_one_machine_train_as_two_nodes(tmp_path, tiny_model_dir, 
         assert process.returncode == 0, f"node {rank}:\n{output[-4000:]}"
     assert "this node's rank    1" in outputs[1] and f"127.0.0.1:{port}" in outputs[1]
     assert [row["step"] for row in read_metrics(tmp_path / "out")] == [1, 2, 3]
+
+
+def test_cpu_process_counts_far_above_the_cores_are_refused_and_above_them_warned(capsys):
+    from meshtune.errors import ConfigError
+    from meshtune.launch.supervise import check_cpu_processes
+
+    with pytest.raises(ConfigError, match="nproc_per_node 64 on a machine with no GPU and 2 CPU cores"):
+        check_cpu_processes(64, cores=2, cuda=False)
+    check_cpu_processes(4, cores=2, cuda=False)
+    assert "nproc_per_node 4 is more than this machine's 2 CPU cores" in capsys.readouterr().out
+    check_cpu_processes(2, cores=2, cuda=False)
+    check_cpu_processes(64, cores=2, cuda=True)  # GPUs do the work
+    assert capsys.readouterr().out == ""

@@ -132,12 +132,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
+    from meshtune.model.export import export_kind, verify_export
 
     if args.ckpt_command == "list":
         if not Path(args.output_dir).is_dir():
             raise MeshtuneError(f"{args.output_dir} is not a directory")
         print(format_listing(Path(args.output_dir)))
         return 0
+    kind = export_kind(Path(args.checkpoint)) if not (Path(args.checkpoint) / "COMPLETE").exists() else None
+    if kind:  # output_dir/final: a model to load, not a checkpoint to resume
+        problems = verify_export(Path(args.checkpoint))
+        state = "INVALID" if problems else "valid (every weights file matches its header; tokenizer present)"
+        print(f"{args.checkpoint}: a final export ({kind}), not a checkpoint: {state}")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1 if problems else 0
     problems = verify(Path(args.checkpoint))
     if problems:
         print(f"{args.checkpoint}: INVALID")

@@ -34,6 +34,22 @@ for _tag, _pattern in (("tag:yaml.org,2002:int", r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-
     _Loader.add_implicit_resolver(_tag, re.compile(_pattern), list("-+0123456789."))
 
 
+def _no_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A key given twice in one mapping is an error: YAML would silently keep the last one."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key '{key}' is given twice (lines {seen[key]} and {key_node.start_mark.line + 1}); "
+                            f"keep one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
+
+
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 

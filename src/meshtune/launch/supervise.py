@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshtune.errors import MeshtuneError
+from meshtune.errors import ConfigError, MeshtuneError
 
 ERROR_DIR = "MESHTUNE_ERROR_DIR"  # where torchrun workers leave their error for the launching process
 
@@ -25,6 +25,7 @@ def launch_training(cfg, argv: list[str]) -> int:
 
     if not torchrun_worker():
         settings = detect_node_settings(cfg)
+        check_cpu_processes(settings.nproc_per_node)
         check_output_paths(cfg)
         if needs_torchrun(settings):
             print(describe(settings), flush=True)
@@ -71,6 +72,25 @@ def check_rendezvous(settings, cfg) -> None:
         print(f"waiting for node 0 at {settings.master_addr}:{settings.master_port} "
               f"(up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
         wait_for_master(settings, cfg.rdzv_timeout)
+
+
+CPU_OVERSUBSCRIPTION = 4  # processes per core beyond which a CPU-only run is refused
+
+
+def check_cpu_processes(nproc: int, cores: int | None = None, cuda: bool | None = None) -> None:
+    """On a machine without GPUs every process computes on the cores: more processes than cores only slow the
+    run, and far more (a GPU count typed on a laptop) thrash it. Warn above the core count, refuse far above it."""
+    import torch
+
+    cores = cores or os.cpu_count() or 1
+    if (torch.cuda.is_available() if cuda is None else cuda) or nproc <= cores:
+        return
+    if nproc > CPU_OVERSUBSCRIPTION * cores:
+        raise ConfigError(f"nproc_per_node {nproc} on a machine with no GPU and {cores} CPU cores: each process "
+                          f"trains on the cores, so {nproc} would only thrash them; use at most {cores} (one per "
+                          f"core) or run on a GPU machine")
+    print(f"warning: nproc_per_node {nproc} is more than this machine's {cores} CPU cores (no GPU): the processes "
+          f"share the cores and train slower than {cores} would", flush=True)
 
 
 def check_output_paths(cfg) -> None:

@@ -5,12 +5,14 @@ Sharded parameters (FSDP2) are gathered to full tensors first; only rank 0 write
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from meshtune.distributed import DistEnv, barrier
+from meshtune.model.loading import TOKENIZER_FILES, safetensors_problem
 from meshtune.model.parallel import unwrap
 
 
@@ -31,3 +33,27 @@ def save_final(model: torch.nn.Module, tokenizer, out_dir: Path, is_lora: bool, 
         tokenizer.save_pretrained(str(out_dir))
     barrier()
     return out_dir
+
+
+def export_kind(path: Path) -> str | None:
+    """'PEFT adapter' or 'Hugging Face model' for a directory save_final writes; None for anything else."""
+    if (path / "adapter_config.json").is_file():
+        return "PEFT adapter"
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "Hugging Face model"
+    return None
+
+
+def verify_export(path: Path) -> list[str]:
+    """Problems of a final export: its weights files (each safetensors header against the file's size, every
+    shard an index lists) and its tokenizer."""
+    weights = sorted(path.glob("*.safetensors"))
+    problems = [] if weights else ["no *.safetensors weights"]
+    problems += [problem for file in weights if (problem := safetensors_problem(file))]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        problems += [f"{name} listed in {index.name} is missing" for name in sorted(shards) if not (path / name).is_file()]
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        problems.append("no tokenizer files")
+    return problems

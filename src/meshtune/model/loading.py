@@ -29,13 +29,35 @@ def check_model_dir(path: str | Path) -> Path:
         missing.append("weights (*.safetensors or pytorch_model*.bin)")
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         missing.append("tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    missing += [problem for weights in sorted(directory.glob("*.safetensors"))
+                if (problem := safetensors_problem(weights))]
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
         missing += [f"shard {name} listed in {index.name}" for name in sorted(shards) if not (directory / name).is_file()]
     if missing:
-        raise ModelError(f"model directory {directory} is incomplete: missing " + "; ".join(missing))
+        raise ModelError(f"model directory {directory} is incomplete or damaged: " + "; ".join(
+            item if " is " in item else f"missing {item}" for item in missing) + ". Copy or download it again")
     return directory
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a .safetensors file, read from its header alone (cheap for any size): truncated, or
+    not safetensors at all; None when its size matches what the header describes."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                return (f"{path.name} is truncated or not a safetensors file ({size:,} bytes, less than the "
+                        f"{header_len + 8:,} its first bytes announce)")
+            header = json.loads(f.read(header_len))
+        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError):
+        return f"{path.name} is not a readable safetensors file (its header does not parse)"
+    if 8 + header_len + data_end > size:
+        return f"{path.name} is truncated: {size:,} bytes, its header describes {8 + header_len + data_end:,}"
+    return None
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

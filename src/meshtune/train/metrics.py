@@ -140,10 +140,12 @@ def plot_losses(records: list[dict], path: Path) -> None:
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
+    if train:  # one logged step is a point, which a line alone would not show
+        ax.plot(*zip(*train), "o-" if len(train) == 1 else "-", label="train loss")
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
+    if len(train) == 1:
+        ax.set_title("one logged step: lower logging_steps for a curve", fontsize=9)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (per target token)")
     ax.grid(alpha=0.3)
@@ -153,15 +155,21 @@ def plot_losses(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def trend(records: list[dict], key: str) -> str:
+    if len(records) == 1:
+        return f"{records[0][key]:.4f} (one logged step)"
+    return f"{records[0][key]:.4f} -> {records[-1][key]:.4f}"
+
+
 def summary(records: list[dict], seconds: float, total_tokens: int, final_dir: Path | None, world_size: int) -> str:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     lines = ["", "=" * 60, "meshtune: training finished"]
     if train:
         lines.append(f"  steps          {train[-1]['step']}  (epoch {train[-1]['epoch']:.2f})")
-        lines.append(f"  train loss     {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}")
+        lines.append(f"  train loss     {trend(train, 'loss')}")
     if evals:
-        lines.append(f"  eval loss      {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f}")
+        lines.append(f"  eval loss      {trend(evals, 'eval_loss')}")
     lines.append(f"  time           {seconds:.1f} s on {world_size} process(es)")
     lines.append(f"  tokens         {total_tokens:,} ({total_tokens / max(seconds, 1e-9):,.0f} tokens/s)")
     if train and "peak_mem_gib" in train[-1]:
