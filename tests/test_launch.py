@@ -332,3 +332,33 @@ def test_cpu_process_counts_far_above_the_cores_are_refused_and_above_them_warne
     check_cpu_processes(2, cores=2, cuda=False)
     check_cpu_processes(64, cores=2, cuda=True)  # GPUs do the work
     assert capsys.readouterr().out == ""
+
+
+def test_a_named_error_in_the_workers_is_printed_once_without_torchruns_traceback(tmp_path, tiny_model_dir,
+                                                                                 tiny_dataset):
+    config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", nproc_per_node=2,
+                                                  lora_target="q_projx"))
+    result, _ = run_cli(["train", str(config)], timeout=180)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert result.stdout.count("lora_target: q_projx not found in the model") == 1, result.stdout[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("meshtune: error: lora_target: q_projx not found")
+    assert "Traceback" not in result.stdout and "SignalException" not in result.stdout
+
+
+def test_the_agent_filter_drops_only_torchruns_own_stop_traceback():
+    import io
+
+    from meshtune.launch.torchrun import AgentTracebackFilter
+
+    stream = io.BytesIO(b"W agent: shutting down workers\n"
+                        b"Traceback (most recent call last):\n  File \"run.py\", line 1\n    main()\n"
+                        b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 1 got signal: 15\n"
+                        b"Traceback (most recent call last):\n  File \"worker.py\", line 2\n"
+                        b"RuntimeError: a worker's own failure\n"
+                        b"Traceback (most recent call last):\n  File \"cut.py\", line 3\n")
+    sink = io.BytesIO()
+    AgentTracebackFilter(sink).copy(stream)
+    assert sink.getvalue() == (b"W agent: shutting down workers\n"
+                               b"Traceback (most recent call last):\n  File \"worker.py\", line 2\n"
+                               b"RuntimeError: a worker's own failure\n"
+                               b"Traceback (most recent call last):\n  File \"cut.py\", line 3\n")

@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshtune.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before any process starts
-    return launch_training(cfg, ["train", args.config, *args.overrides])
+    return launch_training(cfg, ["train", args.config, *args.overrides], debug=args.debug)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -119,7 +119,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     argv = ["train", args.config, *args.overrides]
     if not args.dry_run:
-        return launch_training(cfg, argv)
+        return launch_training(cfg, argv, debug=args.debug)
     settings = detect_node_settings(cfg)
     print(describe(settings))
     if needs_torchrun(settings):
@@ -189,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     except MeshtuneError as exc:
         if args.debug:
             raise
-        report_to_launcher(str(exc))
+        reported = report_to_launcher(str(exc))  # the launcher prints it once, last
         label = worker_label()
-        if label is not None:  # one worker per node speaks, then ends the node's attempts
-            print(f"meshtune: error{label}: {exc}", file=sys.stderr)
+        if label is not None:  # one worker per node speaks (unless its launcher does), then ends the attempts
+            if not reported:
+                print(f"meshtune: error{label}: {exc}", file=sys.stderr)
             stop_restarts()
         return 1
     except KeyboardInterrupt:

@@ -18,8 +18,9 @@ from meshtune.errors import ConfigError, MeshtuneError
 ERROR_DIR = "MESHTUNE_ERROR_DIR"  # where torchrun workers leave their error for the launching process
 
 
-def launch_training(cfg, argv: list[str]) -> int:
-    """Train in this process, or start this node's torchrun whose workers re-enter with `argv`."""
+def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
+    """Train in this process, or start this node's torchrun whose workers re-enter with `argv`. `debug` keeps
+    torchrun's own tracebacks."""
     from meshtune.launch import (describe, detect_node_settings, launch_env, needs_torchrun, run_torchrun,
                                  torchrun_command, torchrun_worker)
 
@@ -34,7 +35,8 @@ def launch_training(cfg, argv: list[str]) -> int:
                 check_rendezvous(settings, cfg)
             with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
                 env = {**launch_env(settings), ERROR_DIR: errors}
-                code = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env)
+                code = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env,
+                                    show_agent_tracebacks=debug)
                 reported = sorted(Path(errors).glob("*.txt"))
                 if code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
                     raise MeshtuneError(reported[0].read_text())
@@ -130,11 +132,14 @@ def stop_restarts() -> None:
         os.kill(os.getppid(), signal.SIGTERM)
 
 
-def report_to_launcher(message: str) -> None:
-    """Hand a worker's error to the meshtune process that started torchrun, which repeats it as the last line."""
+def report_to_launcher(message: str) -> bool:
+    """Hand a worker's error to the meshtune process that started torchrun, which prints it once, as the last
+    line; False when no such process listens (the user's own torchrun), and the worker prints it itself."""
     directory = os.environ.get(ERROR_DIR)
-    if directory and os.path.isdir(directory):
-        Path(directory, f"rank-{int(os.environ.get('RANK', '0')):06d}.txt").write_text(message)
+    if not (directory and os.path.isdir(directory)):
+        return False
+    Path(directory, f"rank-{int(os.environ.get('RANK', '0')):06d}.txt").write_text(message)
+    return True
 
 
 def mark_worker_started() -> None:

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
+from typing import BinaryIO
 
 from meshtune.launch.nodes import NodeSettings
 
@@ -60,12 +62,20 @@ def launch_env(settings: NodeSettings) -> dict[str, str]:
     return env
 
 
-def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None) -> int:
-    """Run torchrun in the foreground; Ctrl-C and SIGTERM reach it, and its exit code is ours."""
+def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None,
+                 show_agent_tracebacks: bool = False) -> int:
+    """Run torchrun in the foreground; Ctrl-C and SIGTERM reach it, and its exit code is ours. Its stderr passes
+    through `AgentTracebackFilter`: when torchrun is told to stop (a worker's named error ends the attempts, or
+    the user's Ctrl-C), its own Python traceback says nothing a user can act on."""
     env = {**os.environ, **(extra_env or {})}
     # torchrun would force 1 thread per worker with a warning; share the cores out instead
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))  # cores granted here
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(command, env=env, stderr=None if show_agent_tracebacks else subprocess.PIPE)
+    copier = None
+    if process.stderr is not None:
+        copier = threading.Thread(target=AgentTracebackFilter(sys.stderr.buffer).copy, args=(process.stderr,),
+                                  daemon=True)
+        copier.start()
     forward = lambda signum, _frame: process.send_signal(signum)  # noqa: E731
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -73,3 +83,42 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if copier is not None:
+            copier.join(timeout=5)
+
+
+class AgentTracebackFilter:
+    """Copies a stream line by line, leaving out each Python traceback that ends in torch elastic's
+    SignalException (the agent reporting that it was told to stop); every other line, tracebacks of workers
+    included, passes unchanged."""
+
+    def __init__(self, sink: BinaryIO):
+        self.sink = sink
+        self.held: list[bytes] | None = None  # the lines of a traceback being read
+
+    def copy(self, stream: BinaryIO) -> None:
+        for line in iter(stream.readline, b""):
+            self.feed(line)
+        self.release()
+
+    def feed(self, line: bytes) -> None:
+        if self.held is None:
+            if line.startswith(b"Traceback (most recent call last):"):
+                self.held = [line]
+            else:
+                self._write(line)
+            return
+        self.held.append(line)
+        if not line[:1].isspace():  # the exception line ends the traceback
+            if b"SignalException" not in line:
+                self._write(b"".join(self.held))
+            self.held = None
+
+    def release(self) -> None:
+        if self.held:
+            self._write(b"".join(self.held))
+        self.held = None
+
+    def _write(self, data: bytes) -> None:
+        self.sink.write(data)
+        self.sink.flush()
