@@ -238,7 +238,7 @@ def test_single_node_command_is_standalone():
     assert command == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        "--max-restarts", "2", "-m", "meshtune", "train", "c.yaml"]
     assert needs_torchrun(settings) and not needs_torchrun(detect({"NPROC_PER_NODE": "1"}))
-    assert launch_env(settings) == {"MESHTUNE_NODE_RANK": "0"}
+    assert launch_env(settings) == {"MESHTUNE_NODE_RANK": "0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def test_multi_node_command():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 from meshtune import __version__
 from meshtune.errors import MeshtuneError, lasting_storage_error
-from meshtune.launch.supervise import (launch_training, mark_worker_started, report_to_launcher, stop_restarts,
-                                       worker_label)
+from meshtune.launch.supervise import (launch_training, mark_worker_started, repeated_failure, report_to_launcher,
+                                       stop_restarts, worker_label)
 
 
 TRAIN_HELP = """\
@@ -174,6 +175,18 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
+def restart_cannot_fix(exc: Exception) -> MeshtuneError | None:
+    """The error as a MeshtuneError when every restart would meet it again, so the job stops at once with it as
+    the last line: storage that is read-only, full or forbidden, or a worker failing exactly as in an earlier
+    attempt (its traceback is printed first). None for anything a restart may cure."""
+    if isinstance(exc, OSError) and (lasting := lasting_storage_error(exc)) is not None:
+        return lasting
+    repeated = repeated_failure(exc)
+    if repeated is not None:
+        traceback.print_exc()
+    return repeated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
@@ -181,20 +194,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "demo": cmd_demo}[args.command](args)
-        except OSError as exc:  # read-only, full, no permission: the same on every restart
-            lasting = lasting_storage_error(exc)
-            if lasting is None or args.debug:
-                raise
+        except MeshtuneError:
+            raise
+        except Exception as exc:
+            lasting = None if args.debug else restart_cannot_fix(exc)
+            if lasting is None:
+                raise  # a crash another attempt may not meet: torchrun restarts the workers
             raise lasting from exc
     except MeshtuneError as exc:
         if args.debug:
             raise
         reported = report_to_launcher(str(exc))  # the launcher prints it once, last
         label = worker_label()
-        if label is not None:  # one worker per node speaks (unless its launcher does), then ends the attempts
-            if not reported:
-                print(f"meshtune: error{label}: {exc}", file=sys.stderr)
-            stop_restarts()
+        if label is not None and not reported:  # under the user's own torchrun one worker per node speaks
+            print(f"meshtune: error{label}: {exc}", file=sys.stderr)
+        stop_restarts()  # the same error would end every attempt
         return 1
     except KeyboardInterrupt:
         print("meshtune: interrupted", file=sys.stderr)

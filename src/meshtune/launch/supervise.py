@@ -16,6 +16,9 @@ from pathlib import Path
 from meshtune.errors import ConfigError, MeshtuneError
 
 ERROR_DIR = "MESHTUNE_ERROR_DIR"  # where torchrun workers leave their error for the launching process
+# how gloo and NCCL report that another rank died: a consequence, never the cause of a repeated failure
+PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "remote process exit",
+               "communicator was aborted")
 
 
 def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
@@ -130,6 +133,26 @@ def stop_restarts() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # our parent is a torchrun agent
         sys.stderr.flush()
         os.kill(os.getppid(), signal.SIGTERM)
+
+
+def repeated_failure(exc: Exception) -> MeshtuneError | None:
+    """A torchrun worker's crash, remembered across attempts in the launcher's error directory: when this rank
+    failed with the same error in an earlier attempt, another restart would too, and this says so; None on a
+    first failure (or outside a meshtune-started torchrun), which torchrun then restarts."""
+    directory = os.environ.get(ERROR_DIR)
+    if not (directory and os.path.isdir(directory) and "TORCHELASTIC_RUN_ID" in os.environ):
+        return None
+    error = f"{type(exc).__name__}: {exc}"
+    if any(words in error for words in PEER_FAILED):  # another rank's crash, seen from here: not this rank's cause
+        return None
+    rank, attempt = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    earlier = [int(p.stem.rsplit("attempt", 1)[1]) for p in Path(directory).glob(f"failure-rank{rank}-attempt*.log")
+               if p.read_text() == error]
+    Path(directory, f"failure-rank{rank}-attempt{attempt}.log").write_text(error)
+    if not earlier:
+        return None
+    return MeshtuneError(f"rank {rank} failed the same way in attempts {min(earlier) + 1} and {attempt + 1}, so "
+                         f"restarts cannot fix it; stopping (its traceback is above): {error}")
 
 
 def report_to_launcher(message: str) -> bool:

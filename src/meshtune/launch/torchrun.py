@@ -53,13 +53,12 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
 def launch_env(settings: NodeSettings) -> dict[str, str]:
     """Variables torchrun and its workers get on top of ours.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 across nodes: with the shared rendezvous store, a dead node's restarted
-    agent never rejoined (seen with torch 2.13, c10d); without it the survivors restart and the job goes on.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers get a store of their own each attempt instead of sharing the
+    agent's rendezvous store. With the shared one, restarted workers met the last attempt's keys (gloo connected
+    to the dead workers' addresses and failed with "Connection refused" on every restart, torch 2.13 on one
+    node), and a dead node's restarted agent never rejoined (c10d across nodes).
     """
-    env = {"MESHTUNE_NODE_RANK": str(settings.node_rank)}
-    if settings.multi_node:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
+    return {"MESHTUNE_NODE_RANK": str(settings.node_rank), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None,

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.checkpoint import CheckpointManager, training_state
 from meshtune.config import TrainConfig
 from meshtune.data.collate import IGNORE, Batch, collate, to_device
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
+from meshtune.faults import maybe_raise
 from meshtune.hardware import measure_peak_flops
 from meshtune.model.build import build_model
 from meshtune.model.export import save_final
@@ -36,13 +36,14 @@ from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
 from meshtune.plan import RunPlan, resolve
-from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
+from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, warmup_steps
+from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 
 
 @dataclass
@@ -126,6 +127,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
 
             done, last = step + 1, step + 1 == total_steps
+            maybe_raise(done, env.rank)
             meter.add(all_reduce_sum(loss_sum) / targets, tokens, flops)
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if evaluator.due(done):
