@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -137,27 +138,86 @@ def test_a_baseline_checkpoints_are_complete_and_verified(baseline):
     assert result.returncode == 0, result.stdout
 
 
+def kill_a_node_and_relaunch_it(cluster: Cluster, config: Path, output: Path, baseline, victim: int) -> tuple[int, str]:
+    """Node `victim` killed with kill -9 (agent and workers) after checkpoint-8, then relaunched alone with the
+    same command, as an operator would: both nodes end as the uninterrupted run did. Returns the port and the
+    survivor's output."""
+    port = free_port()
+    nodes = [cluster.start(0, config, port)]
+    time.sleep(1)
+    nodes.append(cluster.start(1, config, port))
+    survivor = nodes[1 - victim]
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (output / "checkpoint-8" / "COMPLETE").exists():
+        assert time.monotonic() < deadline and survivor.process.poll() is None, survivor.output()[-3000:]
+        time.sleep(0.02)
+    nodes[victim].kill()
+    assert not (output / "final").exists(), "the job ended before the kill: nothing was tested"
+    time.sleep(3)
+    assert survivor.process.poll() is None, survivor.output()[-3000:]
+    nodes[victim] = cluster.start(victim, config, port)
+    for node in nodes:
+        assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
+    assert "resumed from" in nodes[0].output() + nodes[1].output()
+    assert losses(output) == baseline["losses"]
+    assert final_hash(output) == baseline["hash"]
+    return port, survivor.output()
+
+
 def test_b_killed_node_restarts_and_the_job_ends_as_if_nothing_happened(cluster, tmp_path, baseline,
                                                                          tiny_model_dir, tiny_dataset):
     output = tmp_path / "output"
     config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
-    port = free_port()
-    node0 = cluster.start(0, config, port)
-    time.sleep(1)
-    node1 = cluster.start(1, config, port)
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while not (output / "checkpoint-8" / "COMPLETE").exists():
-        assert time.monotonic() < deadline and node0.process.poll() is None, node0.output()[-3000:]
-        time.sleep(0.02)
-    node1.kill()  # kill -9 of the whole node: agent and workers
-    assert not (output / "final").exists(), "the job ended before the kill: nothing was tested"
-    time.sleep(2)
-    node1 = cluster.start(1, config, port)  # the same command, as an operator would
-    assert node0.wait(JOB_TIMEOUT) == 0, node0.output()[-4000:]
-    assert node1.wait(JOB_TIMEOUT) == 0, node1.output()[-4000:]
-    assert "resumed from" in node0.output() + node1.output()
-    assert losses(output) == baseline["losses"]
-    assert final_hash(output) == baseline["hash"]
+    kill_a_node_and_relaunch_it(cluster, config, output, baseline, victim=1)
+
+
+def test_b_killed_node_0_alone_relaunched_rejoins_the_survivors_and_the_job_ends_as_if_nothing_happened(
+        cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset):
+    """Node 0 hosts the rendezvous store: with it gone, node 1's launcher waits for it to come back and rejoins."""
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
+    port, text = kill_a_node_and_relaunch_it(cluster, config, output, baseline, victim=0)
+    assert f"lost the rendezvous store at 127.0.0.1:{port}" in text and "training failed" not in text, text[-4000:]
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """Debian's etcd (package etcd-server) on free loopback ports, v2 API on, for torchrun's etcd-v2 rendezvous."""
+    if shutil.which("etcd") is None:
+        pytest.skip("no etcd server here (Debian: apt-get install etcd-server)")
+    pytest.importorskip("etcd", reason="python-etcd is not installed (pip install 'meshtune[etcd]')")
+    client, peer = free_port(), free_port()
+    log = (tmp_path / "etcd.log").open("w")
+    process = subprocess.Popen(["etcd", "--data-dir", str(tmp_path / "etcd"), "--enable-v2=true",
+                                "--listen-client-urls", f"http://127.0.0.1:{client}",
+                                "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                                "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", client), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "etcd.log").read_text()
+                time.sleep(0.2)
+        yield f"127.0.0.1:{client}"
+    finally:
+        kill_tree(process.pid)
+        log.close()
+
+
+def test_b_with_an_etcd_rendezvous_a_killed_node_0_relaunched_alone_completes_recovery(
+        cluster, tmp_path, etcd_server, baseline, tiny_model_dir, tiny_dataset):
+    """The rendezvous outlives node 0 in etcd: node 1's torchrun restarts its workers into a new round, which the
+    relaunched node 0 joins, as after any other node's death."""
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, rdzv_backend="etcd-v2",
+                        rdzv_endpoint=etcd_server)
+    kill_a_node_and_relaunch_it(cluster, config, output, baseline, victim=0)
 
 
 def test_c_rank_killed_while_saving_never_publishes_that_checkpoint(cluster, tmp_path, baseline,
@@ -216,8 +276,21 @@ def test_f_unreachable_master_fails_within_the_timeout_and_says_why(cluster, tmp
     assert node1.wait(120) != 0
     text = node1.output()
     assert f"node 1 could not reach the rendezvous at 127.0.0.1:{port} within rdzv_timeout=5 s" in text
-    assert "firewall" in text and "NODE_RANK" in text
+    assert "firewall" in text and "NODE_RANK" in text and "a MASTER_PORT that differs between nodes" in text
     assert time.monotonic() - started < 60
+
+
+def test_f_a_node_that_never_joins_is_named_while_waiting_and_in_the_error(cluster, tmp_path, tiny_model_dir,
+                                                                           tiny_dataset):
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output", rdzv_timeout=20)
+    started = time.monotonic()
+    node0 = cluster.start(0, config, free_port())  # node 1 never comes
+    assert node0.wait(120) == 1
+    text = node0.output()
+    assert "rendezvous: 1 of 2 nodes joined (node ranks 0); waiting for node ranks 1" in text, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert "did not complete within rdzv_timeout=20 s" in last and "never joined: node ranks 1" in last, last
+    assert time.monotonic() - started < 80
 
 
 def test_g_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model_dir, tiny_dataset):
@@ -231,6 +304,61 @@ def test_g_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_mod
     text = node0.output() + node1.output()
     assert "config key learning_rate differs between nodes" in text and "node 1 (" in text and "node 0 (" in text
     assert not (tmp_path / "output" / "checkpoint-4").exists(), "it trained before noticing"
+
+
+def wait_for_step(output: Path, step: int, nodes: list[Node], timeout: float = JOB_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((output / "metrics.jsonl").exists() and len(read_metrics(output)) >= step):
+        for node in nodes:
+            assert node.process.poll() is None, node.output()[-3000:]
+        assert time.monotonic() < deadline, "the job never reached the step"
+        time.sleep(0.05)
+
+
+def stop_and_resume(cluster: Cluster, tmp_path: Path, baseline, model_dir: Path, dataset: Path, signal_node,
+                    relaunch: bool = True) -> None:
+    """A job signalled after step 5 of 24 (save_steps 4) by `signal_node(nodes)`: every node exits 143 (128 +
+    SIGTERM) after writing a checkpoint between the periodic ones (the ranks' stop vote is read a step late, so
+    checkpoint-6 or -7); relaunched, it resumes there and ends with the uninterrupted run's weights."""
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", model_dir, dataset, output)
+    port = free_port()
+    nodes = [cluster.start(0, config, port, env={"MESHTUNE_FAULT": "slow:0.3"})]
+    time.sleep(1)
+    nodes.append(cluster.start(1, config, port, env={"MESHTUNE_FAULT": "slow:0.3"}))
+    wait_for_step(output, 5, nodes)
+    signalled = time.monotonic()
+    signal_node(nodes)
+    codes = [node.wait(60) for node in nodes]
+    text = nodes[0].output() + nodes[1].output()
+    assert codes == [143, 143], text[-4000:]
+    assert time.monotonic() - signalled < 30
+    saved = max(int(p.name.split("-")[1]) for p in output.glob("checkpoint-*") if (p / "COMPLETE").exists())
+    assert saved in (6, 7), f"checkpoint-{saved}: no checkpoint written on SIGTERM"
+    assert f"SIGTERM received: stopping after step {saved} of {STEPS}; writing checkpoint-{saved}" in text
+    assert "run the same command again to resume" in text and not (output / "final").exists()
+    if not relaunch:
+        return
+    cluster.run(config)
+    text = "".join(node.output() for node in cluster.nodes[-2:])
+    assert f"resumed from {output / f'checkpoint-{saved}'} at step {saved}" in text
+    assert losses(output) == baseline["losses"]
+    assert final_hash(output) == baseline["hash"]
+
+
+def test_h_sigterm_to_node_0_launcher_saves_and_a_relaunch_resumes_exactly(cluster, tmp_path, baseline,
+                                                                           tiny_model_dir, tiny_dataset):
+    """Kubernetes signals only the container's first process: node 0's meshtune launcher."""
+    stop_and_resume(cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset,
+                    lambda nodes: nodes[0].process.send_signal(signal.SIGTERM))
+
+
+def test_i_sigterm_to_every_process_of_node_1_stops_both_nodes_after_a_checkpoint(cluster, tmp_path, baseline,
+                                                                                  tiny_model_dir, tiny_dataset):
+    """SLURM signals every process of the job step: launcher, torchrun and workers of node 1 at once. (The
+    relaunch from the checkpoint written is the same as in test_h, which checks it.)"""
+    stop_and_resume(cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset,
+                    lambda nodes: kill_tree(nodes[1].process.pid, signal.SIGTERM), relaunch=False)
 
 
 class NetworkNamespaces:

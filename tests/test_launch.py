@@ -238,7 +238,8 @@ def test_single_node_command_is_standalone():
     assert command == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        "--max-restarts", "2", "-m", "meshtune", "train", "c.yaml"]
     assert needs_torchrun(settings) and not needs_torchrun(detect({"NPROC_PER_NODE": "1"}))
-    assert launch_env(settings) == {"MESHTUNE_NODE_RANK": "0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert launch_env(settings) == {"MESHTUNE_NODE_RANK": "0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"}
 
 
 def test_multi_node_command():
@@ -246,15 +247,17 @@ def test_multi_node_command():
     settings = detect_node_settings(config, environ={**TWO_NODES, "NPROC_PER_NODE": "4"})
     command = torchrun_command(settings, ["train", "c.yaml", "seed=1"], config)
     assert command == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
-                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:29555", "--rdzv-id", settings.run_id,
-                       "--max-restarts", "5", "--rdzv-conf", "join_timeout=120,read_timeout=120,is_host=0",
-                       "-m", "meshtune", "train", "c.yaml", "seed=1"]
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:29555",
+                       "--rdzv-conf", "join_timeout=120,read_timeout=120,is_host=0", "--rdzv-id", settings.run_id,
+                       "--max-restarts", "5", "-m", "meshtune", "train", "c.yaml", "seed=1"]
     node0 = detect_node_settings(config, environ={**TWO_NODES, "NODE_RANK": "0"})
     assert "join_timeout=120,read_timeout=120,is_host=1" in torchrun_command(node0, ["train"], config)
     with_addr = cfg(rdzv_timeout=120, local_addr="10.9.9.9")
     assert torchrun_command(settings, ["train"], with_addr)[-5:-3] == ["--local-addr", "10.9.9.9"]
     assert "--node-rank" not in command  # ignored by c10d; the rank travels as MESHTUNE_NODE_RANK
-    assert launch_env(settings) == {"MESHTUNE_NODE_RANK": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert launch_env(settings, stop_grace_period=120) == {"MESHTUNE_NODE_RANK": "1",
+                                                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                                           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "150"}
     ipv6 = detect({**TWO_NODES, "MASTER_ADDR": "fd00::1"})
     assert "[fd00::1]:29555" in torchrun_command(ipv6, ["train"], config)
 
@@ -362,3 +365,20 @@ def test_the_agent_filter_drops_only_torchruns_own_stop_traceback():
                                b"Traceback (most recent call last):\n  File \"worker.py\", line 2\n"
                                b"RuntimeError: a worker's own failure\n"
                                b"Traceback (most recent call last):\n  File \"cut.py\", line 3\n")
+
+
+def test_the_agent_filter_drops_a_chained_store_loss_traceback_and_notes_it():
+    import io
+
+    from meshtune.launch.torchrun import AgentTracebackFilter
+
+    stream = io.BytesIO(b"Traceback (most recent call last):\n  File \"store.py\", line 1\n"
+                        b"torch.distributed.DistNetworkError: Failed to recv\n\n"
+                        b"The above exception was the direct cause of the following exception:\n\n"
+                        b"Traceback (most recent call last):\n  File \"run.py\", line 2\n"
+                        b"torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: store failed\n"
+                        b"meshtune: a line after it\n")
+    sink = io.BytesIO()
+    kept = AgentTracebackFilter(sink)
+    kept.copy(stream)
+    assert sink.getvalue() == b"meshtune: a line after it\n" and kept.store_lost

@@ -124,7 +124,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     settings = detect_node_settings(cfg)
     print(describe(settings))
     if needs_torchrun(settings):
-        env = [f"{key}={value}" for key, value in launch_env(settings).items()]
+        env = [f"{key}={value}" for key, value in launch_env(settings, cfg.stop_grace_period).items()]
         print(shlex.join([*env, *torchrun_command(settings, argv, cfg)]))
     else:
         print(f"one process: trains in this process, no torchrun ({shlex.join(['meshtune', *argv])})")

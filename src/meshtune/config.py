@@ -144,6 +144,8 @@ class TrainConfig(BaseModel):
     master_port: int | None = LAUNCH(None, "rendezvous port on master_addr; required for several nodes (the same free port on every node)", gt=0, lt=65536)
     local_addr: str | None = LAUNCH(None, "the address other nodes reach this node at (torchrun --local-addr); default: hostname lookup. Set it when the hostname resolves to the wrong network")
     max_restarts: int = LAUNCH(3, "times torchrun restarts all workers after a failure (they resume from the newest checkpoint)", ge=0)
+    rdzv_backend: Literal["c10d", "etcd-v2"] = LAUNCH("c10d", "c10d: node 0's launcher hosts the rendezvous store on MASTER_ADDR:MASTER_PORT, nothing else to run; when node 0 dies the other nodes wait for it to be relaunched and rejoin | etcd-v2: an etcd server at rdzv_endpoint holds the rendezvous (v2 API: start etcd with --enable-v2), so it outlives any node; needs python-etcd (pip install 'meshtune[etcd]')")
+    rdzv_endpoint: str | None = LAUNCH(None, "rdzv_backend etcd-v2: the etcd server as host:port, the same on every node (MASTER_ADDR and MASTER_PORT are then not needed)")
     rdzv_timeout: int = LAUNCH(300, "seconds to wait for all nodes to join before failing with a diagnosis", gt=0)
     ddp_timeout: int = LAUNCH(600, "seconds a collective may wait before the job fails", gt=0)
 
@@ -155,6 +157,7 @@ class TrainConfig(BaseModel):
     save_steps: int = OUTPUT(0, "write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
     save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: all", gt=0)
     async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); turn on when saving stalls training")
+    stop_grace_period: int = OUTPUT(60, "seconds a SIGTERM (what SLURM, Kubernetes and other schedulers send before preempting) leaves the job: every process finishes the step in progress and the next, a checkpoint is written if the last save's duration fits in what is left, and the job exits with 143 (128 + SIGTERM, retryable) to resume from there when relaunched. 0: stop after the step without saving. Give the scheduler at least this long between its SIGTERM and SIGKILL", ge=0)
     resume_allow_changed: list[str] = OUTPUT([], "keys of the run's math that may differ from the checkpoint being resumed, e.g. max_steps to train further or learning_rate; by default resuming a checkpoint written with other values is an error naming the keys (checkpoints keep their config)")
     resume_from_checkpoint: str = OUTPUT("auto", "auto (newest complete, verified checkpoint in output_dir) | none | a checkpoint path", scope=NODE)
     allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then writes no periodic checkpoint and does not resume")

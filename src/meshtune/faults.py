@@ -1,28 +1,42 @@
 """Fault injection for the recovery tests, in the spirit of torchft's: kill a chosen rank at a chosen point.
 
-Set MESHTUNE_FAULT=POINT:STEP:RANK. POINT `save`: SIGKILL after this rank wrote its checkpoint shards, before
-the checkpoint is published; `raise`: a RuntimeError after optimizer step STEP. Both fire in the first attempt
-only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job can show that it recovers; `raise-always` fires in every
-attempt (an error no restart fixes). Unset, it costs one dictionary lookup per call.
+Set MESHTUNE_FAULT to one or more comma-separated faults:
+- `save:STEP:RANK`: SIGKILL after this rank wrote its checkpoint shards, before the checkpoint is published;
+- `raise:STEP:RANK`: a RuntimeError after optimizer step STEP;
+- `raise-always:STEP:RANK`: the same in every attempt (an error no restart fixes);
+- `slow:SECONDS`: every rank sleeps that long after each step, so a test can act on a run in progress.
+`save` and `raise` fire in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job can show
+that it recovers. Unset, it costs one dictionary lookup per call.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+
+
+def _faults() -> list[str]:
+    return [fault.strip() for fault in os.environ.get("MESHTUNE_FAULT", "").split(",") if fault.strip()]
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
 def maybe_die(point: str, step: int, rank: int) -> None:
-    wanted = os.environ.get("MESHTUNE_FAULT")
-    if not wanted or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if wanted == f"{point}:{step}:{rank}":
+    if f"{point}:{step}:{rank}" in _faults() and _first_attempt():
         print(f"meshtune fault injection: killing rank {rank} at {point} of step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_raise(step: int, rank: int) -> None:
-    wanted = os.environ.get("MESHTUNE_FAULT", "")
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if wanted == f"raise-always:{step}:{rank}" or (first and wanted == f"raise:{step}:{rank}"):
+def after_step(step: int, rank: int) -> None:
+    """The faults that act after an optimizer step: `raise`, `raise-always`, `slow`."""
+    faults = _faults()
+    if not faults:
+        return
+    for fault in faults:
+        if fault.startswith("slow:"):
+            time.sleep(float(fault.split(":", 1)[1]))
+    if f"raise-always:{step}:{rank}" in faults or (_first_attempt() and f"raise:{step}:{rank}" in faults):
         raise RuntimeError(f"meshtune fault injection: rank {rank} fails after step {step}")

@@ -10,3 +10,8 @@ from collections.abc import Mapping
 def torchrun_worker(environ: Mapping[str, str] = os.environ) -> bool:
     """A process torchrun started (it sets both). Not RANK/WORLD_SIZE alone: PyTorchJob sets those per pod."""
     return "LOCAL_RANK" in environ or "TORCHELASTIC_RUN_ID" in environ
+
+
+# Where torchrun workers leave word for the meshtune process that started torchrun (their error, that they
+# started, that they stopped for a signal) and where it leaves its stop request for them.
+ERROR_DIR = "MESHTUNE_ERROR_DIR"

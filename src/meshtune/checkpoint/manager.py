@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class _Pending:
     tmp: Path
     info: dict[str, Any]
     wait: Callable[[], Any]  # returns once this rank's DCP write has finished
+    staged_s: float  # seconds save() blocked the caller (the whole write when sync; the copy to CPU when async)
 
 
 class CheckpointManager:
@@ -65,6 +67,8 @@ class CheckpointManager:
         # new_group is collective: every rank builds the manager at the same point of the loop
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._pending: _Pending | None = None
+        self.last_step: int | None = None  # the newest checkpoint this run published (or is publishing)
+        self.last_save_s: float | None = None  # what this rank's newest published save cost: blocked + publishing
 
     def maybe_save(self, step: int, state: dict[str, Any], info: dict[str, Any], last: bool) -> bool:
         """Save checkpoint `step` if it is due: every `save_steps` optimizer steps and at the last one."""
@@ -77,6 +81,7 @@ class CheckpointManager:
         """Write `state` as checkpoint `step`; `info` (epoch, world size, parallel mode, mesh, config hash,
         versions, ...) becomes manifest.json. Sync: returns once published. Async: returns once staged."""
         self.wait()
+        started, self.last_step = time.monotonic(), step
         tmp = checkpoint_dir(self.output_dir, step, tmp=True)
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -87,14 +92,16 @@ class CheckpointManager:
         if self.async_save:
             response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             future = getattr(response, "upload_completion", response)  # newer torch may return AsyncSaveResponse
-            self._pending = _Pending(step, tmp, {**info, "step": step}, future.result)
+            self._pending = _Pending(step, tmp, {**info, "step": step}, future.result,
+                                     time.monotonic() - started)
             return
         try:
             dcp.save(state, storage_writer=writer)
         except (CheckpointException, OSError) as error:
             raise CheckpointError(self._write_failure(tmp, error)) from error
         maybe_die("save", step, self.rank)
-        self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None)
+        self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None,
+                                 time.monotonic() - started)
         self.wait()
 
     def wait(self) -> None:
@@ -102,6 +109,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        began = time.monotonic()
         error, hashes = None, {}
         try:
             pending.wait()
@@ -113,6 +121,7 @@ class CheckpointManager:
         outcome = self._broadcast(outcome)
         if outcome:
             raise CheckpointError(outcome)
+        self.last_save_s = pending.staged_s + time.monotonic() - began
 
     def close(self) -> None:
         """Publish the save in flight, then free the dedicated group."""

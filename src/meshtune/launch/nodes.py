@@ -157,7 +157,7 @@ def detect_node_settings(cfg, environ: Mapping[str, str] = os.environ, hostname:
         if isinstance(value, _Unresolved):
             raise ConfigError(value.message)
     settings = NodeSettings(source=source, **values)  # type: ignore[arg-type]
-    _check(settings)
+    _check(settings, needs_master=getattr(cfg, "rdzv_backend", "c10d") == "c10d")
     return settings
 
 
@@ -290,7 +290,7 @@ def _derived_run_id(master_addr: object, master_port: object, output_dir: str) -
     return f"meshtune-{digest}"
 
 
-def _check(settings: NodeSettings) -> None:
+def _check(settings: NodeSettings, needs_master: bool = True) -> None:
     """Mistakes that would otherwise surface as a rendezvous that never completes."""
     src = settings.source
     try:
@@ -306,7 +306,7 @@ def _check(settings: NodeSettings) -> None:
         raise ConfigError(f"node_rank={settings.node_rank} (from {src['node_rank']}) is not below "
                           f"nnodes={settings.nnodes} (from {src['nnodes']}): node ranks go from 0 to {high - 1}; "
                           "set NODE_RANK (or node_rank:) to this node's index")
-    if not settings.multi_node:
+    if not settings.multi_node or not needs_master:  # an etcd rendezvous needs rdzv_endpoint instead
         return
     job = f"nnodes={settings.nnodes} (from {src['nnodes']}) means several nodes"
     if src["master_addr"] == "default":

@@ -11,8 +11,9 @@ from meshtune.errors import MeshtuneError
 from meshtune.launch.nodes import NodeSettings
 
 CAUSES = ("likely causes: a firewall or security group blocking the port; a wrong MASTER_ADDR (on a cluster: node 0's "
-          "address on the network all nodes share, not 127.0.0.1 or a docker/VPN interface's); node 0 not started "
-          "or already failed; two nodes given the same NODE_RANK")
+          "address on the network all nodes share, not 127.0.0.1 or a docker/VPN interface's); a MASTER_PORT that "
+          "differs between nodes (every node must use node 0's); node 0 not started or already failed; two nodes "
+          "given the same NODE_RANK")
 
 
 class RendezvousError(MeshtuneError):
@@ -40,26 +41,39 @@ def check_port_free(settings: NodeSettings) -> None:
 
 def wait_for_master(settings: NodeSettings, timeout_s: float, poll_s: float = 1.0) -> float:
     """Non-zero nodes: connect to master_addr:master_port until it answers; seconds waited, or RendezvousError."""
+    return wait_for_endpoint(settings.master_addr, settings.master_port, timeout_s,
+                             f"node {settings.node_rank} could not reach the rendezvous at {settings.master_addr}:"
+                             f"{settings.master_port}", CAUSES, poll_s)
+
+
+def wait_for_endpoint(host: str, port: int, timeout_s: float, failure: str, causes: str, poll_s: float = 1.0) -> float:
+    """Connect to host:port until it answers; seconds waited, or RendezvousError: `failure`, the timeout and the
+    last error, then `causes`."""
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
     last_error = "no answer"
     while True:
         try:
-            with socket.create_connection((settings.master_addr, settings.master_port), timeout=min(poll_s, 5.0)):
+            with socket.create_connection((host, port), timeout=min(poll_s, 5.0)):
                 return time.monotonic() - started
         except OSError as exc:
             last_error = exc.strerror or str(exc)
         if time.monotonic() >= deadline:
-            raise RendezvousError(
-                f"node {settings.node_rank} could not reach the rendezvous at {settings.master_addr}:"
-                f"{settings.master_port} within rdzv_timeout={timeout_s:g} s ({last_error}); {CAUSES}")
+            raise RendezvousError(f"{failure} within rdzv_timeout={timeout_s:g} s ({last_error}); {causes}")
         time.sleep(poll_s)
 
 
-def rendezvous_failure(settings: NodeSettings, timeout_s: int) -> RendezvousError:
-    """torchrun gave up before any worker of this node started: the nodes never all met."""
+def rendezvous_failure(settings: NodeSettings, timeout_s: int, joined: set[int] | None = None) -> RendezvousError:
+    """torchrun gave up before any worker of this node started: the nodes never all met. `joined`: the node
+    ranks seen in the rendezvous store (launch/joining.py), when it answered."""
+    seen = ""
+    if joined:
+        missing = [rank for rank in range(settings.max_nodes) if rank not in joined]
+        seen = (f" (joined: node ranks {', '.join(map(str, sorted(joined)))}; never joined: node ranks "
+                f"{', '.join(map(str, missing)) or 'none'})")
     return RendezvousError(
         f"node {settings.node_rank}: the rendezvous at {settings.master_addr}:{settings.master_port} did not complete "
         f"within rdzv_timeout={timeout_s} s: not all of NNODES={settings.nnodes} nodes joined with run id "
-        f"{settings.run_id}. Start the same command on every node with the same MASTER_ADDR, MASTER_PORT and config; "
+        f"{settings.run_id}{seen}. Start the same command on every node with the same MASTER_ADDR, MASTER_PORT and "
+        f"config (a run id derived on each node includes the port, so nodes given different ports never meet); "
         f"{CAUSES}")

@@ -7,6 +7,7 @@ a worker that meets one stops its agent, since restarts cannot fix a bad config.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -14,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 from meshtune.errors import ConfigError, MeshtuneError
+from meshtune.worker_env import ERROR_DIR, torchrun_worker
 
-ERROR_DIR = "MESHTUNE_ERROR_DIR"  # where torchrun workers leave their error for the launching process
 # how gloo and NCCL report that another rank died: a consequence, never the cause of a repeated failure
 PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "remote process exit",
                "communicator was aborted")
@@ -23,60 +24,160 @@ PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote 
 
 def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
     """Train in this process, or start this node's torchrun whose workers re-enter with `argv`. `debug` keeps
-    torchrun's own tracebacks."""
-    from meshtune.launch import (describe, detect_node_settings, launch_env, needs_torchrun, run_torchrun,
-                                 torchrun_command, torchrun_worker)
+    torchrun's own tracebacks. Returns the exit code: 0, or 128 + the signal that stopped the run early."""
+    from meshtune.launch import detect_node_settings, needs_torchrun
 
-    if not torchrun_worker():
-        settings = detect_node_settings(cfg)
-        check_cpu_processes(settings.nproc_per_node)
-        check_output_paths(cfg)
-        if needs_torchrun(settings):
-            print(describe(settings), flush=True)
-            prepare_data_once(cfg, settings.max_processes)
-            if settings.multi_node:
-                check_rendezvous(settings, cfg)
-            with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
-                env = {**launch_env(settings), ERROR_DIR: errors}
-                code = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env,
-                                    show_agent_tracebacks=debug)
-                reported = sorted(Path(errors).glob("*.txt"))
-                if code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
-                    raise MeshtuneError(reported[0].read_text())
-                if code != 0 and settings.multi_node and not any(Path(errors).glob("started-*")):
-                    from meshtune.launch.reachability import rendezvous_failure
-
-                    raise rendezvous_failure(settings, cfg.rdzv_timeout)
-            if code != 0:
-                raise MeshtuneError(f"training failed in a worker process (exit code {code}); its error is above")
-            return 0
-    from meshtune.train.loop import run
-
-    run(cfg)
     if torchrun_worker():
-        leave_worker()
-    return 0
+        return train_here(cfg)
+    settings = detect_node_settings(cfg)
+    check_cpu_processes(settings.nproc_per_node)
+    check_output_paths(cfg)
+    with output_lock(cfg.output_dir, settings):
+        if needs_torchrun(settings):
+            return run_node(cfg, settings, argv, debug)
+        return train_here(cfg)
 
 
-def leave_worker() -> None:
+def train_here(cfg) -> int:
+    """Train in this process: the only one, or a torchrun worker (which never returns: see leave_worker)."""
+    from meshtune.train.loop import run
+    from meshtune.train.preemption import exit_code, mark_stopped
+
+    result = run(cfg)
+    code = exit_code(result.stopped_by) if result.stopped_by else 0
+    if torchrun_worker():
+        # a worker that stopped for a signal exits 0, or torchrun would restart it; the launcher reports the signal
+        if result.stopped_by and mark_stopped(os.environ.get(ERROR_DIR), int(os.environ.get("RANK", "0")),
+                                              result.stopped_by):
+            code = 0
+        leave_worker(code)
+    return code
+
+
+def run_node(cfg, settings, argv: list[str], debug: bool) -> int:
+    """This node's torchrun, between the user and it: tokenize first, check the rendezvous, run torchrun (again
+    after node 0's store was lost), then say in one line how it ended."""
+    from meshtune.launch import describe, launch_env
+
+    print(describe(settings), flush=True)
+    prepare_data_once(cfg, settings.max_processes)
+    if settings.multi_node:
+        check_rendezvous(settings, cfg)
+    with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
+        env = {**launch_env(settings, cfg.stop_grace_period), ERROR_DIR: errors}
+        rejoins = 0
+        while (code := run_torchrun_once(cfg, settings, argv, debug, env, Path(errors))) is None:
+            rejoins += 1
+            rejoin_after_store_loss(settings, cfg, rejoins)
+        return code
+
+
+def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, errors: Path) -> int | None:
+    """One torchrun of this node. Returns the exit code, None when node 0's rendezvous store was lost (rejoin),
+    or raises the error that ended it, named."""
+    from meshtune.launch import run_torchrun, torchrun_command
+    from meshtune.launch.joining import JoinWatch
+    from meshtune.launch.reachability import rendezvous_failure
+    from meshtune.train.preemption import STOP_FILE, exit_code, stopped_signal, stopped_workers
+
+    c10d = cfg.rdzv_backend == "c10d"  # an etcd rendezvous holds no store of node 0 to watch or lose
+    watching = JoinWatch(settings, errors, cfg.rdzv_timeout) if settings.multi_node and c10d else None
+    with watching or contextlib.nullcontext():
+        ended = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env,
+                             show_agent_tracebacks=debug, stop_file=errors / STOP_FILE,
+                             stop_wait_s=cfg.stop_grace_period + 30,
+                             workers_stopped=lambda: stopped_workers(errors) >= settings.nproc_per_node)
+    reported = sorted(errors.glob("rank-*.txt"))
+    if ended.code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
+        raise MeshtuneError(reported[0].read_text())
+    if stopped := stopped_signal(errors) or (ended.signal if ended.signal == signal.SIGTERM else None):
+        print(f"meshtune: stopped by {signal.Signals(stopped).name} (exit code {exit_code(stopped)}); run the same "
+              f"command again to resume", flush=True)
+        return exit_code(stopped)
+    if ended.signal == signal.SIGINT:
+        return 130
+    if ended.code == 0:
+        return 0
+    if ended.store_lost and c10d and settings.node_rank != 0:
+        return None
+    if settings.multi_node and not any(errors.glob("started-*")):
+        raise rendezvous_failure(settings, cfg.rdzv_timeout, watching.joined if watching else None)
+    raise MeshtuneError(f"training failed in a worker process (exit code {ended.code}); its error is above")
+
+
+def rejoin_after_store_loss(settings, cfg, rejoins: int) -> None:
+    """Node 0's launcher hosts the c10d rendezvous store: when it dies, this node's torchrun ends too. Wait for
+    the relaunched node 0 to answer again before torchrun starts again to join its new rendezvous, as a restarted
+    node would (the workers resume from the newest checkpoint). Each rejoin counts as one of max_restarts."""
+    from meshtune.launch.reachability import RendezvousError, wait_for_master
+
+    where = f"{settings.master_addr}:{settings.master_port}"
+    if rejoins > cfg.max_restarts:
+        raise RendezvousError(f"node {settings.node_rank} lost the rendezvous store at {where} (node 0's launcher "
+                              f"hosts it) again, and its max_restarts={cfg.max_restarts} rejoins are used up")
+    print(f"meshtune: node {settings.node_rank} lost the rendezvous store at {where}, which node 0's launcher "
+          f"hosts: node 0 died or was stopped (no worker here failed). Waiting up to rdzv_timeout="
+          f"{cfg.rdzv_timeout} s for node 0 to be relaunched, then rejoining (rejoin {rejoins} of max_restarts="
+          f"{cfg.max_restarts})", flush=True)
+    try:
+        wait_for_master(settings, cfg.rdzv_timeout)
+    except RendezvousError:
+        raise RendezvousError(f"node {settings.node_rank}: the rendezvous store at {where} was lost (node 0 died or "
+                              f"was stopped) and did not come back within rdzv_timeout={cfg.rdzv_timeout} s: "
+                              f"relaunch node 0 with the same command, then this node") from None
+
+
+def output_lock(output_dir: str, settings):
+    """Node 0 holds output_dir's lock for the whole job; other nodes only check that no other job holds it."""
+    from meshtune.launch.output_lock import OutputLock, check_not_held_by_another_job
+
+    if settings.node_rank == 0:
+        return OutputLock(output_dir, settings.run_id, same_job_takes_over=settings.multi_node)
+    check_not_held_by_another_job(output_dir, settings.run_id)
+    return contextlib.nullcontext()
+
+
+def leave_worker(code: int = 0) -> None:
     """End a torchrun worker without interpreter finalisation. With FSDP2 on gloo, destroy_process_group() leaves
     the group's worker threads alive; one releasing a tensor while Python finalises aborts the process ("terminate
     called without an active exception", caught under gdb in ~1 of 6 exits) after a good run."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def check_rendezvous(settings, cfg) -> None:
-    """Node 0: the port is free; other nodes: node 0 answers within rdzv_timeout (else say why, not hang)."""
-    from meshtune.launch.reachability import check_port_free, wait_for_master
+    """c10d: node 0's port is free; other nodes: node 0 answers within rdzv_timeout (else say why, not hang).
+    etcd-v2: python-etcd is installed and every node reaches the etcd server."""
+    from meshtune.launch.reachability import check_port_free, wait_for_endpoint, wait_for_master
 
+    if cfg.rdzv_backend == "etcd-v2":
+        host, port = etcd_endpoint(cfg)
+        print(f"rendezvous: etcd-v2 at {host}:{port} (up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
+        wait_for_endpoint(host, port, cfg.rdzv_timeout, f"node {settings.node_rank} could not reach the etcd "
+                          f"server at {host}:{port} (rdzv_endpoint)", "is etcd running there, with --enable-v2 and "
+                          "--listen-client-urls on an address the nodes reach?")
+        return
     if settings.node_rank == 0:
         check_port_free(settings)
     else:
         print(f"waiting for node 0 at {settings.master_addr}:{settings.master_port} "
               f"(up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
         wait_for_master(settings, cfg.rdzv_timeout)
+
+
+def etcd_endpoint(cfg) -> tuple[str, int]:
+    """rdzv_endpoint as (host, port), and python-etcd present: torchrun's etcd-v2 backend imports it."""
+    host, _, port = (cfg.rdzv_endpoint or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"rdzv_backend etcd-v2 needs rdzv_endpoint as host:port of the etcd server, e.g. "
+                          f"etcd.cluster.local:2379; got {cfg.rdzv_endpoint!r}")
+    try:
+        import etcd  # noqa: F401
+    except ImportError:
+        raise ConfigError("rdzv_backend etcd-v2 needs the python-etcd package on every node: "
+                          "pip install 'meshtune[etcd]' (or python-etcd)") from None
+    return host.strip("[]"), int(port)
 
 
 CPU_OVERSUBSCRIPTION = 4  # processes per core beyond which a CPU-only run is refused

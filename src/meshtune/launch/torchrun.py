@@ -7,7 +7,10 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from meshtune.launch.nodes import NodeSettings
@@ -25,7 +28,8 @@ def standalone_command(nproc: int, argv: list[str], max_restarts: int = 0) -> li
 
 
 def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
-    """This node's torchrun: standalone on one node; c10d rendezvous at node 0's address:port across several.
+    """This node's torchrun: standalone on one node; across several, a c10d rendezvous at node 0's address:port,
+    or (rdzv_backend etcd-v2) one held by the etcd server at rdzv_endpoint.
 
     No `--node-rank` across nodes: torchrun ignores it for c10d (it only feeds the static backend, and warns
     when it is not 0) and orders agents itself (by host name or local_addr, then pid), so global rank 0 need
@@ -37,63 +41,119 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     if not settings.multi_node:
         return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts)
     host = f"[{settings.master_addr}]" if ":" in settings.master_addr else settings.master_addr  # IPv6
+    timeouts = f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}"
+    if cfg.rdzv_backend == "etcd-v2":  # the rendezvous lives in etcd: no node hosts it
+        rendezvous = ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-conf", timeouts]
+    else:
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{settings.master_port}",
+                      "--rdzv-conf", f"{timeouts},is_host={int(settings.node_rank == 0)}"]
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", settings.nnodes,
             "--nproc-per-node", str(settings.nproc_per_node),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{host}:{settings.master_port}",
+            *rendezvous,
             "--rdzv-id", settings.run_id,
             "--max-restarts", str(cfg.max_restarts),
-            "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout},"
-                           f"is_host={int(settings.node_rank == 0)}",
             *(["--local-addr", cfg.local_addr] if cfg.local_addr else []),
             "-m", "meshtune", *argv]
 
 
-def launch_env(settings: NodeSettings) -> dict[str, str]:
+def launch_env(settings: NodeSettings, stop_grace_period: int = 60) -> dict[str, str]:
     """Variables torchrun and its workers get on top of ours.
+
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT: a signalled torchrun gives its workers this long before SIGKILL (30 s by
+    default); they need the grace period to finish the step and write their checkpoint (train/preemption.py).
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers get a store of their own each attempt instead of sharing the
     agent's rendezvous store. With the shared one, restarted workers met the last attempt's keys (gloo connected
     to the dead workers' addresses and failed with "Connection refused" on every restart, torch 2.13 on one
     node), and a dead node's restarted agent never rejoined (c10d across nodes).
     """
-    return {"MESHTUNE_NODE_RANK": str(settings.node_rank), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {"MESHTUNE_NODE_RANK": str(settings.node_rank), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(30, stop_grace_period + 30))}
 
 
 def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None,
-                 show_agent_tracebacks: bool = False) -> int:
-    """Run torchrun in the foreground; Ctrl-C and SIGTERM reach it, and its exit code is ours. Its stderr passes
-    through `AgentTracebackFilter`: when torchrun is told to stop (a worker's named error ends the attempts, or
-    the user's Ctrl-C), its own Python traceback says nothing a user can act on."""
+                 show_agent_tracebacks: bool = False, stop_file: Path | None = None,
+                 stop_wait_s: float = 90, workers_stopped: Callable[[], bool] | None = None) -> TorchrunExit:
+    """Run torchrun in the foreground and say how it ended.
+
+    Ctrl-C reaches torchrun at once. A first SIGTERM, given `stop_file`, is left there for the workers instead:
+    they finish their step, save and exit 0, while torchrun told to stop would leave its rendezvous at once and
+    signal the workers itself. It is passed on to torchrun only if torchrun still runs `stop_wait_s` later; a
+    second one is passed on at once. Once `workers_stopped()` (every worker of this node stopped for a signal and
+    exited), torchrun gets AGENT_EXIT_S to follow: a node whose agent was signalled too never reaches torchrun's
+    exit barrier, where the others' agents would wait 300 s. Its stderr passes through `AgentTracebackFilter`:
+    when torchrun is told to stop (a worker's named error ends the attempts, or the user's Ctrl-C) or loses node
+    0's store, its own Python traceback says nothing a user can act on."""
     env = {**os.environ, **(extra_env or {})}
     # torchrun would force 1 thread per worker with a warning; share the cores out instead
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))  # cores granted here
-    process = subprocess.Popen(command, env=env, stderr=None if show_agent_tracebacks else subprocess.PIPE)
-    copier = None
-    if process.stderr is not None:
-        copier = threading.Thread(target=AgentTracebackFilter(sys.stderr.buffer).copy, args=(process.stderr,),
-                                  daemon=True)
-        copier.start()
-    forward = lambda signum, _frame: process.send_signal(signum)  # noqa: E731
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    stderr = AgentTracebackFilter(sys.stderr.buffer, keep_all=show_agent_tracebacks)
+    copier = threading.Thread(target=stderr.copy, args=(process.stderr,), daemon=True)
+    copier.start()
+    received: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        received.append(signum)
+        if signum == signal.SIGTERM and stop_file is not None and received.count(signum) == 1:
+            stop_file.write_text(str(signum))
+            overdue = threading.Timer(stop_wait_s, lambda: process.poll() is None and process.send_signal(signum))
+            overdue.daemon = True
+            overdue.start()
+            return
+        process.send_signal(signum)
+
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return process.wait()
+        code = _wait(process, workers_stopped)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if copier is not None:
-            copier.join(timeout=5)
+        copier.join(timeout=5)
+    return TorchrunExit(code, received[0] if received else None, stderr.store_lost)
+
+
+@dataclass(frozen=True)
+class TorchrunExit:
+    code: int
+    signal: int | None  # the first signal the launcher received while torchrun ran
+    store_lost: bool  # the agent lost its connection to the rendezvous store (node 0's agent died)
+
+
+AGENT_EXIT_S = 10  # after this node's workers stopped for a signal, the most torchrun may take to follow
+
+
+def _wait(process: subprocess.Popen, workers_stopped: Callable[[], bool] | None) -> int:
+    stopped_since = None
+    while True:
+        try:
+            return process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            if workers_stopped is None or not workers_stopped():
+                continue
+        stopped_since = stopped_since or time.monotonic()
+        if time.monotonic() - stopped_since > AGENT_EXIT_S:
+            # the agent blocks inside the store's C++ barrier, where Python never runs its SIGTERM handler; its
+            # workers are gone, so nothing is lost by killing it
+            process.kill()
+            return process.wait()
 
 
 class AgentTracebackFilter:
-    """Copies a stream line by line, leaving out each Python traceback that ends in torch elastic's
-    SignalException (the agent reporting that it was told to stop); every other line, tracebacks of workers
-    included, passes unchanged."""
+    """Copies a stream line by line, leaving out each Python traceback of the agent that ends in torch elastic's
+    SignalException (it was told to stop) or RendezvousConnectionError (it lost the rendezvous store, which the
+    launcher then reports in its own words); every other line, tracebacks of workers included, passes unchanged
+    (all of them with `keep_all`). `store_lost` tells whether the store was lost."""
 
-    def __init__(self, sink: BinaryIO):
-        self.sink = sink
-        self.held: list[bytes] | None = None  # the lines of a traceback being read
+    HIDDEN = (b"SignalException", b"RendezvousConnectionError")
+    CHAINED = (b"The above exception was the direct cause", b"During handling of the above exception")
+
+    def __init__(self, sink: BinaryIO, keep_all: bool = False):
+        self.sink, self.keep_all = sink, keep_all
+        self.held: list[bytes] | None = None  # the lines of a traceback (with the ones chained to it) being read
+        self.ended = False  # the held traceback reached its exception line; a chained one may follow
+        self.store_lost = False
 
     def copy(self, stream: BinaryIO) -> None:
         for line in iter(stream.readline, b""):
@@ -101,22 +161,40 @@ class AgentTracebackFilter:
         self.release()
 
     def feed(self, line: bytes) -> None:
+        if b"RendezvousConnectionError" in line:
+            self.store_lost = True
+        if self.keep_all:
+            self._write(line)
+            return
         if self.held is None:
             if line.startswith(b"Traceback (most recent call last):"):
-                self.held = [line]
+                self.held, self.ended = [line], False
             else:
                 self._write(line)
             return
+        if self.ended:  # between chained tracebacks: blank lines, "The above exception ...", the next traceback
+            chained = any(held.startswith(self.CHAINED) for held in self.held[-3:])
+            if not line.strip() or line.startswith(self.CHAINED) or (chained and line.startswith(b"Traceback")):
+                self.held.append(line)
+                self.ended = not line.startswith(b"Traceback")
+                return
+            self._decide()
+            self.feed(line)
+            return
         self.held.append(line)
-        if not line[:1].isspace():  # the exception line ends the traceback
-            if b"SignalException" not in line:
-                self._write(b"".join(self.held))
-            self.held = None
+        if not line[:1].isspace():  # the exception line ends this traceback of the chain
+            self.ended = True
+
+    def _decide(self) -> None:
+        """Print the held chain unless its last exception is one of HIDDEN."""
+        last = next((line for line in reversed(self.held) if line.strip()), b"")
+        if not (self.ended and any(word in last for word in self.HIDDEN)):
+            self._write(b"".join(self.held))
+        self.held, self.ended = None, False
 
     def release(self) -> None:
         if self.held:
-            self._write(b"".join(self.held))
-        self.held = None
+            self._decide()
 
     def _write(self, data: bytes) -> None:
         self.sink.write(data)

@@ -9,7 +9,9 @@ change the math.
 from __future__ import annotations
 
 import gc
+import os
 import random
+import signal
 import time
 import warnings
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from meshtune.data.collate import IGNORE, Batch, collate, to_device
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
-from meshtune.faults import maybe_raise
+from meshtune import faults
 from meshtune.hardware import measure_peak_flops
 from meshtune.model.build import build_model
 from meshtune.model.export import save_final
@@ -41,9 +43,11 @@ from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.optimizer import build_optimizer, clip_gradients
+from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
+from meshtune.worker_env import ERROR_DIR
 
 
 @dataclass
@@ -51,12 +55,19 @@ class TrainResult:
     model: torch.nn.Module | None  # the wrapped (DDP / FSDP2) model after the last step, if kept
     records: list[dict]  # what metrics.jsonl holds (rank 0; empty elsewhere)
     final_dir: Path | None  # None with save_final: false
+    stopped_by: int | None = None  # the signal that stopped the run before its last step (train/preemption.py)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
     use_expandable_segments(cfg.expandable_segments)  # before the first CUDA allocation
     env = init_distributed(cfg.ddp_timeout)
     log = print if env.is_main else quiet_other_ranks()
+    with StopRequest(log, os.environ.get(ERROR_DIR)) as stop:
+        return train_until_done_or_stopped(cfg, env, log, stop)
+
+
+def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..., None],
+                                stop: StopRequest) -> TrainResult:
     check_agreement(cfg, env)  # config, versions, data, node ranks: identical everywhere, or stop now
     output_dir = prepare_output_dir(cfg, env)
     seed_everything(cfg.seed)
@@ -109,10 +120,13 @@ def train(cfg: TrainConfig) -> TrainResult:
     model.train()
     with StepGarbageCollection(plan.gc_interval) as collection:
         for step in range(trainer["step"], total_steps):
+            if stopped_by := stop.due():  # a rank was signalled during the previous step
+                break
             profiler.begin(step + 1)
             epoch, step_in_epoch = batches.position(step)
             micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, env.rank)]
-            targets, tokens, flops = step_counts(micro, built.flops, env)  # of the whole global batch
+            targets, tokens, flops, votes = step_counts(micro, built.flops, env, stop.vote)  # of the global batch
+            stop.tally(votes)
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
                 with gradient_sync(model, sync=m == len(micro) - 1):  # gradients cross processes once a step
@@ -127,7 +141,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
 
             done, last = step + 1, step + 1 == total_steps
-            maybe_raise(done, env.rank)
+            faults.after_step(done, env.rank)
             meter.add(all_reduce_sum(loss_sum) / targets, tokens, flops)
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if evaluator.due(done):
@@ -138,8 +152,12 @@ def train(cfg: TrainConfig) -> TrainResult:
             collection.after_step(done)
             profiler.end(done, last=last)
     profiler.close()
+    if stopped_by:
+        save_before_stopping(checkpoints, cfg, env, stop, trainer, state, run_info, shared, total_steps, log)
     checkpoints.close()
     metrics.close()
+    if stopped_by:
+        return TrainResult(model, metrics.records, None, stopped_by=stopped_by)
     seconds = time.perf_counter() - started
 
     final_dir = save_final(model, tokenizer, output_dir / "final", cfg.is_lora, env) if cfg.save_final else None
@@ -149,11 +167,32 @@ def train(cfg: TrainConfig) -> TrainResult:
     return TrainResult(model, metrics.records, final_dir)
 
 
-def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv) -> torch.Tensor:
-    """Target tokens, tokens and FLOPs of an optimizer step, summed over all ranks in one all-reduce."""
+def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vote: float = 0.0) -> torch.Tensor:
+    """Target tokens, tokens, FLOPs of an optimizer step and the ranks voting to stop, summed over all ranks in
+    one all-reduce."""
     counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
-                           sum(flops.batch_flops(b.sample_lengths) for b in batches)], dtype=torch.float64)
+                           sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote], dtype=torch.float64)
     return all_reduce_sum(to_device(counts, env.device))
+
+
+def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: DistEnv, stop: StopRequest,
+                         trainer: dict, state: dict, run_info: dict, shared: bool, total_steps: int,
+                         log: Callable[..., None]) -> None:
+    """Signalled: keep the steps done since the last checkpoint if the grace period leaves time to save them."""
+    checkpoints.wait()  # an async save in flight is published first
+    step, name = trainer["step"], signal.Signals(stop.signum).name
+    if checkpoints.last_step == step:
+        fits, saved = False, f"checkpoint-{step} was just written"
+    elif not shared:
+        fits, saved = False, "no checkpoint: output_dir is not shared by all nodes"
+    else:
+        fits, why = stop.save_fits(cfg.stop_grace_period, checkpoints.last_save_s, env.device)
+        saved = f"writing checkpoint-{step} ({why})" if fits else f"no checkpoint: {why}"
+    log(f"{name} received: stopping after step {step} of {total_steps}; {saved}")
+    if fits:
+        checkpoints.save(step, state, {**run_info, "epoch": trainer.get("epoch", 0)})
+        checkpoints.wait()
+    log(f"stopped by {name} at step {step} of {total_steps}; the same command resumes from the newest checkpoint")
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,

@@ -1,0 +1,82 @@
+"""Who has joined, said while waiting: torchrun's rendezvous prints nothing until every node is there, so a
+node that never comes is a silent wait of rdzv_timeout. Each launcher leaves its NODE_RANK in the rendezvous's
+own store (torch's TCPStore on MASTER_ADDR:MASTER_PORT, hosted by node 0's agent: no other port to open) and,
+until its workers start, prints every JOIN_REPORT_S which node ranks are there and which are missing."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from meshtune.launch.nodes import NodeSettings
+
+JOIN_REPORT_S = 15
+
+
+class JoinWatch:
+    """`with JoinWatch(settings, errors_dir, rdzv_timeout) as watch:` around this node's torchrun; `watch.joined`
+    is the node ranks seen so far (for the error when the rendezvous times out)."""
+
+    def __init__(self, settings: NodeSettings, errors_dir: str | Path, rdzv_timeout: float, log=print,
+                 interval_s: float = JOIN_REPORT_S):
+        self.settings, self.errors_dir, self.rdzv_timeout, self.log = settings, Path(errors_dir), rdzv_timeout, log
+        self.interval_s = interval_s
+        self.joined: set[int] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._prefix = f"meshtune/{settings.run_id}/node/"
+
+    def __enter__(self) -> JoinWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+    def missing(self) -> list[int]:
+        return [rank for rank in range(self.settings.max_nodes) if rank not in self.joined]
+
+    def _started(self) -> bool:
+        return any(self.errors_dir.glob("started-*"))
+
+    def _watch(self) -> None:
+        started = reported = time.monotonic()
+        store = None
+        while not self._done.wait(1.0) and not self._started():
+            store = store or self._connect()
+            if store is not None:
+                try:
+                    self.joined = {rank for rank in range(self.settings.max_nodes)
+                                   if store.check([f"{self._prefix}{rank}"])}
+                except Exception:  # the store went away (node 0 stopped): torchrun reports that
+                    store = None
+            if time.monotonic() - reported >= self.interval_s and not self._started():
+                reported = time.monotonic()
+                self.log(self.describe(reported - started), flush=True)
+
+    def _connect(self):
+        """A client of the rendezvous store, with this node's rank left in it; None while it does not answer."""
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(self.settings.master_addr, self.settings.master_port, is_master=False,
+                                  timeout=timedelta(seconds=5), wait_for_workers=False)
+            store.set(f"{self._prefix}{self.settings.node_rank}", socket.gethostname())
+            return store
+        except Exception:  # not up yet: node 0's agent starts it
+            return None
+
+    def describe(self, waited_s: float) -> str:
+        if not self.joined:
+            return (f"rendezvous: no answer yet from the store at {self.settings.master_addr}:"
+                    f"{self.settings.master_port} ({waited_s:.0f} s of rdzv_timeout={self.rdzv_timeout:g} s)")
+        joined = ", ".join(str(rank) for rank in sorted(self.joined)) or "none"
+        missing = ", ".join(str(rank) for rank in self.missing()) or "none"
+        need = (f"at least {self.settings.min_nodes} of {self.settings.max_nodes}"
+                if self.settings.min_nodes != self.settings.max_nodes else str(self.settings.max_nodes))
+        return (f"rendezvous: {len(self.joined)} of {need} nodes joined (node ranks {joined}); waiting for node "
+                f"ranks {missing} ({waited_s:.0f} s of rdzv_timeout={self.rdzv_timeout:g} s)")
