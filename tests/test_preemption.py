@@ -74,3 +74,14 @@ def test_sigterm_to_a_one_process_run_saves_exits_143_and_the_relaunch_resumes_e
     assert result.returncode == 0 and f"checkpoint-{saved} at step {saved} of 12" in result.stdout, result.stdout[-3000:]
     assert [r["loss"] for r in read_metrics(output)] == [r["loss"] for r in read_metrics(tmp_path / "clean" / "out")]
     assert adapter_hash(output) == adapter_hash(tmp_path / "clean" / "out")
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_finished_run_resumes_at_its_last_step_and_ends_cleanly(tmp_path, tiny_model_dir, tiny_dataset):
+    """No step is left to run (and so no stop vote is ever read): the run still ends with its final export."""
+    config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2,
+                                                  save_steps=2))
+    assert run_cli(["train", str(config)], timeout=120)[0].returncode == 0
+    result, _ = run_cli(["train", str(config)], timeout=120)
+    assert result.returncode == 0 and "checkpoint-2 at step 2 of 2" in result.stdout, result.stdout[-3000:]
+    assert (tmp_path / "out" / "final" / "adapter_model.safetensors").exists()

@@ -118,6 +118,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     run_info = checkpoint_info(cfg, env, plan, batches)
     started = time.perf_counter()
     model.train()
+    stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection:
         for step in range(trainer["step"], total_steps):
             if stopped_by := stop.due():  # a rank was signalled during the previous step
