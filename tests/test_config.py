@@ -28,6 +28,25 @@ def test_bad_value_names_key_value_and_what_is_allowed():
         build_config({**BASE, "learning_rate": "fast"})
 
 
+def test_every_unknown_and_invalid_key_is_named_in_one_error(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text("model_name_or_path: /m\ndataset: d.jsonl\nlearning_rat: 1e-4\nwarmup_stepz: 3\n"
+                      "parallel: zero4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config, ["per_device_train_batch_size=0", "sead=3"])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 5, lines
+    assert f"{config}: unknown key 'learning_rat'; did you mean 'learning_rate'?" in lines
+    assert any(line.startswith(f"{config}: unknown key 'warmup_stepz'") for line in lines)
+    assert any(line.startswith(f"{config}: parallel='zero4'") for line in lines)
+    assert any(line.startswith("command line: per_device_train_batch_size=0") for line in lines)
+    assert any(line.startswith("command line: unknown key 'sead'") for line in lines)
+
+
+def test_resume_from_checkpoint_null_means_not_given():
+    assert build_config({**BASE, "resume_from_checkpoint": None}).resume_from_checkpoint == "auto"
+
+
 def test_missing_required_key():
     with pytest.raises(ConfigError, match=r"required key 'dataset' is missing"):
         build_config({"model_name_or_path": "/m"})

@@ -170,6 +170,12 @@ class TrainConfig(BaseModel):
             return str(value)
         return value
 
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _resume_not_given(cls, value: Any) -> Any:
+        """`resume_from_checkpoint: null` (as LLaMA-Factory's and HF's configs write it) means not given: auto."""
+        return "auto" if value is None else value
+
     @field_validator("profile_steps", mode="before")
     @classmethod
     def _profile_steps(cls, value: Any) -> Any:
@@ -263,40 +269,49 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(values: dict[str, Any], source: str = "config") -> TrainConfig:
-    """Validate `values`; unknown keys name the closest valid key, bad values name what is allowed."""
+def build_config(values: dict[str, Any], source: str = "config", sources: dict[str, str] | None = None) -> TrainConfig:
+    """Validate `values`; every problem of the config in one error, one line each, naming where the key was given
+    (`sources[key]`, else `source`): unknown keys with the closest valid key, bad values with what is allowed."""
+    sources = sources or {}
     known = list(TrainConfig.model_fields)
+    problems = []
     for key in values:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; `meshtune train --help` lists the keys"
-            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
+            problems.append(f"{sources.get(key, source)}: unknown key '{key}'{hint}")
     try:
-        return TrainConfig(**values)
+        config = TrainConfig(**{key: value for key, value in values.items() if key in known})
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, source)) from None
+        problems += _explain(exc, source, sources)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return config
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """The YAML file, then `key=value` overrides; an error names where its key was given."""
     values = load_yaml(path)
-    values.update(parse_overrides(overrides or []))
-    return build_config(values, source=str(path))
+    given = parse_overrides(overrides or [])
+    values.update(given)
+    return build_config(values, source=str(path), sources={key: "command line" for key in given})
 
 
-def _explain(exc: ValidationError, source: str) -> str:
+def _explain(exc: ValidationError, source: str, sources: dict[str, str]) -> list[str]:
     lines = []
     for err in exc.errors():
         key = ".".join(str(part) for part in err["loc"])
+        where = sources.get(key, source)
         if err["type"] == "missing":
-            lines.append(f"{source}: required key '{key}' is missing ({TrainConfig.model_fields[key].description})")
+            lines.append(f"{where}: required key '{key}' is missing ({TrainConfig.model_fields[key].description})")
         elif err["type"] == "value_error" and not key:
-            lines.append(f"{source}: {err['msg'].removeprefix('Value error, ')}")
+            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
         else:
             hint = ""
             if key in TrainConfig.model_fields:
                 hint = f" (allowed: {TrainConfig.model_fields[key].description})"
-            lines.append(f"{source}: {key}={err.get('input')!r}: {err['msg']}{hint}")
-    return "\n".join(lines)
+            lines.append(f"{where}: {key}={err.get('input')!r}: {err['msg']}{hint}")
+    return lines
 
 
 def describe_keys() -> str:
