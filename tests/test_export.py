@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import base_config
 from meshtune.config import build_config
+from meshtune.data.chat_template import render_chatml
 from meshtune.model.export import export_kind, verify_export
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
@@ -42,7 +43,11 @@ def test_final_dir_reloads_with_the_trained_logits(tmp_path, tiny_model_dir, tin
         assert (final / "config.json").is_file() and any(final.glob("*.safetensors"))
         reloaded = AutoModelForCausalLM.from_pretrained(str(final))
     torch.testing.assert_close(probe_logits(reloaded, ids), trained, rtol=1e-5, atol=1e-5)
-    assert AutoTokenizer.from_pretrained(str(final)).pad_token_id is not None
+    served = AutoTokenizer.from_pretrained(str(final))
+    assert served.pad_token_id is not None
+    conversation = [{"role": "user", "content": "the quick fox"}]  # trained with the built-in ChatML: served so
+    assert served.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == \
+        render_chatml(conversation, add_generation_prompt=True)
 
     kind = "PEFT adapter" if method == "lora" else "Hugging Face model"
     assert verify_export(final) == [] and export_kind(final) == kind

@@ -26,6 +26,18 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> 
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
+# render_chatml as a jinja chat template, saved with the trained model so that serving renders prompts as trained
+CHATML_JINJA = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                "{% endif %}")
+
+
+def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str) -> str | None:
+    """The chat template to save with the trained model when training used one the tokenizer does not carry
+    (the built-in ChatML); None when the tokenizer's own is the one trained."""
+    return CHATML_JINJA if ChatTemplate(tokenizer, template).name == "chatml" else None
+
+
 class ChatTemplate:
     """A tokenizer plus the template that turns conversations into (input_ids, labels).
 

@@ -22,7 +22,10 @@ def gather_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str,
     return get_model_state_dict(model, options=options)
 
 
-def save_final(model: torch.nn.Module, tokenizer, out_dir: Path, is_lora: bool, env: DistEnv) -> Path:
+def save_final(model: torch.nn.Module, tokenizer, out_dir: Path, is_lora: bool, env: DistEnv,
+               chat_template: str | None = None) -> Path:
+    """`chat_template`: the template training rendered with, saved with the tokenizer when it is not the
+    tokenizer's own, so `apply_chat_template` on the trained model renders prompts as they were trained."""
     state = gather_state_dict(model, trainable_only=is_lora)
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -30,6 +33,8 @@ def save_final(model: torch.nn.Module, tokenizer, out_dir: Path, is_lora: bool, 
         # peft filters the adapter weights out of `state` and writes adapter_config.json + safetensors;
         # transformers writes config.json + (sharded) safetensors with an index for large models
         inner.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         tokenizer.save_pretrained(str(out_dir))
     barrier()
     return out_dir

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from meshtune.checkpoint import CheckpointManager, training_state
 from meshtune.config import TrainConfig
+from meshtune.data.chat_template import serving_chat_template
 from meshtune.data.collate import IGNORE, Batch, collate, to_device
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.data.sampler import GlobalBatchPlan
@@ -161,7 +162,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
         return TrainResult(model, metrics.records, None, stopped_by=stopped_by)
     seconds = time.perf_counter() - started
 
-    final_dir = save_final(model, tokenizer, output_dir / "final", cfg.is_lora, env) if cfg.save_final else None
+    final_dir = None
+    if cfg.save_final:
+        final_dir = save_final(model, tokenizer, output_dir / "final", cfg.is_lora, env,
+                               serving_chat_template(tokenizer, cfg.template))
     if env.is_main:
         plot_losses(metrics.records, output_dir / "loss.png")
         log(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
