@@ -67,16 +67,10 @@ class OutputLock:
                 return
 
     def _read(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
+        return read_lock(self.path)
 
     def _age(self) -> float:
-        try:
-            return time.time() - self.path.stat().st_mtime
-        except OSError:
-            return float("inf")
+        return lock_age(self.path)
 
     def _gone(self, held: dict) -> str | None:
         """Why the holder is no more (its process is gone from this host, or its heartbeat stopped), or None."""
@@ -99,15 +93,30 @@ def check_not_held_by_another_job(output_dir: str | Path, run_id: str) -> None:
     """Nodes other than 0: refuse to join when a live job with another run id holds output_dir (seen when it is
     shared; on node-local storage there is nothing to see, and node 0's lock decides)."""
     path = Path(output_dir) / LOCK
-    try:
-        held, age = json.loads(path.read_text()), time.time() - path.stat().st_mtime
-    except (OSError, ValueError):
+    held, age = read_lock(path), lock_age(path)
+    if held is None:
         return
     if held.get("run_id") != run_id and age <= STALE_S:
         raise StorageError(
             f"output_dir {path.parent} is in use by another meshtune job: run {held.get('run_id')} on "
             f"{held.get('host')} (pid {held.get('pid')}), alive {age:.0f} s ago, while this node joins run {run_id}. "
             f"Use another output_dir, or wait for that job to end")
+
+
+def read_lock(path: Path) -> dict | None:
+    """The holder a lock file names; None when there is none (or it cannot be read)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def lock_age(path: Path) -> float:
+    """Seconds since the lock's last heartbeat; infinite when it is gone."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return float("inf")
 
 
 def _when(timestamp: object) -> str:
