@@ -96,10 +96,12 @@ class TrainConfig(BaseModel):
     gradient_checkpointing_ratio: float = MODEL(1.0, "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory)", gt=0.0, le=1.0, scope=JOB)
     bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports it; CPU runs fp32")
 
-    dataset: list[str] = DATA(description="training data file(s), JSON list or JSONL; comma-separated or a list")
-    eval_dataset: list[str] | None = DATA(None, "held-out data file(s); otherwise val_size splits the training data")
+    dataset: list[str] = DATA(description="training data: file(s), JSON list or JSONL, or names in dataset_dir/dataset_info.json (LLaMA-Factory's registry); comma-separated or a list")
+    eval_dataset: list[str] | None = DATA(None, "held-out data file(s) or dataset_info.json names; otherwise val_size splits the training data")
+    dataset_dir: str = DATA("data", "folder of LLaMA-Factory's dataset_info.json: a dataset entry that is no file is looked up there by name (its file_name, formatting, columns and tags)")
+    max_samples: int | None = DATA(None, "use only the first N records of each dataset (as LLaMA-Factory); default: all", gt=0)
     dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA("auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
-    template: Literal["auto", "chatml", "tokenizer"] = DATA("auto", "auto (the tokenizer's chat template, else ChatML) | chatml | tokenizer")
+    template: Literal["auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "default", "empty", "alpaca"] = DATA("auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, default, empty, alpaca (the tokenizer's own template when it is that family's, else the format written out as LLaMA-Factory renders it; final/ saves the one trained)")
     cutoff_len: int = DATA(2048, "samples are truncated to this many tokens", gt=1)
     val_size: float = DATA(0.0, "held-out part of the training data: a fraction (<1) or a count", ge=0.0)
     skip_invalid: bool = DATA(False, "skip malformed records (counted) instead of stopping at the first")
@@ -113,6 +115,7 @@ class TrainConfig(BaseModel):
     weight_decay: float = OPTIMIZATION(0.0, "AdamW weight decay (never on biases and norms)", ge=0.0)
     adam_beta1: float = OPTIMIZATION(0.9, "AdamW beta1", gt=0.0, lt=1.0)
     adam_beta2: float = OPTIMIZATION(0.999, "AdamW beta2", gt=0.0, lt=1.0)
+    adam_epsilon: float = OPTIMIZATION(1e-8, "AdamW epsilon", gt=0.0)
     num_train_epochs: float = OPTIMIZATION(3.0, "epochs, used when max_steps is -1", gt=0.0)
     max_steps: int = OPTIMIZATION(-1, "optimizer steps; -1 = from num_train_epochs", ge=-1)
     lr_scheduler_type: Literal["cosine", "linear", "constant"] = OPTIMIZATION("cosine", "cosine | linear | constant (after warmup)")
@@ -120,6 +123,7 @@ class TrainConfig(BaseModel):
     warmup_steps: int = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0", ge=0)
     max_grad_norm: float = OPTIMIZATION(1.0, "gradient clipping; 0 turns it off (the norm is still logged)", ge=0.0)
     grad_reduce_dtype: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "the dtype gradients cross the processes in: fp32 (exact sums) | bf16 (half the bytes, as DeepSpeed's default under bf16; sums over many processes lose precision: try it when the network is the bottleneck). The optimizer always steps fp32 gradients")
+    train_batch_size: int | None = OPTIMIZATION(None, "the global batch you expect (per_device_train_batch_size x gradient_accumulation_steps x data-parallel processes), as DeepSpeed's train_batch_size: the job stops at start naming the three when it differs; default: not checked", gt=0, scope=JOB)
     seed: int = OPTIMIZATION(42, "seeds the data order, the init of new weights and every random stream")
 
     padding_free: bool | None = SPEED(None, "the samples of a micro-batch end to end in one row, attended by torch's variable-length flash attention: no padding, no attention across samples; micro-batches then hold equal token counts rather than equal sample counts. Default: on with CUDA; elsewhere off (it works there too, one attention call per sample)")
@@ -135,6 +139,7 @@ class TrainConfig(BaseModel):
 
     parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = PARALLELISM("auto", "auto | ddp | zero2 (FSDP2, parameters kept after forward) | zero3 (FSDP2, resharded after forward) | hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, one process and CPU; full fine-tuning on several GPUs: zero2, or zero3 where zero2's whole bf16 weights plus its share of the fp32 state would take over half a GPU. Set hsdp yourself on several nodes with a slow network between them")
     load_weights_on: Literal["rank0", "every_rank"] = PARALLELISM("rank0", "rank0: only global rank 0 reads the model files; the other processes build the model without weights and receive rank 0's (under zero2 / zero3 / hsdp only their shard), so a node's memory holds one copy, not one per process | every_rank: each process reads the files itself")
+    cpu_offload: bool = PARALLELISM(False, "zero2 / zero3 / hsdp: FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state live in CPU memory and the optimizer steps on the CPU (DeepSpeed's offload_optimizer / offload_param): trains models whose state does not fit in GPU memory, several times slower")
     hsdp_shard_size: int | None = PARALLELISM(None, "hsdp: processes that shard one replica; default: the processes of one node", gt=0)
 
     nproc_per_node: int | None = LAUNCH(None, "processes on this machine; default: env NPROC_PER_NODE, else visible GPUs (1 on CPU)", gt=0)
@@ -200,6 +205,9 @@ class TrainConfig(BaseModel):
         if self.finetuning_type == "qlora" and self.parallel not in ("auto", "ddp"):
             raise ValueError(f"finetuning_type: qlora trains with parallel: ddp (what auto picks); sharding its 4-bit "
                              f"weights with {self.parallel} is not supported: set parallel: ddp or auto")
+        if self.cpu_offload and self.parallel not in ("zero2", "zero3", "hsdp"):
+            raise ValueError(f"cpu_offload: true needs a sharded mode (parallel: zero2, zero3 or hsdp), not parallel: "
+                             f"{self.parallel}: the offload is FSDP2's; set parallel: zero3 (the least GPU memory)")
         if not self.dataset:
             raise ValueError("dataset: no file given; set dataset: path/to/train.jsonl")
         unknown = [key for key in self.resume_allow_changed if key not in self.keys_of(MATH)]

@@ -15,7 +15,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=fused)
     return optimizer, params
 
 
