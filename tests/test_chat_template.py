@@ -126,8 +126,8 @@ def test_template_tokenizer_without_one_raises(tokenizer):
 
 
 def test_unknown_template_name(tokenizer):
-    with pytest.raises(DataError, match="auto, chatml, tokenizer"):
-        ChatTemplate(tokenizer, "llama3")
+    with pytest.raises(DataError, match="'vicuna'; use one of auto, chatml, tokenizer, qwen"):
+        ChatTemplate(tokenizer, "vicuna")
 
 
 def test_leading_assistant_under_tokenizer_template(tokenizer):

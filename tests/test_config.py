@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import run_cli, write_config
-from meshtune.config import (JOB, MATH, NODE, TrainConfig, build_config, describe_keys, load_config,
-                             parse_overrides)
+from meshtune.compat.loading import load_config
+from meshtune.config import JOB, MATH, NODE, TrainConfig, build_config, describe_keys, parse_overrides
 from meshtune.errors import ConfigError
 
 BASE = {"model_name_or_path": "/models/x", "dataset": "train.jsonl"}

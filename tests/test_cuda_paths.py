@@ -1,14 +1,18 @@
-"""The CUDA-only kernels behind the fast path, checked against the plain path on the GPU (skipped without one;
-run them on a device machine: `python3 -m pytest tests/test_cuda_paths.py`). bf16 tolerances, as METHOD.md
-gives them: relative error of a whole tensor between 1e-3 and 1e-2."""
+"""The CUDA-only kernels behind the fast path, checked against the plain path on the GPU, and cpu_offload's host
+shards against zero3 without them (skipped without one; run them on a device machine: `python3 -m pytest
+tests/test_cuda_paths.py`). bf16 tolerances, as METHOD.md gives them: relative error of a whole tensor between
+1e-3 and 1e-2."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
-from conftest import base_config
+from conftest import base_config, read_metrics, run_cli, write_config
 from meshtune.config import build_config
 from meshtune.data.collate import IGNORE
 from meshtune.model import attention
@@ -111,3 +115,67 @@ def test_full_finetuning_blocks_take_every_token_count_without_compiling_again()
         seconds.append(compile_seconds())
     assert seconds[1:] == [seconds[0]] * 5, seconds
     torch._dynamo.reset()
+
+
+def assert_same_curve(got: list[dict], want: list[dict]) -> None:
+    """Per-step losses and gradient norms: equal within bf16 noise (the fused AdamW kernels of CPU and GPU round
+    apart by an ulp, which bf16 compute may carry on)."""
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=2e-3)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-2)
+
+
+def same_weights(a, b) -> bool:
+    """Two final/ model directories hold the same tensors within bf16 training noise."""
+    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return first.keys() == second.keys() and all(rel_err(second[k], first[k]) < 1e-2 for k in first)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_cpu_offload_keeps_pinned_host_shards_and_trains_as_without_it(tmp_path, tiny_model_dir, tiny_dataset,
+                                                                         method):
+    """cpu_offload on one GPU: every shard (hence its gradient and optimizer state) in pinned host memory, the
+    gradient norm summed over a CUDA mesh from host gradients, torch's fused AdamW stepping them on the CPU, final/
+    gathered from them, and its checkpoint resumed without offload: the losses of zero3 without offload."""
+    def train_run(name, **extra):
+        cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / name, finetuning_type=method,
+                                       parallel="zero3", learning_rate=1e-3, max_steps=4, save_steps=2,
+                                       torch_compile=False, **extra))
+        return run(cfg, keep_model=True)
+
+    plain = train_run("plain")
+    offloaded = train_run("offload", cpu_offload=True)
+    assert all(p.to_local().device.type == "cuda" for p in plain.model.parameters())
+    assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in offloaded.model.parameters())
+    plan = json.loads((tmp_path / "offload" / "run_plan.json").read_text())
+    assert plan["cpu_offload"] and plan["fused_adamw"] and "pinned host memory" in plan["why"]["cpu_offload"]
+    assert_same_curve(offloaded.records, plain.records)
+    assert offloaded.records[0]["loss"] == pytest.approx(plain.records[0]["loss"], rel=1e-6)  # before any step
+    if method == "full":
+        assert same_weights(tmp_path / "plain" / "final", tmp_path / "offload" / "final")
+        resumed = train_run("resumed", save_final=False,
+                            resume_from_checkpoint=str(tmp_path / "offload" / "checkpoint-2"))
+        assert_same_curve(resumed.records, plain.records[2:])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cpu_offload_on_two_gpus_receives_rank_0s_weights_into_host_shards(tmp_path, tiny_model_dir, tiny_dataset):
+    """Two processes through torchrun and NCCL: rank 1 builds the model empty and receives its shards of rank 0's
+    weights into host memory; a checkpoint without offload resumes with it. The losses of zero3 without offload."""
+    def metrics(name, **extra):
+        out = tmp_path / name
+        out.mkdir()
+        values = base_config(tiny_model_dir, tiny_dataset, out / "output", finetuning_type="full", parallel="zero3",
+                             nproc_per_node=2, gradient_accumulation_steps=1, learning_rate=1e-3, max_steps=4,
+                             save_steps=2, torch_compile=False, tokenized_path=str(tmp_path / "tokenized"), **extra)
+        result, _ = run_cli(["train", str(write_config(out, **values))], timeout=300)
+        assert result.returncode == 0, result.stdout[-4000:]
+        return read_metrics(out / "output")
+
+    plain = metrics("plain")
+    offloaded = metrics("offload", cpu_offload=True)
+    assert_same_curve(offloaded, plain)
+    assert same_weights(tmp_path / "plain" / "output" / "final", tmp_path / "offload" / "output" / "final")
+    resumed = metrics("resumed", cpu_offload=True, save_final=False,
+                      resume_from_checkpoint=str(tmp_path / "plain" / "output" / "checkpoint-2"))
+    assert_same_curve(resumed, plain[2:])

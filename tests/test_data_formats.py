@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtune.data.formats import dataset_checksum, detect_format, load_records, read_dataset, to_messages
+from meshtune.data.formats import convert, dataset_checksum, detect_format, load_records, read_dataset
 from meshtune.errors import DataError
 
 # LLaMA-Factory data files: our own small fixtures always, the real files too where ../shared/compat exists.
@@ -56,6 +56,10 @@ MESSAGES = [
 ]
 
 
+def to_messages(record, fmt: str) -> list[dict]:
+    return convert(record, fmt)[0]
+
+
 def write(path: Path, records: list) -> Path:
     if path.suffix == ".jsonl":
         path.write_text("".join(json.dumps(r) + "\n\n" for r in records))  # blank lines are allowed
@@ -93,8 +97,36 @@ def test_alpaca_input_system_and_history():
 
 
 def test_sharegpt_tool_calls_and_system():
-    roles = [m["role"] for m in to_messages(SHAREGPT[0], "sharegpt")]
-    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    messages, tools = convert(SHAREGPT[0], "sharegpt")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    call = {"name": "search", "arguments": {"q": "rice"}}
+    assert messages[2] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert messages[3] == {"role": "tool", "content": '{"recipes": ["fried rice"]}'}
+    assert tools == [{"name": "search"}]
+
+
+def test_parallel_function_calls_and_tools_as_a_list():
+    record = {
+        "conversations": [
+            {"from": "human", "value": "Weather in Paris and Rome?"},
+            {"from": "function_call",
+             "value": '[{"name": "w", "arguments": {"c": "Paris"}}, {"name": "w", "arguments": {"c": "Rome"}}]'},
+            {"from": "observation", "value": "sunny; rain"},
+            {"from": "gpt", "value": "Paris is sunny, Rome rainy."},
+        ],
+        "tools": [{"name": "w"}],
+    }
+    messages, tools = convert(record, "sharegpt")
+    assert [c["arguments"]["c"] for c in messages[1]["tool_calls"]] == ["Paris", "Rome"]
+    assert tools == [{"name": "w"}]
+    for empty in ("[]", "", None):
+        assert convert({**record, "tools": empty}, "sharegpt")[1] is None
+
+
+def test_conversation_ending_in_a_function_call_trains_the_call():
+    record = {"conversations": [{"from": "human", "value": "Set a timer."},
+                                {"from": "function_call", "value": '{"name": "timer", "arguments": {"min": 5}}'}]}
+    assert convert(record, "sharegpt")[0][-1]["tool_calls"] == [{"name": "timer", "arguments": {"min": 5}}]
 
 
 def test_sharegpt_own_system_turn_wins_over_record_system():
@@ -125,6 +157,42 @@ def test_qwen_and_messages():
         ({"instruction": "x", "output": 3}, "alpaca", "'output' must be a string"),
         ({"instruction": "x", "output": "y", "history": [["only one"]]}, "alpaca", r"history\[0\]"),
         ({"conversations": [{"from": "bot", "value": "x"}]}, "sharegpt", "unknown 'from' value 'bot'"),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "human", "value": "q"}]},
+            "sharegpt",
+            r"conversations\[1\]: 'human' where an assistant or function call turn belongs",
+        ),
+        (
+            {"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "q"}]},
+            "sharegpt",
+            r"conversations\[0\]: 'gpt' where a user or observation turn belongs",
+        ),
+        (
+            {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]},
+            "sharegpt",
+            r"odd number of turns \(1 after the system turn\)",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{'name': 'f'}"}]},
+            "sharegpt",
+            r"conversations\[1\]: function call is not valid JSON",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": '{"args": 1}'}]},
+            "sharegpt",
+            r"conversations\[1\]: a function call needs a 'name'",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}], "tools": "[{bad"},
+            "sharegpt",
+            "'tools' is not valid JSON",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
+             "tools": '{"name": "f"}'},
+            "sharegpt",
+            "'tools' must be a list of function schemas",
+        ),
         ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}, "qwen", "'human'"),
         ({"conversations": "x"}, "qwen", "must be a list"),
         ({"messages": []}, "messages", "empty"),
@@ -271,11 +339,24 @@ def test_llamafactory_fixture_conversations():
     ]
     identity = read_dataset([FIXTURE_COMPAT / "identity.json"]).conversations
     assert all("{{name}}" in c[1]["content"] and "{{author}}" in c[1]["content"] for c in identity)
-    glaive = read_dataset([FIXTURE_COMPAT / "glaive_toolcall_en_demo.json"]).conversations
+    read = read_dataset([FIXTURE_COMPAT / "glaive_toolcall_en_demo.json"])
+    glaive = read.conversations
     assert [[m["role"] for m in c] for c in glaive] == [
         ["user", "assistant", "tool", "assistant"],
         ["user", "assistant", "tool", "assistant"] * 2,
         ["user", "assistant"] * 2,
         ["user", "assistant"],
     ]
-    assert json.loads(glaive[0][1]["content"]) == {"name": "get_forecast", "arguments": {"city": "Lisbon", "days": 1}}
+    assert glaive[0][1] == {"role": "assistant", "content": "",
+                            "tool_calls": [{"name": "get_forecast", "arguments": {"city": "Lisbon", "days": 1}}]}
+    assert [[t["name"] for t in tools] if tools else None for tools in read.tools] == [
+        ["get_forecast"], ["convert_currency", "get_forecast"], ["set_timer"], None]
+
+
+def test_max_samples_takes_the_first_records_before_skipping(tmp_path):
+    """As LLaMA-Factory: the first N records of each dataset, a malformed one among them counted and skipped."""
+    a = write(tmp_path / "a.json", [ALPACA[0], {"instruction": "no output"}, ALPACA[1], ALPACA[0]])
+    b = write(tmp_path / "b.jsonl", QWEN * 3)
+    read = read_dataset([a, b], skip_invalid=True, max_samples=2)
+    assert len(read.conversations) == 3 and len(read.skipped) == 1
+    assert read.sources == [f"{a}: record 1", f"{b}: record 1 (line 1)", f"{b}: record 2 (line 3)"]

@@ -13,7 +13,9 @@ import pytest
 
 from meshtune.data import tokenized
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
+from meshtune.data.formats import DatasetSpec, file_spec
 from meshtune.data.pipeline import describe
+from meshtune.data.registry import resolve
 from meshtune.data.tokenized import TokenizedDataset, build_tokenized, cache_key, load_or_build
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
@@ -120,21 +122,29 @@ def test_cache_is_reused(tokenizer, data_file, tmp_path, monkeypatch):
 
 
 def test_cache_key_inputs(tokenizer, data_file):
-    base = ([data_file], tokenizer, "auto", 64, "auto", False)
+    spec = file_spec(data_file)
+    base = ([spec], tokenizer, "auto", 64, False)
     key = cache_key(*base)
-    assert key == cache_key(*base)
-    assert key != cache_key([data_file], tokenizer, "chatml", 64, "auto", False)
-    assert key != cache_key([data_file], tokenizer, "auto", 65, "auto", False)
-    assert key != cache_key([data_file], tokenizer, "auto", 64, "alpaca", False)
-    assert key != cache_key([data_file], tokenizer, "auto", 64, "auto", True)
-    assert key != cache_key([data_file], train_tokenizer(SENTENCES[:8], vocab_size=300), "auto", 64, "auto", False)
+    assert key == cache_key(*base) == cache_key(*base, max_samples=None)
+    assert key != cache_key([spec], tokenizer, "chatml", 64, False)
+    assert key != cache_key([spec], tokenizer, "auto", 65, False)
+    assert key != cache_key([file_spec(data_file, "alpaca")], tokenizer, "auto", 64, False)
+    assert key != cache_key([spec], tokenizer, "auto", 64, True)
+    assert key != cache_key([spec], tokenizer, "auto", 64, False, max_samples=2)
+    assert key != cache_key([spec, spec], tokenizer, "auto", 64, False)
+    assert key != cache_key([spec], train_tokenizer(SENTENCES[:8], vocab_size=300), "auto", 64, False)
+    lf_alpaca = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
+                 "tools": None}
+    registered = DatasetSpec("d", [data_file], "alpaca", lf_alpaca, None, data_file.parent / "dataset_info.json")
+    other_columns = DatasetSpec("d", [data_file], "alpaca", {**lf_alpaca, "query": None}, None, registered.registry)
+    assert len({key, cache_key([registered], *base[1:]), cache_key([other_columns], *base[1:])}) == 3
     data_file.write_text(json.dumps(RECORDS[:2]))
     assert key != cache_key(*base)
 
 
 def test_failed_build_leaves_nothing_and_leftovers_are_removed(tokenizer, data_file, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    key = cache_key([data_file], tokenizer, "auto", 64, "auto", False)
+    key = cache_key([file_spec(data_file)], tokenizer, "auto", 64, False)
     cache.mkdir()
     (cache / f"{key}.tmp-999999").mkdir()  # as left by a builder killed mid-write
     (cache / f"{key}.tmp-999999" / "input_ids.npy").write_bytes(b"half")
@@ -198,6 +208,41 @@ def test_two_processes_build_once(tokenizer, data_file, tmp_path, capfd):
     assert "waiting for another process to tokenize" in capfd.readouterr().out
 
 
+class RecordingTemplate:
+    """Stands in for ChatTemplate: remembers the tools each conversation came with; refuses any that has tools
+    when `refuse_tools`, as a chat template without a tool format does."""
+
+    def __init__(self, tokenizer, refuse_tools: bool = False) -> None:
+        self.inner, self.refuse_tools, self.tools = ChatTemplate(tokenizer), refuse_tools, []
+
+    def encode(self, messages, tools=None):
+        self.tools.append(tools)
+        if self.refuse_tools and tools:
+            raise DataError("this chat template has no tool format")
+        return self.inner.encode([{"role": m["role"], "content": m["content"] or "call"} for m in messages])
+
+
+def test_each_conversation_is_encoded_with_its_tools(tokenizer):
+    tools = [[{"name": "search"}], None]
+    template = RecordingTemplate(tokenizer)
+    build_tokenized([conversation("Hi.", "Paris.")] * 2, template, 64, show_progress=False, tools=tools)
+    assert template.tools == tools
+
+
+def test_a_template_error_names_the_record(tokenizer):
+    with pytest.raises(DataError, match=r"^g\.json: record 2: this chat template has no tool format$"):
+        build_tokenized([conversation("Hi.", "Paris.")] * 2, RecordingTemplate(tokenizer, refuse_tools=True), 64,
+                        show_progress=False, sources=["g.json: record 1", "g.json: record 2"],
+                        tools=[None, [{"name": "search"}]])
+
+
+def test_max_samples_and_registry_specs_through_the_cache(tokenizer, tmp_path):
+    specs = resolve(["identity", "alpaca_en_demo"], FIXTURE_COMPAT)
+    assert build(tokenizer, specs, tmp_path / "cache", max_samples=2).stats["n_records"] == 4
+    assert build(tokenizer, specs, tmp_path / "cache").stats["n_records"] == 9
+    assert len(list((tmp_path / "cache").glob("*.lock"))) == 2  # two keys, two caches
+
+
 # Our fixtures are small enough that every record gives one whole sample; the real files only have to give
 # one sample or one dropped record each.
 FIXTURE_STATS = {"n_samples": 8, "n_dropped_no_target": 0, "n_truncated": 0, "n_skipped_invalid": 0}
@@ -210,10 +255,18 @@ FIXTURE_STATS = {"n_samples": 8, "n_dropped_no_target": 0, "n_truncated": 0, "n_
         pytest.param(SHARED_COMPAT, 391, {}, id="shared", marks=NEEDS_SHARED),
     ],
 )
-def test_llamafactory_compat_files_tokenize(tokenizer, tmp_path, data_dir, n_records, exact_stats):
-    paths = [data_dir / "identity.json", data_dir / "glaive_toolcall_en_demo.json"]
-    dataset = build(tokenizer, paths, tmp_path / "cache", cutoff_len=1024)
+@pytest.mark.parametrize("by_name", [True, False], ids=["by-name", "by-path"])
+def test_llamafactory_compat_files_tokenize(tokenizer, tmp_path, data_dir, n_records, exact_stats, by_name):
+    """By dataset_info.json name and by path alike, tool calls and tool schemas rendered into the samples."""
+    names = ["identity", "glaive_toolcall_en_demo"]
+    datasets = resolve(names, data_dir) if by_name else [data_dir / f"{name}.json" for name in names]
+    dataset = build(tokenizer, datasets, tmp_path / "cache", cutoff_len=4096)
     assert dataset.stats["n_records"] == n_records
     assert dataset.stats["n_samples"] + dataset.stats["n_dropped_no_target"] == n_records
     assert dataset.stats["n_target_tokens"] > 0
     assert {k: dataset.stats[k] for k in exact_stats} == exact_stats
+    if data_dir == FIXTURE_COMPAT:  # the first glaive sample shows the tool offered and trains the call
+        ids, labels = dataset[4]
+        text, trained = tokenizer.decode(ids), tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+        assert "get_forecast" in text and "Get the weather forecast for a city" in text
+        assert "get_forecast" in trained and "Lisbon" in trained

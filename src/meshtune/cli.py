@@ -18,6 +18,14 @@ TRAIN_HELP = """\
 Fine-tune a model from one YAML config plus key=value overrides, e.g.
   meshtune train cfg.yaml learning_rate=1e-4 max_steps=50 nproc_per_node=2
 
+Configs from other tools run as they are: a LLaMA-Factory training YAML (its dataset_info.json names, template
+names, deepspeed: JSON), a DeepSpeed JSON through `deepspeed: ds.json` or `--deepspeed ds.json`, and the
+`--key value` flags of HF-style scripts such as Qwen's finetune.py, with or without a YAML:
+  meshtune train --model_name_or_path Qwen2.5-7B --data_path train.json --bf16 True --use_lora \\
+                 --deepspeed ds_config_zero2.json --output_dir out
+Keys of those tools that meshtune does not use are listed in one warning with the reason; keys whose absence
+would change what is trained are errors. docs/migration.md has the full tables.
+
 With nproc_per_node > 1 meshtune starts torchrun itself; under torchrun it trains directly.
 Outputs in output_dir: config.yaml (the keys as given), run_plan.json (every auto and default as resolved for this
 run, with the reason), metrics.jsonl, loss.png, checkpoint-N/ (with save_steps), final/ (PEFT adapter or HF model
@@ -71,14 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="fine-tune from a YAML config", description=TRAIN_HELP + key_scopes() + describe_keys(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("config", help="YAML config file")
+    train.add_argument("config", nargs="?", help="YAML config file (meshtune's or LLaMA-Factory's); optional with --key value flags")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     train.add_argument("--debug", action="store_true", help="show full tracebacks")
+    train.epilog = "--key value: any config key, or a flag of Qwen's finetune.py / HF TrainingArguments (after the key=value overrides)"
 
     launch = commands.add_parser("launch", help="run this node's part of a one- or many-node job",
                                  description=LAUNCH_HELP, epilog=LAUNCH_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    launch.add_argument("config", help="YAML config file")
+    launch.add_argument("config", nargs="?", help="YAML config file (meshtune's or LLaMA-Factory's); optional with --key value flags")
     launch.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     launch.add_argument("--dry-run", action="store_true",
                         help="print this node's settings and the exact command, start nothing")
@@ -104,21 +113,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from meshtune.config import load_config
+def load_training_config(args: argparse.Namespace):
+    """The config and the `train` arguments every torchrun worker gets; warnings printed once per node."""
+    from meshtune.compat.loading import load_job_config
+    from meshtune.worker_env import torchrun_worker
 
-    cfg = load_config(args.config, args.overrides)  # every config error surfaces here, before any process starts
-    return launch_training(cfg, ["train", args.config, *args.overrides], debug=args.debug)
+    if args.config is not None and "=" in args.config and not Path(args.config).is_file():
+        args.overrides.insert(0, args.config)  # `meshtune train --flag v key=value`: no YAML given
+        args.config = None
+    if args.config is None and not args.flags:
+        raise MeshtuneError("no config: give a YAML file (meshtune train cfg.yaml) or --key value flags "
+                            "(meshtune train --model_name_or_path DIR --data_path train.json ...)")
+    loaded = load_job_config(args.config, args.overrides, args.flags)
+    if not torchrun_worker():
+        for line in loaded.warnings:
+            print(f"meshtune: warning: {line}", file=sys.stderr)
+    argv = ["train", *([args.config] if args.config else []), *args.overrides, *args.flag_tokens]
+    return loaded.config, argv
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg, argv = load_training_config(args)  # every config error surfaces here, before any process starts
+    return launch_training(cfg, argv, debug=args.debug)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
     import shlex
 
-    from meshtune.config import load_config
     from meshtune.launch import describe, detect_node_settings, launch_env, needs_torchrun, torchrun_command
 
-    cfg = load_config(args.config, args.overrides)
-    argv = ["train", args.config, *args.overrides]
+    cfg, argv = load_training_config(args)
     if not args.dry_run:
         return launch_training(cfg, argv, debug=args.debug)
     settings = detect_node_settings(cfg)
@@ -187,8 +211,23 @@ def restart_cannot_fix(exc: Exception) -> MeshtuneError | None:
     return repeated
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """`train` and `launch` take `--key value` flags besides their own options; those are set apart first."""
+    from meshtune.compat.flags import split_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
+    flags, flag_tokens = {}, []
+    if command is not None and argv[command] in ("train", "launch"):
+        rest, flags, flag_tokens = split_flags(argv[command + 1:], {"--debug", "--dry-run", "--help", "-h"})
+        argv = argv[:command + 1] + rest
     args = build_parser().parse_args(argv)
+    args.flags, args.flag_tokens = flags, flag_tokens
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     quiet_libraries()
     mark_worker_started()
     try:

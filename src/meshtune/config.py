@@ -277,15 +277,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(values: dict[str, Any], source: str = "config", sources: dict[str, str] | None = None) -> TrainConfig:
+def build_config(values: dict[str, Any], source: str = "config", sources: dict[str, str] | None = None,
+                 problems: list[str] | None = None) -> TrainConfig:
     """Validate `values`; every problem of the config in one error, one line each, naming where the key was given
-    (`sources[key]`, else `source`): unknown keys with the closest valid key, bad values with what is allowed."""
+    (`sources[key]`, else `source`): unknown keys with the closest valid key, bad values with what is allowed, and
+    `problems` found before (in keys of other tools)."""
     sources = sources or {}
     known = list(TrainConfig.model_fields)
-    problems = []
+    problems = list(problems or [])
     for key in values:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
             hint = f"; did you mean '{close[0]}'?" if close else "; `meshtune train --help` lists the keys"
             problems.append(f"{sources.get(key, source)}: unknown key '{key}'{hint}")
     try:
@@ -295,14 +297,6 @@ def build_config(values: dict[str, Any], source: str = "config", sources: dict[s
     if problems:
         raise ConfigError("\n".join(problems))
     return config
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """The YAML file, then `key=value` overrides; an error names where its key was given."""
-    values = load_yaml(path)
-    given = parse_overrides(overrides or [])
-    values.update(given)
-    return build_config(values, source=str(path), sources={key: "command line" for key in given})
 
 
 def _explain(exc: ValidationError, source: str, sources: dict[str, str]) -> list[str]:

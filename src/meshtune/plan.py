@@ -44,6 +44,7 @@ class RunPlan:
     compile: bool                # torch.compile each transformer block and the loss chunks
     blocks_per_unit: int | None  # consecutive blocks per FSDP2 unit; None under ddp
     hsdp_shard_size: int | None  # processes sharding one replica; None unless hsdp
+    cpu_offload: bool            # FSDP2's shards (weights, gradients, optimizer state) in host memory
     gradient_accumulation_steps: int  # the config's, or what keeps a resumed checkpoint's global batch
     fused_adamw: bool
     gc_interval: int             # 0: Python's automatic garbage collection
@@ -69,6 +70,8 @@ class RunPlan:
             rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
         if self.hsdp_shard_size is not None:
             rows.append(("hsdp_shard_size", str(self.hsdp_shard_size)))
+        if self.cpu_offload:
+            rows.append(("cpu_offload", "on"))
         rows += [("gradient_accumulation_steps", str(self.gradient_accumulation_steps)),
                  ("optim", "adamw_torch_fused" if self.fused_adamw else "adamw_torch"),
                  ("gc_interval", str(self.gc_interval)),
@@ -106,7 +109,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
             why[key] = f"default, {default}"
     fused_adamw = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
     if cfg.optim == "auto":
-        why["optim"] = "auto: fused on CUDA"
+        why["optim"] = ("auto: fused on CUDA; the offloaded shards step in torch's fused CPU kernel" if
+                        cfg.cpu_offload and fused_adamw else "auto: fused on CUDA")
     gc_interval = cfg.gc_interval if cfg.gc_interval is not None else (50 if env.world_size > 1 else 0)
     if cfg.gc_interval is None:
         why["gc_interval"] = ("default: all ranks collect at the same steps" if gc_interval else
@@ -119,10 +123,14 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         blocks_per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(model_size().block_parameters)
         if cfg.fsdp_blocks_per_unit is None:
             why["fsdp_blocks_per_unit"] = f"default: up to {MAX_BLOCKS_PER_UNIT} blocks within ~1B parameters a unit"
+    hsdp_shard = hsdp_shard_size(cfg, env, parallel, why)
+    if cfg.cpu_offload:  # the config allows it with zero2 / zero3 / hsdp only
+        why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or env.world_size, env)
     accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
+    check_train_batch_size(cfg, accumulation, env.world_size)
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, padding_free=padding_free,
                    fused_loss=cfg.fused_loss, compile=compile_, blocks_per_unit=blocks_per_unit,
-                   hsdp_shard_size=hsdp_shard_size(cfg, env, parallel, why),
+                   hsdp_shard_size=hsdp_shard, cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, why=why)
 
@@ -160,6 +168,22 @@ def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float) -> tuple
     return "zero3", f"full fine-tuning on {world_size} GPUs; zero2 would hold {share}"
 
 
+def offload_reason(is_lora: bool, n_params: int, shards: int, env: DistEnv) -> str:
+    """What cpu_offload moves to host memory, and how much of it one node holds: each process keeps its shard
+    (1 / `shards` of the model) of the fp32 weights, and for full fine-tuning their gradients and two Adam moments
+    too (16 bytes a parameter; LoRA's frozen base 4, its adapters a few MB). The GPU keeps the gathered units and
+    the activations only."""
+    per_param = 4 if is_lora else 16
+    node_bytes = per_param * n_params / shards * env.local_world_size
+    size = f"{node_bytes / 2**30:.1f} GiB" if node_bytes >= 2**30 else f"{node_bytes / 2**20:.1f} MiB"
+    if env.device.type != "cuda":
+        return (f"CPU processes: every tensor is in host memory already (~{size} of shards a node); FSDP2's "
+                f"offload path runs unpinned and saves nothing")
+    held = "weights" if is_lora else "weights, gradients and optimizer state"
+    return (f"FSDP2 CPUOffloadPolicy: the shards' {held} in pinned host memory, ~{size} a node, copied to the GPU "
+            f"for each all-gather; the optimizer steps on the CPU")
+
+
 def default_blocks_per_unit(block_parameters: int) -> int:
     """Blocks per FSDP2 unit when the config leaves it open: each unit's hooks and collectives cost host time, and
     the ranks wait for the slowest host at every collective, so fewer, larger units run faster. The cap keeps what
@@ -179,6 +203,18 @@ def hsdp_shard_size(cfg: TrainConfig, env: DistEnv, parallel: str, why: dict[str
         raise ConfigError(f"hsdp_shard_size: {shard} does not divide the {env.world_size} processes; use a divisor "
                           f"(by default the processes of one node: {env.local_world_size})")
     return shard
+
+
+def check_train_batch_size(cfg: TrainConfig, accumulation: int, world_size: int) -> None:
+    """`train_batch_size` (DeepSpeed's) is what the user expects the global batch to be: a different one is an error
+    before the first step, not a run with another learning dynamic."""
+    actual = cfg.per_device_train_batch_size * accumulation * world_size
+    if cfg.train_batch_size is not None and cfg.train_batch_size != actual:
+        raise ConfigError(
+            f"train_batch_size {cfg.train_batch_size} is not the global batch this job makes: "
+            f"per_device_train_batch_size {cfg.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{accumulation} x {world_size} processes = {actual}; change one of them, or set train_batch_size to "
+            f"{actual} (\"auto\" in a DeepSpeed JSON)")
 
 
 def keep_global_batch(cfg: TrainConfig, manifest: dict | None, world_size: int, why: dict[str, str]) -> int:

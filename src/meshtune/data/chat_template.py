@@ -1,23 +1,46 @@
 """Render a conversation with a chat template and mark which tokens are trained.
 
 Labels come from rendering growing prefixes of the conversation and diffing them, so the same code masks
-correctly under the built-in ChatML and under any prefix-stable jinja template a tokenizer ships with;
-no per-model-family template table to maintain.
+correctly under the written-out LLaMA-Factory formats (data/templates.py) and under any prefix-stable jinja
+template a tokenizer ships with.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
+from meshtune.data.templates import FORMATS, template_jinja
 from meshtune.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
-TEMPLATES = ("auto", "chatml", "tokenizer")
+TEMPLATES = ("auto", "chatml", "tokenizer", *(name for name in FORMATS if name != "chatml"))
+TOOL_TEMPLATES = ", ".join(FORMATS)  # every written-out format renders tools
+
+# render_chatml as a jinja chat template, plus LLaMA-Factory's tool format for chatml
+CHATML_JINJA = template_jinja("chatml")
+
+# A tokenizer's own template stands in for a format only if it renders these prefix-stably, tools included.
+_PROBE = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi."},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye."},
+    {"role": "assistant", "content": "Goodbye."},
+]
+_PROBE_TOOLS = [{"name": "probe_lookup", "description": "Look a word up.",
+                 "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}]
+_PROBE_TOOL_CALL = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Look up probe."},
+    {"role": "assistant", "content": "", "tool_calls": [{"name": "probe_lookup", "arguments": {"word": "probe_word"}}]},
+    {"role": "tool", "content": "probe_result"},
+    {"role": "assistant", "content": "Found."},
+]
 
 
 def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -26,76 +49,132 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> 
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-# render_chatml as a jinja chat template, saved with the trained model so that serving renders prompts as trained
-CHATML_JINJA = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                "{% endif %}")
-
-
 def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str) -> str | None:
-    """The chat template to save with the trained model when training used one the tokenizer does not carry
-    (the built-in ChatML); None when the tokenizer's own is the one trained."""
-    return CHATML_JINJA if ChatTemplate(tokenizer, template).name == "chatml" else None
+    """The chat template to save with the trained model when training used a written-out one; None when the
+    tokenizer's own is the one trained (under qwen3_nothink, serve that one with enable_thinking=False)."""
+    chat = ChatTemplate(tokenizer, template)
+    return None if chat.own else chat.jinja
+
+
+def _hf_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tool schemas in the form chat templates read: {"type": "function", "function": schema}."""
+    return [t if t.get("type") == "function" else {"type": "function", "function": t} for t in tools] if tools else None
+
+
+def _hf_messages(messages: list[dict]) -> list[dict]:
+    """Tool calls in the form chat templates read: {"type": "function", "function": {name, arguments}}."""
+    return [
+        {**m, "tool_calls": [c if "function" in c else {"type": "function", "function": c} for c in m["tool_calls"]]}
+        if m.get("tool_calls") else m
+        for m in messages
+    ]
 
 
 class ChatTemplate:
     """A tokenizer plus the template that turns conversations into (input_ids, labels).
 
-    `template`: "auto" uses the tokenizer's own chat template when it has one, else ChatML; "chatml" always
-    uses the built-in ChatML; "tokenizer" requires the tokenizer's own. `name` tells which one is in use.
+    `template`: "auto" uses the tokenizer's own chat template when it has one, else ChatML; "tokenizer" requires
+    the tokenizer's own; "chatml", "default", "empty" and "alpaca" are always written out; the model-family names
+    (qwen, qwen3, qwen3_nothink, llama3, llama2, mistral) use the tokenizer's own template when it is that family's
+    and renders plain and tool conversations prefix-stably, else the written-out format.
+    `name` is the format ("tokenizer" for the tokenizer's own under auto/tokenizer), `own` whether the tokenizer's
+    template renders, `description` both in words for the run log, `jinja` the template text in use.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "auto") -> None:
         if template not in TEMPLATES:
             raise DataError(f"unknown template '{template}'; use one of {', '.join(TEMPLATES)}")
-        has_own = bool(getattr(tokenizer, "chat_template", None))
-        if template == "tokenizer" and not has_own:
+        own = getattr(tokenizer, "chat_template", None)
+        if template == "tokenizer" and not own:
             raise DataError(
                 "template: tokenizer was asked for, but this tokenizer has no chat_template "
                 "(tokenizer_config.json / chat_template.jinja); use template: chatml or auto"
             )
         self.tokenizer = tokenizer
-        self.name = "chatml" if template == "chatml" or not has_own else "tokenizer"
-        self._render: Callable[[list[dict], bool], str] = (
-            self._render_tokenizer if self.name == "tokenizer" else render_chatml
-        )
+        self._kwargs: dict = {}
+        self.takes_tools = True
+        if template in ("auto", "tokenizer") and own:
+            self._use_own("tokenizer", "the tokenizer's own")
+            self.takes_tools = self._renders(_PROBE_TOOL_CALL, _PROBE_TOOLS)
+            return
+        self.name = "chatml" if template == "auto" else template
+        marker = FORMATS[self.name].family_marker
+        if marker and own and marker in str(own):
+            self._use_own(self.name, f"{self.name} (tokenizer's own)")
+            if self.name == "qwen3_nothink" and "enable_thinking" in str(own):
+                self._kwargs = {"enable_thinking": False}
+            if self._renders(_PROBE) and self._renders(_PROBE_TOOL_CALL, _PROBE_TOOLS):
+                return
+        self.own, self.jinja, self._kwargs = False, template_jinja(self.name), {}
+        self.description = f"{self.name} (written out)"
 
-    def _render_tokenizer(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def _use_own(self, name: str, description: str) -> None:
+        self.name, self.description, self.own, self.jinja = name, description, True, self.tokenizer.chat_template
+
+    def _renders(self, messages: list[dict], tools: list[dict] | None = None) -> bool:
+        """Whether the template in use masks `messages` and shows their tools, calls and results."""
+        try:
+            self._encode(messages, tools)
+        except DataError:
+            return False
+        text = self._render(_hf_messages(messages), False, _hf_tools(tools))
+        return not tools or all(word in text for word in ("probe_lookup", "probe_word", "probe_result"))
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False,
+                tools: list[dict] | None = None) -> str:
         if not messages:  # transformers refuses an empty conversation; it renders to nothing here
-            if add_generation_prompt:  # a template's default system prompt would be trained as the header
+            if not add_generation_prompt:
+                return ""
+            if self.own:  # a default system prompt would be trained as the header
                 raise DataError(
                     "a conversation starts with an assistant message, which cannot be masked under the "
                     "tokenizer's chat template; start it with a user message or use template: chatml"
                 )
-            return ""
+            # the header of a leading assistant message: written out, an empty system message renders as none,
+            # so this is the prefix, the default system prompt and the header
+            messages = [{"role": "system", "content": ""}]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, chat_template=None if self.own else self.jinja, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **self._kwargs,
             )
         except (TemplateError, ValueError, TypeError) as e:
+            fix = "fix the record, or use template: chatml" if self.own else "fix the record"
+            raise DataError(f"the chat template ({self.description}) failed on a conversation ({e}); {fix}") from None
+
+    def _check_tools(self, messages: list[dict], tools: list[dict] | None) -> None:
+        if not self.takes_tools and (tools or any(m.get("tool_calls") for m in messages)):
             raise DataError(
-                f"the tokenizer's chat template failed on a conversation ({e}); "
-                "fix the record, or use template: chatml"
-            ) from None
+                f"a conversation has tools, but the chat template ({self.description}) has no tool format (it does "
+                f"not render tools and tool calls prefix-stably); use one of the templates that take tools: "
+                f"{TOOL_TEMPLATES}"
+            )
 
-    def render_prompt(self, messages: list[dict]) -> str:
+    def render_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The text to generate from: the conversation followed by the assistant generation prompt."""
-        return self._render(messages, True)
+        self._check_tools(messages, tools)
+        return self._render(_hf_messages(messages), True, _hf_tools(tools))
 
-    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """Token ids and labels (unshifted) of a conversation.
+    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+        """Token ids and labels (unshifted) of a conversation; `tools`: the function schemas it may call.
 
-        Trained: each assistant message's content, its end-of-turn marker and whatever the template puts right
-        after it. Not trained: system, user and tool turns and the assistant header (the generation prompt).
+        Trained: each assistant message's content or tool calls, its end-of-turn marker and whatever the template
+        puts right after it. Not trained: system, user and tool turns and the assistant header (the generation
+        prompt).
         """
+        self._check_tools(messages, tools)
+        return self._encode(messages, tools)
+
+    def _encode(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
+        messages, tools = _hf_messages(messages), _hf_tools(tools)
         pieces: list[tuple[str, bool]] = []  # (text, trained)
-        before = self._render(messages[:0], False)
+        before = ""
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                header = self._render(messages[:i], True)
+                header = self._render(messages[:i], True, tools)
                 pieces.append((self._added(before, header), False))
                 before = header
-            after = self._render(messages[: i + 1], False)
+            after = self._render(messages[: i + 1], False, tools)
             pieces.append((self._added(before, after), message["role"] == "assistant"))
             before = after
         input_ids: list[int] = []
@@ -112,7 +191,7 @@ class ChatTemplate:
         """What rendering one more step appended; labels are only sound if earlier text never changes."""
         if not after.startswith(before):
             raise DataError(
-                f"the chat template ({self.name}) does not render conversations prefix-stably: rendering one "
-                "more message changed earlier text, so trained tokens cannot be told apart; use template: chatml"
+                f"the chat template ({self.description}) does not render conversations prefix-stably: rendering "
+                "one more message changed earlier text, so trained tokens cannot be told apart; use template: chatml"
             )
         return after[len(before):]

@@ -1,5 +1,6 @@
 """Read the dataset files users already have (LLaMA-Factory alpaca / sharegpt, Qwen finetune.py, OpenAI messages)
-and turn every record into one conversation: a list of `{"role", "content"}` dicts.
+and turn every record into one conversation: a list of `{"role", "content"}` dicts (an assistant turn that calls
+tools has `tool_calls` instead of content), with the tools the record offers.
 
 Everything downstream (chat template, label masking, cache) sees only conversations, so a new record format
 is one converter here and nothing else.
@@ -11,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from meshtune.errors import DataError
 
@@ -19,22 +20,65 @@ FORMATS = ("alpaca", "sharegpt", "qwen", "messages")
 ROLES = ("system", "user", "assistant", "tool")
 EXTENSIONS = (".json", ".jsonl")
 
-# LLaMA-Factory's sharegpt tags; function calls are trained like any assistant turn, observations are tool output.
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-    "function_call": "assistant",
-    "observation": "tool",
+# LLaMA-Factory's defaults (its DatasetAttr): the columns and sharegpt tags of an entry that names none.
+# An entry that gives `columns` (or `tags`) sets every one it leaves out to None, as LLaMA-Factory does.
+LF_COLUMNS = {
+    "alpaca": {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
+               "tools": None},
+    "sharegpt": {"messages": "conversations", "system": None, "tools": None},
 }
+LF_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+           "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
+# What each sharegpt tag means here: an observation is tool output, a function call an assistant turn with tool_calls.
+TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "observation_tag": "tool",
+             "function_tag": "function_call", "system_tag": "system"}
+
+# A file given by path (no registry entry) also uses a record's `system`, alpaca `history` and `tools`, and its
+# sharegpt conversations may say user / assistant for human / gpt.
+FILE_COLUMNS = {
+    "alpaca": {**LF_COLUMNS["alpaca"], "history": "history", "system": "system", "tools": "tools"},
+    "sharegpt": {**LF_COLUMNS["sharegpt"], "system": "system", "tools": "tools"},
+    "qwen": {"messages": "conversations", "system": "system", "tools": None},
+    "messages": {"tools": "tools"},
+}
+SHAREGPT_ROLES = {**{LF_TAGS[tag]: role for tag, role in TAG_ROLES.items()}, "user": "user", "assistant": "assistant"}
 QWEN_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
 
 _FORMAT_HELP = (
     "supported: messages (OpenAI 'messages' list), sharegpt ('conversations' with from human/gpt), "
     "qwen ('conversations' with from user/assistant), alpaca ('instruction'/'input'/'output')"
 )
+
+
+@dataclass
+class DatasetSpec:
+    """One dataset entry, resolved: the files to read and how their records become conversations.
+
+    `columns` / `tags` None: the format's defaults for a file given by path; a registry entry spells out its
+    columns (and, for sharegpt, its tags).
+    """
+
+    name: str  # the entry as the config gives it
+    files: list[Path]
+    fmt: str = "auto"  # auto (detected per file) or one of FORMATS
+    columns: dict[str, str | None] | None = None
+    tags: dict[str, str | None] | None = None
+    registry: Path | None = None  # the dataset_info.json that defined it
+
+    def label(self, fmt: str) -> str:
+        """How record errors name the reading rules in force."""
+        if self.registry is None:
+            return f"format {fmt}"
+        return f"dataset '{self.name}' of {self.registry}, formatting {fmt}"
+
+    def identity(self) -> str:
+        """Everything but the files' bytes that decides the conversations, for the tokenized cache key."""
+        return json.dumps({"fmt": self.fmt, "columns": self.columns, "tags": self.tags}, sort_keys=True)
+
+
+def file_spec(path: Path, fmt: str = "auto") -> DatasetSpec:
+    """A dataset file given by path, read with `dataset_format`."""
+    return DatasetSpec(str(path), [Path(path)], fmt)
 
 
 class Unparseable:
@@ -116,69 +160,142 @@ def detect_format(records: list[Any], path: Path) -> str:
     )
 
 
-def to_messages(record: Any, fmt: str) -> list[dict]:
-    """Convert one record of format `fmt` into a validated conversation.
+def convert(record: Any, fmt: str, spec: DatasetSpec | None = None) -> tuple[list[dict], list[dict] | None]:
+    """One record of format `fmt` → (validated conversation, the tools it offers or None), read by the spec's
+    columns and tags (a file's defaults without a spec).
 
-    Raises ValueError with a short problem text; the caller knows the file and record index and adds them.
+    Raises ValueError with a short problem text; the caller knows the file and record number and adds them.
     """
     if isinstance(record, Unparseable):
         raise ValueError(record.problem)
     if not isinstance(record, dict):
         raise ValueError(f"record is a JSON {type(record).__name__}, not an object")
-    converters: dict[str, Callable[[dict], list[dict]]] = {
-        "alpaca": _from_alpaca,
-        "sharegpt": lambda r: _from_conversations(r, SHAREGPT_ROLES),
-        "qwen": lambda r: _from_conversations(r, QWEN_ROLES),
-        "messages": _from_openai,
-    }
-    if fmt not in converters:
+    if fmt not in FORMATS:
         raise ValueError(f"unknown format '{fmt}'; use one of {', '.join(FORMATS)}")
-    messages = converters[fmt](record)
+    columns = spec.columns if spec is not None and spec.columns is not None else FILE_COLUMNS.get(fmt, {})
+    if fmt == "alpaca":
+        messages = _from_alpaca(record, columns)
+    elif fmt == "messages":
+        messages = _from_openai(record)
+    else:
+        messages = _from_conversations(record, columns, *_turn_rules(fmt, spec))
+    tools = _tools(record, columns.get("tools"))
     _validate(messages)
-    return messages
+    return messages, tools
 
 
-def _from_alpaca(record: dict) -> list[dict]:
-    """As LLaMA-Factory: instruction and input joined by a newline, `history` pairs become earlier turns."""
-    for key in ("instruction", "output"):
-        if key not in record:
+def _from_alpaca(record: dict, columns: dict) -> list[dict]:
+    """As LLaMA-Factory: prompt and query joined by a newline (each only when non-empty), `history` pairs become
+    earlier turns, `system` a system message."""
+    prompt, query, response = columns.get("prompt"), columns.get("query"), columns.get("response")
+    for key in (prompt, response):
+        if key and key not in record:
             raise ValueError(f"missing '{key}'")
-    for key in ("instruction", "input", "output", "system"):
-        if record.get(key) is not None and not isinstance(record[key], str):
+    for key in (prompt, query, response, columns.get("system")):
+        if key and record.get(key) is not None and not isinstance(record[key], str):
             raise ValueError(f"'{key}' must be a string, got {type(record[key]).__name__}")
     messages = []
-    if record.get("system"):
-        messages.append({"role": "system", "content": record["system"]})
-    history = record.get("history") or []
+    if columns.get("system") and record.get(columns["system"]):
+        messages.append({"role": "system", "content": record[columns["system"]]})
+    history = (record.get(columns["history"]) if columns.get("history") else None) or []
     if not isinstance(history, list):
-        raise ValueError("'history' must be a list of [query, response] pairs")
+        raise ValueError(f"'{columns['history']}' must be a list of [query, response] pairs")
     for n, pair in enumerate(history):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
-            raise ValueError(f"history[{n}] must be a [query, response] pair")
+            raise ValueError(f"{columns['history']}[{n}] must be a [query, response] pair")
         messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-    query = "\n".join(part for part in (record["instruction"], record.get("input")) if part)
-    messages += [{"role": "user", "content": query}, {"role": "assistant", "content": record["output"]}]
+    text = "\n".join(record[key] for key in (prompt, query) if key and record.get(key))
+    messages.append({"role": "user", "content": text})
+    if response:  # an entry whose columns leave out the response has nothing to train on: _validate says so
+        messages.append({"role": "assistant", "content": record[response]})
     return messages
 
 
-def _from_conversations(record: dict, roles: dict[str, str]) -> list[dict]:
-    """sharegpt (LLaMA-Factory) and Qwen finetune.py: `conversations` of {from, value}. A record-level `system`
-    is used unless the conversation starts with its own, as LLaMA-Factory does; `tools` is accepted and unused."""
-    turns = record.get("conversations")
+def _turn_rules(fmt: str, spec: DatasetSpec | None) -> tuple[str, str, dict[str, str], str | None, bool]:
+    """(role key, content key, tag → role, system tag, whether turns must alternate) of `conversations` records.
+
+    sharegpt follows LLaMA-Factory: user or observation turns, then assistant or function call turns, in pairs;
+    Qwen's finetune.py data has no such rule."""
+    if fmt == "qwen":
+        return "from", "value", QWEN_ROLES, "system", False
+    if spec is None or spec.tags is None:
+        return LF_TAGS["role_tag"], LF_TAGS["content_tag"], SHAREGPT_ROLES, LF_TAGS["system_tag"], True
+    tags = spec.tags
+    roles = {tags[tag]: role for tag, role in TAG_ROLES.items() if tags.get(tag) is not None}
+    return tags["role_tag"], tags["content_tag"], roles, tags.get("system_tag"), True
+
+
+def _from_conversations(record: dict, columns: dict, role_key: str, content_key: str, roles: dict[str, str],
+                        system_tag: str | None, alternate: bool) -> list[dict]:
+    """sharegpt (LLaMA-Factory) and Qwen finetune.py: a list of {from, value} turns (other keys by the entry's
+    tags). A leading system turn is the system message; otherwise the record's system column is, as in
+    LLaMA-Factory."""
+    key = columns["messages"]
+    turns = record.get(key)
     if not isinstance(turns, list):
-        raise ValueError("'conversations' must be a list of {from, value} objects")
-    messages = []
+        raise ValueError(f"'{key}' must be a list of {{{role_key}, {content_key}}} objects")
     for n, turn in enumerate(turns):
-        if not (isinstance(turn, dict) and "from" in turn and "value" in turn):
-            raise ValueError(f"conversations[{n}] must be an object with 'from' and 'value'")
-        if not isinstance(turn["from"], str) or turn["from"] not in roles:
-            known = ", ".join(roles)
-            raise ValueError(f"conversations[{n}]: unknown 'from' value {turn['from']!r}; use one of {known}")
-        messages.append({"role": roles[turn["from"]], "content": turn["value"]})
-    starts_with_system = bool(messages) and messages[0]["role"] == "system"
-    if record.get("system") and not starts_with_system:
-        messages.insert(0, {"role": "system", "content": record["system"]})
+        if not (isinstance(turn, dict) and role_key in turn and content_key in turn):
+            raise ValueError(f"{key}[{n}] must be an object with '{role_key}' and '{content_key}'")
+        if not isinstance(turn[role_key], str) or turn[role_key] not in roles:
+            raise ValueError(f"{key}[{n}]: unknown '{role_key}' value {turn[role_key]!r}; use one of "
+                             f"{', '.join(roles)}")
+    first = 1 if system_tag and turns and turns[0][role_key] == system_tag else 0
+    system = turns[0][content_key] if first else record.get(columns["system"]) if columns.get("system") else None
+    messages = [{"role": "system", "content": system}] if system else []
+    for n in range(first, len(turns)):
+        tag = turns[n][role_key]
+        expected = (("user", "tool"), ("assistant", "function_call"))[(n - first) % 2]
+        if alternate and roles[tag] not in expected:
+            wanted = "a user or observation" if expected[0] == "user" else "an assistant or function call"
+            raise ValueError(f"{key}[{n}]: {tag!r} where {wanted} turn belongs; sharegpt turns alternate user "
+                             f"(or observation) and assistant (or function call) after an optional leading system turn")
+        messages.append(_turn(roles[tag], turns[n][content_key], f"{key}[{n}]"))
+    if alternate and (len(turns) - first) % 2:
+        raise ValueError(f"'{key}' has an odd number of turns ({len(turns) - first}"
+                         f"{' after the system turn' if first else ''}); a sharegpt conversation ends with an "
+                         f"assistant or function call turn")
     return messages
+
+
+def _turn(role: str, content: Any, where: str) -> dict:
+    """A function call becomes an assistant turn with `tool_calls`, so the chat template writes the call its way."""
+    if role != "function_call":
+        return {"role": role, "content": content}
+    return {"role": "assistant", "content": "", "tool_calls": _tool_calls(content, where)}
+
+
+def _tool_calls(text: Any, where: str) -> list[dict]:
+    """LLaMA-Factory's function call value: JSON text of {"name", "arguments"} or of a list of them."""
+    shape = 'write {"name": ..., "arguments": {...}} or a list of them'
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: a function call must be JSON text, got {type(text).__name__}; {shape}")
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: function call is not valid JSON ({e.msg} at column {e.colno}); {shape}") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
+                            for c in calls):
+        raise ValueError(f"{where}: a function call needs a 'name' (a string) and 'arguments'; {shape}")
+    return [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+
+
+def _tools(record: dict, column: str | None) -> list[dict] | None:
+    """The function schemas a record offers, from JSON text (as LLaMA-Factory's files hold them) or a list;
+    none ("", "[]", absent) is None."""
+    value = record.get(column) if column else None
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"'{column}' is not valid JSON ({e.msg} at column {e.colno}); it must be a list of "
+                             "function schemas, as JSON text or as a list") from None
+    if not (isinstance(value, list) and all(isinstance(tool, dict) for tool in value)):
+        raise ValueError(f"'{column}' must be a list of function schemas (objects), got {type(value).__name__}")
+    return value or None
 
 
 def _from_openai(record: dict) -> list[dict]:
@@ -219,51 +336,69 @@ def _validate(messages: list[dict]) -> None:
             raise ValueError(f"message {n} ({msg['role']}): content must be a string, got {kind}")
         if msg["role"] == "system" and n > 0:
             raise ValueError(f"message {n}: a system message may only come first")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         raise ValueError("no assistant message with content, so nothing to train on")
 
 
 @dataclass
 class Conversations:
-    """What the dataset files hold: every usable conversation with where it came from, and the records skipped."""
+    """What the datasets hold: every usable conversation with the tools it offers and where it came from, and
+    the records skipped."""
 
     conversations: list[list[dict]]
+    tools: list[list[dict] | None]  # the function schemas each conversation offers, or None
     sources: list[str]  # "path: record N" (numbered from 1; with the line in JSONL), one per conversation
     skipped: list[str]  # "path: record N: problem" of each malformed record skipped (skip_invalid)
 
 
-def read_dataset(paths: list[Path], fmt: str = "auto", skip_invalid: bool = False) -> Conversations:
-    """Read all files into conversations.
+def read_dataset(datasets: list[DatasetSpec | Path], fmt: str = "auto", skip_invalid: bool = False,
+                 max_samples: int | None = None) -> Conversations:
+    """Read all datasets into conversations; a plain path is one file read with `fmt`.
 
-    A bad record stops the run by default (silently training on less data than intended is worse); records are
-    numbered from 1 in file order, and JSONL records name their line too.
+    `max_samples`: only the first N records of each dataset are read, counted before any is skipped, as
+    LLaMA-Factory selects them. A bad record stops the run by default (silently training on less data than
+    intended is worse); records are numbered from 1 in file order, and JSONL records name their line too.
     """
-    if fmt != "auto" and fmt not in FORMATS:
-        raise DataError(f"unknown dataset_format '{fmt}'; use auto or one of {', '.join(FORMATS)}")
-    if not paths:
+    specs = [d if isinstance(d, DatasetSpec) else file_spec(d, fmt) for d in datasets]
+    if not specs:
         raise DataError("no dataset files given; list at least one .json or .jsonl file")
-    read = Conversations([], [], [])
-    for path in paths:
-        records = located_records(path, keep_unparseable=skip_invalid)
-        if not records:
-            continue
-        file_fmt = detect_format([r for r, _ in records], path) if fmt == "auto" else fmt
-        for record, where in records:
-            try:
-                read.conversations.append(to_messages(record, file_fmt))
-                read.sources.append(f"{path}: {where}")
-            except ValueError as e:
-                if not skip_invalid:
-                    raise DataError(
-                        f"{path}: {where}: {e} (format {file_fmt}; records are numbered from 1). "
-                        "Fix the record, or set `skip_invalid: true` to skip such records"
-                    ) from None
-                read.skipped.append(f"{path}: {where}: {e}")
+    for spec in specs:
+        if spec.fmt != "auto" and spec.fmt not in FORMATS:
+            raise DataError(f"unknown dataset_format '{spec.fmt}'; use auto or one of {', '.join(FORMATS)}")
+    read = Conversations([], [], [], [])
+    for spec in specs:
+        left = max_samples
+        for path in spec.files:
+            if left == 0:
+                break
+            records = located_records(path, keep_unparseable=skip_invalid)[:left]
+            left = None if left is None else left - len(records)
+            if records:
+                _convert_file(records, path, spec, skip_invalid, read)
     if not read.conversations:
-        names = ", ".join(str(p) for p in paths)
+        names = ", ".join(str(path) for spec in specs for path in spec.files)
         raise DataError(f"no usable record in {names} ({len(read.skipped)} invalid skipped); check the files and "
                         f"their format")
     return read
+
+
+def _convert_file(records: list[tuple[Any, str]], path: Path, spec: DatasetSpec, skip_invalid: bool,
+                  read: Conversations) -> None:
+    file_fmt = detect_format([r for r, _ in records], path) if spec.fmt == "auto" else spec.fmt
+    for record, where in records:
+        try:
+            messages, tools = convert(record, file_fmt, spec)
+        except ValueError as e:
+            if not skip_invalid:
+                raise DataError(
+                    f"{path}: {where}: {e} ({spec.label(file_fmt)}; records are numbered from 1). "
+                    "Fix the record, or set `skip_invalid: true` to skip such records"
+                ) from None
+            read.skipped.append(f"{path}: {where}: {e}")
+            continue
+        read.conversations.append(messages)
+        read.tools.append(tools)
+        read.sources.append(f"{path}: {where}")
 
 
 def dataset_checksum(paths: list[Path]) -> str:

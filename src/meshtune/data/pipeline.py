@@ -7,6 +7,8 @@ from typing import Callable
 
 from meshtune.config import TrainConfig
 from meshtune.errors import ConfigError
+from meshtune.data.registry import resolve
+from meshtune.data.chat_template import ChatTemplate
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
 from meshtune.data.tokenized import load_or_build
@@ -16,10 +18,12 @@ def cache_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.tokenized_path) if cfg.tokenized_path else Path(cfg.output_dir) / "tokenized"
 
 
-def _load(cfg: TrainConfig, paths: list[str], tokenizer, show_progress: bool):
-    return load_or_build([Path(p) for p in paths], tokenizer, fmt=cfg.dataset_format, template=cfg.template,
-                         cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid, cache_dir=cache_dir(cfg),
-                         show_progress=show_progress)
+def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool):
+    """Files and dataset_info.json names → one tokenized dataset; max_samples cuts each entry, train and eval
+    alike, as LLaMA-Factory does."""
+    return load_or_build(resolve(entries, cfg.dataset_dir, cfg.dataset_format), tokenizer, template=cfg.template,
+                         cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
+                         cache_dir=cache_dir(cfg), show_progress=show_progress)
 
 
 def describe(name: str, stats: dict) -> list[str]:
@@ -48,6 +52,7 @@ def examples(named: list[str] | None, count: int) -> str:
 
 def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Callable[[str], None]):
     """(train, eval or None). Every process may call this: one builds the cache, the others wait and read it."""
+    log(f"chat template: {ChatTemplate(tokenizer, cfg.template).description}")
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
     for line in describe("train data", full.stats):
         log(line)

@@ -19,14 +19,14 @@ import numpy as np
 from tqdm import tqdm
 
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
-from meshtune.data.formats import dataset_checksum, read_dataset
+from meshtune.data.formats import DatasetSpec, dataset_checksum, file_spec, read_dataset
 from meshtune.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Bump when the on-disk layout or the tokenization/masking rules change, so old caches are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _ARRAYS = ("input_ids", "labels", "offsets")
 
 
@@ -86,20 +86,25 @@ def build_tokenized(
     *,
     sources: list[str] | None = None,
     skipped: list[str] | None = None,
+    tools: list[list[dict] | None] | None = None,
 ) -> TokenizedDataset:
-    """Encode each conversation, keep its first `cutoff_len` tokens, and drop samples left with no target.
-    `sources` (where each conversation came from) and `skipped` (malformed records passed over) go into the
-    stats, a few of each by name, for the report."""
+    """Encode each conversation (with the tools it offers, `tools[n]`), keep its first `cutoff_len` tokens, and
+    drop samples left with no target. `sources` (where each conversation came from) name the record in an error
+    and, with `skipped` (malformed records passed over), go into the stats, a few of each by name, for the report."""
     ids_parts: list[np.ndarray] = []
     label_parts: list[np.ndarray] = []
     n_truncated = 0
     dropped: list[str] = []
     for n, messages in enumerate(tqdm(conversations, desc="tokenizing", unit="rec", disable=not show_progress)):
-        input_ids, labels = template.encode(messages)
+        source = sources[n] if sources else f"conversation {n + 1}"
+        try:
+            input_ids, labels = template.encode(messages, tools=tools[n] if tools else None)
+        except DataError as e:
+            raise DataError(f"{source}: {e}") from None
         cut = len(input_ids) > cutoff_len
         labels_arr = np.asarray(labels[:cutoff_len], dtype=np.int32)
         if not (labels_arr != IGNORE_INDEX).any():  # dropped, not counted as truncated too
-            dropped.append(sources[n] if sources else f"conversation {n + 1}")
+            dropped.append(source)
             continue
         n_truncated += cut
         input_ids = input_ids[:cutoff_len]
@@ -144,23 +149,26 @@ def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def cache_key(
-    paths: list[Path],
+    datasets: list[DatasetSpec],
     tokenizer: PreTrainedTokenizerBase,
     template_name: str,
     cutoff_len: int,
-    fmt: str,
     skip_invalid: bool,
+    max_samples: int | None = None,
 ) -> str:
-    """Hash of every input that determines the tokenized arrays; a change in any of them means a new cache."""
+    """Hash of every input that determines the tokenized arrays; a change in any of them means a new cache.
+    Each dataset counts by its files' bytes and how they are read (format, columns, tags), not by the
+    dataset_info.json around it, so editing another entry there keeps the cache."""
     digest = hashlib.sha256()
     for part in (
         f"v{FORMAT_VERSION}",
-        dataset_checksum(paths),
+        *(spec.identity() + "".join(dataset_checksum([path]) for path in spec.files) for spec in datasets),
         _tokenizer_identity(tokenizer),
         template_name,
+        ChatTemplate(tokenizer, template_name).jinja or "",  # the format itself: a changed built-in one re-tokenizes
         str(cutoff_len),
-        fmt,
         str(bool(skip_invalid)),
+        str(max_samples),
     ):
         digest.update(part.encode())
         digest.update(b"\0")
@@ -168,23 +176,26 @@ def cache_key(
 
 
 def load_or_build(
-    paths: list[Path],
+    datasets: list[DatasetSpec | Path],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    fmt: str,
+    fmt: str = "auto",
     template: str,
     cutoff_len: int,
     skip_invalid: bool,
     cache_dir: Path,
     show_progress: bool,
+    max_samples: int | None = None,
 ) -> TokenizedDataset:
-    """Return the cached tokenized dataset, building it first if no process has yet.
+    """Return the cached tokenized dataset, building it first if no process has yet. A plain path is one file
+    read with `fmt`; `max_samples` keeps the first N records of each dataset.
 
     Safe to call from every rank of every node at once, with `cache_dir` local or on a shared filesystem
     that supports flock (NFSv4 does; Lustre needs the `flock` mount option).
     """
     cache_dir = Path(cache_dir)
-    key = cache_key(paths, tokenizer, template, cutoff_len, fmt, skip_invalid)
+    specs = [d if isinstance(d, DatasetSpec) else file_spec(d, fmt) for d in datasets]
+    key = cache_key(specs, tokenizer, template, cutoff_len, skip_invalid, max_samples)
     final = cache_dir / key
     if (final / "meta.json").is_file():
         return TokenizedDataset.load(final)
@@ -198,18 +209,18 @@ def load_or_build(
                 print(f"waiting for another process to tokenize the dataset (lock: {lock_path})", flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "meta.json").is_file():  # the process we waited for may have built it
-            _build_into(final, paths, tokenizer, fmt, template, cutoff_len, skip_invalid, show_progress)
+            _build_into(final, specs, tokenizer, template, cutoff_len, skip_invalid, max_samples, show_progress)
     return TokenizedDataset.load(final)
 
 
 def _build_into(
     final: Path,
-    paths: list[Path],
+    specs: list[DatasetSpec],
     tokenizer: PreTrainedTokenizerBase,
-    fmt: str,
     template: str,
     cutoff_len: int,
     skip_invalid: bool,
+    max_samples: int | None,
     show_progress: bool,
 ) -> None:
     """Build under the lock into a private tmp dir, then publish it with one atomic rename."""
@@ -217,9 +228,9 @@ def _build_into(
         shutil.rmtree(leftover, ignore_errors=True)
     tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     try:
-        read = read_dataset(paths, fmt, skip_invalid)
+        read = read_dataset(specs, skip_invalid=skip_invalid, max_samples=max_samples)
         dataset = build_tokenized(read.conversations, ChatTemplate(tokenizer, template), cutoff_len, show_progress,
-                                  sources=read.sources, skipped=read.skipped)
+                                  sources=read.sources, skipped=read.skipped, tools=read.tools)
         dataset.save(tmp)
         os.rename(tmp, final)
     except BaseException:

@@ -56,12 +56,13 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
 def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> torch.nn.Module:
     """The model on this process's device inside its data-parallel wrapper, holding rank 0's weights where the
     other ranks built it empty: ddp receives them whole before DDP wraps it; FSDP2 moves each unit to the GPU as it
-    shards it (the whole model is never on one GPU), then every rank receives its shard."""
+    shards it (the whole model is never on one GPU; with cpu_offload each shard then goes to host memory), then every
+    rank receives its shard."""
     if plan.weights_from_rank0:
         check_same_model(model, env)  # the empty models match rank 0's tensor for tensor, or the broadcast would hang
     wrap = dict(parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
                 prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16",
-                blocks_per_unit=plan.blocks_per_unit or 1)
+                blocks_per_unit=plan.blocks_per_unit or 1, cpu_offload=plan.cpu_offload)
     if plan.parallel == "ddp":
         if plan.weights_from_rank0:
             receive_replicated(model, env)
@@ -71,7 +72,7 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
     state = full_state(model, env) if plan.weights_from_rank0 else None  # taken before sharding moves the parameters
     model = wrap_model(model, **wrap)
     if state is not None:
-        receive_shards(model, state, env)
+        receive_shards(model, state, env, plan.cpu_offload)
     return model
 
 

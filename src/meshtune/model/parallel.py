@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtune.distributed import DistEnv
@@ -81,11 +81,13 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                hsdp_shard_size: int | None = None, prefetch: int = 1, grad_sync: str = "ddp",
-               in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1) -> torch.nn.Module:
+               in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1,
+               cpu_offload: bool = False) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
     gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `blocks_per_unit`:
-    consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all)."""
+    consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all).
+    `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host memory."""
     if parallel == "ddp":
         if env.world_size == 1:
             return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
@@ -107,15 +109,26 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32 if bf16 else None
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     reshard = parallel in ("zero3", "hsdp")
+    offload = offload_policy(cpu_offload, env.device)
     mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
     blocks = transformer_blocks(model)
     units = fsdp_units(blocks, blocks_per_unit)
     for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed)
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
     if prefetch:
         set_prefetch([unit[0] for unit in units], prefetch)
     return model
+
+
+def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
+    """FSDP2's CPU offload: each shard lives in host memory, is copied to the GPU for its all-gather, its reduced
+    gradient is copied back, and the optimizer steps it on the CPU. Pinned on CUDA, so those copies run
+    asynchronously; a CPU run has no device memory to pin for (and pinning needs an accelerator)."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
 def fsdp_units(blocks: list[torch.nn.Module], blocks_per_unit: int) -> list[list[torch.nn.Module]]:

@@ -62,13 +62,27 @@ def receive_replicated(model: torch.nn.Module, env: DistEnv) -> None:
     _broadcast_from_rank0([*model.parameters(), *model.buffers()])
 
 
-def receive_shards(model: torch.nn.Module, state: dict[str, torch.Tensor], env: DistEnv) -> None:
+def receive_shards(model: torch.nn.Module, state: dict[str, torch.Tensor], env: DistEnv,
+                   cpu_offload: bool = False) -> None:
     """zero2 / zero3 / hsdp, after fully_shard: each rank takes its shard of rank 0's tensors, then the buffers
-    (which FSDP2 does not shard, and which non-persistent ones the state dict leaves out)."""
-    if not env.is_main:
-        empty_on_device(model, env.device)
+    (which FSDP2 does not shard, and which non-persistent ones the state dict leaves out). With cpu_offload the
+    shards stay in host memory, where FSDP2 requires them: the empty models get host memory, the broadcast copies
+    into the shards in place, and the buffers (on the host meanwhile: the state dict's tensors must share one
+    device) go back to the device."""
+    home = torch.device("cpu") if cpu_offload else env.device
+    if env.is_main:
+        buffers_to(model, home)
+    else:
+        empty_on_device(model, home)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    buffers_to(model, env.device)
     _broadcast_from_rank0(list(model.buffers()))
+
+
+def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Every buffer moved to `device` in place, as fully_shard moves them; the parameters stay where they are."""
+    for buffer in model.buffers():
+        buffer.data = buffer.data.to(device)
 
 
 def empty_on_device(model: torch.nn.Module, device: torch.device) -> None:

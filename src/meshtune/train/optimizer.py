@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshtune.config import TrainConfig
 
@@ -22,9 +23,27 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global gradient norm (DTensor shards included), clipping when max_norm > 0."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(total, "full_tensor"):
-        total = total.full_tensor()
+    total = gradient_norm(grads)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # the scale goes to each gradient's device
     return total
+
+
+def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all gradients. FSDP2's shards: what torch's `get_total_norm` computes (each shard's norm,
+    their norm, summed over the mesh), with the shards' norms moved to the mesh's device before the sum crosses
+    the processes: cpu_offload leaves the gradients in host memory while the mesh is the GPUs', and NCCL carries
+    no host tensors."""
+    if not grads or not isinstance(grads[0], DTensor):
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    shard_norms = torch.stack(torch._foreach_norm(grads, 2.0))  # still partial: no collective yet
+    return torch.linalg.vector_norm(on_mesh_device(shard_norms), 2.0).full_tensor()
+
+
+def on_mesh_device(partial: DTensor) -> DTensor:
+    """The DTensor with its local tensor on the device its mesh communicates on, its placements unchanged."""
+    device_type = partial.device_mesh.device_type
+    if partial.device.type == device_type:
+        return partial
+    return DTensor.from_local(partial.to_local().to(device_type), partial.device_mesh, partial.placements,
+                              run_check=False, shape=partial.shape, stride=partial.stride())

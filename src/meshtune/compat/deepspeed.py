@@ -1,0 +1,177 @@
+"""A DeepSpeed JSON (`deepspeed: ds_config.json` in a config, `--deepspeed` on the command line) as meshtune keys.
+
+ZeRO stages become FSDP2 modes, offload becomes FSDP2's CPU offload, and the batch, precision, clipping, optimizer
+and scheduler entries become our keys. `"auto"` (HF Trainer fills it from its own arguments) takes our value. An
+explicit value is used when the config does not set that key, and is an error naming both when it sets another.
+Every entry we do not honour is named in one warning, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STAGE_TO_PARALLEL = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
+SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+# Entries that tune how DeepSpeed runs, not what it computes: FSDP2 decides these by itself.
+TUNING = ("overlap_comm", "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "reduce_bucket_size",
+          "contiguous_gradients", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
+          "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+          "stage3_gather_16bit_weights_on_model_save", "elastic_checkpoint", "ignore_unused_parameters")
+
+
+@dataclass
+class Translation:
+    """What a DeepSpeed file says in meshtune keys, and what it says that meshtune does not do."""
+
+    values: dict[str, Any] = field(default_factory=dict)      # our key -> value taken from the file
+    unhonoured: list[str] = field(default_factory=list)       # dotted entries not applied (one warning line)
+    notes: list[str] = field(default_factory=list)            # how an entry was applied, when not one to one
+    problems: list[str] = field(default_factory=list)         # conflicts and unsupported settings (errors)
+
+
+def read_deepspeed(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; errors name the file and what to do."""
+    from meshtune.errors import ConfigError
+
+    if not path.is_file():
+        raise ConfigError(f"deepspeed: {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"deepspeed: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+                          ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed: {path} must hold a JSON object of DeepSpeed settings")
+    return data
+
+
+def translate_deepspeed(ds: dict[str, Any], name: str, given: dict[str, Any], sources: dict[str, str]
+                        ) -> Translation:
+    """`ds` (the file `name`) against `given`, the keys the user set (YAML or command line, where `sources` says)."""
+    out = Translation()
+    entries = dict(ds)
+
+    def take(key: str, value: Any, entry: str) -> None:
+        """Their explicit value for our `key`: used unless the user set another one."""
+        if value == "auto" or value is None:
+            return
+        if key in given and given[key] != value:
+            out.problems.append(f"{name}: {entry} is {json.dumps(value)} but {key} is {given[key]!r} "
+                                f"({sources.get(key, 'config')}); set one of them to the other's value, "
+                                f"or the DeepSpeed entry to \"auto\"")
+        elif key not in given:
+            out.values[key] = value
+
+    _zero(entries.pop("zero_optimization", None) or {}, name, take, out)
+    _precision(entries.pop("bf16", None), entries.pop("fp16", None), name, take, out)
+    for entry, key in (("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
+                       ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+                       ("train_batch_size", "train_batch_size"),
+                       ("gradient_clipping", "max_grad_norm")):
+        if entry in entries:
+            take(key, entries.pop(entry), entry)
+    if "optimizer" in entries:
+        _optimizer(entries.pop("optimizer") or {}, name, take, out)
+    if "scheduler" in entries:
+        _scheduler(entries.pop("scheduler") or {}, name, given, sources, take, out)
+    out.unhonoured += sorted(entries)
+    return out
+
+
+def _zero(zero: dict[str, Any], name: str, take, out: Translation) -> None:
+    zero = dict(zero)
+    stage = zero.pop("stage", 0)
+    if stage not in STAGE_TO_PARALLEL:
+        out.problems.append(f"{name}: zero_optimization.stage {stage!r} is not 0, 1, 2 or 3")
+        return
+    take("parallel", STAGE_TO_PARALLEL[stage], "zero_optimization.stage")
+    if stage == 1:
+        out.notes.append(f"{name}: ZeRO stage 1 runs as zero2 (FSDP2 shards gradients along with the optimizer state)")
+    offloaded = []
+    for entry in ("offload_optimizer", "offload_param"):
+        device = (zero.pop(entry, None) or {}).get("device", "none")
+        if device == "nvme":
+            out.problems.append(f"{name}: zero_optimization.{entry}.device nvme is not supported: FSDP2 offloads to "
+                                f"CPU memory; set it to \"cpu\"")
+        elif device == "cpu":
+            offloaded.append(entry)
+        elif device not in ("none", None):
+            out.problems.append(f"{name}: zero_optimization.{entry}.device {device!r} is not cpu, nvme or none")
+    if offloaded and stage == 0:
+        out.problems.append(f"{name}: {' and '.join(offloaded)} need ZeRO stage 1, 2 or 3 (FSDP2 offloads shards); "
+                            f"set zero_optimization.stage")
+    elif offloaded:
+        take("cpu_offload", True, f"zero_optimization.{offloaded[0]}")
+        out.notes.append(f"{name}: {' and '.join(offloaded)} → cpu_offload: FSDP2 keeps parameters, gradients and "
+                         f"optimizer state in CPU memory and steps the optimizer there")
+    out.unhonoured += [f"zero_optimization.{key}" for key in sorted(zero)]
+
+
+def _precision(bf16: dict | None, fp16: dict | None, name: str, take, out: Translation) -> None:
+    bf16_on = (bf16 or {}).get("enabled", "auto")
+    fp16_on = (fp16 or {}).get("enabled", "auto")
+    if fp16_on is True:
+        out.problems.append(f"{name}: fp16.enabled true: meshtune computes in bf16 (or fp32), without fp16's loss "
+                            f"scaling; set fp16.enabled to \"auto\" or false, and bf16.enabled to true")
+    if bf16_on in (True, False):
+        take("bf16", bf16_on, "bf16.enabled")
+    for block, settings in (("bf16", bf16), ("fp16", fp16)):
+        out.unhonoured += [f"{block}.{key}" for key in sorted(settings or {}) if key != "enabled"]
+
+
+def _optimizer(block: dict[str, Any], name: str, take, out: Translation) -> None:
+    kind = str(block.get("type", "AdamW"))
+    if kind.lower() not in ("adam", "adamw"):
+        out.problems.append(f"{name}: optimizer.type {kind!r}: meshtune trains with AdamW; remove the optimizer "
+                            f"block or set its type to AdamW")
+        return
+    params = dict(block.get("params") or {})
+    if kind.lower() == "adam" and params.pop("adam_w_mode", True) is False:
+        out.problems.append(f"{name}: optimizer Adam with adam_w_mode false (L2 in the gradient) is not AdamW; "
+                            f"meshtune trains with AdamW's decoupled weight decay")
+    take("learning_rate", params.pop("lr", "auto"), "optimizer.params.lr")
+    betas = params.pop("betas", "auto")
+    if betas != "auto":
+        if not (isinstance(betas, list) and len(betas) == 2):
+            out.problems.append(f"{name}: optimizer.params.betas {betas!r} is not a pair [beta1, beta2]")
+        else:
+            take("adam_beta1", betas[0], "optimizer.params.betas[0]")
+            take("adam_beta2", betas[1], "optimizer.params.betas[1]")
+    take("adam_epsilon", params.pop("eps", "auto"), "optimizer.params.eps")
+    take("weight_decay", params.pop("weight_decay", "auto"), "optimizer.params.weight_decay")
+    out.unhonoured += [f"optimizer.params.{key}" for key in sorted(params)]
+    out.unhonoured += [f"optimizer.{key}" for key in sorted(block) if key not in ("type", "params")]
+
+
+def _scheduler(block: dict[str, Any], name: str, given: dict[str, Any], sources: dict[str, str], take,
+               out: Translation) -> None:
+    kind = block.get("type")
+    if kind not in SCHEDULERS:
+        out.problems.append(f"{name}: scheduler.type {kind!r} is not supported; meshtune has {', '.join(SCHEDULERS)} "
+                            f"(as lr_scheduler_type constant, linear, cosine); remove the scheduler block to use "
+                            f"lr_scheduler_type")
+        return
+    params = dict(block.get("params") or {})
+    ours = SCHEDULERS[kind]
+    if "lr_scheduler_type" in given and given["lr_scheduler_type"] != ours:
+        # HF Trainer lets the file's scheduler win silently; the user's explicit choice is what meshtune follows
+        out.notes.append(f"{name}: scheduler {kind} (warmup, then {ours}) is not used: lr_scheduler_type "
+                         f"{given['lr_scheduler_type']!r} ({sources.get('lr_scheduler_type', 'config')}) is; HF "
+                         f"Trainer would have run the file's {kind}")
+    else:
+        take("lr_scheduler_type", ours, "scheduler.type")
+    take("warmup_steps", params.pop("warmup_num_steps", "auto"), "scheduler.params.warmup_num_steps")
+    take("learning_rate", params.pop("warmup_max_lr", "auto"), "scheduler.params.warmup_max_lr")
+    take("max_steps", params.pop("total_num_steps", "auto"), "scheduler.params.total_num_steps")
+    for entry in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio"):
+        value = params.pop(entry, "auto")
+        if value not in ("auto", 0, 0.0):
+            out.problems.append(f"{name}: scheduler.params.{entry} {value!r}: meshtune's schedules start and end at "
+                                f"0; set it to 0 or \"auto\"")
+    warmup_type = params.pop("warmup_type", "log" if kind == "WarmupLR" else "linear")
+    if warmup_type != "linear":
+        out.notes.append(f"{name}: scheduler warmup_type {warmup_type!r} runs as linear warmup")
+    out.unhonoured += [f"scheduler.params.{key}" for key in sorted(params)]

@@ -1,0 +1,197 @@
+"""Keys of LLaMA-Factory YAMLs, HF TrainingArguments and Qwen's finetune.py that are not meshtune's own.
+
+Each such key is renamed to ours, ignored with the reason (listed in one warning), or refused with the reason when
+ignoring it would change what is trained. A key meshtune has under the same name never reaches this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+LF, HF, QWEN = "LLaMA-Factory's", "HF TrainingArguments'", "Qwen's finetune.py's"
+
+
+@dataclass
+class Outcome:
+    values: dict[str, Any] = field(default_factory=dict)  # our keys it sets
+    ignored: str | None = None                            # why it is ignored (a warning), when it is
+    refused: str | None = None                            # why it cannot run (an error), when it cannot
+
+
+Handler = Callable[[Any], Outcome]
+
+
+def renamed(ours: str) -> Handler:
+    return lambda value: Outcome(values={ours: value})
+
+
+def ignored(reason: str, *silent: Any) -> Handler:
+    """Ignored with `reason`; no warning for the `silent` values, which ask for what meshtune does anyway."""
+    return lambda value: Outcome() if _among(value, silent) else Outcome(ignored=reason)
+
+
+def only(accepted: dict[Any, dict[str, Any]], refusal: str) -> Handler:
+    """The values in `accepted` set those keys (or nothing); any other value is refused with `refusal`."""
+    def handle(value: Any) -> Outcome:
+        for option, values in accepted.items():
+            if _among(value, (option,)):
+                return Outcome(values=dict(values))
+        return Outcome(refused=refusal)
+    return handle
+
+
+def _among(value: Any, options: tuple) -> bool:
+    return any(_same(value, option) for option in options)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal and of one type (true is not 1); text compared without case, as LLaMA-Factory and HF parse it."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a.lower() == b.lower()
+    return type(a) is type(b) and a == b
+
+
+NO_DOWNLOAD = "meshtune reads local files only and never downloads"
+CACHE = "the data is tokenized once per job into a shared cache, rebuilt by itself when data, tokenizer, template or cutoff_len change"
+SFT_ONLY = "meshtune trains supervised fine-tuning (stage: sft) only"
+SHARDING = ("meshtune shards with FSDP2 through its own keys: parallel: zero3 (or zero2, hsdp), cpu_offload: true, "
+            "and nnodes / nproc_per_node / master_addr / master_port (or the launcher's environment)")
+
+# key -> (whose key it is, what meshtune does with its value)
+FOREIGN: dict[str, tuple[str, Handler]] = {
+    # method
+    "stage": (LF, only({"sft": {}}, f"{SFT_ONLY}: pre-training (pt), reward models (rm), PPO, DPO and KTO are "
+                                    f"other trainers")),
+    "do_train": (LF, only({True: {}}, "meshtune train always trains; do_train: false asks it not to")),
+    "do_eval": (HF, ignored("evaluation runs when val_size or eval_dataset is set: every eval_steps and at the end",
+                            True, False)),
+    "do_predict": (HF, only({False: {}}, "generation over a test set is not part of meshtune train; load "
+                                         "output_dir/final with transformers to generate")),
+    "quantization_bit": (LF, only({4: {"finetuning_type": "qlora"}, None: {}},
+                                  "meshtune quantizes the frozen base to 4-bit NF4 only (Q-LoRA: quantization_bit: 4); "
+                                  "8-, 3- and 2-bit bases are not supported")),
+    "quantization_method": (LF, only({"bnb": {}, "bitsandbytes": {}},
+                                     "the 4-bit base is NF4 with double-quantized scales (through torchao), which is "
+                                     "what quantization_method: bnb gives; hqq and eetq are other quantizers")),
+    "quantization_type": (LF, only({"nf4": {}}, "the 4-bit base is NF4; fp4 is not supported")),
+    "double_quantization": (LF, only({True: {}}, "meshtune's NF4 always double-quantizes its scales")),
+    "trust_remote_code": (LF, ignored("meshtune builds only architectures transformers has built in: code shipped in "
+                                      "a model folder never runs", False)),
+    "use_lora": (QWEN, only({True: {"finetuning_type": "lora"}, False: {}}, "it takes True or False")),
+    "q_lora": (QWEN, only({True: {"finetuning_type": "qlora"}, False: {}}, "it takes True or False")),
+    "lora_r": (QWEN, renamed("lora_rank")),
+    "lora_target_modules": (QWEN, renamed("lora_target")),
+    "lora_bias": (QWEN, only({"none": {}}, "LoRA trains no bias terms in meshtune; set lora_bias none")),
+    "lora_weight_path": (QWEN, only({"": {}, None: {}}, "starting from an existing adapter is not supported")),
+    "additional_target": (LF, only({None: {}}, "modules trained in full beside LoRA are not supported")),
+    "use_rslora": (LF, only({False: {}}, "rank-stabilized LoRA scaling is not supported; meshtune scales by alpha / r")),
+    "use_dora": (LF, only({False: {}}, "DoRA is not supported")),
+    "pissa_init": (LF, only({False: {}}, "PiSSA initialisation is not supported")),
+    "loraplus_lr_ratio": (LF, only({None: {}}, "LoRA+ learning rates are not supported")),
+    "create_new_adapter": (LF, only({False: {}}, "starting from an existing adapter is not supported")),
+    "adapter_name_or_path": (LF, only({None: {}}, "starting from an existing adapter is not supported")),
+    "fix_vit": (QWEN, ignored("meshtune trains text models only", True, False)),
+    # data
+    "data_path": (QWEN, renamed("dataset")),
+    "eval_data_path": (QWEN, renamed("eval_dataset")),
+    "model_max_length": (QWEN, renamed("cutoff_len")),
+    "lazy_preprocess": (QWEN, ignored(CACHE, True, False)),
+    "overwrite_cache": (LF, ignored(CACHE, False)),
+    "preprocessing_num_workers": (LF, ignored("tokenization runs once per job, into the shared cache")),
+    "preprocessing_batch_size": (LF, ignored("tokenization runs once per job, into the shared cache")),
+    "dataloader_num_workers": (HF, ignored("batches are read from the memory-mapped token cache in the training "
+                                           "process; no loader workers are needed", 0)),
+    "dataloader_pin_memory": (HF, ignored("batches are always copied through pinned memory", True)),
+    "dataloader_persistent_workers": (HF, ignored("there are no loader workers", False)),
+    "neat_packing": (LF, only({True: {"packing": True}, False: {}}, "it takes true or false")),
+    "train_on_prompt": (LF, only({False: {}}, "meshtune trains assistant tokens only")),
+    "mask_history": (LF, only({False: {}}, "meshtune trains every assistant turn, not only the last")),
+    "streaming": (LF, only({False: {}}, f"{CACHE}; streaming would change the order samples are drawn in")),
+    "mix_strategy": (LF, only({"concat": {}}, "datasets are concatenated; interleaving is not supported")),
+    "media_dir": (LF, ignored("meshtune trains text models only")),
+    # outputs and logging
+    "overwrite_output_dir": (HF, ignored("output_dir is never cleared: a run resumes its newest complete checkpoint "
+                                         "(resume_from_checkpoint: auto); set resume_from_checkpoint: none to start "
+                                         "over", False)),
+    "plot_loss": (LF, ignored("output_dir/loss.png is always written", True)),
+    "report_to": (HF, ignored("metrics go to output_dir/metrics.jsonl and loss.png", "none", [])),
+    "logging_dir": (HF, ignored("metrics go to output_dir/metrics.jsonl")),
+    "logging_strategy": (HF, only({"steps": {}}, "meshtune logs every logging_steps optimizer steps")),
+    "logging_first_step": (HF, ignored("the first logged step is logging_steps", False)),
+    "run_name": (HF, ignored("the run is named by its output_dir")),
+    "save_strategy": (HF, only({"steps": {}, "no": {"save_steps": 0}, False: {"save_steps": 0}},
+                               "checkpoints are written every save_steps optimizer steps; set save_steps to the steps "
+                               "of an epoch (run_plan.json has them) instead of save_strategy: epoch")),
+    "evaluation_strategy": (HF, only({"steps": {}, "no": {}, False: {}},
+                                     "evaluation runs every eval_steps optimizer steps; set eval_steps instead of "
+                                     "evaluation_strategy: epoch")),
+    "eval_strategy": (HF, only({"steps": {}, "no": {}, False: {}},  # YAML 1.1 reads no as false
+                               "evaluation runs every eval_steps optimizer steps; set eval_steps instead of "
+                               "eval_strategy: epoch")),
+    "save_only_model": (HF, ignored("checkpoints always keep the optimizer and data position, so a resume is exact",
+                                    False)),
+    "save_safetensors": (HF, ignored("final/ is always safetensors", True)),
+    "include_num_input_tokens_seen": (HF, ignored("metrics.jsonl always counts tokens", False)),
+    "include_tokens_per_second": (HF, ignored("metrics.jsonl always has tokens/s", False)),
+    "push_to_hub": (HF, only({False: {}}, NO_DOWNLOAD + " nor uploads; push output_dir/final yourself")),
+    "hub_model_id": (HF, ignored(NO_DOWNLOAD + " nor uploads")),
+    "cache_dir": (HF, ignored(NO_DOWNLOAD)),
+    "use_fast_tokenizer": (LF, ignored("the model folder's tokenizer is loaded as transformers loads it", True)),
+    # precision, speed and distribution
+    "fp16": (HF, only({False: {}}, "meshtune computes in bf16 (bf16: true) or fp32; fp16 with loss scaling is not "
+                                   "supported")),
+    "tf32": (HF, ignored("meshtune sets matmul precision itself")),
+    "flash_attn": (LF, ignored("meshtune picks the attention kernel itself (torch's flash and variable-length "
+                               "kernels where the GPU has them)", "auto")),
+    "enable_liger_kernel": (LF, ignored("meshtune's fused output head and loss (fused_loss: true) does the same job",
+                                        False)),
+    "use_unsloth": (LF, ignored("meshtune uses its own fast paths", False)),
+    "use_unsloth_gc": (LF, ignored("meshtune uses its own fast paths", False)),
+    "disable_gradient_checkpointing": (LF, ignored("meshtune's gradient_checkpointing key decides (default off)")),
+    "ddp_find_unused_parameters": (HF, ignored("meshtune sets DDP up for the parameters that train")),
+    "ddp_backend": (HF, ignored("meshtune uses nccl on GPUs and gloo on CPU")),
+    "fsdp": (HF, lambda value: Outcome() if not value else Outcome(refused=SHARDING)),
+    "fsdp_config": (HF, lambda value: Outcome() if not value else Outcome(refused=SHARDING)),
+    "lr_scheduler_kwargs": (HF, only({None: {}}, "schedules take no extra arguments")),
+}
+
+
+def translate_foreign(values: dict[str, Any], sources: dict[str, str], default_source: str
+                      ) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(values in our keys, warning lines for ignored keys, error lines for refused ones). A renamed key that
+    meets our own key (or another rename) with a different value is an error naming both."""
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    warnings, problems = [], []
+    for key, value in values.items():
+        if key not in FOREIGN:
+            out[key] = value
+            origin.setdefault(key, key)
+    for key, value in values.items():
+        if key not in FOREIGN:
+            continue
+        whose, handle = FOREIGN[key]
+        where = sources.get(key, default_source)
+        outcome = handle(value)
+        if outcome.refused is not None:
+            problems.append(f"{where}: {key}: {value!r} is {whose}; meshtune cannot run it: {outcome.refused}")
+        elif outcome.ignored is not None:
+            warnings.append(f"{key} is {whose}; ignored because {outcome.ignored}")
+        for ours, mapped in outcome.values.items():
+            if ours in out and out[ours] != mapped and not _upgrade(ours, out[ours], mapped):
+                problems.append(f"{where}: {key}: {value!r} means {ours}: {mapped!r}, but {origin[ours]} sets "
+                                f"{ours}: {out[ours]!r}; keep one of them")
+                continue
+            out[ours] = _upgrade(ours, out.get(ours), mapped) or mapped
+            origin[ours] = key
+            if key in sources:
+                sources.setdefault(ours, sources[key])
+    return out, warnings, problems
+
+
+def _upgrade(key: str, current: Any, mapped: Any) -> Any:
+    """LLaMA-Factory writes Q-LoRA as finetuning_type: lora plus quantization_bit: 4; both mean qlora."""
+    if key == "finetuning_type" and {current, mapped} == {"lora", "qlora"}:
+        return "qlora"
+    return None

@@ -1,0 +1,280 @@
+"""Jobs brought from other tools run as they are: LLaMA-Factory YAMLs, DeepSpeed JSONs, Qwen's finetune.py flags.
+
+Each test runs on the repo's own fixtures (tests/fixtures/compat, written in each tool's format) and, where the
+real files are present in ../shared/compat, on those too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics, run_cli
+from meshtune.compat.deepspeed import translate_deepspeed
+from meshtune.compat.flags import split_flags
+from meshtune.compat.foreign import FOREIGN
+from meshtune.compat.loading import load_job_config
+from meshtune.errors import ConfigError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "compat"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "compat"
+SOURCES = [pytest.param(FIXTURES, id="fixtures"),
+           pytest.param(SHARED, id="shared", marks=pytest.mark.skipif(
+               not SHARED.is_dir(), reason=f"{SHARED} is absent (it is not part of a clone)"))]
+
+
+def llamafactory_tree(source: Path, into: Path) -> Path:
+    """A LLaMA-Factory checkout's layout (examples/train_*/x.yaml, examples/deepspeed/*.json, data/), from which
+    its YAMLs are run unchanged; `source` holds them in that layout (fixtures) or flat (the shared copies)."""
+    lf = source / "llamafactory"
+    (into / "examples" / "train").mkdir(parents=True)
+    shutil.copytree(lf / "data", into / "data")
+    shutil.copytree(lf / "examples" / "deepspeed" if (lf / "examples" / "deepspeed").is_dir() else lf / "examples",
+                    into / "examples" / "deepspeed", ignore=shutil.ignore_patterns("*.yaml", "train", "accelerate"))
+    for yaml_file in lf.glob("examples/**/*.yaml"):
+        shutil.copy(yaml_file, into / "examples" / "train" / yaml_file.name)
+    return into
+
+
+def ds_files(source: Path) -> dict[str, Path]:
+    return {path.name: path for path in [*(source / "llamafactory").glob("examples/**/ds_*.json"),
+                                          *(source / "qwen").glob("ds_*.json")]}
+
+
+# ---- DeepSpeed JSON
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_deepspeed_file_translates_to_its_parallel_mode(source):
+    expected = {"ds_z0_config.json": ("ddp", None), "ds_z2_config.json": ("zero2", None),
+                "ds_z2_offload_config.json": ("zero2", True), "ds_z3_config.json": ("zero3", None),
+                "ds_z3_offload_config.json": ("zero3", True), "ds_config_zero2.json": ("zero2", None),
+                "ds_config_zero3.json": ("zero3", None)}
+    files = ds_files(source)
+    assert set(files) == set(expected)
+    for name, path in files.items():
+        out = translate_deepspeed(json.loads(path.read_text()), name, {}, {})
+        assert out.problems == [], name
+        assert (out.values["parallel"], out.values.get("cpu_offload")) == expected[name], name
+        assert "fp16.loss_scale" in out.unhonoured, name
+        assert all(key not in out.values for key in ("learning_rate", "per_device_train_batch_size", "bf16")), \
+            "every 'auto' takes meshtune's value"
+
+
+def test_deepspeed_explicit_values_apply_and_conflicts_name_both():
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 64,
+          "gradient_clipping": 0.5, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
+                                                     "weight_decay": 0.1}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100,
+                                                             "warmup_type": "linear"}},
+          "zero_optimization": {"stage": 1}}
+    out = translate_deepspeed(ds, "ds.json", {}, {})
+    assert out.problems == []
+    assert out.values == {"parallel": "zero2", "bf16": True, "per_device_train_batch_size": 4,
+                          "gradient_accumulation_steps": 2, "train_batch_size": 64, "max_grad_norm": 0.5,
+                          "learning_rate": 3e-4, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_epsilon": 1e-6,
+                          "weight_decay": 0.1, "lr_scheduler_type": "linear", "warmup_steps": 10, "max_steps": 100}
+    same = translate_deepspeed(ds, "ds.json", {"per_device_train_batch_size": 4}, {})
+    assert same.problems == [] and "per_device_train_batch_size" not in same.values
+    clash = translate_deepspeed(ds, "ds.json", {"per_device_train_batch_size": 2, "parallel": "zero3"},
+                                {"per_device_train_batch_size": "command line"})
+    assert clash.problems == [
+        "ds.json: zero_optimization.stage is \"zero2\" but parallel is 'zero3' (config); set one of them to the other's "
+        "value, or the DeepSpeed entry to \"auto\"",
+        "ds.json: train_micro_batch_size_per_gpu is 4 but per_device_train_batch_size is 2 (command line); set one of "
+        "them to the other's value, or the DeepSpeed entry to \"auto\""]
+
+
+def test_deepspeed_settings_meshtune_cannot_run_are_errors():
+    bad = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+           "optimizer": {"type": "Lamb"}, "scheduler": {"type": "OneCycle"}}
+    problems = "\n".join(translate_deepspeed(bad, "ds.json", {}, {}).problems)
+    for expected in ("fp16.enabled true", "offload_param.device nvme is not supported", "optimizer.type 'Lamb'",
+                     "scheduler.type 'OneCycle' is not supported"):
+        assert expected in problems
+    stage0 = translate_deepspeed({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+                                 "ds.json", {}, {})
+    assert "need ZeRO stage 1, 2 or 3" in stage0.problems[0]
+
+
+def test_deepspeed_scheduler_gives_way_to_an_explicit_lr_scheduler_type_and_says_so(tmp_path):
+    out = translate_deepspeed(json.loads((FIXTURES / "qwen" / "ds_config_zero2.json").read_text()), "z2.json",
+                              {"lr_scheduler_type": "cosine"}, {"lr_scheduler_type": "command line"})
+    assert "lr_scheduler_type" not in out.values and out.problems == []
+    assert any("scheduler WarmupLR (warmup, then constant) is not used: lr_scheduler_type 'cosine' (command line)"
+               in note for note in out.notes)
+    alone = translate_deepspeed(json.loads((FIXTURES / "qwen" / "ds_config_zero2.json").read_text()), "z2.json", {}, {})
+    assert alone.values["lr_scheduler_type"] == "constant"
+
+
+def test_deepspeed_file_is_found_next_to_the_config_and_errors_name_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg").mkdir()
+    shutil.copy(FIXTURES / "qwen" / "ds_config_zero3.json", tmp_path / "cfg" / "ds.json")
+    (tmp_path / "cfg" / "train.yaml").write_text("model_name_or_path: /m\ndataset: d.json\ndeepspeed: ds.json\n")
+    loaded = load_job_config(tmp_path / "cfg" / "train.yaml")
+    assert loaded.config.parallel == "zero3"
+    assert any("not applied" in line and "zero_optimization.stage3_max_live_parameters" in line
+               for line in loaded.warnings)
+    with pytest.raises(ConfigError, match=r"command line: deepspeed: missing.json not found \(looked at"):
+        load_job_config(tmp_path / "cfg" / "train.yaml", ["deepspeed=missing.json"])
+
+
+# ---- LLaMA-Factory YAML and foreign keys
+
+def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: /m\ndataset: d.json\noverwrite_output_dir: true\nreport_to: wandb\n"
+                      "plot_loss: true\nstage: sft\ndo_train: true\n")
+    loaded = load_job_config(config)
+    assert loaded.warnings == [
+        "overwrite_output_dir is HF TrainingArguments'; ignored because output_dir is never cleared: a run resumes "
+        "its newest complete checkpoint (resume_from_checkpoint: auto); set resume_from_checkpoint: none to start over",
+        "report_to is HF TrainingArguments'; ignored because metrics go to output_dir/metrics.jsonl and loss.png"]
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\ntrain_on_prompt: true\nfp16: true\n"
+                      "quantization_bit: 8\ntemplate: qwen2_vl\nlearning_rat: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_job_config(config)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 6, lines
+    for expected in ("stage: 'ppo' is LLaMA-Factory's; meshtune cannot run it: meshtune trains supervised "
+                     "fine-tuning (stage: sft) only", "train_on_prompt: True", "fp16: True",
+                     "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
+                     "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
+        assert any(expected in line for line in lines), expected
+
+
+def test_foreign_keys_no_longer_get_a_misleading_did_you_mean(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nuse_lora: true\nmax_samples: 10\n")
+    cfg = load_job_config(config).config
+    assert cfg.finetuning_type == "lora" and cfg.max_samples == 10
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nfinetuning_type: lora\nquantization_bit: 4\n")
+    assert load_job_config(config).config.finetuning_type == "qlora"
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nfinetuning_type: full\nuse_lora: true\n")
+    with pytest.raises(ConfigError, match=r"use_lora: True means finetuning_type: 'lora', but finetuning_type sets "
+                                          r"finetuning_type: 'full'"):
+        load_job_config(config)
+
+
+def test_qlora_under_a_sharded_deepspeed_stage_is_refused_with_the_reason(tmp_path, monkeypatch):
+    tree = llamafactory_tree(FIXTURES, tmp_path / "lf")
+    monkeypatch.chdir(tree)
+    with pytest.raises(ConfigError, match=r"qlora trains with parallel: ddp.*zero3 is not supported"):
+        load_job_config("examples/train/lora_sft_otfq.yaml", ["deepspeed=examples/deepspeed/ds_z3_config.json"])
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_accelerate_fsdp_config_is_refused_with_meshtune_equivalents(source):
+    path = next((source / "llamafactory").glob("examples/**/fsdp_config*.yaml"))
+    with pytest.raises(ConfigError) as err:
+        load_job_config(path)
+    message = str(err.value)
+    assert "is an accelerate launch config (distributed_type: FSDP)" in message
+    for key in ("parallel: zero3", "nnodes: 2", "nproc_per_node: 8", "master_addr: ", "master_port: 29500"):
+        assert key in message
+
+
+REFUSED = {"dpo.yaml": "stage: 'dpo' is LLaMA-Factory's; meshtune cannot run it",
+           "fsdp_config.yaml": "is an accelerate launch config",
+           "fsdp_config_multiple_nodes.yaml": "is an accelerate launch config"}
+EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
+    "lora_sft.yaml": ("auto", "lora", False), "full_sft_ds3.yaml": ("zero3", "full", False),
+    "lora_sft_otfq.yaml": ("auto", "qlora", False), "toolcall_lora_sft.yaml": ("ddp", "lora", False),
+    "qwen3_lora_sft.yaml": ("auto", "lora", False), "qwen3_full_sft.yaml": ("zero3", "full", False),
+    "qwen3_lora_sft_ds3.yaml": ("zero3", "lora", False), "qwen3_lora_sft_otfq.yaml": ("auto", "qlora", False)}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_path, monkeypatch, tiny_model_dir):
+    """Unchanged but for the model path and output_dir (and max_steps to keep it short), from the root of a
+    LLaMA-Factory-like checkout, as its users run them."""
+    from meshtune.train.loop import run
+
+    tree = llamafactory_tree(source, tmp_path / "lf")
+    monkeypatch.chdir(tree)
+    yamls = sorted((tree / "examples" / "train").glob("*.yaml"))
+    assert {path.name for path in yamls} <= set(EXPECTED) | set(REFUSED)
+    for path in yamls:
+        overrides = [f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'out' / path.stem}",
+                     "max_steps=3", "logging_steps=1"]
+        if path.name in REFUSED:
+            with pytest.raises(ConfigError, match=REFUSED[path.name]):
+                load_job_config(path.relative_to(tree), overrides)
+            continue
+        cfg = load_job_config(path.relative_to(tree), overrides).config
+        assert (cfg.parallel, cfg.finetuning_type, cfg.cpu_offload) == EXPECTED[path.name], path.name
+        records = run(cfg).records
+        assert [r["step"] for r in records if "loss" in r][-1] == 3, path.name
+        final = tmp_path / "out" / path.stem / "final"
+        assert (final / "tokenizer_config.json").is_file(), path.name
+
+
+def test_llamafactory_yaml_through_the_command_line(tmp_path, tiny_model_dir):
+    tree = llamafactory_tree(FIXTURES, tmp_path / "lf")
+    out = tmp_path / "out"
+    result, _ = run_cli(["train", "examples/train/lora_sft.yaml", f"model_name_or_path={tiny_model_dir}",
+                      f"output_dir={out}", "max_steps=2", "save_steps=0"], cwd=tree)
+    assert result.returncode == 0, result.stdout
+    assert "overwrite_output_dir is HF TrainingArguments'; ignored because" in result.stdout
+    assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == 2
+
+
+# ---- Qwen's finetune.py flags
+
+def test_flags_are_split_from_the_command_and_parsed_as_yaml():
+    rest, flags, given = split_flags(["cfg.yaml", "lr=1", "--bf16", "True", "--use_lora", "--lora_target_modules",
+                                      "c_attn", "w1", "--max_steps=-1", "--debug", "--weight_decay", "0.1"],
+                                     {"--debug"})
+    assert rest == ["cfg.yaml", "lr=1", "--debug"]
+    assert flags == {"bf16": True, "use_lora": True, "lora_target_modules": ["c_attn", "w1"], "max_steps": -1,
+                     "weight_decay": 0.1}
+    assert given == ["--bf16", "True", "--use_lora", "--lora_target_modules", "c_attn", "w1", "--max_steps=-1",
+                     "--weight_decay", "0.1"]
+
+
+def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny_model_dir):
+    """The flags of Qwen's finetune_lora_ds.sh, with its ZeRO-2 DeepSpeed JSON and data format."""
+    out = tmp_path / "out"
+    result, _ = run_cli(
+        ["train", "--model_name_or_path", str(tiny_model_dir), "--data_path", str(FIXTURES / "qwen" / "train.json"),
+         "--bf16", "True", "--output_dir", str(out), "--num_train_epochs", "5", "--per_device_train_batch_size", "1",
+         "--per_device_eval_batch_size", "1", "--gradient_accumulation_steps", "2", "--evaluation_strategy", "no",
+         "--save_strategy", "steps", "--save_steps", "1000", "--save_total_limit", "10", "--learning_rate", "3e-4",
+         "--weight_decay", "0.1", "--adam_beta2", "0.95", "--warmup_ratio", "0.01", "--lr_scheduler_type", "cosine",
+         "--logging_steps", "1", "--report_to", "none", "--model_max_length", "128", "--lazy_preprocess", "True",
+         "--use_lora", "--gradient_checkpointing", "--deepspeed", str(FIXTURES / "qwen" / "ds_config_zero2.json"),
+         "--max_steps", "2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout
+    plan = json.loads((out / "run_plan.json").read_text())
+    assert plan["parallel"] == "zero2"
+    assert "scheduler WarmupLR (warmup, then constant) is not used: lr_scheduler_type 'cosine'" in result.stdout
+    saved = (out / "config.yaml").read_text()
+    for line in ("finetuning_type: lora", "cutoff_len: 128", "adam_beta2: 0.95", "lr_scheduler_type: cosine"):
+        assert line in saved
+    assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == 2
+
+
+def test_migration_guide_lists_every_key_of_the_other_tools():
+    guide = (Path(__file__).parents[1] / "docs" / "migration.md").read_text()
+    missing = [key for key in FOREIGN if f"`{key}`" not in guide and f"`--{key}`" not in guide]
+    assert not missing, f"docs/migration.md lacks {missing}"
+
+
+def test_deepspeed_train_batch_size_is_checked_against_the_job(tmp_path, tiny_model_dir):
+    from meshtune.train.loop import run
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1,
+                              "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 0}}))
+    overrides = [f"model_name_or_path={tiny_model_dir}", f"dataset={FIXTURES / 'qwen' / 'train.json'}",
+                 f"output_dir={tmp_path / 'out'}", "gradient_accumulation_steps=2", f"deepspeed={ds}", "max_steps=1"]
+    cfg = load_job_config(None, overrides).config
+    assert (cfg.train_batch_size, cfg.per_device_train_batch_size, cfg.parallel) == (6, 1, "ddp")
+    with pytest.raises(ConfigError, match=r"train_batch_size 6 is not the global batch this job makes: "
+                                          r"per_device_train_batch_size 1 x gradient_accumulation_steps 2 x 1 "
+                                          r"processes = 2"):
+        run(cfg)

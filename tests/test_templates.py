@@ -1,0 +1,266 @@
+"""LLaMA-Factory template names: the exact text each renders, what is trained, tool calls, the choice of the
+tokenizer's own template, and the template saved for serving."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from transformers import AutoTokenizer
+
+from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate, serving_chat_template
+from meshtune.data.templates import FORMATS
+from meshtune.demo.tokenizer import train_tokenizer
+from meshtune.errors import DataError
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "You are a helpful assistant. Be brief.",
+    "What is the weather in Paris? It is 20 degrees.",
+] * 6
+
+SYSTEM = [{"role": "system", "content": "Be brief."}]
+CHAT = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+
+QWEN_DEFAULT = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+ALPACA_DEFAULT = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+                  "request.\n\n")
+CHATML = "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+CHATML_SYSTEM = "<|im_start|>system\nBe brief.<|im_end|>\n"
+THINK_CHATML = "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello.<|im_end|>\n"
+LLAMA3_USER = ("<|start_header_id|>user<|end_header_id|>\n\nHi.<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>")
+
+# name: (rendered with the system message, rendered without one, trained text of the assistant turn)
+EXPECTED = {
+    "chatml": (CHATML_SYSTEM + CHATML, CHATML, "Hello.<|im_end|>\n"),
+    "qwen": (CHATML_SYSTEM + CHATML, QWEN_DEFAULT + CHATML, "Hello.<|im_end|>\n"),
+    "qwen3": (CHATML_SYSTEM + THINK_CHATML, THINK_CHATML, "<think>\n\n</think>\n\nHello.<|im_end|>\n"),
+    "qwen3_nothink": (CHATML_SYSTEM + CHATML, CHATML, "Hello.<|im_end|>\n"),
+    "llama3": ("<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>" + LLAMA3_USER,
+               "<s>" + LLAMA3_USER, "Hello.<|eot_id|>"),
+    "llama2": ("<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi. [/INST]Hello.</s>", "<s>[INST] Hi. [/INST]Hello.</s>",
+               "Hello.</s>"),
+    "mistral": ("<s>[INST] Be brief.\n\nHi.[/INST] Hello.</s>", "<s>[INST] Hi.[/INST] Hello.</s>", " Hello.</s>"),
+    "default": ("System: Be brief.</s>\nHuman: Hi.</s>\nAssistant:Hello.</s>\n",
+                "Human: Hi.</s>\nAssistant:Hello.</s>\n", "Hello.</s>\n"),
+    "empty": ("Be brief.Hi.Hello.", "Hi.Hello.", "Hello."),
+    "alpaca": ("Be brief.### Instruction:\nHi.\n\n### Response:\nHello.</s>\n\n",
+               ALPACA_DEFAULT + "### Instruction:\nHi.\n\n### Response:\nHello.</s>\n\n", "Hello.</s>\n\n"),
+}
+
+# glaive-like: one call, one observation, a final answer
+TOOLS = [{"name": "get_weather", "description": "Get the weather.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+    {"role": "tool", "content": '{"temp": 20}'},
+    {"role": "assistant", "content": "It is 20."},
+]
+QWEN_TOOLS_SYSTEM = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "Get the weather.", "parameters": '
+    '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}\n</tools>\n\n'
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+
+# A ChatML template that takes tools (Qwen2.5's, shortened)
+QWEN25_TOOLS_TEMPLATE = (
+    r"{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+    r"{%- else %}{%- set system = 'You are Qwen, a helpful assistant.' %}{%- endif %}"
+    r"{{- '<|im_start|>system\n' + system }}{%- if tools %}{{- '\n\n# Tools\n<tools>' }}"
+    r"{%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}{{- '\n</tools>' }}{%- endif %}"
+    r"{{- '<|im_end|>\n' }}"
+    r"{%- for message in messages %}"
+    r"{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    r"{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    r"{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}{%- for call in message.tool_calls %}"
+    r"{{- '\n<tool_call>\n' + {'name': call.function.name, 'arguments': call.function.arguments} | tojson"
+    r" + '\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}"
+    r"{%- elif message.role == 'tool' %}"
+    r"{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    r"{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# ChatML without a tool format
+PLAIN_CHATML_TEMPLATE = (
+    r"{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# Qwen3-style: the empty thought goes on the generation prompt when enable_thinking is false
+NOTHINK_TEMPLATE = (
+    r"{%- set think = '<think>\n\n</think>\n\n' if enable_thinking is defined and not enable_thinking else '' %}"
+    r"{%- if tools %}{{- tools | tojson }}{%- endif %}"
+    r"{%- for m in messages %}{%- if m.role == 'assistant' %}"
+    r"{{- '<|im_start|>assistant\n' + think + m.content + (m.tool_calls | tojson if m.tool_calls else '')"
+    r" + '<|im_end|>\n' }}"
+    r"{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' + think }}{%- endif %}"
+)
+# Qwen3's own way: reasoning only on the last assistant turn, so earlier text changes as the conversation grows
+QWEN3_UNSTABLE_TEMPLATE = (
+    r"{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}"
+    r"{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m.content + '<|im_end|>\n' }}"
+    r"{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+LLAMA_TEMPLATE = (
+    r"{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' + m.content + "
+    r"'<|eot_id|>' }}{%- endfor %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    tok = train_tokenizer(SENTENCES)
+    tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})  # distinct from ChatML's markers
+    return tok
+
+
+def with_template(tokenizer, template: str):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+def trained_spans(tokenizer, input_ids: list[int], labels: list[int]) -> list[str]:
+    """Decode each run of consecutive labelled tokens."""
+    spans, run = [], []
+    for token, label in zip(input_ids, labels):
+        if label != IGNORE_INDEX:
+            assert label == token
+            run.append(token)
+        elif run:
+            spans.append(run)
+            run = []
+    if run:
+        spans.append(run)
+    return [tokenizer.decode(s, skip_special_tokens=False) for s in spans]
+
+
+def rendered(tokenizer, template: ChatTemplate, messages, tools=None) -> tuple[str, list[str]]:
+    input_ids, labels = template.encode(messages, tools=tools)
+    return tokenizer.decode(input_ids, skip_special_tokens=False), trained_spans(tokenizer, input_ids, labels)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_format_renders_as_llamafactory(tokenizer, name):
+    with_system, without_system, trained = EXPECTED[name]
+    template = ChatTemplate(tokenizer, name)
+    assert template.description == f"{name} (written out)"
+    assert rendered(tokenizer, template, SYSTEM + CHAT) == (with_system, [trained])
+    assert rendered(tokenizer, template, CHAT) == (without_system, [trained])
+
+
+def test_every_config_name_has_a_format():
+    assert set(EXPECTED) == set(FORMATS)
+
+
+def test_qwen3_keeps_reasoning_that_is_there(tokenizer):
+    messages = [CHAT[0], {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nHello."}]
+    assert rendered(tokenizer, ChatTemplate(tokenizer, "qwen3"), messages)[1] == [
+        "<think>\nEasy.\n</think>\n\nHello.<|im_end|>\n"]
+
+
+def test_leading_assistant_trains_after_the_default_system(tokenizer):
+    text, trained = rendered(tokenizer, ChatTemplate(tokenizer, "alpaca"), CHAT[::-1])
+    assert text == ALPACA_DEFAULT + "### Response:\nHello.</s>\n\n### Instruction:\nHi.\n\n"
+    assert trained == ["Hello.</s>\n\n"]
+
+
+def test_qwen_tool_call(tokenizer):
+    text, trained = rendered(tokenizer, ChatTemplate(tokenizer, "qwen"), TOOL_CHAT, TOOLS)
+    assert text == (
+        QWEN_TOOLS_SYSTEM + "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n" + QWEN_CALL
+        + '<|im_start|>user\n<tool_response>\n{"temp": 20}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\nIt is 20.<|im_end|>\n"
+    )
+    assert trained == [QWEN_CALL, "It is 20.<|im_end|>\n"]  # the call and the answer, not the observation
+
+
+def test_tool_calls_in_chat_template_form_render_the_same(tokenizer):
+    hf_form = copy.deepcopy(TOOL_CHAT)
+    hf_form[1]["tool_calls"] = [{"type": "function", "function": call} for call in hf_form[1]["tool_calls"]]
+    tools = [{"type": "function", "function": tool} for tool in TOOLS]
+    template = ChatTemplate(tokenizer, "qwen")
+    assert template.encode(hf_form, tools=tools) == template.encode(TOOL_CHAT, tools=TOOLS)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_format_trains_calls_not_observations(tokenizer, name):
+    text, trained = rendered(tokenizer, ChatTemplate(tokenizer, name), TOOL_CHAT, TOOLS)
+    assert "get_weather" in text.split("Weather in Paris?")[0]  # the tools come before the conversation
+    assert len(trained) == 2 and "Paris" in trained[0] and "It is 20." in trained[1]
+    assert not any("temp" in span for span in trained)
+
+
+def test_tokenizer_own_template_without_tool_format_refuses_tools(tokenizer):
+    template = ChatTemplate(with_template(tokenizer, PLAIN_CHATML_TEMPLATE), "tokenizer")
+    assert not template.takes_tools
+    with pytest.raises(DataError, match=r"has no tool format.*take tools: chatml, qwen, qwen3"):
+        template.encode(TOOL_CHAT, tools=TOOLS)
+    assert template.encode(CHAT)  # conversations without tools still train
+
+
+def test_family_name_uses_the_tokenizers_own_template(tokenizer):
+    tok = with_template(tokenizer, QWEN25_TOOLS_TEMPLATE)
+    template = ChatTemplate(tok, "qwen")
+    assert (template.own, template.description) == (True, "qwen (tokenizer's own)")
+    assert serving_chat_template(tok, "qwen") is None
+    assert rendered(tok, template, CHAT)[0].startswith("<|im_start|>system\nYou are Qwen, a helpful assistant.")
+    text, trained = rendered(tok, template, TOOL_CHAT, TOOLS)
+    assert '\n<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert trained == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+        "It is 20.<|im_end|>\n",
+    ]
+
+
+@pytest.mark.parametrize("own, why", [
+    (LLAMA_TEMPLATE, "another family's"),
+    (PLAIN_CHATML_TEMPLATE, "no tool format"),
+    (QWEN3_UNSTABLE_TEMPLATE, "not prefix-stable"),
+])
+def test_family_name_writes_the_format_out_otherwise(tokenizer, own, why):
+    tok = with_template(tokenizer, own)
+    template = ChatTemplate(tok, "qwen3")
+    assert (template.own, template.description) == (False, "qwen3 (written out)"), why
+    assert rendered(tok, template, CHAT) == (EXPECTED["qwen3"][1], [EXPECTED["qwen3"][2]])
+
+
+def test_chatml_and_unrelated_names_never_use_the_tokenizers_own(tokenizer):
+    tok = with_template(tokenizer, QWEN25_TOOLS_TEMPLATE)
+    for name in ("chatml", "default", "empty", "alpaca"):
+        assert ChatTemplate(tok, name).description == f"{name} (written out)"
+
+
+def test_qwen3_nothink_passes_enable_thinking_false(tokenizer):
+    template = ChatTemplate(with_template(tokenizer, NOTHINK_TEMPLATE), "qwen3_nothink")
+    assert template.description == "qwen3_nothink (tokenizer's own)"
+    assert template.render_prompt(CHAT[:1]) == \
+        "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_saved_template_serves_prompts_as_trained(tokenizer, name, tmp_path):
+    """final/'s tokenizer, loaded afresh, renders the generation prompt exactly as training did."""
+    saved = serving_chat_template(tokenizer, name)
+    with_template(tokenizer, saved).save_pretrained(tmp_path)
+    served = AutoTokenizer.from_pretrained(tmp_path)
+    template = ChatTemplate(tokenizer, name)
+    hf_chat = copy.deepcopy(TOOL_CHAT[:3])  # tools and calls as a server passes them
+    hf_chat[1]["tool_calls"] = [{"type": "function", "function": call} for call in hf_chat[1]["tool_calls"]]
+    hf_tools = [{"type": "function", "function": tool} for tool in TOOLS]
+    for messages, served_messages, tools, served_tools in (
+        (SYSTEM + CHAT + CHAT[:1], SYSTEM + CHAT + CHAT[:1], None, None),
+        (CHAT[:1], CHAT[:1], None, None),
+        (TOOL_CHAT[:3], hf_chat, TOOLS, hf_tools),
+    ):
+        prompt = served.apply_chat_template(served_messages, tools=served_tools, tokenize=False,
+                                            add_generation_prompt=True)
+        assert prompt == template.render_prompt(messages, tools=tools)
+    assert served.apply_chat_template(SYSTEM + CHAT, tokenize=False) == EXPECTED[name][0]
