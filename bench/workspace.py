@@ -60,13 +60,14 @@ def peer_samples(vocab: int, n: int, minlen: int, maxlen: int) -> list[np.ndarra
 
 
 def write_cached_dataset(model_dir: Path, work: Path, samples: list[np.ndarray], cutoff_len: int) -> Path:
+    from meshtune.data.formats import file_spec
     from meshtune.data.tokenized import TokenizedDataset, cache_key
     from meshtune.model.loading import load_tokenizer
 
     data_file = work / "synthetic.jsonl"
     data_file.write_text(json.dumps({"synthetic": len(samples), "lengths": [len(s) for s in samples]}) + "\n")
     tokenizer = load_tokenizer(model_dir)
-    key = cache_key([data_file], tokenizer, "auto", cutoff_len, "auto", False)
+    key = cache_key([file_spec(data_file)], tokenizer, "auto", cutoff_len, skip_invalid=False)
     ids = np.concatenate(samples)
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum([len(s) for s in samples], out=offsets[1:])

@@ -76,6 +76,8 @@ def offload_job(rank: int, world_size: int, workdir: Path) -> None:
         (workdir / "results.json").write_text(json.dumps(results))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo ranks train on the CPU; with CUDA, "
+                    "tests/test_cuda_paths.py runs the offload on the GPU")
 def test_zero3_trains_the_same_with_and_without_offload_and_resumes_across_it(tmp_path, tiny_model_dir,
                                                                               tiny_dataset):
     def run(name: str, method: str = "full", **extra) -> dict:

@@ -118,17 +118,18 @@ def test_full_finetuning_blocks_take_every_token_count_without_compiling_again()
 
 
 def assert_same_curve(got: list[dict], want: list[dict]) -> None:
-    """Per-step losses and gradient norms: equal within bf16 noise (the fused AdamW kernels of CPU and GPU round
-    apart by an ulp, which bf16 compute may carry on)."""
+    """Per-step losses and gradient norms of two fp32 runs: equal but for the fused AdamW kernels of CPU and GPU,
+    which round apart by an ulp. (Under bf16 compute such an ulp flips a bf16 rounding now and then, and Adam's
+    sign-like first steps carry it into whole updates: too coarse a check of the offload path.)"""
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=2e-3)
-    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-2)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-3)
 
 
 def same_weights(a, b) -> bool:
-    """Two final/ model directories hold the same tensors within bf16 training noise."""
+    """Two final/ model directories of fp32 runs hold the same tensors but for ulp-level optimizer rounding."""
     first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    return first.keys() == second.keys() and all(rel_err(second[k], first[k]) < 1e-2 for k in first)
+    return first.keys() == second.keys() and all(rel_err(second[k], first[k]) < 1e-3 for k in first)
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -140,7 +141,7 @@ def test_cpu_offload_keeps_pinned_host_shards_and_trains_as_without_it(tmp_path,
     def train_run(name, **extra):
         cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / name, finetuning_type=method,
                                        parallel="zero3", learning_rate=1e-3, max_steps=4, save_steps=2,
-                                       torch_compile=False, **extra))
+                                       torch_compile=False, bf16=False, **extra))
         return run(cfg, keep_model=True)
 
     plain = train_run("plain")
@@ -167,7 +168,8 @@ def test_cpu_offload_on_two_gpus_receives_rank_0s_weights_into_host_shards(tmp_p
         out.mkdir()
         values = base_config(tiny_model_dir, tiny_dataset, out / "output", finetuning_type="full", parallel="zero3",
                              nproc_per_node=2, gradient_accumulation_steps=1, learning_rate=1e-3, max_steps=4,
-                             save_steps=2, torch_compile=False, tokenized_path=str(tmp_path / "tokenized"), **extra)
+                             save_steps=2, torch_compile=False, bf16=False, tokenized_path=str(tmp_path / "tokenized"),
+                             **extra)
         result, _ = run_cli(["train", str(write_config(out, **values))], timeout=300)
         assert result.returncode == 0, result.stdout[-4000:]
         return read_metrics(out / "output")
