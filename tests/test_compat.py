@@ -227,9 +227,9 @@ def test_llamafactory_yaml_through_the_command_line(tmp_path, tiny_model_dir):
 
 def test_flags_are_split_from_the_command_and_parsed_as_yaml():
     rest, flags, given = split_flags(["cfg.yaml", "lr=1", "--bf16", "True", "--use_lora", "--lora_target_modules",
-                                      "c_attn", "w1", "--max_steps=-1", "--debug", "--weight_decay", "0.1"],
+                                      "c_attn", "w1", "--max_steps=-1", "--debug", "--weight_decay", "0.1", "nproc_per_node=2"],
                                      {"--debug"})
-    assert rest == ["cfg.yaml", "lr=1", "--debug"]
+    assert rest == ["cfg.yaml", "lr=1", "--debug", "nproc_per_node=2"]
     assert flags == {"bf16": True, "use_lora": True, "lora_target_modules": ["c_attn", "w1"], "max_steps": -1,
                      "weight_decay": 0.1}
     assert given == ["--bf16", "True", "--use_lora", "--lora_target_modules", "c_attn", "w1", "--max_steps=-1",

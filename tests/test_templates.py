@@ -8,10 +8,11 @@ import copy
 import pytest
 from transformers import AutoTokenizer
 
-from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate, serving_chat_template
+from meshtune.data.chat_template import ChatTemplate, serving_chat_template
 from meshtune.data.templates import FORMATS
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
+from test_chat_template import trained_spans, with_template
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -119,27 +120,6 @@ def tokenizer():
     tok = train_tokenizer(SENTENCES)
     tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})  # distinct from ChatML's markers
     return tok
-
-
-def with_template(tokenizer, template: str):
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = template
-    return tok
-
-
-def trained_spans(tokenizer, input_ids: list[int], labels: list[int]) -> list[str]:
-    """Decode each run of consecutive labelled tokens."""
-    spans, run = [], []
-    for token, label in zip(input_ids, labels):
-        if label != IGNORE_INDEX:
-            assert label == token
-            run.append(token)
-        elif run:
-            spans.append(run)
-            run = []
-    if run:
-        spans.append(run)
-    return [tokenizer.decode(s, skip_special_tokens=False) for s in spans]
 
 
 def rendered(tokenizer, template: ChatTemplate, messages, tools=None) -> tuple[str, list[str]]:

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config file (meshtune's or LLaMA-Factory's); optional with --key value flags")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     train.add_argument("--debug", action="store_true", help="show full tracebacks")
-    train.epilog = "--key value: any config key, or a flag of Qwen's finetune.py / HF TrainingArguments (after the key=value overrides)"
+    train.epilog = "--key value: any config key, or a flag of Qwen's finetune.py / HF TrainingArguments, in any order with key=value overrides"
 
     launch = commands.add_parser("launch", help="run this node's part of a one- or many-node job",
                                  description=LAUNCH_HELP, epilog=LAUNCH_EPILOG,
@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_training_config(args: argparse.Namespace):
     """The config and the `train` arguments every torchrun worker gets; warnings printed once per node."""
+    import os
+
     from meshtune.compat.loading import load_job_config
-    from meshtune.worker_env import torchrun_worker
+    from meshtune.worker_env import ERROR_DIR, torchrun_worker
 
     if args.config is not None and "=" in args.config and not Path(args.config).is_file():
         args.overrides.insert(0, args.config)  # `meshtune train --flag v key=value`: no YAML given
@@ -125,7 +127,8 @@ def load_training_config(args: argparse.Namespace):
         raise MeshtuneError("no config: give a YAML file (meshtune train cfg.yaml) or --key value flags "
                             "(meshtune train --model_name_or_path DIR --data_path train.json ...)")
     loaded = load_job_config(args.config, args.overrides, args.flags)
-    if not torchrun_worker():
+    # meshtune's launcher speaks for its workers; under the user's own torchrun, global rank 0 does
+    if not torchrun_worker() or (ERROR_DIR not in os.environ and os.environ.get("RANK") == "0"):
         for line in loaded.warnings:
             print(f"meshtune: warning: {line}", file=sys.stderr)
     argv = ["train", *([args.config] if args.config else []), *args.overrides, *args.flag_tokens]

@@ -1,14 +1,19 @@
 """The `--key value` form of HF-style training scripts (Qwen's finetune.py and its shell scripts), read as keys.
 
 `--bf16 True`, `--bf16` (alone: true), `--learning_rate 1e-5`, `--key=value` and `--lora_target_modules a b c`
-(several values: a list) are all accepted; values are parsed as YAML, as `key=value` overrides are.
+(several values: a list) are all accepted; values are parsed as YAML, as `key=value` overrides are, which may
+stand before, between or after the flags.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from meshtune.config import parse_overrides
+
+
+OVERRIDE = re.compile(r"[A-Za-z_]\w*=")  # a key=value override, never a flag's value
 
 
 def split_flags(tokens: list[str], own: set[str]) -> tuple[list[str], dict[str, Any], list[str]]:
@@ -27,7 +32,7 @@ def split_flags(tokens: list[str], own: set[str]) -> tuple[list[str], dict[str, 
         name, sep, inline = token[2:].partition("=")
         raw = [inline] if sep else []
         i += 1
-        while not sep and i < len(tokens) and not tokens[i].startswith("--"):
+        while not sep and i < len(tokens) and not tokens[i].startswith("--") and not OVERRIDE.match(tokens[i]):
             raw.append(tokens[i])
             i += 1
         given += [token, *([] if sep else raw)]

@@ -139,6 +139,14 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "cache_dir": (HF, ignored(NO_DOWNLOAD)),
     "use_fast_tokenizer": (LF, ignored("the model folder's tokenizer is loaded as transformers loads it", True)),
     # precision, speed and distribution
+    "remove_unused_columns": (HF, ignored("meshtune reads the dataset's columns itself")),
+    "disable_tqdm": (HF, ignored("rank 0 shows meshtune's one progress bar", False)),
+    "log_level": (HF, ignored("meshtune logs on rank 0 only")),
+    "local_rank": (HF, ignored("torchrun gives each process its rank")),
+    "gradient_checkpointing_kwargs": (HF, ignored("meshtune checkpoints activations its own way "
+                                                  "(gradient_checkpointing, gradient_checkpointing_ratio)")),
+    "load_best_model_at_end": (HF, only({False: {}}, "final/ holds the last step's model; pick an earlier "
+                                                      "checkpoint-N yourself from metrics.jsonl's eval_loss")),
     "fp16": (HF, only({False: {}}, "meshtune computes in bf16 (bf16: true) or fp32; fp16 with loss scaling is not "
                                    "supported")),
     "tf32": (HF, ignored("meshtune sets matmul precision itself")),
