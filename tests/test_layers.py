@@ -13,7 +13,7 @@ LAYERS = [  # lowest first; a module imports from its own layer's package or fro
     ["meshtune.config", "meshtune.distributed", "meshtune.hardware"],
     ["meshtune.plan", "meshtune.compat"],
     ["meshtune.data", "meshtune.model", "meshtune.checkpoint"],
-    ["meshtune.train"],
+    ["meshtune.train", "meshtune.export"],
     ["meshtune.launch"],
     ["meshtune.demo"],
     ["meshtune.cli"],

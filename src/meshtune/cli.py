@@ -104,6 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (ckpt, listing, checking):
         sub.add_argument("--debug", action="store_true", help="show full tracebacks")
 
+    export = commands.add_parser(
+        "export", help="a run's LoRA adapters as a PEFT adapter, or merged into the base model",
+        description="Write a training output's LoRA (or Q-LoRA) adapters where serving stacks load them: as a PEFT "
+                    "adapter directory, or with --merge folded into the base model's original weights (read from "
+                    "its safetensors files, file by file: any size merges in the memory of one file) as a Hugging "
+                    "Face model directory that transformers and vLLM load. SOURCE is a run's output_dir (its final/, "
+                    "else its newest complete checkpoint), final/ itself, or any checkpoint-N (sharded by any "
+                    "number of ranks). The tokenizer and the chat template trained with are written too.")
+    export.add_argument("source", help="output_dir, output_dir/final or output_dir/checkpoint-N")
+    export.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
+    export.add_argument("--merge", action="store_true", help="merge the adapters into the base model's weights")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="dtype of the merged weights (default bf16)")
+    export.add_argument("--base-model", metavar="DIR",
+                        help="the base model folder (default: the one the run trained from)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --output")
+    export.add_argument("--debug", action="store_true", help="show full tracebacks")
+
     demo = commands.add_parser("demo", help="the embedded default: a tiny model learns a task with LoRA on 2 processes",
                                description="Build a tiny model, tokenizer and dataset locally (no download), "
                                            "fine-tune with LoRA on 2 CPU processes and show answers before and after.")
@@ -185,6 +203,13 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from meshtune.export.merge import export
+
+    print(f"meshtune: wrote {export(Path(args.source), Path(args.output), args.merge, args.dtype, args.force, args.base_model)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from meshtune.demo.run import run_demo
 
@@ -235,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     mark_worker_started()
     try:
         try:
-            return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "demo": cmd_demo}[args.command](args)
+            return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export,
+                    "demo": cmd_demo}[args.command](args)
         except MeshtuneError:
             raise
         except Exception as exc:

@@ -1,0 +1,1 @@
+"""`meshtune export`: training outputs as PEFT adapters or merged Hugging Face models."""

@@ -1,0 +1,115 @@
+"""`meshtune export`: a training output as what serving stacks load.
+
+Without `--merge`: the PEFT adapter directory (from `final/` or any `checkpoint-N`). With `--merge`: the adapters
+folded into the base model's own weights, read from its original safetensors files (bf16 as released, not a
+4-bit copy), written file by file with the same names and index, so a model of any size merges in the memory of
+its largest tensor plus one output file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from meshtune.errors import MeshtuneError
+from meshtune.export.adapters import PEFT_PREFIX, Adapters, read_adapters
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODEL_FILES = ("config.json", "generation_config.json")
+
+
+def source_of(path: Path) -> Path:
+    """An output_dir means its final/ (else its newest complete checkpoint); anything else is taken as given."""
+    from meshtune.checkpoint.resume import list_checkpoints
+
+    if not path.is_dir():
+        raise MeshtuneError(f"{path} does not exist; give a run's output_dir, its final/ or a checkpoint-N")
+    if (path / "final").is_dir():
+        return path / "final"
+    complete = [info.path for info in sorted(list_checkpoints(path), key=lambda info: info.step) if info.complete]
+    return complete[-1] if complete else path
+
+
+def prepare_output(output: Path, force: bool) -> None:
+    if output.exists() and any(output.iterdir()):
+        if not force:
+            raise MeshtuneError(f"{output} is not empty; choose another --output or add --force to replace it")
+        shutil.rmtree(output)
+    output.mkdir(parents=True, exist_ok=True)
+
+
+def export(source: Path, output: Path, merge: bool, dtype: str, force: bool, base_model: str | None = None) -> str:
+    """Write the export; returns a one-line description of what was written."""
+    source = source_of(source)
+    adapters = read_adapters(source)
+    base = Path(base_model or adapters.base_model)
+    if merge and not (base / "config.json").is_file():
+        raise MeshtuneError(f"the base model folder {base} (where the adapters were trained from) has no "
+                            f"config.json; pass --base-model DIR with the original model files")
+    prepare_output(output, force)
+    if not merge:
+        write_adapter_dir(adapters, output)
+        copy_tokenizer(source, base, output)
+        return f"PEFT adapter ({len(adapters.pairs)} LoRA layers, r={adapters.rank}) in {output}"
+    merged = merge_into(adapters, base, output, DTYPES[dtype])
+    copy_tokenizer(source, base, output)
+    return f"merged model ({merged} layers changed, {dtype}) in {output}"
+
+
+def write_adapter_dir(adapters: Adapters, output: Path) -> None:
+    from peft import LoraConfig
+
+    config = LoraConfig(r=adapters.rank, lora_alpha=adapters.alpha, lora_dropout=adapters.dropout,
+                        target_modules=sorted(adapters.pairs), task_type="CAUSAL_LM", bias="none",
+                        base_model_name_or_path=adapters.base_model)
+    config.save_pretrained(str(output))
+    tensors = {f"{PEFT_PREFIX}{module}.lora_{part}.weight": tensor.contiguous()
+               for module, (a, b) in adapters.pairs.items() for part, tensor in (("A", a), ("B", b))}
+    save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def merge_into(adapters: Adapters, base: Path, output: Path, dtype: torch.dtype) -> int:
+    """W + alpha / r * B @ A (in fp32) for every adapted linear layer, file by file; returns the layers changed."""
+    index = base / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    pending = {f"{module}.weight": pair for module, pair in adapters.pairs.items()}
+    for name in tqdm(files, desc="merging", unit="file"):
+        path = base / name
+        if not path.is_file():
+            raise MeshtuneError(f"{path} not found: the base model folder is incomplete")
+        tensors = {}
+        with safe_open(str(path), framework="pt") as reader:
+            for key in reader.keys():
+                weight = reader.get_tensor(key)
+                if key in pending:
+                    a, b = pending.pop(key)
+                    weight = weight.float() + adapters.scale * (b.float() @ a.float())
+                tensors[key] = weight.to(dtype) if weight.is_floating_point() else weight
+        save_file(tensors, str(output / name), metadata={"format": "pt"})
+    if pending:
+        raise MeshtuneError(f"the base model in {base} has no weight for {len(pending)} adapted layers (e.g. "
+                            f"{next(iter(pending))}); pass --base-model with the model the adapters were trained on")
+    if index.is_file():
+        shutil.copy(index, output / index.name)
+    config = json.loads((base / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in MODEL_FILES[1:]:
+        if (base / extra).is_file():
+            shutil.copy(base / extra, output / extra)
+    return len(adapters.pairs)
+
+
+def copy_tokenizer(source: Path, base: Path, output: Path) -> None:
+    """The tokenizer saved with the training output (it carries the chat template trained with), else the base's."""
+    from meshtune.model.loading import load_tokenizer
+
+    folder = source if (source / "tokenizer_config.json").is_file() else base
+    load_tokenizer(folder).save_pretrained(str(output))

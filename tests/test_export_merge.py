@@ -1,0 +1,109 @@
+"""`meshtune export`: LoRA adapters from final/ or any checkpoint-N, as a PEFT directory or merged into the base
+model's own (sharded) safetensors files, loading in transformers with the trained model's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import base_config
+from meshtune.cli import main
+from meshtune.config import build_config
+from meshtune.errors import MeshtuneError
+from meshtune.export.merge import export
+from meshtune.train.loop import run
+
+PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64, 2, 31]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model_dir, tiny_dataset):
+    """A LoRA run on a base model saved in several safetensors files (with an index), checkpoints at 2 and 4."""
+    work = tmp_path_factory.mktemp("export")
+    base = work / "base"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(base, max_shard_size="60KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert (base / "model.safetensors.index.json").is_file()
+    cfg = build_config(base_config(base, tiny_dataset, work / "run", max_steps=4, save_steps=2, learning_rate=5e-2))
+    run(cfg)
+    return work
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor(PROMPTS)).logits
+
+
+def peft_logits(base, adapter_dir) -> torch.Tensor:
+    return logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir).eval())
+
+
+def test_merged_export_loads_in_transformers_with_the_trained_logits(trained, tmp_path):
+    out = tmp_path / "merged"
+    assert main(["export", str(trained / "run"), "--output", str(out), "--merge", "--dtype", "fp32"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    want = peft_logits(trained / "base", trained / "run" / "final")
+    assert torch.allclose(logits(merged), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits(AutoModelForCausalLM.from_pretrained(trained / "base")), want, atol=1e-3)
+    assert (out / "tokenizer_config.json").is_file() and (out / "chat_template.jinja").is_file()
+    bf16 = export(trained / "run", tmp_path / "bf16", merge=True, dtype="bf16", force=False)
+    assert "bf16" in bf16 and json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_any_checkpoint_exports_its_adapters_and_merges(trained, tmp_path):
+    final = load_file(trained / "run" / "final" / "adapter_model.safetensors")
+    export(trained / "run" / "checkpoint-4", tmp_path / "ckpt4", merge=False, dtype="bf16", force=False)
+    from_checkpoint = load_file(tmp_path / "ckpt4" / "adapter_model.safetensors")
+    assert from_checkpoint.keys() == final.keys()
+    assert all(torch.equal(from_checkpoint[key], final[key]) for key in final)
+    export(trained / "run" / "checkpoint-2", tmp_path / "ckpt2", merge=False, dtype="bf16", force=False)
+    export(trained / "run" / "checkpoint-2", tmp_path / "ckpt2_merged", merge=True, dtype="fp32", force=False)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt2_merged").eval()
+    want = peft_logits(trained / "base", tmp_path / "ckpt2")
+    assert torch.allclose(logits(merged), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, peft_logits(trained / "base", trained / "run" / "final"), atol=1e-4)
+
+
+def test_export_refuses_what_it_cannot_do_with_what_to_do(trained, tmp_path):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    with pytest.raises(MeshtuneError, match=r"is not empty; choose another --output or add --force"):
+        export(trained / "run", tmp_path / "busy", merge=True, dtype="fp32", force=False)
+    export(trained / "run", tmp_path / "busy", merge=False, dtype="fp32", force=True)
+    assert not (tmp_path / "busy" / "x").exists()
+    with pytest.raises(MeshtuneError, match=r"holds no LoRA adapters"):
+        export(trained / "base", tmp_path / "none", merge=False, dtype="fp32", force=False)
+    with pytest.raises(MeshtuneError, match=r"does not exist"):
+        export(trained / "missing", tmp_path / "none", merge=False, dtype="fp32", force=False)
+
+
+def zero3_job(rank: int, world_size: int, workdir) -> None:
+    """One LoRA run under zero3 on the gloo ranks: a checkpoint whose adapter shards two ranks wrote."""
+    import os
+
+    from meshtune.train.loop import train
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))  # what torchrun sets; the process group already exists
+    train(build_config(json.loads((workdir / "task.json").read_text())))
+
+
+def test_a_checkpoint_two_ranks_wrote_under_zero3_exports_the_adapters_of_final(tmp_path, tiny_model_dir,
+                                                                                tiny_dataset):
+    from test_checkpoint import run_ranks
+
+    values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "run", max_steps=2, save_steps=2,
+                         parallel="zero3", learning_rate=5e-2)
+    (tmp_path / "task.json").write_text(json.dumps(values))
+    run_ranks(zero3_job, 2, tmp_path)
+    export(tmp_path / "run" / "checkpoint-2", tmp_path / "adapter", merge=False, dtype="bf16", force=False)
+    final = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[key], final[key]) for key in final)
