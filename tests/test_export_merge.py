@@ -1,5 +1,6 @@
 """`meshtune export`: LoRA adapters from final/ or any checkpoint-N, as a PEFT directory or merged into the base
-model's own (sharded) safetensors files, loading in transformers with the trained model's logits."""
+model's own (sharded) safetensors files, loading in transformers with the trained model's logits; Q-LoRA merged
+into the bf16 base; a full fine-tuning checkpoint written by 4 ranks as a model directory equal to final/."""
 
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def test_export_refuses_what_it_cannot_do_with_what_to_do(trained, tmp_path):
         export(trained / "run", tmp_path / "busy", merge=True, dtype="fp32", force=False)
     export(trained / "run", tmp_path / "busy", merge=False, dtype="fp32", force=True)
     assert not (tmp_path / "busy" / "x").exists()
+    (tmp_path / "empty").mkdir()
     with pytest.raises(MeshtuneError, match=r"holds no LoRA adapters"):
-        export(trained / "base", tmp_path / "none", merge=False, dtype="fp32", force=False)
+        export(tmp_path / "empty", tmp_path / "none", merge=False, dtype="fp32", force=False)
     with pytest.raises(MeshtuneError, match=r"does not exist"):
         export(trained / "missing", tmp_path / "none", merge=False, dtype="fp32", force=False)
 
@@ -107,3 +109,35 @@ def test_a_checkpoint_two_ranks_wrote_under_zero3_exports_the_adapters_of_final(
     final = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
     exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert exported.keys() == final.keys() and all(torch.equal(exported[key], final[key]) for key in final)
+
+
+def test_a_full_checkpoint_four_ranks_wrote_under_zero3_exports_a_model_equal_to_final(tmp_path, tiny_model_dir,
+                                                                                       tiny_dataset):
+    from test_checkpoint import run_ranks
+
+    values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "run", max_steps=2, save_steps=2,
+                         finetuning_type="full", parallel="zero3", per_device_train_batch_size=1,
+                         gradient_accumulation_steps=1, learning_rate=1e-3)
+    (tmp_path / "task.json").write_text(json.dumps(values))
+    run_ranks(zero3_job, 4, tmp_path)
+    with pytest.raises(MeshtuneError, match=r"already a Hugging Face model directory"):
+        export(tmp_path / "run" / "final", tmp_path / "from_final", merge=False, dtype="fp32", force=False)
+    assert "full model" in export(tmp_path / "run" / "checkpoint-2", tmp_path / "model", merge=False, dtype="fp32",
+                                  force=False)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").state_dict()
+    assert exported.keys() == final.keys() and all(torch.equal(exported[key], final[key]) for key in final)
+    assert (tmp_path / "model" / "tokenizer_config.json").is_file()
+
+
+def test_qlora_adapters_merge_into_the_unquantized_base(tmp_path, tiny_model_dir, tiny_dataset):
+    """Q-LoRA trains against NF4 block weights; the merge adds its adapters to the base's original weights, so the
+    merged model's logits are those of the original base plus the adapters."""
+    pytest.importorskip("torchao")
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "run", finetuning_type="qlora",
+                                   max_steps=2, learning_rate=5e-2))
+    run(cfg)
+    export(tmp_path / "run", tmp_path / "merged", merge=True, dtype="fp32", force=False)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    want = peft_logits(tiny_model_dir, tmp_path / "run" / "final")
+    assert torch.allclose(logits(merged), want, atol=1e-5, rtol=1e-5)

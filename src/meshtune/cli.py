@@ -105,13 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--debug", action="store_true", help="show full tracebacks")
 
     export = commands.add_parser(
-        "export", help="a run's LoRA adapters as a PEFT adapter, or merged into the base model",
+        "export", help="a run as a PEFT adapter, a merged model, or (full fine-tuning) a model directory",
         description="Write a training output's LoRA (or Q-LoRA) adapters where serving stacks load them: as a PEFT "
                     "adapter directory, or with --merge folded into the base model's original weights (read from "
                     "its safetensors files, file by file: any size merges in the memory of one file) as a Hugging "
                     "Face model directory that transformers and vLLM load. SOURCE is a run's output_dir (its final/, "
                     "else its newest complete checkpoint), final/ itself, or any checkpoint-N (sharded by any "
-                    "number of ranks). The tokenizer and the chat template trained with are written too.")
+                    "number of ranks). A full fine-tuning checkpoint-N exports as a Hugging Face model directory. "
+                    "The tokenizer and the chat template trained with are written too.")
     export.add_argument("source", help="output_dir, output_dir/final or output_dir/checkpoint-N")
     export.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
     export.add_argument("--merge", action="store_true", help="merge the adapters into the base model's weights")

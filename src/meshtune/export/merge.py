@@ -1,6 +1,7 @@
 """`meshtune export`: a training output as what serving stacks load.
 
-Without `--merge`: the PEFT adapter directory (from `final/` or any `checkpoint-N`). With `--merge`: the adapters
+A full fine-tuning checkpoint: a Hugging Face model directory (export/full_weights.py). LoRA / Q-LoRA, without
+`--merge`: the PEFT adapter directory (from `final/` or any `checkpoint-N`). With `--merge`: the adapters
 folded into the base model's own weights, read from its original safetensors files (bf16 as released, not a
 4-bit copy), written file by file with the same names and index, so a model of any size merges in the memory of
 its largest tensor plus one output file.
@@ -18,10 +19,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from meshtune.errors import MeshtuneError
+from meshtune.checkpoint.manifest import read_manifest
 from meshtune.export.adapters import PEFT_PREFIX, Adapters, read_adapters
+from meshtune.export.full_weights import export_full_checkpoint, is_full_checkpoint, write_model_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def source_of(path: Path) -> Path:
@@ -47,6 +49,15 @@ def prepare_output(output: Path, force: bool) -> None:
 def export(source: Path, output: Path, merge: bool, dtype: str, force: bool, base_model: str | None = None) -> str:
     """Write the export; returns a one-line description of what was written."""
     source = source_of(source)
+    if is_full_checkpoint(source):
+        prepare_output(output, force)
+        count = export_full_checkpoint(source, output, DTYPES[dtype], base_model)
+        base = Path(base_model or read_manifest(source)["config"]["model_name_or_path"])
+        copy_tokenizer(source, base, output)
+        return f"full model ({count} tensors, {dtype}) from {source} in {output}"
+    if (source / "config.json").is_file() and not (source / "adapter_config.json").is_file():
+        raise MeshtuneError(f"{source} is already a Hugging Face model directory (a full fine-tuning run's final/): "
+                            f"load it as it is; export one of the run's checkpoint-N for an earlier step")
     adapters = read_adapters(source)
     base = Path(base_model or adapters.base_model)
     if merge and not (base / "config.json").is_file():
@@ -98,12 +109,7 @@ def merge_into(adapters: Adapters, base: Path, output: Path, dtype: torch.dtype)
                             f"{next(iter(pending))}); pass --base-model with the model the adapters were trained on")
     if index.is_file():
         shutil.copy(index, output / index.name)
-    config = json.loads((base / "config.json").read_text())
-    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
-    (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for extra in MODEL_FILES[1:]:
-        if (base / extra).is_file():
-            shutil.copy(base / extra, output / extra)
+    write_model_config(base, output, dtype)
     return len(adapters.pairs)
 
 
