@@ -57,7 +57,21 @@ def adapters_from_peft_dir(folder: Path) -> Adapters:
 
 def adapters_from_checkpoint(checkpoint: Path) -> Adapters:
     """The adapter weights of a verified checkpoint; DCP reassembles each from the ranks' shards."""
-    import torch.distributed.checkpoint as dcp
+    sizes = model_tensors(checkpoint)
+    config = read_manifest(checkpoint).get("config") or {}
+    if config.get("finetuning_type") not in ("lora", "qlora"):
+        raise MeshtuneError(f"{checkpoint} is a {config.get('finetuning_type', 'full')} fine-tuning checkpoint; "
+                            f"it holds no LoRA adapters")
+    named = {key.removeprefix(PEFT_PREFIX).replace(".default.", "."): value
+             for key, value in load_tensors(checkpoint, sizes).items()}
+    rank = config.get("lora_rank", 8)
+    alpha = config.get("lora_alpha") or 2.0 * rank
+    return _paired(named, rank, float(alpha), float(config.get("lora_dropout", 0.0)),
+                   config.get("model_name_or_path", ""), str(checkpoint))
+
+
+def model_tensors(checkpoint: Path) -> dict:
+    """The checkpoint's model (or adapter) tensors by DCP key, with their size and dtype, once it verifies."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -65,22 +79,20 @@ def adapters_from_checkpoint(checkpoint: Path) -> Adapters:
     if problems:
         raise MeshtuneError(f"{checkpoint} does not verify ({'; '.join(problems[:3])}); export another "
                             f"checkpoint (`meshtune ckpt list OUTPUT_DIR` shows which are valid)")
-    config = read_manifest(checkpoint).get("config") or {}
-    if config.get("finetuning_type") not in ("lora", "qlora"):
-        raise MeshtuneError(f"{checkpoint} is a {config.get('finetuning_type', 'full')} fine-tuning checkpoint; "
-                            f"it holds no LoRA adapters")
     metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    template = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in metadata.items()
-                if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    return {key: meta for key, meta in metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+
+
+def load_tensors(checkpoint: Path, sizes: dict) -> dict[str, torch.Tensor]:
+    """The tensors `sizes` names (from `model_tensors`), whole, by their model names; DCP reads only those."""
+    import torch.distributed.checkpoint as dcp
+
+    template = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in sizes.items()}
     with warnings.catch_warnings():  # one process reading every rank's shards is the intent, not a mistake
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp.load(template, checkpoint_id=str(checkpoint), no_dist=True)
-    named = {key.removeprefix(MODEL_PREFIX).removeprefix(PEFT_PREFIX).replace(".default.", "."): value
-             for key, value in template.items()}
-    rank = config.get("lora_rank", 8)
-    alpha = config.get("lora_alpha") or 2.0 * rank
-    return _paired(named, rank, float(alpha), float(config.get("lora_dropout", 0.0)),
-                   config.get("model_name_or_path", ""), str(checkpoint))
+    return {key.removeprefix(MODEL_PREFIX): value for key, value in template.items()}
 
 
 def _paired(named: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float, base_model: str,

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from meshtune.checkpoint.manifest import read_manifest, verify
+from meshtune.checkpoint.manifest import read_manifest
 from meshtune.errors import MeshtuneError
-from meshtune.export.adapters import MODEL_PREFIX
+from meshtune.export.adapters import load_tensors, model_tensors
 
 FILE_BYTES = 5 << 30  # per safetensors file, as transformers' default max_shard_size
 
@@ -27,21 +26,11 @@ def is_full_checkpoint(path: Path) -> bool:
 
 def export_full_checkpoint(checkpoint: Path, output: Path, dtype: torch.dtype, base_model: str | None) -> int:
     """Writes model-0000i-of-0000n.safetensors (+ index), config and generation config; returns the tensor count."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    problems = verify(checkpoint)
-    if problems:
-        raise MeshtuneError(f"{checkpoint} does not verify ({'; '.join(problems[:3])}); export another "
-                            f"checkpoint (`meshtune ckpt list OUTPUT_DIR` shows which are valid)")
+    sizes = model_tensors(checkpoint)
     base = Path(base_model or (read_manifest(checkpoint).get("config") or {}).get("model_name_or_path", ""))
     if not (base / "config.json").is_file():
         raise MeshtuneError(f"the base model folder {base} (whose config.json describes the architecture) has no "
                             f"config.json; pass --base-model DIR")
-    metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    sizes = {key: meta for key, meta in metadata.items()
-             if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
     groups: list[list[str]] = [[]]
     used = 0
     for key, meta in sizes.items():
@@ -54,12 +43,8 @@ def export_full_checkpoint(checkpoint: Path, output: Path, dtype: torch.dtype, b
     names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
     weight_map = {}
     for name, keys in tqdm(list(zip(names, groups)), desc="exporting", unit="file"):
-        template = {key: torch.empty(sizes[key].size, dtype=sizes[key].properties.dtype) for key in keys}
-        with warnings.catch_warnings():  # one process reading every rank's shards is the intent
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(template, checkpoint_id=str(checkpoint), no_dist=True)
-        tensors = {key.removeprefix(MODEL_PREFIX): value.to(dtype) if value.is_floating_point() else value
-                   for key, value in template.items()}
+        tensors = {key: value.to(dtype) if value.is_floating_point() else value
+                   for key, value in load_tensors(checkpoint, {key: sizes[key] for key in keys}).items()}
         save_file(tensors, str(output / name), metadata={"format": "pt"})
         weight_map.update({key: name for key in tensors})
     index = {"metadata": {"total_size": sum(sizes[key].size.numel() * dtype.itemsize for key in sizes)},
