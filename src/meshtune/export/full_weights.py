@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -24,13 +25,16 @@ def is_full_checkpoint(path: Path) -> bool:
         (read_manifest(path).get("config") or {}).get("finetuning_type") == "full"
 
 
-def export_full_checkpoint(checkpoint: Path, output: Path, dtype: torch.dtype, base_model: str | None) -> int:
-    """Writes model-0000i-of-0000n.safetensors (+ index), config and generation config; returns the tensor count."""
+def export_full_checkpoint(checkpoint: Path, output: Path, dtype: torch.dtype, base_model: str | None,
+                           prepare: Callable[[], None]) -> int:
+    """Writes model-0000i-of-0000n.safetensors (+ index), config and generation config; returns the tensor count.
+    `prepare` empties the output, called once the checkpoint and base are found good (nothing removed before)."""
     sizes = model_tensors(checkpoint)
     base = Path(base_model or (read_manifest(checkpoint).get("config") or {}).get("model_name_or_path", ""))
     if not (base / "config.json").is_file():
         raise MeshtuneError(f"the base model folder {base} (whose config.json describes the architecture) has no "
                             f"config.json; pass --base-model DIR")
+    prepare()
     groups: list[list[str]] = [[]]
     used = 0
     for key, meta in sizes.items():

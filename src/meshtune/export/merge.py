@@ -50,8 +50,8 @@ def export(source: Path, output: Path, merge: bool, dtype: str, force: bool, bas
     """Write the export; returns a one-line description of what was written."""
     source = source_of(source)
     if is_full_checkpoint(source):
-        prepare_output(output, force)
-        count = export_full_checkpoint(source, output, DTYPES[dtype], base_model)
+        count = export_full_checkpoint(source, output, DTYPES[dtype], base_model,
+                                       prepare=lambda: prepare_output(output, force))
         base = Path(base_model or read_manifest(source)["config"]["model_name_or_path"])
         copy_tokenizer(source, base, output)
         return f"full model ({count} tensors, {dtype}) from {source} in {output}"
