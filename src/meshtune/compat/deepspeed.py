@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtune.errors import ConfigError
+
 STAGE_TO_PARALLEL = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
 SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 # Entries that tune how DeepSpeed runs, not what it computes: FSDP2 decides these by itself.
@@ -34,8 +36,6 @@ class Translation:
 
 def read_deepspeed(path: Path) -> dict[str, Any]:
     """The JSON object in `path`; errors name the file and what to do."""
-    from meshtune.errors import ConfigError
-
     if not path.is_file():
         raise ConfigError(f"deepspeed: {path} does not exist")
     try:

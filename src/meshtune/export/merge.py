@@ -18,10 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from meshtune.errors import MeshtuneError
 from meshtune.checkpoint.manifest import read_manifest
+from meshtune.errors import MeshtuneError
 from meshtune.export.adapters import PEFT_PREFIX, Adapters, read_adapters
 from meshtune.export.full_weights import export_full_checkpoint, is_full_checkpoint, write_model_config
+from meshtune.model.export import export_kind
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -55,7 +56,7 @@ def export(source: Path, output: Path, merge: bool, dtype: str, force: bool, bas
         base = Path(base_model or read_manifest(source)["config"]["model_name_or_path"])
         copy_tokenizer(source, base, output)
         return f"full model ({count} tensors, {dtype}) from {source} in {output}"
-    if (source / "config.json").is_file() and not (source / "adapter_config.json").is_file():
+    if export_kind(source) == "Hugging Face model":
         raise MeshtuneError(f"{source} is already a Hugging Face model directory (a full fine-tuning run's final/): "
                             f"load it as it is; export one of the run's checkpoint-N for an earlier step")
     adapters = read_adapters(source)
