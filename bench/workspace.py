@@ -15,12 +15,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests
+SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in whole NF4 scale groups, for Q-LoRA)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny-nf4": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8),
+    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
 }
+VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "32b": 152064, "72b": 152064}  # the others: 151936
 WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up
 
 
@@ -28,8 +33,8 @@ def model_config(size: str):
     """The Qwen2 config of a bench size: Qwen2.5's vocabulary (1000 ids for tiny), untied head."""
     from transformers import Qwen2Config
 
-    vocab = 151936 if size != "tiny" else 1000
-    return Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **SIZES[size])
+    return Qwen2Config(vocab_size=VOCAB.get(size, 151936), max_position_embeddings=4096, tie_word_embeddings=False,
+                       **SIZES[size])
 
 
 def build_model_dir(size: str, root: Path) -> Path:

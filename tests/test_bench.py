@@ -324,3 +324,27 @@ def test_the_qlora_row_is_judged_against_our_lora_row():
     summary = dict(device="H100", gpus=1, peak_tflops=790.0, args=dict(steps=25, minlen=128, maxlen=1024))
     line = next(line for line in render(results, summary).splitlines() if line.startswith("| qlora-7b"))
     assert "0.75x lora-7b, 35% of its memory" in line, line
+
+
+def test_big_qlora_script_writes_a_sharded_random_model_and_reports_memory_and_speed(tmp_path):
+    """The big-model Q-LoRA bench on CPU: a model whose block weights quantize, written shard by shard, trained
+    by 2 processes under zero3; the report has every figure the docs record."""
+    from safetensors import safe_open
+
+    work = tmp_path / "work"
+    result = run([sys.executable, str(REPO / "bench" / "big_qlora.py"), "--size", "tiny-nf4", "--gpus", "2",
+                  "--steps", "6", "--minlen", "32", "--maxlen", "128", "--samples", "64", "--work", str(work), "--shard-gb", "0.001",
+                  "--json", str(tmp_path / "big.json")], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "big.json").read_text())
+    assert report["steps"] == 6 and report["timed_steps"] == 1 and report["tokens_per_s"] > 0
+    assert "this process keeps" in report["build_line"] and "(1/2)" in report["build_line"]
+    assert report["load_s"] is not None and report["host_peak_loading_gib"] > 0
+    index = json.loads((work / "model-tiny-nf4" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
+    for file in files:
+        with safe_open(str(work / "model-tiny-nf4" / file), framework="pt") as f:
+            assert sorted(f.keys()) == sorted(k for k, v in index["weight_map"].items() if v == file)
+            if "model.norm.weight" in f.keys():
+                assert float(f.get_tensor("model.norm.weight").float().mean()) == 1.0

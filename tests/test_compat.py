@@ -160,11 +160,13 @@ def test_foreign_keys_no_longer_get_a_misleading_did_you_mean(tmp_path):
         load_job_config(config)
 
 
-def test_qlora_under_a_sharded_deepspeed_stage_is_refused_with_the_reason(tmp_path, monkeypatch):
+def test_qlora_under_deepspeed_zero3_is_sharded_qlora_and_its_offload_is_refused(tmp_path, monkeypatch):
     tree = llamafactory_tree(FIXTURES, tmp_path / "lf")
     monkeypatch.chdir(tree)
-    with pytest.raises(ConfigError, match=r"qlora trains with parallel: ddp.*zero3 is not supported"):
-        load_job_config("examples/train/lora_sft_otfq.yaml", ["deepspeed=examples/deepspeed/ds_z3_config.json"])
+    cfg = load_job_config("examples/train/lora_sft_otfq.yaml", ["deepspeed=examples/deepspeed/ds_z3_config.json"]).config
+    assert (cfg.finetuning_type, cfg.parallel) == ("qlora", "zero3")
+    with pytest.raises(ConfigError, match=r"cpu_offload: true with finetuning_type: qlora is not supported"):
+        load_job_config("examples/train/lora_sft_otfq.yaml", ["deepspeed=examples/deepspeed/ds_z3_offload_config.json"])
 
 
 @pytest.mark.parametrize("source", SOURCES)

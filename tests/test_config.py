@@ -52,11 +52,12 @@ def test_missing_required_key():
         build_config({"model_name_or_path": "/m"})
 
 
-def test_qlora_takes_ddp_or_auto_and_names_the_way_out_otherwise():
+def test_qlora_takes_every_parallel_mode_but_not_cpu_offload():
     assert build_config({**BASE, "finetuning_type": "qlora"}).is_lora
-    assert build_config({**BASE, "finetuning_type": "qlora", "parallel": "ddp"}).parallel == "ddp"
-    with pytest.raises(ConfigError, match=r"qlora trains with parallel: ddp.*zero3 is not supported: set parallel: ddp"):
-        build_config({**BASE, "finetuning_type": "qlora", "parallel": "zero3"})
+    for parallel in ("ddp", "zero2", "zero3", "hsdp"):
+        assert build_config({**BASE, "finetuning_type": "qlora", "parallel": parallel}).parallel == parallel
+    with pytest.raises(ConfigError, match=r"cpu_offload: true with finetuning_type: qlora is not supported.*zero3"):
+        build_config({**BASE, "finetuning_type": "qlora", "parallel": "zero3", "cpu_offload": True})
 
 
 def test_overrides_are_parsed_as_yaml_and_win(tmp_path):

@@ -87,7 +87,7 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, tokenizer); meshtune never downloads")
-    finetuning_type: Literal["full", "lora", "qlora"] = MODEL("lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do not fit otherwise; needs torchao)")
+    finetuning_type: Literal["full", "lora", "qlora"] = MODEL("lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do not fit otherwise; read block by block, and sharded under zero2 / zero3 / hsdp; needs torchao)")
     lora_rank: int = MODEL(8, "LoRA rank r: larger adapters learn more and cost more memory", gt=0)
     lora_alpha: float | None = MODEL(None, "LoRA scaling alpha (the update is scaled by alpha / r); default 2 x lora_rank", gt=0)
     lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
@@ -137,7 +137,7 @@ class TrainConfig(BaseModel):
     gc_interval: int | None = SPEED(None, "Python's garbage collection every N optimizer steps, on all ranks at the same step and never in between, so no rank stalls the others at a collective while it collects. 0 = Python's automatic collection. Default: 50 with several processes, 0 with one", ge=0, scope=NODE)
     profile_steps: str | None = SPEED(None, "profile optimizer steps FIRST-LAST (e.g. 10-12) with torch.profiler: a Chrome trace per rank and rank 0's costliest operators in output_dir/profile/", scope=NODE)
 
-    parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = PARALLELISM("auto", "auto | ddp | zero2 (FSDP2, parameters kept after forward) | zero3 (FSDP2, resharded after forward) | hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, one process and CPU; full fine-tuning on several GPUs: zero2, or zero3 where zero2's whole bf16 weights plus its share of the fp32 state would take over half a GPU. Set hsdp yourself on several nodes with a slow network between them")
+    parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = PARALLELISM("auto", "auto | ddp | zero2 (FSDP2, parameters kept after forward) | zero3 (FSDP2, resharded after forward) | hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, one process and CPU; Q-LoRA on several GPUs: ddp, or zero3 where the whole 4-bit model would take over half a GPU; full fine-tuning on several GPUs: zero2, or zero3 where zero2's whole bf16 weights plus its share of the fp32 state would take over half a GPU. Set hsdp yourself on several nodes with a slow network between them")
     load_weights_on: Literal["rank0", "every_rank"] = PARALLELISM("rank0", "rank0: only global rank 0 reads the model files; the other processes build the model without weights and receive rank 0's (under zero2 / zero3 / hsdp only their shard), so a node's memory holds one copy, not one per process | every_rank: each process reads the files itself")
     cpu_offload: bool = PARALLELISM(False, "zero2 / zero3 / hsdp: FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state live in CPU memory and the optimizer steps on the CPU (DeepSpeed's offload_optimizer / offload_param): trains models whose state does not fit in GPU memory, several times slower")
     hsdp_shard_size: int | None = PARALLELISM(None, "hsdp: processes that shard one replica; default: the processes of one node", gt=0)
@@ -153,6 +153,7 @@ class TrainConfig(BaseModel):
     rdzv_endpoint: str | None = LAUNCH(None, "rdzv_backend etcd-v2: the etcd server as host:port, the same on every node (MASTER_ADDR and MASTER_PORT are then not needed)")
     rdzv_timeout: int = LAUNCH(300, "seconds to wait for all nodes to join before failing with a diagnosis", gt=0)
     ddp_timeout: int = LAUNCH(600, "seconds a collective may wait before the job fails", gt=0)
+    gpu_memory_limit: float | None = LAUNCH(None, "GiB each process may allocate on its GPU (torch.cuda.set_per_process_memory_fraction): beyond it an allocation fails as out of memory, as on a smaller card. Rehearse a run meant for 24 GB GPUs (gpu_memory_limit: 24) on larger ones, or leave room on a shared card; parallel: auto plans for it. Ignored on CPU", gt=0)
 
     output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and final/ go; shared storage across nodes (checked at start)", scope=NODE)
     logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps", gt=0, scope=NODE)
@@ -202,9 +203,9 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_supported(self) -> "TrainConfig":
-        if self.finetuning_type == "qlora" and self.parallel not in ("auto", "ddp"):
-            raise ValueError(f"finetuning_type: qlora trains with parallel: ddp (what auto picks); sharding its 4-bit "
-                             f"weights with {self.parallel} is not supported: set parallel: ddp or auto")
+        if self.finetuning_type == "qlora" and self.cpu_offload:
+            raise ValueError("cpu_offload: true with finetuning_type: qlora is not supported: the 4-bit shards stay on "
+                             "the GPU. Shard them over more GPUs instead (parallel: zero3 across nodes)")
         if self.cpu_offload and self.parallel not in ("zero2", "zero3", "hsdp"):
             raise ValueError(f"cpu_offload: true needs a sharded mode (parallel: zero2, zero3 or hsdp), not parallel: "
                              f"{self.parallel}: the offload is FSDP2's; set parallel: zero3 (the least GPU memory)")

@@ -38,9 +38,11 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
-def smallest_gpu_memory(device: torch.device) -> float:
-    """Bytes of the smallest GPU among all ranks (a collective: every rank calls it)."""
-    smallest = torch.tensor([torch.cuda.get_device_properties(device).total_memory], dtype=torch.float64,
+def smallest_gpu_memory(device: torch.device, limit_gib: float | None = None) -> float:
+    """Bytes of the smallest GPU among all ranks, or of `limit_gib` where that is less (a collective: every rank
+    calls it)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    smallest = torch.tensor([min(total, limit_gib * 2**30) if limit_gib else total], dtype=torch.float64,
                             device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
@@ -65,3 +67,13 @@ def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 20
     del a, b
     torch.cuda.empty_cache()
     return 2.0 * size**3 * repeats / seconds
+
+
+def limit_gpu_memory(device: torch.device, limit_gib: float | None) -> bool:
+    """Cap what this process may allocate on its GPU at `limit_gib` (torch's caching allocator then fails an
+    allocation beyond it as out of memory). True where a cap was set."""
+    if not limit_gib or device.type != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gib * 2**30 / total), device)
+    return True

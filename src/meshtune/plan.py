@@ -32,13 +32,14 @@ class ModelSize:
 
     parameters: int
     block_parameters: int  # one transformer block's
+    blocks: int = 1        # transformer blocks
 
 
 @dataclass(frozen=True)
 class RunPlan:
     parallel: str                # ddp | zero2 | zero3 | hsdp
     bf16: bool                   # compute in bf16 (fp32 master weights)
-    frozen_bf16: bool            # the frozen base stored in bf16 (LoRA under ddp): only adapters are master weights
+    frozen_bf16: bool            # the frozen base stored in bf16 (LoRA under ddp, Q-LoRA): only adapters are master weights
     padding_free: bool           # a micro-batch's samples end to end in one row, varlen attention
     fused_loss: bool             # the head computes the loss in chunks (where the head is a bias-free linear layer)
     compile: bool                # torch.compile each transformer block and the loss chunks
@@ -100,7 +101,9 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     bf16 = bf16_supported(env.device) if cfg.bf16 is None else cfg.bf16 and env.device.type == "cuda"
     if cfg.bf16 and env.device.type != "cuda":
         why["precision"] = "bf16 is ignored on CPU"
-    frozen_bf16 = bf16 and cfg.is_lora and parallel == "ddp"
+    # Q-LoRA's frozen base, NF4 apart, stays bf16 under FSDP2 too: its embeddings and head are a 72B model's largest
+    # tensors left, and FSDP2 would only cast fp32 copies of them down to bf16 for every forward
+    frozen_bf16 = bf16 and cfg.is_lora and (parallel == "ddp" or cfg.finetuning_type == "qlora")
     padding_free = cfg.padding_free if cfg.padding_free is not None else varlen_available(env.device)
     compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda"
     for key, value, default in (("padding_free", cfg.padding_free, "on with CUDA"),
@@ -116,14 +119,18 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["gc_interval"] = ("default: all ranks collect at the same steps" if gc_interval else
                               "default with one process: Python's automatic collection")
     weights_from_rank0 = env.world_size > 1 and cfg.load_weights_on == "rank0" and cfg.finetuning_type != "qlora"
-    if env.world_size > 1 and cfg.load_weights_on == "rank0" and not weights_from_rank0:
-        why["load_weights_on"] = "qlora: each process quantizes the files it reads"
+    if cfg.finetuning_type == "qlora":
+        why["load_weights_on"] = ("qlora: each process reads the files block by block, quantizes each block and keeps "
+                                  "its shard")
     blocks_per_unit = None
     if parallel in SHARDED:
         blocks_per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(model_size().block_parameters)
         if cfg.fsdp_blocks_per_unit is None:
             why["fsdp_blocks_per_unit"] = f"default: up to {MAX_BLOCKS_PER_UNIT} blocks within ~1B parameters a unit"
     hsdp_shard = hsdp_shard_size(cfg, env, parallel, why)
+    if cfg.finetuning_type == "qlora" and parallel == "hsdp" and hsdp_shard == 1:
+        raise ConfigError("parallel: hsdp with a shard of 1 process shards nothing, and torchao's NF4 weights cannot "
+                          "be sharded over one: for qlora set hsdp_shard_size above 1, or parallel: ddp")
     if cfg.cpu_offload:  # the config allows it with zero2 / zero3 / hsdp only
         why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or env.world_size, env)
     accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
@@ -144,16 +151,22 @@ def choose_parallel(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], Mod
     those plus its 16-byte-per-parameter share of the fp32 state would take over half the smallest GPU, zero3
     (reshard after forward) leaves room for activations.
     """
+    if cfg.finetuning_type == "qlora" and env.world_size == 1 and cfg.parallel in SHARDED:
+        why["parallel"] = (f"{cfg.parallel} on one process: nothing to shard (and torchao's NF4 weights cannot be "
+                           f"sharded over one)")
+        return "ddp"
     if cfg.parallel != "auto":
         return cfg.parallel
-    if cfg.is_lora:
+    if cfg.finetuning_type == "qlora" and env.world_size > 1 and env.device.type == "cuda":
+        mode, reason = sharding_for_qlora(model_size(), env.world_size, smallest_gpu_memory(env.device, cfg.gpu_memory_limit))
+    elif cfg.is_lora:
         mode, reason = "ddp", "LoRA: only the adapters' gradients are all-reduced"
     elif env.world_size == 1:
         mode, reason = "ddp", "one process"
     elif env.device.type != "cuda":
         mode, reason = "ddp", "CPU processes"
     else:
-        mode, reason = sharding_for_full(model_size().parameters, env.world_size, smallest_gpu_memory(env.device))
+        mode, reason = sharding_for_full(model_size().parameters, env.world_size, smallest_gpu_memory(env.device, cfg.gpu_memory_limit))
     why["parallel"] = f"auto: {reason}"
     return mode
 
@@ -166,6 +179,22 @@ def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float) -> tuple
     if zero2_bytes <= 0.5 * gpu_bytes:
         return "zero2", f"full fine-tuning on {world_size} GPUs, {share}"
     return "zero3", f"full fine-tuning on {world_size} GPUs; zero2 would hold {share}"
+
+
+NF4_BYTES = 0.5 + 1 / 64  # a 4-bit value, and an 8-bit scale per 64 of them (the scales' own scales are negligible)
+
+
+def sharding_for_qlora(size: ModelSize, world_size: int, gpu_bytes: float) -> tuple[str, str]:
+    """Q-LoRA under ddp keeps the whole 4-bit model on every GPU: its block weights in NF4, embeddings and head in
+    bf16. Where that would take over half of the smallest GPU (activations and the adapters' state need the rest),
+    zero3 shards it over the processes, as zero3 does for full fine-tuning."""
+    block_params = size.block_parameters * size.blocks
+    whole = NF4_BYTES * block_params + 2 * (size.parameters - block_params)
+    held = f"{whole / 2**30:.1f} GiB of 4-bit model per GPU of {gpu_bytes / 2**30:.0f} GiB"
+    if whole <= 0.5 * gpu_bytes:
+        return "ddp", f"Q-LoRA: {held}; only the adapters' gradients are all-reduced"
+    return "zero3", (f"Q-LoRA: ddp would hold {held}; zero3 shards it, "
+                     f"{whole / world_size / 2**30:.1f} GiB per GPU over {world_size}")
 
 
 def offload_reason(is_lora: bool, n_params: int, shards: int, env: DistEnv) -> str:

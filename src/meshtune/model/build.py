@@ -11,6 +11,7 @@ import torch
 from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
 from meshtune.model.attention import use_varlen
+from meshtune.model.block_loading import BlockLoader
 from meshtune.model.checkpointing import enable_checkpointing
 from meshtune.model.compile import compile_blocks
 from meshtune.model.flops import FlopCounter
@@ -18,7 +19,6 @@ from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.lora import add_lora
 from meshtune.model.loss_head import install_loss_head, output_head
 from meshtune.model.parallel import wrap_model
-from meshtune.model.qlora import quantize_frozen_linears
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
 from meshtune.plan import RunPlan
 
@@ -32,8 +32,9 @@ class BuiltModel:
 
 def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[str], None]) -> BuiltModel:
     model_dir = Path(cfg.model_name_or_path).expanduser()
-    # rank 0 reads the files; the others build the same modules on the meta device (no memory, no reads)
-    empty = plan.weights_from_rank0 and not env.is_main
+    # rank 0 reads the files; the others build the same modules on the meta device (no memory, no reads).
+    # Q-LoRA: every process starts empty and reads the files block by block as it quantizes (data_parallel)
+    empty = cfg.finetuning_type == "qlora" or (plan.weights_from_rank0 and not env.is_main)
     model = model_skeleton(model_dir, plan.load_dtype) if empty else load_model(model_dir, plan.load_dtype)
     flops = FlopCounter.of(model)  # before LoRA adds parameters and FSDP2 shards them
     if plan.padding_free:
@@ -43,34 +44,51 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
     if cfg.is_lora:
         model = add_lora(model, cfg)
-    if cfg.finetuning_type == "qlora":
-        log(describe_quantized(*quantize_frozen_linears(model, env.device)))  # after LoRA: its frozen base layers only
+    # Q-LoRA's NF4 comes after LoRA (its frozen base layers only), as each block is filled: in data_parallel
     if cfg.gradient_checkpointing:
         enable_checkpointing(model, cfg.gradient_checkpointing_ratio)  # before compile: recompute runs the compiled block
     if plan.compile:
         compile_blocks(model)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
     model.config.use_cache = False  # training never reads a key-value cache
-    return BuiltModel(data_parallel(model, cfg, plan, env), flops, fused_loss)
+    loader = None
+    if cfg.finetuning_type == "qlora":
+        loader = BlockLoader(model, model_dir, env.device, cfg.seed, nf4_shards(plan, env))
+    wrapped = data_parallel(model, cfg, plan, env, loader)
+    if loader is not None:
+        loader.close()
+        log(loader.describe(wrapped))
+    return BuiltModel(wrapped, flops, fused_loss)
 
 
-def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> torch.nn.Module:
+def nf4_shards(plan: RunPlan, env: DistEnv) -> int:
+    """The processes FSDP2 splits each weight over: all of them (zero2 / zero3), one replica's (hsdp), none (ddp)."""
+    if plan.parallel == "hsdp":
+        return plan.hsdp_shard_size or env.local_world_size
+    return env.world_size if plan.parallel != "ddp" else 1
+
+
+def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv,
+                  loader: BlockLoader | None) -> torch.nn.Module:
     """The model on this process's device inside its data-parallel wrapper, holding rank 0's weights where the
     other ranks built it empty: ddp receives them whole before DDP wraps it; FSDP2 moves each unit to the GPU as it
     shards it (the whole model is never on one GPU; with cpu_offload each shard then goes to host memory), then every
-    rank receives its shard."""
+    rank receives its shard. Q-LoRA (`loader`): every process fills its empty model from the files block by block,
+    each block quantized, and under FSDP2 sharded, before the next is read."""
     if plan.weights_from_rank0:
         check_same_model(model, env)  # the empty models match rank 0's tensor for tensor, or the broadcast would hang
     wrap = dict(parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
                 prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16",
                 blocks_per_unit=plan.blocks_per_unit or 1, cpu_offload=plan.cpu_offload)
     if plan.parallel == "ddp":
-        if plan.weights_from_rank0:
+        if loader is not None:
+            loader.load_all(model)
+        elif plan.weights_from_rank0:
             receive_replicated(model, env)
         else:
             model.to(env.device)
-        return wrap_model(model, in_sync=plan.weights_from_rank0, **wrap)
+        return wrap_model(model, in_sync=plan.weights_from_rank0 or loader is not None, **wrap)
     state = full_state(model, env) if plan.weights_from_rank0 else None  # taken before sharding moves the parameters
-    model = wrap_model(model, **wrap)
+    model = wrap_model(model, before_shard=loader, **wrap)
     if state is not None:
         receive_shards(model, state, env, plan.cpu_offload)
     return model
@@ -85,11 +103,3 @@ def head_adapted(model: torch.nn.Module, cfg: TrainConfig, log: Callable[[str], 
         return False
     log(f"fused_loss: off, lora_target adapts the output head ({name}), whose logits the loss then needs")
     return True
-
-
-def describe_quantized(count: int, before: int, after: int) -> str:
-    if not count:
-        return ("warning: qlora quantized no weight: no block linear layer holds whole NF4 scale groups (64 x 256 "
-                "values); this trains as plain LoRA")
-    return (f"qlora: {count} frozen linear weights of the transformer blocks in 4-bit NF4 (torchao), "
-            f"{before / 2**20:,.1f} MiB -> {after / 2**20:,.1f} MiB")

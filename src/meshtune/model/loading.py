@@ -80,8 +80,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
 def model_size(path: str | Path) -> ModelSize:
     """Parameters of the model in `path`, and of one of its transformer blocks, from its config alone (no weights)."""
     model = model_skeleton(path)
-    return ModelSize(sum(p.numel() for p in model.parameters()),
-                     sum(p.numel() for p in transformer_blocks(model)[0].parameters()))
+    blocks = transformer_blocks(model)
+    return ModelSize(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in blocks[0].parameters()),
+                     len(blocks))
 
 
 def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

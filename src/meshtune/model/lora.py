@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
+
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
@@ -28,3 +31,19 @@ def add_lora(model: PreTrainedModel, cfg: TrainConfig) -> torch.nn.Module:
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM", bias="none")
     return get_peft_model(model, lora)
+
+
+def initial_adapter_weight(name: str, shape: torch.Size, seed: int) -> torch.Tensor | None:
+    """The starting value of an adapter weight built without values (on the meta device): B zeros and A
+    Kaiming-uniform, as peft initialises them, A drawn from a generator seeded by `seed` and the adapter's name, so
+    every process and every layout starts from the same adapters whatever order it builds them in. None for a
+    name that is no LoRA A or B weight."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    if ".lora_A." not in name:
+        return None
+    stream = int.from_bytes(hashlib.sha256(f"{seed}:{name.removeprefix('base_model.model.')}".encode()).digest()[:8],
+                            "little")
+    weight = torch.empty(shape)
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=torch.Generator().manual_seed(stream))
+    return weight

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import ContextManager
 
@@ -82,12 +83,15 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                hsdp_shard_size: int | None = None, prefetch: int = 1, grad_sync: str = "ddp",
                in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1,
-               cpu_offload: bool = False) -> torch.nn.Module:
+               cpu_offload: bool = False,
+               before_shard: Callable[[list[torch.nn.Module]], None] | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
     gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `blocks_per_unit`:
     consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all).
-    `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host memory."""
+    `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host memory.
+    `before_shard`: called with each unit's blocks, then with the model, right before FSDP2 shards them (Q-LoRA's
+    block-by-block loading: only one unit is ever whole on the device)."""
     if parallel == "ddp":
         if env.world_size == 1:
             return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
@@ -114,8 +118,12 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     blocks = transformer_blocks(model)
     units = fsdp_units(blocks, blocks_per_unit)
     for unit in units:
+        if before_shard is not None:
+            before_shard(unit)
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed,
                     offload_policy=offload)
+    if before_shard is not None:
+        before_shard([model])
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
     if prefetch:
         set_prefetch([unit[0] for unit in units], prefetch)

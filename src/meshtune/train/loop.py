@@ -31,7 +31,7 @@ from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
 from meshtune import faults
-from meshtune.hardware import measure_peak_flops
+from meshtune.hardware import limit_gpu_memory, measure_peak_flops
 from meshtune.model.build import build_model
 from meshtune.model.export import save_final
 from meshtune.model.flops import FlopCounter
@@ -63,6 +63,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     use_expandable_segments(cfg.expandable_segments)  # before the first CUDA allocation
     env = init_distributed(cfg.ddp_timeout)
     log = print if env.is_main else quiet_other_ranks()
+    if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
+        log(f"gpu_memory_limit: each process allocates at most {cfg.gpu_memory_limit:g} GiB of its GPU")
     with StopRequest(log, os.environ.get(ERROR_DIR)) as stop:
         return train_until_done_or_stopped(cfg, env, log, stop)
 
