@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> dict:
                save_steps=0, save_final=False)
     if args.gpu_memory_limit:
         cfg["gpu_memory_limit"] = args.gpu_memory_limit
+    cfg.update(yaml.safe_load(f"{{{', '.join(item.replace('=', ': ', 1) for item in args.set)}}}") or {})
     config = work / "big_qlora.yaml"
     config.write_text(yaml.safe_dump(cfg))
     log = work / "train.log"
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     timed, seconds = timed_records(records)
     load = re.search(r"in ([\d.]+) s", line)
     gpu_loading = re.search(r"GPU peak ([\d.]+) GiB", line)
-    return dict(size=args.size, gpus=args.gpus, gpu_memory_limit_gib=args.gpu_memory_limit, parallel=args.parallel,
+    return dict(size=args.size, gpus=args.gpus, settings=args.set, gpu_memory_limit_gib=args.gpu_memory_limit, parallel=args.parallel,
                 rank=args.rank, batch=args.batch, steps=len(records), build_line=line,
                 write_model_s=round(write_s, 1), load_s=float(load.group(1)) if load else None,
                 gpu_peak_loading_gib=float(gpu_loading.group(1)) if gpu_loading else None,
@@ -179,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-gb", type=float, default=5.0, help="size of each random safetensors file")
     parser.add_argument("--timeout", type=float, default=540, help="seconds the training run may take")
     parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more meshtune config keys")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
         print(f"note: only steps after the first {WARMUP} are timed", file=sys.stderr)

@@ -105,9 +105,14 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     # tensors left, and FSDP2 would only cast fp32 copies of them down to bf16 for every forward
     frozen_bf16 = bf16 and cfg.is_lora and (parallel == "ddp" or cfg.finetuning_type == "qlora")
     padding_free = cfg.padding_free if cfg.padding_free is not None else varlen_available(env.device)
-    compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda"
+    # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
+    # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
+    compile_clash = cfg.finetuning_type == "qlora" and parallel in SHARDED and cfg.gradient_checkpointing
+    compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda" and not compile_clash
     for key, value, default in (("padding_free", cfg.padding_free, "on with CUDA"),
-                                ("torch_compile", cfg.torch_compile, "on with CUDA")):
+                                ("torch_compile", cfg.torch_compile, "on with CUDA" + (
+                                    "; off for Q-LoRA sharded by FSDP2 with activation checkpointing, whose "
+                                    "compiled blocks fail their recompute" if compile_clash else ""))):
         if value is None:
             why[key] = f"default, {default}"
     fused_adamw = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
