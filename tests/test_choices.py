@@ -13,7 +13,7 @@ import torch
 from conftest import base_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
-from meshtune.plan import ModelSize, default_blocks_per_unit, resolve, sharding_for_full
+from meshtune.plan import ModelSize, default_blocks_per_unit, resolve, sharding_for_full, sharding_for_qlora
 from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.loop import run
 
@@ -144,3 +144,49 @@ def test_training_collects_at_the_interval_and_says_what_auto_chose(tmp_path, ti
     out = capsys.readouterr().out
     assert "parallel                     ddp  (auto: one process)" in out
     assert json.loads((tmp_path / "out" / "run_plan.json").read_text())["parallel"] == "ddp"
+
+
+QWEN_32B = ModelSize(32_763_876_352, 489_786_368, 64)  # Qwen2.5-32B: 64 blocks, 152064-token vocabulary
+
+
+@pytest.mark.parametrize("gpu_gib, gpus, expected", [(80, 2, "ddp"), (24, 2, "zero3"), (24, 4, "zero3")])
+def test_qlora_shards_when_the_whole_4bit_model_would_take_over_half_a_gpu(gpu_gib, gpus, expected):
+    """32B in NF4 with bf16 embeddings and head: about 17.7 GiB (17.9 measured), under half of an 80 GB card, over
+    half of 24 GiB."""
+    mode, why = sharding_for_qlora(QWEN_32B, gpus, gpu_gib * GIB)
+    assert mode == expected, why
+    assert "17.7 GiB of 4-bit model per GPU" in why
+    if expected == "zero3":
+        assert f" GiB per GPU over {gpus}" in why and "zero3 shards it" in why
+
+
+def test_qlora_auto_on_gpus_plans_for_gpu_memory_limit(monkeypatch):
+    seen = []
+    monkeypatch.setattr("meshtune.plan.smallest_gpu_memory", lambda device, limit: seen.append(limit) or
+                        min(80 * GIB, (limit or 80) * GIB))
+    cfg = config(finetuning_type="qlora", gpu_memory_limit=24)
+    plan = resolve(cfg, env(2, "cuda"), None, lambda: QWEN_32B)
+    assert plan.parallel == "zero3" and seen == [24] and "of 24 GiB" in plan.why["parallel"]
+    assert plan.frozen_bf16 or not plan.bf16  # the frozen base, NF4 apart, in bf16 under FSDP2 too
+    plan = resolve(config(finetuning_type="qlora"), env(2, "cuda"), None, lambda: QWEN_32B)
+    assert plan.parallel == "ddp" and "Q-LoRA" in plan.why["parallel"]
+
+
+def test_sharded_qlora_on_one_process_runs_as_ddp_and_hsdp_must_shard():
+    plan = resolve(config(finetuning_type="qlora", parallel="zero3"), env(1, "cpu"), None, never_counted)
+    assert plan.parallel == "ddp" and "zero3 on one process: nothing to shard" in plan.why["parallel"]
+    with pytest.raises(ConfigError, match="hsdp with a shard of 1 process shards nothing.*hsdp_shard_size above 1"):
+        resolve(config(finetuning_type="qlora", parallel="hsdp", hsdp_shard_size=1), env(2, "cpu"), None,
+                lambda: ModelSize(10, 1))
+
+
+def test_sharded_qlora_with_checkpointing_is_uncompiled_by_default_on_cuda(monkeypatch):
+    monkeypatch.setattr("meshtune.plan.bf16_supported", lambda device: True)
+    monkeypatch.setattr("meshtune.plan.varlen_available", lambda device: True)
+    plan = resolve(config(finetuning_type="qlora", parallel="zero3", gradient_checkpointing=True), env(2, "cuda"),
+                   None, lambda: QWEN_32B)
+    assert not plan.compile and "fail their recompute" in plan.why["torch_compile"]
+    for values in ({"parallel": "ddp", "gradient_checkpointing": True}, {"parallel": "zero3"}):
+        assert resolve(config(finetuning_type="qlora", **values), env(2, "cuda"), None, lambda: QWEN_32B).compile
+    assert resolve(config(finetuning_type="qlora", parallel="zero3", gradient_checkpointing=True, torch_compile=True),
+                   env(2, "cuda"), None, lambda: QWEN_32B).compile  # asked for: kept

@@ -182,7 +182,8 @@ def test_zero3_qlora_on_two_nodes_of_two_matches_one_node_and_resumes_exactly_af
         qlora_model_dir, tiny_dataset, tmp_path_factory, tmp_path):
     """`meshtune train cfg.yaml finetuning_type=qlora parallel=zero3` on each of two simulated nodes (2 processes
     each): a worker fails after step 3, torchrun restarts the job, which resumes from checkpoint-2. Its losses are
-    bit for bit those of the uninterrupted zero3 run on one node of 4, and those of 1 process x 4 within rounding."""
+    bit for bit those of the uninterrupted zero3 run on one node of 4, and those of 1 process x 4 within rounding.
+    The checkpoint then resumes on 2 processes."""
     single, _ = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, "zero3", 4, 1)
     reference, _ = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
     values = layout_values(qlora_model_dir, tiny_dataset, tmp_path / "output",
@@ -215,6 +216,16 @@ def test_zero3_qlora_on_two_nodes_of_two_matches_one_node_and_resumes_exactly_af
     assert losses == single
     assert_close(losses, reference, "zero3 on 2 nodes x 2")
 
+    # the checkpoint 4 processes wrote, resumed by 2 (two micro-steps each keep the global batch of 8)
+    for late in ("checkpoint-4", "checkpoint-5"):
+        shutil.rmtree(tmp_path / "output" / late)
+    result, _ = run_cli(["train", str(config), "finetuning_type=qlora", "parallel=zero3", "nproc_per_node=2"],
+                        timeout=300, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and "resumed from" in result.stdout, result.stdout[-3000:]
+    records = read_metrics(tmp_path / "output")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert_close([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference, "resumed on 2 processes")
+
 
 def test_without_torchao_qlora_says_what_to_install(monkeypatch):
     from meshtune.errors import ConfigError
@@ -224,3 +235,73 @@ def test_without_torchao_qlora_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
     with pytest.raises(ConfigError, match=r"qlora needs torchao.*pip install 'meshtune\[qlora\]'"):
         nf4_quantizer()
+
+
+def built_empty(model_dir, cfg):
+    from meshtune.model.loading import model_skeleton
+
+    return add_lora(model_skeleton(model_dir), cfg)
+
+
+def test_the_block_loader_builds_from_the_files_the_model_a_plain_load_would_quantize(qlora_model_dir, tiny_dataset,
+                                                                                     tmp_path):
+    """Filled block by block from the files (rotary frequencies rebuilt from the config), the empty model gives
+    the logits of the loaded model quantized the old way: the adapters start at B = 0, so only the base counts."""
+    from meshtune.model.block_loading import BlockLoader
+
+    cfg = build_config(qlora_values(qlora_model_dir, tiny_dataset, tmp_path / "o"))
+    model = built_empty(qlora_model_dir, cfg)
+    loader = BlockLoader(model, qlora_model_dir, torch.device("cpu"), seed=7, shards=1)
+    loader.load_all(model)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert loader.quantized[0] == 2 * LINEARS_PER_BLOCK and "read block by block" in loader.describe(model)
+    plain = add_lora(load_model(qlora_model_dir), cfg)
+    quantize_frozen_linears(plain, torch.device("cpu"))
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    torch.testing.assert_close(probe_logits(model, ids), probe_logits(plain, ids), rtol=0, atol=0)
+    again = built_empty(qlora_model_dir, cfg)
+    BlockLoader(again, qlora_model_dir, torch.device("cpu"), seed=7, shards=1).load_all(again)
+    other_seed = built_empty(qlora_model_dir, cfg)
+    BlockLoader(other_seed, qlora_model_dir, torch.device("cpu"), seed=8, shards=1).load_all(other_seed)
+    name = next(n for n, _ in model.named_parameters() if "lora_A" in n)
+    assert torch.equal(model.get_parameter(name), again.get_parameter(name))  # the seed and the name decide
+    assert not torch.equal(model.get_parameter(name), other_seed.get_parameter(name))
+    assert model.get_parameter(name).abs().max() <= (1 / model.get_parameter(name).shape[1]) ** 0.5  # Kaiming bound
+
+
+def test_the_block_loader_names_a_missing_tensor_a_wrong_shape_and_a_layer_that_cannot_be_split(
+        qlora_model_dir, tiny_dataset, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from meshtune.errors import ModelError
+    from meshtune.model.block_loading import BlockLoader
+
+    cfg = build_config(qlora_values(qlora_model_dir, tiny_dataset, tmp_path / "o"))
+    broken = tmp_path / "broken"
+    shutil.copytree(qlora_model_dir, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    model = built_empty(broken, cfg)
+    with pytest.raises(ModelError, match=r"model.layers.1.mlp.up_proj.weight is in the model its config.json "
+                                         r"describes but in none of the weight files of .*broken"):
+        BlockLoader(model, broken, torch.device("cpu"), 7, 1).load_all(model)
+
+    config = json.loads((broken / "config.json").read_text())
+    shutil.copy(qlora_model_dir / "model.safetensors", broken / "model.safetensors")
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 768}))
+    model = built_empty(broken, cfg)
+    with pytest.raises(ModelError, match=r"model.layers.0.mlp.gate_proj.weight in .*model.safetensors is \[512, 256\], "
+                                         r"the model's config makes it \[768, 256\]"):
+        BlockLoader(model, broken, torch.device("cpu"), 7, 1).load_all(model)
+
+    model = built_empty(qlora_model_dir, cfg)
+    with pytest.raises(ModelError, match=r"qlora: .*self_attn.q_proj.base_layer \(\[256, 256\]\) cannot be split "
+                                         r"over 8 processes .* it splits over 1, 2, 4\. Shard over one of those"):
+        BlockLoader(model, qlora_model_dir, torch.device("cpu"), 7, 8).load_all(model)
+
+    (broken / "model.safetensors").unlink()
+    (broken / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelError, match=r"qlora reads the model one block at a time from safetensors files.*"
+                                         r"safe_serialization=True"):
+        BlockLoader(built_empty(qlora_model_dir, cfg), broken, torch.device("cpu"), 7, 1)
