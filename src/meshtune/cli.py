@@ -32,6 +32,22 @@ run, with the reason), metrics.jsonl, loss.png, checkpoint-N/ (with save_steps),
 dir).
 """
 
+DOCTOR_HELP = """\
+Run on every node, with the environment training will have (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+NPROC_PER_NODE, or SLURM / PBS / PyTorchJob), the same command on each: `meshtune doctor cfg.yaml`.
+The nodes meet on MASTER_ADDR:MASTER_PORT (node 0 hosts a small key-value store there and releases it on exit);
+node 0 prints one table, a row per check and a column per node, each cell ✔ / ✘ / ! with the fix below it:
+  - every node joined within --timeout, with its own NODE_RANK below NNODES
+  - NNODES, MASTER_ADDR, MASTER_PORT and processes per node agree; so do the config keys all nodes share
+  - GPUs (count, model), driver, CUDA and NCCL versions; torch, transformers, peft, torchao and meshtune
+    versions and a hash of meshtune's installed code
+  - model and dataset files: present, with node 0's checksums (cached by path, size and time: hashed once)
+  - output_dir writable, one storage for all nodes, room for the checkpoints kept
+  - clocks against node 0; the interface that routes to MASTER_ADDR, with the NCCL_SOCKET_IFNAME /
+    GLOO_SOCKET_IFNAME to set when another would be used; InfiniBand devices
+The other nodes print the rows that concern them. Exit code 1 when any check fails (✘).
+"""
+
 LAUNCH_HELP = """\
 Run this node's part of a training job: the same command on every node, only the node rank differs.
 Prints where each setting came from, then starts torchrun (c10d rendezvous at MASTER_ADDR:MASTER_PORT,
@@ -92,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dry-run", action="store_true",
                         help="print this node's settings and the exact command, start nothing")
     launch.add_argument("--debug", action="store_true", help="show full tracebacks")
+
+    doctor = commands.add_parser("doctor", help="check every node before a multi-node run (run it on each node)",
+                                 description=DOCTOR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_argument("config", nargs="?", help="the YAML config training will use")
+    doctor.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, as for train")
+    doctor.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds to wait for the other nodes (default 30): a node that has not joined by then "
+                             "is named in the table")
+    doctor.add_argument("--json", metavar="FILE", help="node 0 also writes the table as JSON here")
+    doctor.add_argument("--debug", action="store_true", help="show full tracebacks")
 
     ckpt = commands.add_parser("ckpt", help="list or verify checkpoints",
                                description="Inspect the sharded checkpoints in an output_dir.")
@@ -177,6 +203,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from meshtune.launch import detect_node_settings
+    from meshtune.launch.doctor import run_doctor
+
+    cfg, _ = load_training_config(args)
+    code, report = run_doctor(cfg, detect_node_settings(cfg), args.timeout)
+    if args.json and report.get("columns") is not None:
+        Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+    return code
+
+
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
     from meshtune.model.export import export_kind, verify_export
@@ -247,8 +286,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
     flags, flag_tokens = {}, []
-    if command is not None and argv[command] in ("train", "launch"):
-        rest, flags, flag_tokens = split_flags(argv[command + 1:], {"--debug", "--dry-run", "--help", "-h"})
+    if command is not None and argv[command] in ("train", "launch", "doctor"):
+        own = {"--debug", "--dry-run", "--help", "-h"} | ({"--timeout", "--json"} if argv[command] == "doctor" else set())
+        rest, flags, flag_tokens = split_flags(argv[command + 1:], own)
         argv = argv[:command + 1] + rest
     args = build_parser().parse_args(argv)
     args.flags, args.flag_tokens = flags, flag_tokens
@@ -262,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export,
-                    "demo": cmd_demo}[args.command](args)
+                    "demo": cmd_demo, "doctor": cmd_doctor}[args.command](args)
         except MeshtuneError:
             raise
         except Exception as exc:

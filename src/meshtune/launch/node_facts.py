@@ -1,0 +1,181 @@
+"""What `meshtune doctor` learns about this node: its launch settings, accelerators, software, the files it would
+train on, its output_dir and the network interface that routes to MASTER_ADDR. A fact that cannot be computed
+becomes an `error` entry in the facts, so no node is left waiting on another's exception."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from meshtune.data.registry import data_checksum, resolve
+from meshtune.train.agreement import shared_config
+
+PACKAGES = ("meshtune", "torch", "transformers", "peft", "torchao")
+FAKE_VERSIONS = "MESHTUNE_DOCTOR_FAKE_VERSIONS"  # "name=version,...": lets a test make one node differ
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def collect_facts(cfg, settings) -> dict:
+    facts = {"host": socket.gethostname(), "pid": os.getpid(), "node_rank": settings.node_rank,
+             "nnodes": settings.nnodes, "master_addr": settings.master_addr, "master_port": settings.master_port,
+             "nproc_per_node": settings.nproc_per_node, "config": shared_config(cfg)}
+    for key, fact in (("accelerators", accelerators), ("software", software),
+                      ("model", lambda: directory_checksum(Path(cfg.model_name_or_path).expanduser())),
+                      ("dataset", lambda: dataset_checksum(cfg)),
+                      ("output_dir", lambda: output_dir_facts(Path(cfg.output_dir).expanduser())),
+                      ("network", lambda: network_facts(settings.master_addr, settings.master_port))):
+        try:
+            facts[key] = fact()
+        except Exception as exc:  # noqa: BLE001 - reported in the table, with the node
+            facts[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    return facts
+
+
+def accelerators() -> dict:
+    if not torch.cuda.is_available():
+        return {"count": 0, "models": [], "cuda": None, "nccl": None, "driver": None}
+    count = torch.cuda.device_count()
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    return {"count": count, "models": [torch.cuda.get_device_name(i) for i in range(count)],
+            "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+            "driver": nvidia_driver()}
+
+
+def nvidia_driver() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
+def software() -> dict:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    fake = os.environ.get(FAKE_VERSIONS, "")
+    found.update(item.split("=", 1) for item in fake.split(",") if "=" in item)
+    found["meshtune code"] = code_hash()
+    return found
+
+
+def code_hash() -> str:
+    """sha256 over meshtune's installed Python files: two installs of one version number can still differ."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cache_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshtune" / "file-checksums.json"
+
+
+def file_sha256(path: Path, cache: dict) -> str:
+    """A file's sha256, remembered by path, size and modification time: a 100 GB model is hashed once, not at every
+    launch."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    if key not in cache:
+        with path.open("rb") as f:
+            cache[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    return cache[key]
+
+
+def checksum_of(files: list[Path], base: Path) -> str:
+    path = cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_to(base)}:{file_sha256(file, cache)}\n".encode())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs a rehash next time
+    return digest.hexdigest()[:16]
+
+
+def directory_checksum(directory: Path) -> dict:
+    if not directory.is_dir():
+        return {"error": f"{directory} is not a directory"}
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return {"checksum": checksum_of(files, directory), "files": len(files),
+            "bytes": sum(p.stat().st_size for p in files)}
+
+
+def dataset_checksum(cfg) -> dict:
+    specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.dataset_format)
+    return {"checksum": data_checksum(specs)[:16], "files": sum(len(spec.files) for spec in specs)}
+
+
+def output_dir_facts(path: Path) -> dict:
+    probe = path / f".meshtune-doctor-{socket.gethostname()}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("meshtune doctor")
+        probe.unlink()
+    except OSError as exc:
+        return {"writable": False, "error": f"{path}: {exc.strerror or exc}"}
+    return {"writable": True, "free_bytes": shutil.disk_usage(path).free}
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of every interface that has one (Linux ioctl; no third-party package)."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def network_facts(master_addr: str, master_port: int | None) -> dict:
+    """The interface the kernel routes MASTER_ADDR through, the one the host name resolves to (gloo's choice
+    without GLOO_SOCKET_IFNAME), what the user set for NCCL and gloo, and InfiniBand devices."""
+    addresses = interface_addresses()
+    by_address = {address: name for name, address in addresses.items()}
+    route_address = None
+    try:
+        target = socket.getaddrinfo(master_addr, master_port or 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect(target)  # UDP: no packet is sent, the kernel only picks the route
+            route_address = sock.getsockname()[0]
+    except OSError as exc:
+        return {"error": f"MASTER_ADDR {master_addr} does not resolve or route: {exc.strerror or exc}"}
+    try:
+        hostname_address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        hostname_address = None
+    ib = Path("/sys/class/infiniband")
+    return {"route_interface": by_address.get(route_address), "route_address": route_address,
+            "master_resolves_to": target[0], "hostname_interface": by_address.get(hostname_address),
+            "hostname_address": hostname_address,
+            "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME"),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "infiniband": sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []}
