@@ -116,3 +116,12 @@ def test_a_wrong_port_or_a_missing_master_fails_within_the_timeout_naming_the_no
     assert "did not join within 5 s" in out0
     assert code1 == 1 and f"node 1 could not reach node 0 at 127.0.0.1:{port} within 5 s" in out1
     assert "a MASTER_PORT that differs between nodes" in out1
+
+
+def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure():
+    from meshtune.launch.doctor import FAIL, WARN, joined_row
+
+    facts = [{"node_rank": 0, "host": "a"}, {"node_rank": 1, "host": "b"}]
+    assert joined_row(facts, 2, 4, 30).cells[0] == (WARN, "missing node rank(s) 2, 3")  # nnodes: 2:4
+    assert joined_row(facts, 3, 4, 30).cells[0][0] == FAIL  # nnodes: 3:4
+    assert not joined_row(facts, 2, 2, 30).failed

@@ -136,8 +136,9 @@ def unreachable(settings: NodeSettings, timeout_s: float, exc: Exception, out) -
     where = f"{settings.master_addr}:{settings.master_port}"
     if settings.node_rank == 0:
         text = (f"{FAIL} node 0 cannot host the doctor's store on {where}: {exc}\n"
-                f"  fix: MASTER_PORT {settings.master_port} is in use or MASTER_ADDR is not an address of this host; "
-                f"pick a free port (the same on every node) and run node 0 on the MASTER_ADDR machine")
+                f"  fix: MASTER_PORT {settings.master_port} is in use (another job, or another node also started "
+                f"with NODE_RANK 0) or MASTER_ADDR is not an address of this host; pick a free port (the same on "
+                f"every node) and run node 0 on the MASTER_ADDR machine")
     else:
         text = (f"{FAIL} node {settings.node_rank} could not reach node 0 at {where} within {timeout_s:g} s: {exc}\n"
                 f"  fix: start node 0 first with the same MASTER_ADDR / MASTER_PORT; check that {where} is node 0's "
@@ -167,7 +168,7 @@ def evaluate(cfg, settings: NodeSettings, arrivals: list[dict], skew_of: dict[in
     facts = [arrivals[i] for i in nodes]
     skews = [skew_of.get(i, 0.0) for i in nodes]
     reference = next((f for f in facts if f["node_rank"] == 0), facts[0])
-    rows = [joined_row(facts, node_range(settings.nnodes)[1], timeout_s), launch_row(facts, reference),
+    rows = [joined_row(facts, *node_range(settings.nnodes), timeout_s), launch_row(facts, reference),
             config_row(facts, reference), accelerator_row(facts, reference), software_row(facts, reference),
             files_row("model files", "model", "model_name_or_path", facts, reference),
             files_row("dataset files", "dataset", "dataset", facts, reference),
@@ -177,14 +178,17 @@ def evaluate(cfg, settings: NodeSettings, arrivals: list[dict], skew_of: dict[in
                      for row in rows]}
 
 
-def joined_row(facts: list[dict], expected: int, timeout_s: float) -> Row:
+def joined_row(facts: list[dict], fewest: int, expected: int, timeout_s: float) -> Row:
+    """Every node rank joined once. An elastic job (`nnodes: MIN:MAX`) may start with MIN: the others missing
+    is a note, not a failure."""
     row = Row("node joined, NODE_RANK")
     ranks = [f["node_rank"] for f in facts]
     for position, f in enumerate(facts):
         rank = f["node_rank"]
         if ranks.count(rank) > 1:
             others = [g["host"] for g in facts if g["node_rank"] == rank and g is not f]
-            row.mark(position, FAIL, f"NODE_RANK {rank} also on {', '.join(others)}",
+            row.mark(position, FAIL, f"NODE_RANK {rank} also on {', '.join(others)}" + (
+                " (same host)" if f["host"] in others else ""),
                      f"give each node its own NODE_RANK from 0 to NNODES-1 (NODE_RANK {rank} is used twice)")
         elif rank >= expected:
             row.mark(position, FAIL, f"NODE_RANK {rank} >= NNODES {expected}", "NODE_RANK must be below NNODES")
@@ -192,9 +196,10 @@ def joined_row(facts: list[dict], expected: int, timeout_s: float) -> Row:
             row.mark(position, OK, f"rank {rank} of {expected}")
     missing = sorted(set(range(expected)) - set(ranks))
     if missing:
-        row.mark(0, FAIL, f"missing node rank(s) {', '.join(map(str, missing))}",
-                 f"node rank(s) {', '.join(map(str, missing))} did not join within {timeout_s:g} s: start "
-                 f"`meshtune doctor` there, with MASTER_ADDR / MASTER_PORT reaching node 0 (wrong port, firewall)")
+        fix = (f"node rank(s) {', '.join(map(str, missing))} did not join within {timeout_s:g} s: start "
+               f"`meshtune doctor` there, with MASTER_ADDR / MASTER_PORT reaching node 0 (wrong port, firewall)")
+        enough = len(set(ranks)) >= fewest and not any(rank < fewest for rank in missing)
+        row.mark(0, WARN if enough else FAIL, f"missing node rank(s) {', '.join(map(str, missing))}", fix)
     return row
 
 

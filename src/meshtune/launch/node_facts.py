@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from meshtune.data.registry import data_checksum, resolve
+from meshtune.data.registry import resolve
 from meshtune.train.agreement import shared_config
 
 PACKAGES = ("meshtune", "torch", "transformers", "peft", "torchao")
@@ -127,8 +127,11 @@ def directory_checksum(directory: Path) -> dict:
 
 
 def dataset_checksum(cfg) -> dict:
+    """The data files the config reads and the dataset_info.json naming them, hashed with the same cache."""
     specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.dataset_format)
-    return {"checksum": data_checksum(specs)[:16], "files": sum(len(spec.files) for spec in specs)}
+    files = [Path(p).resolve() for spec in specs for p in spec.files]
+    files += [Path(p).resolve() for p in dict.fromkeys(spec.registry for spec in specs if spec.registry is not None)]
+    return {"checksum": checksum_of(files, Path("/")), "files": len(files)}
 
 
 def output_dir_facts(path: Path) -> dict:
