@@ -12,13 +12,14 @@ import shutil
 import socket
 import struct
 import subprocess
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
 from meshtune.data.registry import resolve
-from meshtune.train.agreement import shared_config
+from meshtune.errors import StorageError
+from meshtune.train.agreement import package_versions, shared_config
+from meshtune.train.storage import ensure_writable_dir
 
 PACKAGES = ("meshtune", "torch", "transformers", "peft", "torchao")
 FAKE_VERSIONS = "MESHTUNE_DOCTOR_FAKE_VERSIONS"  # "name=version,...": lets a test make one node differ
@@ -63,12 +64,7 @@ def nvidia_driver() -> str | None:
 
 
 def software() -> dict:
-    found = {}
-    for name in PACKAGES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "not installed"
+    found = package_versions(PACKAGES)
     fake = os.environ.get(FAKE_VERSIONS, "")
     found.update(item.split("=", 1) for item in fake.split(",") if "=" in item)
     found["meshtune code"] = code_hash()
@@ -135,13 +131,10 @@ def dataset_checksum(cfg) -> dict:
 
 
 def output_dir_facts(path: Path) -> dict:
-    probe = path / f".meshtune-doctor-{socket.gethostname()}-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_text("meshtune doctor")
-        probe.unlink()
-    except OSError as exc:
-        return {"writable": False, "error": f"{path}: {exc.strerror or exc}"}
+        ensure_writable_dir(path, "output_dir")
+    except StorageError as exc:
+        return {"writable": False, "error": str(exc)}
     return {"writable": True, "free_bytes": shutil.disk_usage(path).free}
 
 

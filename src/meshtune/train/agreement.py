@@ -29,9 +29,9 @@ class AgreementError(MeshtuneError):
     """Nodes of one job disagree on something that must be identical."""
 
 
-def package_versions() -> dict[str, str]:
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
     found = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             found[name] = version(name)
         except PackageNotFoundError:
