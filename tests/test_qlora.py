@@ -26,7 +26,7 @@ from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.model.lora import add_lora
 from meshtune.model.loading import load_model, transformer_blocks
 from meshtune.model.parallel import unwrap
-from meshtune.model.qlora import nf4_quantizer, quantize_frozen_linears
+from meshtune.model.qlora import nf4_quantizer, quantize_block
 from meshtune.train.loop import run
 
 LINEARS_PER_BLOCK = 7  # q, k, v, o, gate, up, down
@@ -40,6 +40,16 @@ def qlora_model_dir(tmp_path_factory):
     tokenizer = train_tokenizer([sentence(rng, 5, 30) for _ in range(300)], vocab_size=320)
     return build_tiny_model(tokenizer, tmp_path_factory.mktemp("qlora-model"), seed=2, hidden_size=256,
                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+
+
+def quantize_frozen_linears(model, device: torch.device) -> tuple[int, int, int]:
+    """A model loaded whole, quantized block by block as training quantizes it: the reference the block loader is
+    held to, and how a trained adapter's model is rebuilt. Returns (layers, bytes before, bytes after)."""
+    totals = [0, 0, 0]
+    for block in transformer_blocks(model):
+        block.to(device)
+        totals = [a + b for a, b in zip(totals, quantize_block(block))]
+    return totals[0], totals[1], totals[2]
 
 
 def qlora_values(model_dir, dataset, out, **extra) -> dict:

@@ -63,7 +63,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
 def nf4_shards(plan: RunPlan, env: DistEnv) -> int:
     """The processes FSDP2 splits each weight over: all of them (zero2 / zero3), one replica's (hsdp), none (ddp)."""
     if plan.parallel == "hsdp":
-        return plan.hsdp_shard_size or env.local_world_size
+        return plan.hsdp_shard_size  # resolved by the plan for hsdp: the node's processes unless set
     return env.world_size if plan.parallel != "ddp" else 1
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from meshtune.errors import ConfigError, ModelError
-from meshtune.model.loading import transformer_blocks
 
 BLOCK_SIZE = 64  # values per absmax scale, as bitsandbytes' and torchtune's NF4
 SCALER_BLOCK_SIZE = 256  # scales per double-quantized (int8) scale group
@@ -30,16 +29,6 @@ def nf4_quantizer():
             raise ConfigError("finetuning_type: qlora needs torchao (its NF4 tensor), which is not installed: "
                               "pip install 'meshtune[qlora]' (or pip install torchao)") from None
     return to_nf4
-
-
-def quantize_frozen_linears(model: torch.nn.Module, device: torch.device) -> tuple[int, int, int]:
-    """Move each block to `device` and store its frozen linear weights in NF4, one block at a time, so the
-    unquantized weights of only one block are ever on the device. Returns (layers, bytes before, bytes after)."""
-    totals = [0, 0, 0]
-    for block in transformer_blocks(model):
-        block.to(device)
-        totals = [a + b for a, b in zip(totals, quantize_block(block))]
-    return totals[0], totals[1], totals[2]
 
 
 def quantize_block(block: torch.nn.Module, shards: int = 1, block_name: str = "") -> tuple[int, int, int]:
