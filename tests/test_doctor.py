@@ -1,5 +1,6 @@
 """`meshtune doctor` on simulated nodes: `meshtune doctor cfg.yaml` started once per node on 127.0.0.1 with that
-node's NODE_RANK, as a user would on each machine. A healthy pair passes; each fault is named with its node."""
+node's NODE_RANK, as a user would on each machine. A healthy pair passes; each fault is named with its node. With
+--bandwidth the pair measures its link; `meshtune train` runs the same checks before torchrun (preflight)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import base_config, kill_tree, write_config
+from conftest import base_config, kill_tree, read_metrics, write_config
 from test_launch import clean_env
 
 TIMEOUT = 60  # seconds a test's nodes may take; the doctor's own --timeout is far below
@@ -23,18 +24,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=()) -> list[tuple[int, str]]:
+def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=(), command=("doctor",),
+              port: int | None = None) -> list[tuple[int, str]]:
     """Each dict: the node's environment on top of the shared one (NODE_RANK and anything it changes), and
-    `args`: key=value overrides for that node. Node 0 first. Returns (exit code, output) per node."""
-    port = free_port()
+    `args`: key=value overrides for that node. Node 0 first. Returns (exit code, output) per node. `command`:
+    `meshtune train` runs its preflight instead."""
+    port = port or free_port()
     processes = []
+    doctor_args = ["--timeout", str(doctor_timeout), *extra_args] if command == ("doctor",) else list(extra_args)
     try:
         for node in nodes:
             env = clean_env(**{"NNODES": str(len(nodes)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                               "NPROC_PER_NODE": "1", **{k: v for k, v in node.items() if k != "args"}})
+                               "NPROC_PER_NODE": "1", "OMP_NUM_THREADS": "1",
+                               **{k: v for k, v in node.items() if k != "args"}})
             processes.append(subprocess.Popen(
-                [sys.executable, "-m", "meshtune", "doctor", str(config), *node.get("args", []),
-                 "--timeout", str(doctor_timeout), *extra_args],
+                [sys.executable, "-m", "meshtune", *command, str(config), *node.get("args", []), *doctor_args],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             time.sleep(0.5)
         results = []
@@ -119,9 +123,138 @@ def test_a_wrong_port_or_a_missing_master_fails_within_the_timeout_naming_the_no
 
 
 def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure():
-    from meshtune.launch.doctor import FAIL, WARN, joined_row
+    from meshtune.launch.doctor_checks import FAIL, WARN, joined_row
 
     facts = [{"node_rank": 0, "host": "a"}, {"node_rank": 1, "host": "b"}]
     assert joined_row(facts, 2, 4, 30).cells[0] == (WARN, "missing node rank(s) 2, 3")  # nnodes: 2:4
     assert joined_row(facts, 3, 4, 30).cells[0][0] == FAIL  # nnodes: 3:4
     assert not joined_row(facts, 2, 2, 30).failed
+
+
+
+def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves(config, tmp_path):
+    started = time.monotonic()
+    (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}],
+                                            extra_args=["--bandwidth", "--json", str(tmp_path / "doctor.json")])
+    assert time.monotonic() - started < 60
+    assert (code0, code1) == (0, 0), out0 + out1
+    for check in ("all-reduce bus bandwidth", "latency", "slowest pair", "verdict for ddp"):
+        assert row(out0, check).count("✔") == 2, row(out0, check)
+    assert "GB/s at 16 MiB, gloo" in row(out0, "all-reduce bus bandwidth")
+    assert "(1 KiB all-reduce)" in row(out0, "latency") and "to node 1: " in row(out0, "slowest pair")
+    assert "comm a step (no GPU)" in row(out0, "verdict for ddp")
+    assert "all-reduce over 2 nodes, one process a node (gloo, cpu):" in out0 and "node 0 <-> node 1" in out0
+    assert "per optimizer step: lora fine-tuning under ddp moves all-reduce of the gradients" in out0
+    measured = json.loads((tmp_path / "doctor.json").read_text())["bandwidth"]
+    sizes = measured["result"]["all_reduce"]
+    assert [r["bytes"] for r in sizes] == [2**10, 2**20, 16 * 2**20]
+    for r in sizes:  # nccl-tests' definitions: algbw = bytes / time, busbw = algbw x 2(n-1)/n (n = 2: equal)
+        assert r["seconds"] > 0 and r["algbw"] == pytest.approx(r["bytes"] / r["seconds"]) and r["busbw"] == r["algbw"]
+    assert [(p["a"], p["b"]) for p in measured["result"]["pairs"]] == [(0, 1)] and measured["result"]["pairs"][0][
+        "bandwidth"] > 0
+    traffic = measured["traffic"]
+    assert traffic["parallel"] == "ddp" and traffic["comm_s"] > 0 and traffic["ratio"] is None
+    assert [c["kind"] for c in traffic["collectives"]] == ["all-reduce"]  # LoRA under ddp: the adapters' gradients
+    assert "node 1: node 0 printed the table; every check passed here" in out1
+
+
+def test_pairs_rounds_meet_every_pair_once_and_busbw_follows_nccl_tests():
+    from meshtune.launch.bandwidth import bus_bandwidth, pair_rounds
+
+    for n in range(2, 9):
+        rounds = pair_rounds(n)
+        met = [pair for pairs in rounds for pair in pairs]
+        assert sorted(met) == [(a, b) for a in range(n) for b in range(a + 1, n)], n
+        assert all(len({r for pair in pairs for r in pair}) == 2 * len(pairs) for pairs in rounds)  # disjoint
+    assert len(pair_rounds(40)) == 15
+    assert bus_bandwidth(8e9, 2.0, 8) == (4e9, 4e9 * 2 * 7 / 8)
+
+
+def test_the_traffic_of_a_step_follows_the_parallel_mode():
+    from meshtune.config import build_config
+    from meshtune.launch.traffic import ModelFacts, collective_seconds, step_collectives, verdict
+    from meshtune.plan import ModelSize
+
+    model = ModelFacts(ModelSize(7_000_000_000, 200_000_000, 30), 7_000_000_000, 6_500_000_000, 30, 4096)
+
+    def moved(parallel: str, **keys) -> list[tuple[str, float, int]]:
+        cfg = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full",
+                                gradient_accumulation_steps=4, parallel=parallel, **keys))
+        return [(c.kind, c.bytes, c.times) for c in step_collectives(cfg, parallel, model, True, True)]
+
+    weights, gradients = 14e9, 28e9  # bf16 weights, fp32 gradients
+    assert moved("ddp") == moved("hsdp") == [("all-reduce", gradients, 1)]  # hsdp: only the replicas' all-reduce
+    assert moved("zero2") == [("all-gather", weights, 4), ("reduce-scatter", gradients, 1)]
+    assert moved("zero3") == [("all-gather", weights, 8), ("reduce-scatter", gradients, 1)]
+    assert moved("hsdp", grad_reduce_dtype="bf16") == [("all-reduce", gradients / 2, 1)]
+    # over 2 nodes at 10 GB/s: an all-reduce sends 2(n-1)/n of its bytes, an all-gather (n-1)/n
+    zero3 = step_collectives(build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full",
+                                               parallel="zero3")), "zero3", model, True, True)
+    assert collective_seconds(zero3, 10e9, 2) == pytest.approx((2 * weights + gradients) * 0.5 / 10e9)
+    cfg = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full", parallel="zero3",
+                            cutoff_len=4096, per_device_train_batch_size=2, gradient_accumulation_steps=4))
+    slow = verdict(cfg, 2, 8, True, 80e9, 1.2e9, 400e12, model)
+    assert slow["slow"] and slow["ratio"] > 1 and "parallel: hsdp shards inside each node" in slow["advice"]
+    assert not verdict(cfg, 2, 8, True, 80e9, 400e9, 400e12, model)["slow"]
+    lora = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="lora"))
+    adapters = ModelFacts(model.size, 20_000_000, model.dense, 30, 4096)
+    assert verdict(lora, 2, 8, True, 80e9, 1.2e9, None, adapters)["parallel"] == "ddp"  # auto: LoRA runs ddp
+    assert step_collectives(lora, "ddp", adapters, True, True)[0].bytes == 80e6
+
+
+def train_config(tmp_path, tiny_model_dir, tiny_dataset, **extra):
+    values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "output", max_steps=2, save_final=False,
+                         tokenized_path=str(tmp_path / "tokenized"), **extra)
+    del values["nproc_per_node"]
+    return write_config(tmp_path, **values)
+
+
+def test_preflight_stops_the_launch_before_torchrun_naming_the_node_whose_data_differs(tmp_path, tiny_model_dir,
+                                                                                     tiny_dataset):
+    other_data = tmp_path / "other.jsonl"
+    other_data.write_text(tiny_dataset.read_text().replace("the", "a"))
+    config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=30)
+    (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1",
+                                                                           "args": [f"dataset={other_data}"]}],
+                                             command=("train",))
+    assert (code0, code1) == (1, 1), out0 + out1
+    assert "✘ sha256" in row(out0, "dataset files") and "✘ differs: dataset" in row(out0, "config (keys all")
+    assert f'config key dataset differs between nodes: node 1 (' in out0 and str(other_data) in out0
+    last = out0.strip().splitlines()[-1]
+    assert last.startswith("meshtune: error: preflight: 2 check(s) failed across the nodes (config (keys all nodes "
+                           "share), dataset files)") and "set preflight: false" in last, last
+    assert "node 1: node 0 printed the table; 2 check(s) need attention here" in out1
+    assert out1.strip().splitlines()[-1].startswith("meshtune: error: preflight: 2 check(s) failed")
+    assert "rendezvous" not in out0 + out1 and not (tmp_path / "output" / "run_plan.json").exists()
+
+
+def test_preflight_names_a_node_that_never_joins_within_rdzv_timeout(tmp_path, tiny_model_dir, tiny_dataset):
+    config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=6)
+    started = time.monotonic()
+    [(code0, out0)] = run_nodes(config, [{"NODE_RANK": "0", "NNODES": "2"}], command=("train",))
+    assert code0 == 1 and time.monotonic() - started < 45, out0
+    assert "preflight: 1 of 2 nodes joined (node ranks 0); waiting for node ranks 1" in out0
+    assert "missing node rank(s) 1" in row(out0, "node joined, NODE_RANK")
+    last = out0.strip().splitlines()[-1]
+    assert "preflight: node rank(s) 1 never joined within rdzv_timeout=6 s" in last, last
+
+
+def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight_and_train(tmp_path, tiny_model_dir,
+                                                                                           tiny_dataset):
+    """Node 0 relaunched into its running job finds its own output_dir lock (same run id): it skips the preflight.
+    Node 1, started next, finds node 0's rendezvous store on the port instead of a doctor: it skips too, and the
+    job trains. (A healthy preflight's one line: test_launch's two-node job.)"""
+    from meshtune.launch.nodes import _derived_run_id
+
+    config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=60)
+    output, port = tmp_path / "output", free_port()
+    output.mkdir()
+    (output / ".meshtune-lock").write_text(json.dumps({
+        "run_id": _derived_run_id("127.0.0.1", port, str(output)), "host": "another-host", "pid": 12345,
+        "started": time.time()}))  # left by node 0's earlier launcher, killed on another host
+    (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}], command=("train",),
+                                             port=port)
+    assert (code0, code1) == (0, 0), out0[-3000:] + out1[-3000:]
+    assert "preflight: skipped: node 0 rejoins its running job" in out0
+    assert f"preflight: skipped: 127.0.0.1:{port} answers, but not as node 0's doctor" in out1
+    assert [r["step"] for r in read_metrics(output)] == [1, 2]

@@ -282,7 +282,10 @@ def test_f_unreachable_master_fails_within_the_timeout_and_says_why(cluster, tmp
 
 def test_f_a_node_that_never_joins_is_named_while_waiting_and_in_the_error(cluster, tmp_path, tiny_model_dir,
                                                                            tiny_dataset):
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output", rdzv_timeout=20)
+    """torchrun's rendezvous diagnosis, as without the preflight (preflight: false; test_doctor has the
+    preflight's own)."""
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output", rdzv_timeout=20,
+                        preflight=False)
     started = time.monotonic()
     node0 = cluster.start(0, config, free_port())  # node 1 never comes
     assert node0.wait(120) == 1

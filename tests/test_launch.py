@@ -321,6 +321,7 @@ def test_two_agents_on_one_machine_train_as_two_nodes(tmp_path, tiny_model_dir, 
     for rank, (process, output) in enumerate(zip(processes, outputs)):
         assert process.returncode == 0, f"node {rank}:\n{output[-4000:]}"
     assert "this node's rank    1" in outputs[1] and f"127.0.0.1:{port}" in outputs[1]
+    assert "preflight: 2 nodes, all checks passed" in outputs[0] and "meshtune doctor" not in outputs[0]
     assert [row["step"] for row in read_metrics(tmp_path / "out")] == [1, 2, 3]
 
 

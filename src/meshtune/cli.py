@@ -45,7 +45,13 @@ node 0 prints one table, a row per check and a column per node, each cell ✔ / 
   - output_dir writable, one storage for all nodes, room for the checkpoints kept
   - clocks against node 0; the interface that routes to MASTER_ADDR, with the NCCL_SOCKET_IFNAME /
     GLOO_SOCKET_IFNAME to set when another would be used; InfiniBand devices
+With --bandwidth the nodes then form a torch.distributed process group (gloo on CPU, NCCL when every node has
+GPUs; one process a node, in the doctor's store) and measure all-reduce from 1 KiB (latency) up to 16 MiB (CPU) or
+256 MiB (GPU), as nccl-tests reports it (algbw = bytes / time, busbw = algbw x 2(n-1)/n), then each pair of
+nodes, so a slow link is named; node 0 judges the link against what the config moves across nodes each optimizer
+step under its parallel mode (rows: all-reduce bus bandwidth, latency, slowest pair, verdict for <parallel>).
 The other nodes print the rows that concern them. Exit code 1 when any check fails (✘).
+`meshtune train` runs these checks itself before starting torchrun on several nodes (config key preflight).
 """
 
 LAUNCH_HELP = """\
@@ -117,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the other nodes (default 30): a node that has not joined by then "
                              "is named in the table")
     doctor.add_argument("--json", metavar="FILE", help="node 0 also writes the table as JSON here")
+    doctor.add_argument("--bandwidth", action="store_true",
+                        help="also measure the link between the nodes (all-reduce and each pair; under 60 s on "
+                             "healthy nodes) and judge it against what this config moves each step")
     doctor.add_argument("--debug", action="store_true", help="show full tracebacks")
 
     ckpt = commands.add_parser("ckpt", help="list or verify checkpoints",
@@ -210,7 +219,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from meshtune.launch.doctor import run_doctor
 
     cfg, _ = load_training_config(args)
-    code, report = run_doctor(cfg, detect_node_settings(cfg), args.timeout)
+    code, report = run_doctor(cfg, detect_node_settings(cfg), args.timeout, bandwidth=args.bandwidth,
+                              progress=lambda line: print(f"meshtune doctor: {line}", flush=True))
+    if "skipped" in report:
+        print(f"meshtune doctor: nothing checked: {report['skipped']}")
     if args.json and report.get("columns") is not None:
         Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     return code
@@ -287,7 +299,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
     flags, flag_tokens = {}, []
     if command is not None and argv[command] in ("train", "launch", "doctor"):
-        own = {"--debug", "--dry-run", "--help", "-h"} | ({"--timeout", "--json"} if argv[command] == "doctor" else set())
+        own = {"--debug", "--dry-run", "--help", "-h"} | ({"--timeout", "--json", "--bandwidth"}
+                                                         if argv[command] == "doctor" else set())
         rest, flags, flag_tokens = split_flags(argv[command + 1:], own)
         argv = argv[:command + 1] + rest
     args = build_parser().parse_args(argv)

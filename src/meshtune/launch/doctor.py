@@ -1,8 +1,14 @@
 """`meshtune doctor cfg.yaml`: the checks users otherwise do by hand before a multi-node run, run with the same
-command and environment on every node. The nodes meet in a key-value store of their own (torch's TCPStore, hosted
-by node 0 on MASTER_ADDR:MASTER_PORT, released before training uses the port), each posts its facts
-(`node_facts.py`), and node 0 prints one table: a row per check, a column per node, each cell ✔ / ✘ / ! with
-the fix below. Every network step has a timeout: a node that never comes is named, not waited for.
+command and environment on every node, and by `meshtune train` itself before torchrun (launch/preflight.py).
+
+The nodes meet in a key-value store of their own (torch's TCPStore, hosted by node 0 on MASTER_ADDR:MASTER_PORT and
+marked as the doctor's, released before training uses the port), each posts its facts (`node_facts.py`), node 0
+measures each node's clock against its own as the node joins, and prints one table (`doctor_checks.py`): a row per
+check, a column per node, each cell ✔ / ✘ / ! with the fix below it. With --bandwidth, the nodes then measure the
+link between them (`bandwidth.py`) and node 0 judges it against what the config moves a step (`traffic.py`).
+
+Every network step has a timeout: a node that never comes is named, not waited for. Hashing a node's files (once:
+checksums are cached) happens before that node posts and does not count against the others' wait.
 """
 
 from __future__ import annotations
@@ -10,43 +16,44 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed import TCPStore
 
+from meshtune.launch.bandwidth import DEADLINE_S, Measurement
+from meshtune.launch.doctor_checks import FAIL, OK, evaluate, render
+from meshtune.launch.joining import join_key
 from meshtune.launch.node_facts import collect_facts
 from meshtune.launch.nodes import NodeSettings, node_range
 
-OK, FAIL, WARN = "✔", "✘", "!"
-CLOCK_WARN_S, CLOCK_FAIL_S = 2.0, 60.0
-CHECKPOINT_BYTES_PER_PARAM = {"full": 12, "lora": 0, "qlora": 0}  # fp32 weights + two AdamW moments
-
-
-@dataclass
-class Row:
-    check: str
-    cells: dict[int, tuple[str, str]] = field(default_factory=dict)  # column -> (mark, text)
-    fixes: list[str] = field(default_factory=list)
-
-    def mark(self, column: int, mark: str, text: str, fix: str | None = None) -> None:
-        self.cells[column] = (mark, text)
-        if fix and fix not in self.fixes:
-            self.fixes.append(fix)
-
-    @property
-    def failed(self) -> bool:
-        return any(mark == FAIL for mark, _ in self.cells.values())
+DOCTOR_KEY = "meshtune-doctor"  # set by node 0 as it opens the store: a store without it is not the doctor's
+MARK_WAIT_S = 3.0        # how long a node looks for that mark before deciding the port holds another store
+NODE0_FACTS_WAIT_S = 3600.0  # node 0 may be hashing a large model the first time; its death ends the wait at once
+ELASTIC_GRACE_S = 30.0   # once an elastic job's MIN nodes are there, the others get this long (torchrun's last call)
+PROGRESS_S = 15.0        # a line while node 0 waits (three within a shorter timeout)
+PONG_WAIT_S = 10.0
+READ_WAIT_S = 10.0
 
 
 class DoctorStore:
-    """Node 0 hosts the store; the others connect to it until `timeout_s` has passed."""
+    """Node 0 hosts the store and marks it; the others connect to it until `timeout_s` has passed."""
 
     def __init__(self, settings: NodeSettings, timeout_s: float):
         self.is_host = settings.node_rank == 0
         self.store = TCPStore(settings.master_addr, settings.master_port, None, self.is_host,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        if self.is_host:
+            self.store.set(DOCTOR_KEY, settings.run_id)
+
+    def is_doctor(self) -> bool:
+        """The store answering is node 0's doctor, not a running job's rendezvous store (or another service)."""
+        deadline = time.monotonic() + MARK_WAIT_S
+        while not self.store.check([DOCTOR_KEY]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def post(self, facts: dict) -> int:
         index = self.store.add("joined", 1) - 1
@@ -59,60 +66,234 @@ class DoctorStore:
     def facts(self, index: int) -> dict:
         return json.loads(self.store.get(f"facts/{index}"))
 
+    def put(self, key: str, value: dict) -> None:
+        self.store.set(key, json.dumps(value))
 
-def run_doctor(cfg, settings: NodeSettings, timeout_s: float = 30.0, out=print) -> tuple[int, dict]:
-    """This node's part; node 0 returns the table as JSON too. Exit code 1 on any ✘."""
+    def take(self, key: str, timeout_s: float) -> dict:
+        self.store.set_timeout(timedelta(seconds=timeout_s))
+        return json.loads(self.store.get(key))
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def close(self) -> None:
+        """Drop the store: on node 0 its port is free for torchrun's rendezvous once this returns."""
+        self.store = None
+
+
+def run_doctor(cfg, settings: NodeSettings, timeout_s: float = 30.0, out=print, bandwidth: bool = False,
+               progress=None) -> tuple[int, dict]:
+    """This node's part; node 0 returns the table as JSON too. Exit code 1 on any ✘. A report with `skipped` says
+    why nothing was checked (the port holds a running job's store; a node of the job is already in its rendezvous).
+    `progress` gets a line every PROGRESS_S while node 0 waits for the others."""
     expected = node_range(settings.nnodes)[1]
     if settings.master_port is None or expected == 1:
-        return run_alone(cfg, settings, out)
-    started = time.monotonic()
+        return run_alone(cfg, settings, out, bandwidth)
     try:
         store = DoctorStore(settings, timeout_s)
     except Exception as exc:  # noqa: BLE001 - bind or connect failures come as several exception types
         return unreachable(settings, timeout_s, exc, out)
-    token = None
-    if store.is_host:
-        token = secrets.token_hex(8)
-        write_token(cfg, token)
-        store.store.set("token", token)
+    try:
+        if store.is_host:
+            return host(cfg, settings, store, timeout_s, bandwidth, out, progress or out)
+        if not store.is_doctor():
+            where = f"{settings.master_addr}:{settings.master_port}"
+            return 1, {"skipped": f"{where} answers, but not as node 0's doctor: it holds the rendezvous store of a "
+                                  f"job already running (this node joins it late), or another service"}
+        return join(cfg, settings, store, timeout_s, bandwidth, out)
+    finally:
+        store.close()
+
+
+def this_node(cfg, settings: NodeSettings, token: str, bandwidth: bool) -> dict:
     facts = collect_facts(cfg, settings)
-    if not store.is_host:
-        token = store.store.get("token").decode()
-    facts["output_dir"]["sees node 0's file"] = (Path(cfg.output_dir).expanduser() / f".meshtune-doctor-{token}").is_file()
-    facts["posted_at"] = time.time()
-    index = store.post(facts)
-    if not store.is_host:
-        return follow(store, settings, index, timeout_s, out)
-    arrivals = {index: (facts, facts["posted_at"])}
-    while len(arrivals) < expected and time.monotonic() - started < timeout_s:
+    token_file = Path(cfg.output_dir).expanduser() / f".meshtune-doctor-{token}"
+    facts["output_dir"]["sees node 0's file"] = token_file.is_file()
+    facts["bandwidth"] = bandwidth
+    return facts
+
+
+def host(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, bandwidth: bool, out,
+         progress) -> tuple[int, dict]:
+    """Node 0: its facts, the others' as they come, the bandwidth, the table; the verdict posted for the others."""
+    token = secrets.token_hex(8)
+    write_token(cfg, token)
+    store.store.set("token", token)
+    try:
+        facts = this_node(cfg, settings, token, bandwidth)
+        index = store.post(facts)
+        arrivals, skews, training = gather(store, settings, index, facts, timeout_s, progress)
+    finally:
+        remove_token(cfg, token)
+    if training is not None:
+        store.put("bandwidth/plan", {"members": []})
+        reason = (f"node {training} is already in torchrun's rendezvous on this port: a node rejoining a running job, "
+                  f"or one started with preflight: false")
+        return finish(store, {"code": 0, "skipped": reason}, len(arrivals))
+    by_rank = sorted(arrivals, key=lambda i: (arrivals[i]["node_rank"], i))
+    members = [i for i in by_rank if arrivals[i].get("bandwidth")] if bandwidth else []
+    members = members if len(members) > 1 else []
+    backend = "nccl" if members and all(arrivals[i]["accelerators"].get("count") for i in members) else "gloo"
+    plan = {"members": members, "backend": backend, "prefix": f"bandwidth/{secrets.token_hex(4)}"}
+    store.put("bandwidth/plan", plan)
+    measured = host_bandwidth(cfg, settings, store, arrivals, plan, index) if bandwidth else None
+    report = evaluate(cfg, settings, arrivals, skews, timeout_s, measured)
+    out(render(report))
+    return finish(store, {"code": 1 if report["failed"] else 0, "report": report}, len(arrivals))
+
+
+def gather(store: DoctorStore, settings: NodeSettings, index: int, facts: dict, timeout_s: float, progress):
+    """The other nodes' facts as they come, each node's clock measured against node 0's as it joins. Until every
+    node rank is there, `timeout_s` has passed, or (elastic) ELASTIC_GRACE_S after the minimum joined. The third
+    value is a node rank found already in torchrun's rendezvous in this store, when one is (None otherwise)."""
+    fewest, expected = node_range(settings.nnodes)
+    arrivals, skews = {index: facts}, {index: 0.0}
+    started = reported = time.monotonic()
+    enough = None
+    polls = 0
+    while True:
         for i in range(store.joined()):
             if i not in arrivals:
-                arrivals[i] = (store.facts(i), time.time())
+                arrivals[i] = store.facts(i)
+                skews[i] = clock_skew(store, i)
+        now = time.monotonic()
+        if len(arrivals) >= expected:
+            return arrivals, skews, None
+        if enough is None and len(arrivals) >= fewest:
+            enough = now
+        if now - started >= timeout_s or (enough is not None and now - enough >= min(ELASTIC_GRACE_S, timeout_s)):
+            return arrivals, skews, None
+        polls += 1
+        if polls % 10 == 0 and (rank := node_in_rendezvous(store, settings)) is not None:
+            return arrivals, skews, rank
+        if now - reported >= min(PROGRESS_S, max(1.0, timeout_s / 3)):
+            reported = now
+            progress(joining_line(settings, arrivals, now - started, timeout_s))
         time.sleep(0.05)
-    for i in range(store.joined()):
-        if i not in arrivals:
-            arrivals[i] = (store.facts(i), time.time())
-    remove_token(cfg, token)
-    report = evaluate(cfg, settings, [facts for facts, _ in arrivals.values()],
-                      {i: arrival - facts["posted_at"] for i, (facts, arrival) in arrivals.items()}, timeout_s)
-    text = render(report)
-    out(text)
-    code = 1 if report["failed"] else 0
-    store.store.set("verdict", json.dumps({"code": code, "report": report}))
-    deadline = time.monotonic() + 10
-    while store.store.add("read", 0) < len(arrivals) - 1 and time.monotonic() < deadline:
-        time.sleep(0.05)  # the others read the verdict before node 0's store goes away
-    return code, report
 
 
-def follow(store: DoctorStore, settings: NodeSettings, index: int, timeout_s: float, out) -> tuple[int, dict]:
-    """A node other than 0: wait for node 0's verdict, print the rows that concern this node."""
-    store.store.set_timeout(timedelta(seconds=timeout_s + 30))
-    verdict = json.loads(store.store.get("verdict"))
+def joining_line(settings: NodeSettings, arrivals: dict, waited_s: float, timeout_s: float) -> str:
+    ranks = sorted({f["node_rank"] for f in arrivals.values()})
+    fewest, expected = node_range(settings.nnodes)
+    missing = [r for r in range(expected) if r not in ranks]
+    need = f"at least {fewest} of {expected}" if fewest != expected else str(expected)
+    return (f"{len(arrivals)} of {need} nodes joined (node ranks {', '.join(map(str, ranks))}); waiting for node "
+            f"ranks {', '.join(map(str, missing))} ({waited_s:.0f} s of {timeout_s:g} s)")
+
+
+def node_in_rendezvous(store: DoctorStore, settings: NodeSettings) -> int | None:
+    """A launcher in torchrun's rendezvous leaves its node rank in the store on MASTER_PORT (launch/joining.py):
+    found in the doctor's store, that node runs no doctor and will not come."""
+    return next((rank for rank in range(settings.max_nodes) if store.has(join_key(settings.run_id, rank))), None)
+
+
+def clock_skew(store: DoctorStore, index: int) -> float:
+    """Node 0's clock minus the node's, from one round trip (the node answers with its time at once)."""
+    sent = time.time()
+    store.store.set(f"clock/ping/{index}", "")
+    try:
+        store.store.set_timeout(timedelta(seconds=PONG_WAIT_S))
+        theirs = float(store.store.get(f"clock/pong/{index}"))
+    except Exception:  # noqa: BLE001 - the node left after posting: its clock is not known
+        return 0.0
+    return (sent + time.time()) / 2 - theirs
+
+
+def host_bandwidth(cfg, settings: NodeSettings, store: DoctorStore, arrivals: dict, plan: dict, index: int) -> dict:
+    """Node 0's part of the measurement; the model is sized while the child process measures."""
+    members = plan["members"]
+    if not members:
+        return {"members": [], "note": "fewer than 2 nodes ran --bandwidth: nothing to measure between"}
+    measurement = Measurement(settings.master_addr, settings.master_port, plan["prefix"], members.index(index),
+                              len(members), plan["backend"], peak=plan["backend"] == "nccl")
+    model = sized_model(cfg)
+    result = measurement.result()
+    if "error" not in result:
+        return {"members": members, "result": result, "traffic": step_traffic(cfg, arrivals, members, result, model)}
+    errors = {}
+    deadline = time.monotonic() + 3  # the other nodes' own errors, which name their side
+    while time.monotonic() < deadline and len(errors) < len(members) - 1:
+        errors = {str(i): store.take(f"bandwidth/error/{i}", 1)["error"] for i in members
+                  if i != index and store.has(f"bandwidth/error/{i}")}
+        time.sleep(0.1)
+    errors[str(index)] = result["error"]
+    return {"members": members, "result": result, "errors": errors}
+
+
+def sized_model(cfg):
+    """traffic.ModelFacts of the config's model, or the reason it cannot be sized."""
+    from meshtune.launch.traffic import model_facts
+
+    try:
+        return model_facts(cfg)
+    except Exception as exc:  # noqa: BLE001 - a missing or odd model is the model row's; here only no estimate
+        return f"cannot size the model: {exc}"
+
+
+def step_traffic(cfg, arrivals: dict, members: list[int], result: dict, model) -> dict:
+    """The verdict on the measured link for this config (traffic.py)."""
+    from meshtune.launch.traffic import verdict
+
+    if isinstance(model, str):
+        return {"error": model}
+    memories = [m for i in members for m in arrivals[i]["accelerators"].get("memory", [])]
+    gpu_bytes = min(memories) if memories else None
+    if gpu_bytes and cfg.gpu_memory_limit:
+        gpu_bytes = min(gpu_bytes, cfg.gpu_memory_limit * 2**30)
+    return verdict(cfg, len(members), arrivals[members[0]]["nproc_per_node"], result["backend"] == "nccl", gpu_bytes,
+                   result["all_reduce"][-1]["busbw"], result.get("peak_flops"), model)
+
+
+def finish(store: DoctorStore, verdict: dict, nodes: int) -> tuple[int, dict]:
+    """Post the verdict, let the others read it, then mark the store closing: they start torchrun only after."""
+    store.put("verdict", verdict)
+    deadline = time.monotonic() + READ_WAIT_S
+    while store.store.add("read", 0) < nodes - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.store.set("closing", "")
+    deadline = time.monotonic() + READ_WAIT_S
+    while store.store.add("left", 0) < store.store.add("read", 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return verdict["code"], verdict.get("report") or {"skipped": verdict["skipped"]}
+
+
+def join(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, bandwidth: bool, out) -> tuple[int, dict]:
+    """A node other than 0: post its facts, answer node 0's clock check, measure if asked, print its rows."""
+    token = store.store.get("token").decode()
+    facts = this_node(cfg, settings, token, bandwidth)
+    index = store.post(facts)
+    deadline = time.monotonic() + NODE0_FACTS_WAIT_S
+    while not store.has(f"clock/ping/{index}") and not store.has("bandwidth/plan") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if store.has(f"clock/ping/{index}"):
+        store.store.set(f"clock/pong/{index}", repr(time.time()))
+    plan = store.take("bandwidth/plan", timeout_s + 30)
+    if index in plan["members"]:
+        result = Measurement(settings.master_addr, settings.master_port, plan["prefix"],
+                             plan["members"].index(index), len(plan["members"]), plan["backend"]).result()
+        if "error" in result:
+            store.put(f"bandwidth/error/{index}", result)
+    return follow(store, settings, index, out)
+
+
+def follow(store: DoctorStore, settings: NodeSettings, index: int, out) -> tuple[int, dict]:
+    """Wait for node 0's verdict, print the rows that concern this node, and wait for node 0 to close its store."""
+    verdict = store.take("verdict", DEADLINE_S + 60)
     store.store.add("read", 1)
+    try:  # node 0 closes its store once every node has left it: only then may torchrun's take the port
+        store.store.set_timeout(timedelta(seconds=READ_WAIT_S + 5))
+        store.store.get("closing")
+        store.store.add("left", 1)
+    except Exception:  # noqa: BLE001 - node 0 has gone already
+        pass
+    if "skipped" in verdict:
+        return verdict["code"], {"skipped": verdict["skipped"]}
     report = verdict["report"]
     column = next((c for c in report["columns"] if c["index"] == index), None)
-    mine = [row for row in report["rows"] if column and str(column["position"]) in row["cells"]
+    if column is None:
+        out(f"meshtune doctor, node {settings.node_rank}: joined after node 0 closed its checks; not in its table")
+        return 0, {**report, "late": True}
+    mine = [row for row in report["rows"] if str(column["position"]) in row["cells"]
             and row["cells"][str(column["position"])][0] != OK]
     out(f"meshtune doctor, node {settings.node_rank}: node 0 printed the table; "
         + ("every check passed here" if not mine else f"{len(mine)} check(s) need attention here:"))
@@ -121,14 +302,16 @@ def follow(store: DoctorStore, settings: NodeSettings, index: int, timeout_s: fl
         out(f"  {mark} {row['check']}: {text}")
         for fix in row["fixes"]:
             out(f"      fix: {fix}")
-    return verdict["code"], report
+    return verdict["code"], {**report, "mine": mine}
 
 
-def run_alone(cfg, settings: NodeSettings, out) -> tuple[int, dict]:
+def run_alone(cfg, settings: NodeSettings, out, bandwidth: bool = False) -> tuple[int, dict]:
     facts = collect_facts(cfg, settings)
     facts["output_dir"]["sees node 0's file"] = True
-    report = evaluate(cfg, settings, [facts], {0: 0.0}, 0)
+    report = evaluate(cfg, settings, {0: facts}, {0: 0.0}, 0)
     out(render(report))
+    if bandwidth:
+        out("bandwidth: one node, nothing to measure between nodes")
     return (1 if report["failed"] else 0), report
 
 
@@ -158,214 +341,3 @@ def write_token(cfg, token: str) -> None:
 
 def remove_token(cfg, token: str) -> None:
     (Path(cfg.output_dir).expanduser() / f".meshtune-doctor-{token}").unlink(missing_ok=True)
-
-
-def evaluate(cfg, settings: NodeSettings, arrivals: list[dict], skew_of: dict[int, float], timeout_s: float) -> dict:
-    """The rows of the table from every node's facts (node 0's first): which checks pass where."""
-    nodes = sorted(range(len(arrivals)), key=lambda i: (arrivals[i]["node_rank"], i))
-    columns = [{"position": p, "index": i, "node_rank": arrivals[i]["node_rank"], "host": arrivals[i]["host"]}
-               for p, i in enumerate(nodes)]
-    facts = [arrivals[i] for i in nodes]
-    skews = [skew_of.get(i, 0.0) for i in nodes]
-    reference = next((f for f in facts if f["node_rank"] == 0), facts[0])
-    rows = [joined_row(facts, *node_range(settings.nnodes), timeout_s), launch_row(facts, reference),
-            config_row(facts, reference), accelerator_row(facts, reference), software_row(facts, reference),
-            files_row("model files", "model", "model_name_or_path", facts, reference),
-            files_row("dataset files", "dataset", "dataset", facts, reference),
-            output_row(cfg, facts), clock_row(facts, skews), network_row(facts)]
-    return {"columns": columns, "failed": any(row.failed for row in rows),
-            "rows": [{"check": row.check, "cells": {str(k): v for k, v in row.cells.items()}, "fixes": row.fixes}
-                     for row in rows]}
-
-
-def joined_row(facts: list[dict], fewest: int, expected: int, timeout_s: float) -> Row:
-    """Every node rank joined once. An elastic job (`nnodes: MIN:MAX`) may start with MIN: the others missing
-    is a note, not a failure."""
-    row = Row("node joined, NODE_RANK")
-    ranks = [f["node_rank"] for f in facts]
-    for position, f in enumerate(facts):
-        rank = f["node_rank"]
-        if ranks.count(rank) > 1:
-            others = [g["host"] for g in facts if g["node_rank"] == rank and g is not f]
-            row.mark(position, FAIL, f"NODE_RANK {rank} also on {', '.join(others)}" + (
-                " (same host)" if f["host"] in others else ""),
-                     f"give each node its own NODE_RANK from 0 to NNODES-1 (NODE_RANK {rank} is used twice)")
-        elif rank >= expected:
-            row.mark(position, FAIL, f"NODE_RANK {rank} >= NNODES {expected}", "NODE_RANK must be below NNODES")
-        else:
-            row.mark(position, OK, f"rank {rank} of {expected}")
-    missing = sorted(set(range(expected)) - set(ranks))
-    if missing:
-        fix = (f"node rank(s) {', '.join(map(str, missing))} did not join within {timeout_s:g} s: start "
-               f"`meshtune doctor` there, with MASTER_ADDR / MASTER_PORT reaching node 0 (wrong port, firewall)")
-        enough = len(set(ranks)) >= fewest and not any(rank < fewest for rank in missing)
-        row.mark(0, WARN if enough else FAIL, f"missing node rank(s) {', '.join(map(str, missing))}", fix)
-    return row
-
-
-def launch_row(facts: list[dict], reference: dict) -> Row:
-    row = Row("NNODES, MASTER_ADDR/PORT, processes")
-    keys = ("nnodes", "master_addr", "master_port", "nproc_per_node")
-    for position, f in enumerate(facts):
-        differing = [k for k in keys if f[k] != reference[k]]
-        text = f"{f['nnodes']} nodes, {f['master_addr']}:{f['master_port']}, {f['nproc_per_node']}/node"
-        if differing:
-            row.mark(position, FAIL, text, "set the same NNODES, MASTER_ADDR, MASTER_PORT and NPROC_PER_NODE on every "
-                     f"node (node 0 has {', '.join(f'{k}={reference[k]}' for k in differing)})")
-        else:
-            row.mark(position, OK, text)
-    return row
-
-
-def config_row(facts: list[dict], reference: dict) -> Row:
-    row = Row("config (keys all nodes share)")
-    for position, f in enumerate(facts):
-        differing = sorted(k.removeprefix("config key ") for k, v in f["config"].items()
-                           if reference["config"].get(k) != v)
-        if differing:
-            row.mark(position, FAIL, f"differs: {', '.join(differing)}",
-                     "run the same config and overrides on every node")
-        else:
-            row.mark(position, OK, "same as node 0")
-    return row
-
-
-def accelerator_row(facts: list[dict], reference: dict) -> Row:
-    row = Row("GPUs, driver, CUDA, NCCL")
-    for position, f in enumerate(facts):
-        acc = f["accelerators"]
-        if "error" in acc:
-            row.mark(position, FAIL, acc["error"], None)
-            continue
-        if not acc["count"]:
-            row.mark(position, OK, "none (CPU, gloo)")
-            continue
-        models = sorted(set(acc["models"]))
-        text = f"{acc['count']}x {'/'.join(models)}, driver {acc['driver']}, CUDA {acc['cuda']}, NCCL {acc['nccl']}"
-        if acc["count"] < f["nproc_per_node"]:
-            row.mark(position, FAIL, text, f"a node has fewer GPUs than nproc_per_node ({f['nproc_per_node']}): "
-                     f"lower NPROC_PER_NODE or check CUDA_VISIBLE_DEVICES")
-        elif models != sorted(set(reference["accelerators"].get("models", []))) or len(models) > 1:
-            row.mark(position, WARN, text, "GPU models differ: the job runs at the slowest card's speed and "
-                     "parallel: auto plans for the smallest memory")
-        elif any(acc[k] != reference["accelerators"].get(k) for k in ("driver", "cuda", "nccl")):
-            row.mark(position, WARN, text, "driver, CUDA or NCCL versions differ between nodes: use one image")
-        else:
-            row.mark(position, OK, text)
-    return row
-
-
-def software_row(facts: list[dict], reference: dict) -> Row:
-    row = Row("torch, transformers, peft, torchao, meshtune")
-    for position, f in enumerate(facts):
-        soft = f["software"]
-        differing = [f"{k} {v} (node 0: {reference['software'].get(k)})" for k, v in soft.items()
-                     if reference["software"].get(k) != v]
-        if differing:
-            row.mark(position, FAIL, "; ".join(differing), "install the same versions on every node (one image or "
-                     "lock file); 'meshtune code' differs when the installed sources differ")
-        else:
-            row.mark(position, OK, f"torch {soft.get('torch')}, meshtune {soft.get('meshtune')}")
-    return row
-
-
-def files_row(title: str, key: str, config_key: str, facts: list[dict], reference: dict) -> Row:
-    row = Row(title)
-    for position, f in enumerate(facts):
-        fact = f[key]
-        if "error" in fact:
-            row.mark(position, FAIL, fact["error"], f"{config_key}: make the files present on every node")
-        elif fact["checksum"] != reference[key].get("checksum"):
-            row.mark(position, FAIL, f"sha256 {fact['checksum'][:8]} (node 0: {reference[key].get('checksum', '')[:8]})",
-                     f"{config_key}: the files differ from node 0's; put them on shared storage or copy node 0's")
-        else:
-            row.mark(position, OK, f"{fact['files']} file(s), sha256 {fact['checksum'][:8]}")
-    return row
-
-
-def output_row(cfg, facts: list[dict]) -> Row:
-    row = Row("output_dir: writable, shared, space")
-    need = checkpoint_bytes(cfg)
-    for position, f in enumerate(facts):
-        out = f["output_dir"]
-        if not out.get("writable"):
-            row.mark(position, FAIL, out.get("error", "not writable"), "output_dir must be writable on every node")
-        elif not out.get("sees node 0's file"):
-            row.mark(position, FAIL, "not the storage node 0 writes to", "output_dir must be one shared storage "
-                     "(NFS, Lustre, ...) for all nodes, or set allow_local_checkpoints: true")
-        elif need and out["free_bytes"] < need:
-            row.mark(position, WARN, f"{out['free_bytes'] / 2**30:.0f} GiB free, ~{need / 2**30:.0f} GiB needed",
-                     "free space or lower save_total_limit: the checkpoints kept may not fit")
-        else:
-            row.mark(position, OK, f"{out['free_bytes'] / 2**30:,.0f} GiB free" + (
-                f" (~{need / 2**30:,.1f} GiB of checkpoints)" if need else ""))
-    return row
-
-
-def checkpoint_bytes(cfg) -> int:
-    """Checkpoints kept (save_total_limit, else every save) for full fine-tuning: fp32 weights and two AdamW
-    moments a parameter, from the model's safetensors size (bf16: 2 bytes a parameter). LoRA's are small."""
-    per_param = CHECKPOINT_BYTES_PER_PARAM.get(cfg.finetuning_type, 0)
-    if not per_param or not cfg.save_steps:
-        return 0
-    weights = sum(p.stat().st_size for p in Path(cfg.model_name_or_path).expanduser().glob("*.safetensors"))
-    saves = cfg.save_total_limit or max(1, (cfg.max_steps or 1000) // cfg.save_steps)
-    return int(weights / 2 * per_param * saves)
-
-
-def clock_row(facts: list[dict], skews: list[float]) -> Row:
-    row = Row("clock, against node 0")
-    for position, (f, skew) in enumerate(zip(facts, skews)):
-        text = f"{-skew:+.1f} s" if abs(skew) >= 0.05 else "within 0.1 s"
-        if abs(skew) > CLOCK_FAIL_S:
-            row.mark(position, FAIL, text, "synchronise the clocks (chrony / NTP): timeouts and logs go wrong")
-        elif abs(skew) > CLOCK_WARN_S:
-            row.mark(position, WARN, text, "synchronise the clocks (chrony / NTP)")
-        else:
-            row.mark(position, OK, text if position else "reference")
-    return row
-
-
-def network_row(facts: list[dict]) -> Row:
-    row = Row("interface to MASTER_ADDR")
-    for position, f in enumerate(facts):
-        net = f["network"]
-        if "error" in net:
-            row.mark(position, FAIL, net["error"], "MASTER_ADDR must resolve on every node")
-            continue
-        route = net["route_interface"]
-        ib = f", IB {','.join(net['infiniband'])}" if net["infiniband"] else ", no InfiniBand"
-        text = f"{route} ({net['route_address']}){ib}"
-        wrong = [(name, value) for name, value in (("NCCL_SOCKET_IFNAME", net["NCCL_SOCKET_IFNAME"]),
-                                                    ("GLOO_SOCKET_IFNAME", net["GLOO_SOCKET_IFNAME"]))
-                 if value and route and not value.startswith("^") and route not in value.split(",")]
-        if wrong:
-            row.mark(position, FAIL, text + "; " + ", ".join(f"{n}={v}" for n, v in wrong),
-                     f"set NCCL_SOCKET_IFNAME={route} and GLOO_SOCKET_IFNAME={route} on node {f['node_rank']}: the "
-                     f"interface set does not route to MASTER_ADDR")
-        elif route and net["hostname_interface"] not in (None, route) and not net["GLOO_SOCKET_IFNAME"]:
-            row.mark(position, WARN, text + f"; host name on {net['hostname_interface']}",
-                     f"node {f['node_rank']}: the host name resolves to {net['hostname_interface']}, which gloo "
-                     f"would use: set GLOO_SOCKET_IFNAME={route} NCCL_SOCKET_IFNAME={route}")
-        else:
-            row.mark(position, OK, text)
-    return row
-
-
-def render(report: dict) -> str:
-    """One table (a column per node) and the fixes below it."""
-    columns = report["columns"]
-    header = ["check", *[f"node {c['node_rank']} ({c['host']})" for c in columns]]
-    lines = [header]
-    for row in report["rows"]:
-        cells = [row["check"]]
-        for c in columns:
-            mark, text = row["cells"].get(str(c["position"]), (" ", ""))
-            cells.append(f"{mark} {text[:44]}")
-        lines.append(cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    table = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
-    fixes = [f"  {row['check']}: {fix}" for row in report["rows"] for fix in row["fixes"]]
-    verdict = ("✘ at least one check failed: fix the rows marked ✘ before training" if report["failed"] else
-               "✔ every node is ready" + (" (see the ! rows)" if fixes else ""))
-    return "\n".join(["meshtune doctor", *table, *(["fixes:", *fixes] if fixes else []), verdict])

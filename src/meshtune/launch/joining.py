@@ -16,6 +16,11 @@ from meshtune.launch.nodes import NodeSettings
 JOIN_REPORT_S = 15
 
 
+def join_key(run_id: str, node_rank: int) -> str:
+    """The key a launcher in torchrun's rendezvous leaves in the store on MASTER_PORT."""
+    return f"meshtune/{run_id}/node/{node_rank}"
+
+
 class JoinWatch:
     """`with JoinWatch(settings, errors_dir, rdzv_timeout) as watch:` around this node's torchrun; `watch.joined`
     is the node ranks seen so far (for the error when the rendezvous times out)."""
@@ -27,7 +32,6 @@ class JoinWatch:
         self.joined: set[int] = set()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._prefix = f"meshtune/{settings.run_id}/node/"
 
     def __enter__(self) -> JoinWatch:
         self._thread.start()
@@ -51,7 +55,7 @@ class JoinWatch:
             if store is not None:
                 try:
                     self.joined = {rank for rank in range(self.settings.max_nodes)
-                                   if store.check([f"{self._prefix}{rank}"])}
+                                   if store.check([join_key(self.settings.run_id, rank)])}
                 except Exception:  # the store went away (node 0 stopped): torchrun reports that
                     store = None
             if time.monotonic() - reported >= self.interval_s and not self._started():
@@ -65,7 +69,7 @@ class JoinWatch:
         try:
             store = dist.TCPStore(self.settings.master_addr, self.settings.master_port, is_master=False,
                                   timeout=timedelta(seconds=5), wait_for_workers=False)
-            store.set(f"{self._prefix}{self.settings.node_rank}", socket.gethostname())
+            store.set(join_key(self.settings.run_id, self.settings.node_rank), socket.gethostname())
             return store
         except Exception:  # not up yet: node 0's agent starts it
             return None

@@ -44,10 +44,11 @@ def collect_facts(cfg, settings) -> dict:
 
 def accelerators() -> dict:
     if not torch.cuda.is_available():
-        return {"count": 0, "models": [], "cuda": None, "nccl": None, "driver": None}
+        return {"count": 0, "models": [], "memory": [], "cuda": None, "nccl": None, "driver": None}
     count = torch.cuda.device_count()
     nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
     return {"count": count, "models": [torch.cuda.get_device_name(i) for i in range(count)],
+            "memory": [torch.cuda.get_device_properties(i).total_memory for i in range(count)],
             "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
             "driver": nvidia_driver()}
 

@@ -36,6 +36,7 @@ class OutputLock:
         self.mine = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self.rejoined = False  # took over this job's own lock: node 0 relaunched into its running job
 
     def __enter__(self) -> OutputLock:
         held = self._read()
@@ -49,6 +50,7 @@ class OutputLock:
                     f"dead job is taken over, at once on its own host, else after {STALE_S} s)")
             self.log(f"warning: taking over the lock of output_dir {self.path.parent} from run {held.get('run_id')} "
                      f"on {held.get('host')} (pid {held.get('pid')}): {gone}")
+            self.rejoined = self.same_job_takes_over and held.get("run_id") == self.run_id
         self.path.write_text(json.dumps(self.mine))
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
         self._beat.start()

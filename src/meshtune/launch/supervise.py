@@ -32,9 +32,9 @@ def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
     settings = detect_node_settings(cfg)
     check_cpu_processes(settings.nproc_per_node)
     check_output_paths(cfg)
-    with output_lock(cfg.output_dir, settings):
+    with output_lock(cfg.output_dir, settings) as lock:
         if needs_torchrun(settings):
-            return run_node(cfg, settings, argv, debug)
+            return run_node(cfg, settings, argv, debug, rejoining=lock is not None and lock.rejoined)
         return train_here(cfg)
 
 
@@ -54,12 +54,15 @@ def train_here(cfg) -> int:
     return code
 
 
-def run_node(cfg, settings, argv: list[str], debug: bool) -> int:
-    """This node's torchrun, between the user and it: tokenize first, check the rendezvous, run torchrun (again
-    after node 0's store was lost), then say in one line how it ended."""
+def run_node(cfg, settings, argv: list[str], debug: bool, rejoining: bool = False) -> int:
+    """This node's torchrun, between the user and it: the preflight checks across the nodes (unless node 0
+    `rejoining` its running job), tokenize, check the rendezvous, run torchrun (again after node 0's store was
+    lost), then say in one line how it ended."""
     from meshtune.launch import describe, launch_env
+    from meshtune.launch.preflight import run_preflight
 
     print(describe(settings), flush=True)
+    run_preflight(cfg, settings, rejoining)  # its store on MASTER_PORT is closed before torchrun's takes the port
     prepare_data_once(cfg, settings.max_processes)
     if settings.multi_node:
         check_rendezvous(settings, cfg)

@@ -1,0 +1,102 @@
+"""The doctor as the first step of a multi-node launch (config key `preflight`): the nodes meet on
+MASTER_ADDR:MASTER_PORT before torchrun does, run every check of `meshtune doctor` (with `preflight: bandwidth`
+the bandwidth test too), and stop before anything trains when one fails, with node 0's table.
+
+Only a launch of the whole job runs it. Node 0 relaunched into its running job (it took over the job's own
+output_dir lock) and a node whose MASTER_PORT answers with a running job's rendezvous store (a node relaunched
+into a job, or one joining an elastic job late) skip it: the other nodes are in torchrun and would never come.
+Node 0 also gives up its preflight as soon as a node shows up in torchrun's rendezvous instead. The other nodes'
+rejoin after a lost store (supervise.rejoin_after_store_loss) never runs it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from meshtune.errors import MeshtuneError
+from meshtune.launch.doctor import run_doctor
+from meshtune.launch.doctor_checks import FAIL, OK
+from meshtune.launch.bandwidth import duration_text
+from meshtune.launch.nodes import NodeSettings
+from meshtune.launch.reachability import check_port_free, wait_for_master
+
+
+class PreflightError(MeshtuneError):
+    """A check across the nodes failed: no torchrun was started."""
+
+
+def run_preflight(cfg, settings: NodeSettings, rejoining: bool, log=print) -> None:
+    """This node's part of the preflight, or a line saying why it is skipped; PreflightError on a failed check."""
+    if not cfg.preflight or not settings.multi_node:
+        return
+    if cfg.rdzv_backend != "c10d":
+        log("preflight: skipped with rdzv_backend etcd-v2 (no store of node 0 on MASTER_PORT tells a node joining a "
+            "running job from one waiting for node 0): run `meshtune doctor cfg.yaml` on every node instead",
+            flush=True)
+        return
+    if rejoining:
+        log("preflight: skipped: node 0 rejoins its running job (it took over the job's own output_dir lock); the "
+            "other nodes wait in torchrun's rendezvous", flush=True)
+        return
+    started = time.monotonic()
+    if settings.node_rank == 0:
+        check_port_free(settings)
+    else:
+        log(f"preflight: waiting for node 0 at {settings.master_addr}:{settings.master_port} (up to rdzv_timeout="
+            f"{cfg.rdzv_timeout} s)", flush=True)
+        wait_for_master(settings, cfg.rdzv_timeout)
+    lines: list[str] = []
+    try:
+        code, report = run_doctor(cfg, settings, cfg.rdzv_timeout, out=lines.append,
+                                  bandwidth=cfg.preflight == "bandwidth",
+                                  progress=lambda line: log(f"preflight: {line}", flush=True))
+    except Exception as exc:  # noqa: BLE001 - the store went away mid-way: the TCPStore's error types vary
+        where = f"{settings.master_addr}:{settings.master_port}"
+        raise PreflightError(f"preflight: node {settings.node_rank} lost the checks' store at {where} (node 0 "
+                             f"stopped or died): {type(exc).__name__}: {exc}. Launch the job again on every node, "
+                             f"or set preflight: false to skip these checks") from None
+    took = time.monotonic() - started
+    if "skipped" in report:
+        log(f"preflight: skipped: {report['skipped']}", flush=True)
+        return
+    if report.get("late"):
+        log(f"preflight: node {settings.node_rank} joined after node 0 closed its checks (an elastic job above its "
+            f"minimum): not checked", flush=True)
+        return
+    needs_look = report["mine"] if "mine" in report else [
+        row for row in report.get("rows", []) if any(mark != OK for mark, _ in row["cells"].values())]
+    if code or needs_look:
+        log("\n".join(lines), flush=True)
+    if code:
+        raise PreflightError(failure(settings, cfg.rdzv_timeout, report))
+    if not needs_look:
+        log(f"preflight: {len(report['columns'])} nodes, all checks passed{measured(report)} ({took:.1f} s)",
+            flush=True)
+
+
+def failure(settings: NodeSettings, timeout_s: float, report: dict) -> str:
+    failed = [row["check"] for row in report.get("rows", []) if any(m == FAIL for m, _ in row["cells"].values())]
+    if not failed:  # this node could not meet the others: the doctor's own message says why
+        return f"preflight: node {settings.node_rank}: {report.get('message', 'the checks did not run')}"
+    joined = {column["node_rank"] for column in report["columns"]}
+    missing = [rank for rank in range(settings.min_nodes) if rank not in joined]
+    never = (f"node rank(s) {', '.join(map(str, missing))} never joined within rdzv_timeout={timeout_s:g} s; "
+             if missing else "")
+    where = ("the table above names each node and the fix" if settings.node_rank == 0 else
+             "node 0 printed the table; the rows for this node are above")
+    return (f"preflight: {never}{len(failed)} check(s) failed across the nodes ({', '.join(failed)}); {where}. "
+            f"Nothing was started: fix them and launch again on every node, or set preflight: false to skip these "
+            f"checks")
+
+
+def measured(report: dict) -> str:
+    """The bandwidth in the one-line summary, when it was measured."""
+    result = (report.get("bandwidth") or {}).get("result") or {}
+    if "all_reduce" not in result:
+        return ""
+    text = (f"; all-reduce {result['all_reduce'][-1]['busbw'] / 1e9:.3g} GB/s busbw, latency "
+            f"{duration_text(result['all_reduce'][0]['seconds'])}")
+    traffic = report["bandwidth"].get("traffic") or {}
+    if "comm_s" in traffic:
+        text += f"; ~{duration_text(traffic['comm_s'])} of communication a step under {traffic['parallel']}"
+    return text

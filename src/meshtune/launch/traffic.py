@@ -1,0 +1,170 @@
+"""What a config moves between the nodes each optimizer step, and how long that takes on a measured link.
+
+The link between nodes is taken as the bottleneck (the GPUs of one node talk over NVLink or shared memory, far
+faster), and a collective over n nodes as nccl-tests models it: an all-reduce of S bytes takes S x 2(n-1)/n / busbw,
+an all-gather or reduce-scatter of S bytes (the whole buffer) S x (n-1)/n / busbw, with busbw the all-reduce's
+measured bus bandwidth. Per optimizer step of A micro-steps (gradients cross once, on the last micro-step):
+
+- ddp: one all-reduce of the trainable gradients (LoRA: the adapters only);
+- zero2: A all-gathers of the weights (forward; kept for backward) + one reduce-scatter of the trainable gradients;
+- zero3: 2A all-gathers (forward and backward) + one reduce-scatter;
+- hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes.
+
+Weights cross in bf16 on GPUs (FSDP2's parameter dtype; Q-LoRA's blocks as NF4), gradients in `grad_reduce_dtype`.
+Compute is estimated for a step of full-length samples (cutoff_len tokens) at MFU_ASSUMED of the bf16 matmul rate
+measured on node 0's GPU; on CPU no compute time is estimated. Communication overlaps compute at best (DDP's
+buckets during backward, FSDP2's prefetch): above the compute time it sets the step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtune.launch.bandwidth import duration_text, size_text
+from meshtune.plan import NF4_BYTES, SHARDED, ModelSize, sharding_for_full, sharding_for_qlora
+
+MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks.md)
+SLOW_RATIO = 0.5    # communication above half the compute time: the network sets the pace
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate needs of the model, from its config alone (no weights)."""
+
+    size: ModelSize
+    trainable: int        # the parameters whose gradients cross (LoRA: the adapters)
+    dense: int            # parameters outside the input embedding (FLOPs per token)
+    layers: int
+    attention_width: int  # heads x head_dim
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str      # all-reduce | all-gather | reduce-scatter
+    what: str
+    bytes: float
+    times: int
+
+
+def model_facts(cfg) -> ModelFacts:
+    """The model built on the meta device (with LoRA's adapters when the config adds them) and counted."""
+    from meshtune.model.flops import FlopCounter
+    from meshtune.model.loading import model_skeleton, transformer_blocks
+    from meshtune.model.lora import add_lora
+
+    model = model_skeleton(cfg.model_name_or_path)
+    counter = FlopCounter.of(model)
+    blocks = transformer_blocks(model)
+    size = ModelSize(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in blocks[0].parameters()),
+                     len(blocks))
+    trainable = size.parameters
+    if cfg.is_lora:
+        trainable = sum(p.numel() for p in add_lora(model, cfg).parameters() if p.requires_grad)
+    return ModelFacts(size, trainable, counter.dense_params, counter.layers, counter.heads * counter.head_dim)
+
+
+def parallel_mode(cfg, processes: int, gpus: bool, gpu_bytes: float | None, size: ModelSize) -> tuple[str, str]:
+    """The parallel mode the run plan will choose (plan.choose_parallel, from the doctor's facts), and how."""
+    if cfg.parallel != "auto":
+        return cfg.parallel, ""
+    if cfg.finetuning_type == "qlora" and gpus and gpu_bytes:
+        return sharding_for_qlora(size, processes, gpu_bytes)[0], " (auto)"
+    if cfg.is_lora or not gpus or not gpu_bytes:
+        return "ddp", " (auto)"
+    return sharding_for_full(size.parameters, processes, gpu_bytes)[0], " (auto)"
+
+
+def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node: bool) -> list[Collective]:
+    """The collectives that cross the nodes in one optimizer step (see the module's docstring)."""
+    grad_bytes = 2 if cfg.grad_reduce_dtype == "bf16" else 4
+    gradients = model.trainable * grad_bytes
+    block_params = model.size.block_parameters * model.size.blocks
+    if cfg.finetuning_type == "qlora":
+        weights = NF4_BYTES * block_params + 2 * (model.size.parameters - block_params)
+    else:
+        weights = model.size.parameters * (2 if bf16 else 4)
+    micro = cfg.gradient_accumulation_steps
+    reduce = Collective("all-reduce", "gradients", gradients, 1)
+    if mode == "ddp" or (mode == "hsdp" and hsdp_in_node):
+        return [reduce]
+    gathers = micro if mode == "zero2" else 2 * micro
+    return [Collective("all-gather", "weights", weights, gathers),
+            Collective("reduce-scatter", "gradients", gradients, 1)]
+
+
+def collective_seconds(collectives: list[Collective], busbw: float, nodes: int) -> float:
+    factor = {"all-reduce": 2 * (nodes - 1) / nodes, "all-gather": (nodes - 1) / nodes,
+              "reduce-scatter": (nodes - 1) / nodes}
+    return sum(c.bytes * c.times * factor[c.kind] for c in collectives) / busbw
+
+
+def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float | None:
+    """One process's compute for a step of full-length samples: 6 FLOPs a dense parameter a token (LoRA 4: the
+    frozen weights need no weight gradient), + 2 recomputed under activation checkpointing, + attention."""
+    if not peak_flops:
+        return None
+    tokens = cfg.cutoff_len
+    per_token = (4 if cfg.is_lora else 6) * model.dense
+    if cfg.gradient_checkpointing:
+        per_token += 2 * model.dense * cfg.gradient_checkpointing_ratio
+    per_sample = per_token * tokens + 12 * model.layers * model.attention_width * tokens * tokens
+    samples = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    return per_sample * samples / (peak_flops * MFU_ASSUMED)
+
+
+def describe(collectives: list[Collective]) -> str:
+    parts = []
+    for c in collectives:
+        times = f"{c.times} x " if c.times > 1 else ""
+        parts.append(f"{times}{c.kind} of the {c.what} ({size_text(c.bytes)})")
+    return " + ".join(parts)
+
+
+def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, busbw: float,
+            peak_flops: float | None, model: ModelFacts) -> dict:
+    """The communication a step of this config needs across `nodes` at `busbw`, against its compute; `slow` when
+    it would set the step time, with the modes that would move less."""
+    processes = nodes * nproc
+    mode, how = parallel_mode(cfg, processes, gpus, gpu_bytes, model.size)
+    bf16 = gpus and cfg.bf16 is not False
+    hsdp_in_node = (cfg.hsdp_shard_size or nproc) <= nproc
+    collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node)
+    seconds = collective_seconds(collectives, busbw, nodes)
+    compute = compute_seconds(cfg, model, peak_flops)
+    ratio = seconds / compute if compute else None
+    others = {other: collective_seconds(step_collectives(cfg, other, model, bf16, True), busbw, nodes)
+              for other in ("ddp", "zero2", "hsdp", "zero3") if other != mode}
+    return {"parallel": mode, "auto": bool(how), "collectives": [c.__dict__ for c in collectives],
+            "comm_s": seconds, "compute_s": compute, "ratio": ratio, "busbw": busbw, "nodes": nodes,
+            "slow": ratio is not None and ratio > SLOW_RATIO,
+            "text": explain(cfg, mode + how, collectives, seconds, compute, busbw, nodes),
+            "advice": advice(cfg, mode, seconds, others) if ratio is not None and ratio > SLOW_RATIO else None}
+
+
+def explain(cfg, mode: str, collectives: list[Collective], seconds: float, compute: float | None, busbw: float,
+            nodes: int) -> str:
+    text = (f"{cfg.finetuning_type} fine-tuning under {mode} moves {describe(collectives)} across the {nodes} nodes "
+            f"each optimizer step ({cfg.gradient_accumulation_steps} micro-step(s)): ~{duration_text(seconds)} at "
+            f"{busbw / 1e9:.3g} GB/s busbw")
+    if compute is None:
+        return text + "; no compute estimate without GPUs"
+    return (text + f", {seconds / compute:.2g}x the ~{duration_text(compute)} a step of full-length samples "
+                   f"({cfg.cutoff_len} tokens) computes at {MFU_ASSUMED:.0%} of the measured bf16 peak")
+
+
+def advice(cfg, mode: str, seconds: float, others: dict[str, float]) -> str:
+    tips = []
+    if cfg.is_lora and mode in SHARDED:
+        tips.append(f"parallel: ddp moves only the adapters' gradients (~{duration_text(others['ddp'])})")
+    elif mode in ("zero3", "zero2"):
+        tips.append(f"parallel: hsdp shards inside each node, so only the gradient all-reduce crosses nodes "
+                    f"(~{duration_text(others['hsdp'])}, if the model's state fits one node)")
+        if mode == "zero3":
+            tips.append(f"zero2 gathers the weights once a micro-step, not twice (~{duration_text(others['zero2'])})")
+    if not cfg.is_lora:
+        tips.append("LoRA (finetuning_type: lora) moves only the adapters' gradients")
+    if cfg.grad_reduce_dtype == "fp32":
+        tips.append("grad_reduce_dtype: bf16 halves the gradients' bytes")
+    if mode in ("ddp", "hsdp"):
+        tips.append("more gradient_accumulation_steps gives each crossing of the gradients more compute to hide behind")
+    return f"the network sets the pace (~{duration_text(seconds)} a step): " + "; ".join(tips)
