@@ -52,3 +52,27 @@ def test_the_straggler_warning_needs_the_same_rank_over_the_threshold_for_the_in
 def test_no_warning_when_the_threshold_is_zero():
     times = StepTimes(ENV, PLACES, threshold=0.0, intervals=1)
     assert times._warning(2, 5.0, [1.0, 1.0, 6.0, 1.0], 1.0, [5.0, 5.0, 0.0, 5.0]) is None
+
+
+def test_a_main_thread_inside_torch_compile_is_not_hung():
+    import threading
+
+    from meshtune.train.hang_watchdog import main_thread_compiling
+
+    def seen_from_the_watchdog_thread() -> bool:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(main_thread_compiling()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    during = []
+
+    def backend(graph, example_inputs):  # called by dynamo on the main thread, while it compiles
+        during.append(seen_from_the_watchdog_thread())
+        return graph.forward
+
+    torch._dynamo.reset()
+    assert torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert during == [True]
+    assert not seen_from_the_watchdog_thread()

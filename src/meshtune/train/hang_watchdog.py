@@ -1,7 +1,7 @@
 """A hung collective, caught long before `ddp_timeout`, with word of which rank is stuck and where.
 
-A thread in every rank watches the optimizer steps. When none completes within the hang timeout (evaluations and
-checkpoint writes pause the clock), each rank that can still run Python writes `output_dir/hang-<time>/rank<R>.txt`:
+A thread in every rank watches the optimizer steps. When none completes within the hang timeout (evaluations,
+checkpoint writes and torch.compile at work pause the clock), each rank that can still run Python writes `output_dir/hang-<time>/rank<R>.txt`:
 where the loop was, the stacks of all its threads (faulthandler) and, on CUDA, torch's NCCL flight recorder (its
 last collectives and their states). The ranks agree on the folder through the job's store. The lowest rank that
 reported writes `summary.txt`: the ranks that never reported (stopped, dead, or stuck outside Python holding the
@@ -110,7 +110,7 @@ class HangWatchdog:
             if limit is None or self._paused:
                 continue
             idle = time.monotonic() - self._last
-            if idle > limit:
+            if idle > limit and not main_thread_compiling():
                 self._report_and_exit(idle, limit)
                 return
 
@@ -176,6 +176,16 @@ class HangWatchdog:
                          "see the NCCL flight recorder in the rank files")
         lines.append(f"stacks of each reporting rank: {folder}/rank<R>.txt")
         return "\n".join(lines) + "\n"
+
+
+def main_thread_compiling() -> bool:
+    """torch.compile at work (a new sample length or code path can take a minute): slow, not hung."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(("_dynamo/convert_frame.py", "_inductor/compile_fx.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def nccl_flight_record(last: int = 30) -> str:
