@@ -196,7 +196,9 @@ def test_b_a_stopped_rank_is_caught_by_the_hang_watchdog_and_the_job_recovers_by
     assert reports == ["rank0.txt", "rank2.txt", "rank3.txt"], reports
     assert "Python stacks of every thread" in (hangs[0] / "rank0.txt").read_text()
     assert "summing the step's loss" in (hangs[0] / "rank0.txt").read_text()
+    assert "flight recorder" in (hangs[0] / "rank0.txt").read_text()
     summary = (hangs[0] / "summary.txt").read_text()
+    assert "another collective" not in summary
     assert "rank 1 (node 0, host" in summary and "did not report" in summary, summary
     assert "rank 1 (node 0" in text and "resumed from" in text, text[-4000:]
     assert final_hash(output) == baseline["hash"]

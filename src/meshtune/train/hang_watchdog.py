@@ -2,8 +2,8 @@
 
 A thread in every rank watches the optimizer steps. When none completes within the hang timeout (evaluations,
 checkpoint writes and torch.compile at work pause the clock), each rank that can still run Python writes `output_dir/hang-<time>/rank<R>.txt`:
-where the loop was, the stacks of all its threads (faulthandler) and, on CUDA, torch's NCCL flight recorder (its
-last collectives and their states). The ranks agree on the folder through the job's store. The lowest rank that
+where the loop was, the stacks of all its threads (faulthandler) and torch's flight recorder (its last
+collectives and their states: NCCL, and gloo where this torch records it). The ranks agree on the folder through the job's store. The lowest rank that
 reported writes `summary.txt`: the ranks that never reported (stopped, dead, or stuck outside Python holding the
 interpreter) and those not at the same place as the others. Then the reporting ranks exit with `HANG_EXIT`, so
 torchrun stops the rest and starts all workers again, from the newest checkpoint.
@@ -33,12 +33,13 @@ HANG_EXIT = 75  # non-zero, so torchrun restarts the workers; distinct, so a log
 AUTO_FLOOR_S = 60  # the automatic timeout never goes below this: a slow step is not a hang
 AUTO_STEPS = 5  # step times seen before the automatic timeout is set (the first steps compile and warm up)
 AUTO_FACTOR = 5  # the automatic timeout: this many times the median step
-FLIGHT_RECORDER_ENTRIES = 2000  # NCCL collectives torch keeps for the dump (TORCH_NCCL_TRACE_BUFFER_SIZE)
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for the dump (TORCH_FR_BUFFER_SIZE)
 
 
 def enable_flight_recorder() -> None:
     """Before the NCCL process group exists: keep its recent collectives for a hang report (the user's value wins)."""
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
 
 
 class HangWatchdog:
@@ -120,6 +121,12 @@ class HangWatchdog:
         rank = self.env.rank
         here = {"rank": rank, "step": self.step, "where": self.where, "idle_s": round(idle, 1),
                 "node": self.places[rank].node, "host": self.places[rank].host, "pid": os.getpid()}
+        try:
+            entries = flight_record_entries()
+        except Exception:  # noqa: BLE001 - a report without it is still worth writing
+            entries = None
+        if entries:
+            here["last_collective"] = [entries[-1].get("collective_seq_id"), entries[-1].get("profiling_name")]
         with (folder / f"rank{rank}.txt").open("w") as out:
             out.write(f"meshtune hang report: rank {rank} of {self.env.world_size} (node {here['node']}, host "
                       f"{here['host']}, pid {here['pid']}), attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n"
@@ -127,8 +134,7 @@ class HangWatchdog:
                       f"(hang timeout {limit:.0f} s)\n\nPython stacks of every thread:\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
-            if self.env.device.type == "cuda":
-                out.write("\n" + nccl_flight_record())
+            out.write("\n" + flight_record(entries))
         (folder / f"rank{rank}.json").write_text(json.dumps(here))
         time.sleep(min(30.0, max(5.0, limit / 2)))  # time for the other ranks to report
         reported = sorted(int(p.stem[4:]) for p in folder.glob("rank*.json"))
@@ -171,9 +177,17 @@ class HangWatchdog:
         for report in elsewhere:
             lines.append(f"  rank {report['rank']} (node {report['node']}, host {report['host']}) is elsewhere: "
                          f"step {report['step']}, {report['where']}")
+        collectives = [tuple(report["last_collective"]) for report in reports if "last_collective" in report]
+        if collectives:
+            usual = max(set(collectives), key=collectives.count)
+            for report in reports:
+                if "last_collective" in report and tuple(report["last_collective"]) != usual:
+                    seq, name = report["last_collective"]
+                    lines.append(f"  rank {report['rank']} is in another collective than the others: #{seq} {name}, "
+                                 f"the others #{usual[0]} {usual[1]}")
         if not silent and not elsewhere:
             lines.append("  every rank reported at the same place: the collective itself is stuck (network, NCCL); "
-                         "see the NCCL flight recorder in the rank files")
+                         "see the flight recorder in the rank files")
         lines.append(f"stacks of each reporting rank: {folder}/rank<R>.txt")
         return "\n".join(lines) + "\n"
 
@@ -188,14 +202,19 @@ def main_thread_compiling() -> bool:
     return False
 
 
-def nccl_flight_record(last: int = 30) -> str:
-    """torch's NCCL flight recorder: this rank's last collectives, their sequence numbers and states."""
-    try:
-        trace = pickle.loads(torch._C._distributed_c10d._dump_nccl_trace(True, False, False))
-    except Exception as exc:  # noqa: BLE001 - a report without it is still worth writing
-        return f"NCCL flight recorder: unavailable ({type(exc).__name__}: {exc})\n"
-    entries = trace.get("entries", [])[-last:]
-    lines = [f"NCCL flight recorder: the last {len(entries)} collectives (seq, process group, operation, state, sizes)"]
+def flight_record_entries() -> list[dict]:
+    """torch's flight recorder: this rank's recent collectives (NCCL; gloo too where torch records it)."""
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    return pickle.loads(dump(True, False, False)).get("entries", [])
+
+
+def flight_record(entries: list[dict] | None, last: int = 30) -> str:
+    """The last collectives as text: sequence number, process group, operation, state, sizes."""
+    if entries is None:
+        return "flight recorder: unavailable in this torch build\n"
+    entries = entries[-last:]
+    lines = [f"flight recorder: the last {len(entries)} collectives (seq, process group, operation, state, sizes)"]
     for entry in entries:
         lines.append(f"  {entry.get('collective_seq_id')}  pg {entry.get('process_group')}  "
                      f"{entry.get('profiling_name')}  {entry.get('state')}  in {entry.get('input_sizes')}")
