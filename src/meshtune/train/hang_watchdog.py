@@ -206,7 +206,8 @@ def flight_record_entries() -> list[dict]:
     """torch's flight recorder: this rank's recent collectives (NCCL; gloo too where torch records it)."""
     c10d = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    return pickle.loads(dump(True, False, False)).get("entries", [])
+    entries = pickle.loads(dump(True, False, False)).get("entries", [])
+    return sorted(entries, key=lambda entry: entry.get("record_id", 0))  # a ring buffer: oldest first
 
 
 def flight_record(entries: list[dict] | None, last: int = 30) -> str:
