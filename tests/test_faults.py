@@ -180,6 +180,34 @@ def test_b_killed_node_0_alone_relaunched_rejoins_the_survivors_and_the_job_ends
     assert f"lost the rendezvous store at 127.0.0.1:{port}" in text and "training failed" not in text, text[-4000:]
 
 
+def test_b_a_stopped_rank_is_caught_by_the_hang_watchdog_and_the_job_recovers_by_itself_while_a_straggler_is_named(
+        cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset):
+    """Rank 3 sleeps after every step (a straggler); rank 1 stops itself with SIGSTOP after step 9 (a hung process).
+    The other ranks report their stacks within the hang timeout, the summary names rank 1 as silent, they exit, and
+    torchrun restarts every worker from checkpoint-8: the job ends with the uninterrupted run's weights."""
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, hang_timeout=8,
+                        straggler_threshold=0.5, straggler_intervals=2)
+    nodes = cluster.run(config, env={"MESHTUNE_FAULT": "slow:0.4:3,stop:9:1"})
+    text = nodes[0].output() + nodes[1].output()
+    hangs = list(output.glob("hang-*"))
+    assert len(hangs) == 1, text[-4000:]
+    reports = sorted(p.name for p in hangs[0].glob("rank*.txt"))
+    assert reports == ["rank0.txt", "rank2.txt", "rank3.txt"], reports
+    assert "Python stacks of every thread" in (hangs[0] / "rank0.txt").read_text()
+    assert "summing the step's loss" in (hangs[0] / "rank0.txt").read_text()
+    assert "flight recorder" in (hangs[0] / "rank0.txt").read_text()
+    summary = (hangs[0] / "summary.txt").read_text()
+    assert "another collective" not in summary
+    assert "rank 1 (node 0, host" in summary and "did not report" in summary, summary
+    assert "rank 1 (node 0" in text and "resumed from" in text, text[-4000:]
+    assert final_hash(output) == baseline["hash"]
+    records = read_metrics(output)
+    assert [r["slowest_rank"] for r in records[2:]] == [3] * (STEPS - 2), records
+    assert all(r["slowest_node"] == 1 and r["slowest_over_median"] > 0.5 for r in records[2:])
+    assert "warning: rank 3 (node 1, host" in text and "straggler" in text, text[-4000:]
+
+
 @pytest.fixture
 def etcd_server(tmp_path):
     """Debian's etcd (package etcd-server) on free loopback ports, v2 API on, for torchrun's etcd-v2 rendezvous."""

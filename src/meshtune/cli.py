@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import textwrap
 import traceback
@@ -58,6 +59,12 @@ LAUNCH_HELP = """\
 Run this node's part of a training job: the same command on every node, only the node rank differs.
 Prints where each setting came from, then starts torchrun (c10d rendezvous at MASTER_ADDR:MASTER_PORT,
 --max-restarts max_restarts) or, for one process on one node, trains directly. Same arguments as `train`.
+
+With --scheduler slurm|pbs|k8s it starts nothing and writes a job file for the whole job instead (to stdout, or
+--output FILE): an sbatch script, a PBS job script, or a Kubeflow PyTorchJob with the config in a ConfigMap. The
+config is checked first; each node of the job runs `meshtune launch` on it with the same overrides, and the file
+stops the training with a checkpoint before a time limit and runs it again (resuming) after a requeue.
+docs/schedulers/ has one page per scheduler.
 """
 
 LAUNCH_EPILOG = """\
@@ -80,6 +87,10 @@ examples:
   NNODES=2 NODE_RANK=1 MASTER_ADDR=node01 MASTER_PORT=29500 meshtune launch cfg.yaml   # on node02
   MASTER_PORT=29500 srun --ntasks-per-node=1 meshtune launch cfg.yaml                  # in an sbatch script
   meshtune launch --dry-run cfg.yaml       # print this node's settings and torchrun command, start nothing
+  meshtune launch --scheduler slurm cfg.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 --output job.sbatch
+  meshtune launch --scheduler pbs cfg.yaml --nodes 2 --gpus-per-node 4 --queue gpu --output job.pbs
+  meshtune launch --scheduler k8s cfg.yaml output_dir=/shared/runs/a --nodes 2 --gpus-per-node 8 \\
+      --image registry.example.com/meshtune:1.0 --pvc shared-rwx --output job.yaml
 """
 
 
@@ -114,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dry-run", action="store_true",
                         help="print this node's settings and the exact command, start nothing")
     launch.add_argument("--debug", action="store_true", help="show full tracebacks")
+    add_scheduler_options(launch)
 
     doctor = commands.add_parser("doctor", help="check every node before a multi-node run (run it on each node)",
                                  description=DOCTOR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,6 +179,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SCHEDULER_OPTIONS = ("--scheduler", "--nodes", "--gpus-per-node", "--cpus-per-node", "--time", "--job-name",
+                     "--output", "--python", "--partition", "--account", "--queue", "--image", "--pvc", "--namespace",
+                     "--elastic")
+
+
+def add_scheduler_options(launch: argparse.ArgumentParser) -> None:
+    from meshtune.launch.scheduler_files import SCHEDULERS
+
+    group = launch.add_argument_group("job file (--scheduler: write it, start nothing)")
+    group.add_argument("--scheduler", choices=SCHEDULERS, help="write a job file for this scheduler")
+    group.add_argument("--nodes", type=int, metavar="N", help="nodes of the job")
+    group.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs each node gets (0: CPU only)")
+    group.add_argument("--cpus-per-node", type=int, metavar="C",
+                       help="CPU cores each node gets (default: the scheduler's)")
+    group.add_argument("--time", metavar="LIMIT", help="slurm, pbs: time limit, minutes or [DAYS-]HH:MM:SS")
+    group.add_argument("--job-name", metavar="NAME", help="default: output_dir's last part")
+    group.add_argument("--output", metavar="FILE", help="write the file here (default: stdout)")
+    group.add_argument("--python", metavar="PATH", help="the python every node runs meshtune with (default: this one; "
+                                                        "k8s: the image's meshtune)")
+    group.add_argument("--partition", help="slurm: the partition")
+    group.add_argument("--account", help="slurm, pbs: the account charged")
+    group.add_argument("--queue", help="pbs: the queue")
+    group.add_argument("--image", help="k8s (required): the container image, with meshtune installed")
+    group.add_argument("--pvc", metavar="NAME", help="k8s (required): a ReadWriteMany PersistentVolumeClaim mounted at "
+                                                     "output_dir")
+    group.add_argument("--namespace", help="k8s: the namespace")
+    group.add_argument("--elastic", metavar="MIN:MAX", help="k8s: an elastic job of MIN to MAX pods")
+
+
 def load_training_config(args: argparse.Namespace):
     """The config and the `train` arguments every torchrun worker gets; warnings printed once per node."""
     import os
@@ -195,10 +236,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    import shlex
-
     from meshtune.launch import describe, detect_node_settings, launch_env, needs_torchrun, torchrun_command
 
+    given = [option for option in SCHEDULER_OPTIONS if getattr(args, option[2:].replace("-", "_")) is not None]
+    if args.scheduler:
+        return write_job_file(args, given)
+    if given:
+        raise MeshtuneError(f"{', '.join(given)}: options of a job file; add --scheduler slurm, pbs or k8s")
     cfg, argv = load_training_config(args)
     if not args.dry_run:
         return launch_training(cfg, argv, debug=args.debug)
@@ -209,6 +253,38 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(shlex.join([*env, *torchrun_command(settings, argv, cfg)]))
     else:
         print(f"one process: trains in this process, no torchrun ({shlex.join(['meshtune', *argv])})")
+    return 0
+
+
+def write_job_file(args: argparse.Namespace, given: list[str]) -> int:
+    """`launch --scheduler`: the config checked as for training, then the job file written, nothing started."""
+    import os
+
+    from meshtune.launch.scheduler_files import JobRequest, job_file
+
+    if args.dry_run:
+        raise MeshtuneError("--dry-run and --scheduler: --scheduler starts nothing either; leave out --dry-run")
+    if args.nodes is None or args.gpus_per_node is None:
+        raise MeshtuneError("--scheduler needs --nodes N and --gpus-per-node G (0 for CPU only)")
+    cfg, _ = load_training_config(args)
+    job = JobRequest(
+        scheduler=args.scheduler, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        config=Path(args.config).absolute() if args.config else None,
+        launch_args=[*args.overrides, *args.flag_tokens], workdir=Path.cwd(),
+        python=args.python or (None if args.scheduler == "k8s" else sys.executable),
+        command_line=args.command_line, job_name=args.job_name, time=args.time, cpus_per_node=args.cpus_per_node,
+        partition=args.partition, account=args.account, queue=args.queue, image=args.image, pvc=args.pvc,
+        namespace=args.namespace, elastic=args.elastic,
+        given=tuple(option[2:].replace("-", "_") for option in given))
+    text = job_file(job, cfg)
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    Path(args.output).write_text(text)
+    if args.scheduler != "k8s":
+        os.chmod(args.output, 0o755)
+    submit = {"slurm": "sbatch", "pbs": "qsub", "k8s": "kubectl apply -f"}[args.scheduler]
+    print(f"meshtune: wrote {args.output}; submit it with: {submit} {args.output}")
     return 0
 
 
@@ -291,6 +367,23 @@ def restart_cannot_fix(exc: Exception) -> MeshtuneError | None:
     return repeated
 
 
+def options_first(tokens: list[str], with_value: set[str]) -> list[str]:
+    """The command's options (with their values) before the config and its overrides: argparse reads the positionals
+    in one stretch, so `cfg.yaml --nodes 2 lr=1e-4` would leave lr=1e-4 unread."""
+    options, positionals = [], []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token.startswith("-") and token != "--":
+            takes_value = token in with_value and i + 1 < len(tokens)
+            options += tokens[i:i + 1 + takes_value]
+            i += 1 + takes_value
+        else:
+            positionals.append(token)
+            i += 1
+    return options + positionals
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """`train` and `launch` take `--key value` flags besides their own options; those are set apart first."""
     from meshtune.compat.flags import split_flags
@@ -298,13 +391,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
     flags, flag_tokens = {}, []
+    given = list(argv)
     if command is not None and argv[command] in ("train", "launch", "doctor"):
         own = {"--debug", "--dry-run", "--help", "-h"} | ({"--timeout", "--json", "--bandwidth"}
                                                          if argv[command] == "doctor" else set())
+        own |= set(SCHEDULER_OPTIONS) if argv[command] == "launch" else set()
         rest, flags, flag_tokens = split_flags(argv[command + 1:], own)
-        argv = argv[:command + 1] + rest
+        alone = {"--debug", "--dry-run", "--help", "-h", "--bandwidth"}  # options that take no value
+        argv = argv[:command + 1] + options_first(rest, own - alone)
     args = build_parser().parse_args(argv)
     args.flags, args.flag_tokens = flags, flag_tokens
+    args.command_line = shlex.join(["meshtune", *given])
     return args
 
 

@@ -79,6 +79,7 @@ SPEED = Section("speed: each lever is on where it pays and can be turned off to 
 PARALLELISM = Section("parallelism", JOB)
 LAUNCH = Section("nodes and launch (each node may set these for itself; the launcher checks them)", NODE)
 OUTPUT = Section("outputs, evaluation and checkpoints", JOB)
+WATCH = Section("stragglers and hangs", JOB)
 
 
 class TrainConfig(BaseModel):
@@ -157,7 +158,7 @@ class TrainConfig(BaseModel):
     gpu_memory_limit: float | None = LAUNCH(None, "GiB each process may allocate on its GPU (torch.cuda.set_per_process_memory_fraction): beyond it an allocation fails as out of memory, as on a smaller card. Rehearse a run meant for 24 GB GPUs (gpu_memory_limit: 24) on larger ones, or leave room on a shared card; parallel: auto plans for it. Ignored on CPU", gt=0)
 
     output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and final/ go; shared storage across nodes (checked at start)", scope=NODE)
-    logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps", gt=0, scope=NODE)
+    logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps; the ranks compare their step times then (a collective), so it is the same on every node", gt=0)
     per_device_eval_batch_size: int = OUTPUT(8, "samples per process per evaluation step", gt=0)
     eval_steps: int | None = OUTPUT(None, "evaluate every N steps (default: only at the end); needs val_size or eval_dataset", gt=0)
     save_final: bool = OUTPUT(True, "write the trained model (or LoRA adapter) to output_dir/final at the end; false for throughput runs and smoke tests, where only the metrics matter")
@@ -168,6 +169,10 @@ class TrainConfig(BaseModel):
     resume_allow_changed: list[str] = OUTPUT([], "keys of the run's math that may differ from the checkpoint being resumed, e.g. max_steps to train further or learning_rate; by default resuming a checkpoint written with other values is an error naming the keys (checkpoints keep their config)")
     resume_from_checkpoint: str = OUTPUT("auto", "auto (newest complete, verified checkpoint in output_dir) | none | a checkpoint path", scope=NODE)
     allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then writes no periodic checkpoint and does not resume")
+
+    straggler_threshold: float = WATCH(0.15, "a rank whose own work per step (step time less its waits for the others) exceeds the median rank's by this fraction for straggler_intervals logging intervals in a row is named in a warning with its node and host; metrics.jsonl records the slowest rank of every interval whatever the value. 0: no warning", ge=0)
+    straggler_intervals: int = WATCH(3, "logging intervals in a row a rank must stay over straggler_threshold before the warning", gt=0)
+    hang_timeout: int | None = WATCH(None, "seconds without a completed optimizer step (evaluations and checkpoint writes not counted) after which every rank writes its stacks and torch's flight recorder of its last collectives to output_dir/hang-<time>/, summary.txt names the ranks that are stuck elsewhere or silent, and the workers exit for torchrun to restart them from the newest checkpoint. Default: 5 x the median step once 5 steps are done, at least 60 s, at most 80% of ddp_timeout. 0: off", ge=0)
 
     @field_validator("nnodes", mode="before")
     @classmethod

@@ -4,8 +4,10 @@ Set MESHTUNE_FAULT to one or more comma-separated faults:
 - `save:STEP:RANK`: SIGKILL after this rank wrote its checkpoint shards, before the checkpoint is published;
 - `raise:STEP:RANK`: a RuntimeError after optimizer step STEP;
 - `raise-always:STEP:RANK`: the same in every attempt (an error no restart fixes);
-- `slow:SECONDS`: every rank sleeps that long after each step, so a test can act on a run in progress.
-`save` and `raise` fire in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job can show
+- `slow:SECONDS`: every rank sleeps that long after each step, so a test can act on a run in progress;
+  `slow:SECONDS:RANK`: that rank alone (a straggler);
+- `stop:STEP:RANK`: the rank stops itself with SIGSTOP after that step (a hung process, for the hang watchdog).
+`save`, `raise` and `stop` fire in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job can show
 that it recovers. Unset, it costs one dictionary lookup per call.
 """
 
@@ -31,12 +33,17 @@ def maybe_die(point: str, step: int, rank: int) -> None:
 
 
 def after_step(step: int, rank: int) -> None:
-    """The faults that act after an optimizer step: `raise`, `raise-always`, `slow`."""
+    """The faults that act after an optimizer step: `raise`, `raise-always`, `slow`, `stop`."""
     faults = _faults()
     if not faults:
         return
     for fault in faults:
         if fault.startswith("slow:"):
-            time.sleep(float(fault.split(":", 1)[1]))
+            _, seconds, *only = fault.split(":")
+            if not only or int(only[0]) == rank:
+                time.sleep(float(seconds))
+    if f"stop:{step}:{rank}" in faults and _first_attempt():
+        print(f"meshtune fault injection: stopping rank {rank} (SIGSTOP) after step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
     if f"raise-always:{step}:{rank}" in faults or (_first_attempt() and f"raise:{step}:{rank}" in faults):
         raise RuntimeError(f"meshtune fault injection: rank {rank} fails after step {step}")

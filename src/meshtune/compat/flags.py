@@ -18,14 +18,14 @@ OVERRIDE = re.compile(r"[A-Za-z_]\w*=")  # a key=value override, never a flag's 
 
 def split_flags(tokens: list[str], own: set[str]) -> tuple[list[str], dict[str, Any], list[str]]:
     """(the tokens that are not flags, the flags as keys and values, the flag tokens as given). `own` are the
-    command's own options (`--debug`), left in place."""
+    command's own options (`--debug`, `--nodes 2` or `--nodes=2`), left in place."""
     rest: list[str] = []
     flags: dict[str, Any] = {}
     given: list[str] = []
     i = 0
     while i < len(tokens):
         token = tokens[i]
-        if not token.startswith("--") or token in own or token == "--":
+        if not token.startswith("--") or token.partition("=")[0] in own or token == "--":
             rest.append(token)
             i += 1
             continue

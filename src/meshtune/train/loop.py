@@ -42,12 +42,14 @@ from meshtune.plan import RunPlan, resolve
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
+from meshtune.train.hang_watchdog import HangWatchdog, enable_flight_recorder
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
+from meshtune.train.stragglers import StepTimes, rank_places
 from meshtune.worker_env import ERROR_DIR
 
 
@@ -61,6 +63,7 @@ class TrainResult:
 
 def train(cfg: TrainConfig) -> TrainResult:
     use_expandable_segments(cfg.expandable_segments)  # before the first CUDA allocation
+    enable_flight_recorder()  # before the NCCL process group exists
     env = init_distributed(cfg.ddp_timeout)
     log = print if env.is_main else quiet_other_ranks()
     if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
@@ -119,18 +122,25 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, trainer["step"], plan.compile)
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     run_info = checkpoint_info(cfg, env, plan, batches)
+    places = rank_places(env)
+    times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
+    watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places)
     started = time.perf_counter()
     model.train()
     stopped_by = 0  # the signal that ends the loop early, if one comes
-    with StepGarbageCollection(plan.gc_interval) as collection:
+    with StepGarbageCollection(plan.gc_interval) as collection, watch:
         for step in range(trainer["step"], total_steps):
             if stopped_by := stop.due():  # a rank was signalled during the previous step
                 break
+            times.begin()
+            watch.at(step + 1, "preparing the batch")
             profiler.begin(step + 1)
             epoch, step_in_epoch = batches.position(step)
             micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, env.rank)]
-            targets, tokens, flops, votes = step_counts(micro, built.flops, env, stop.vote)  # of the global batch
+            watch.at(step + 1, "counting the step's tokens (all-reduce)")
+            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, built.flops, env, stop.vote))
             stop.tally(votes)
+            watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
                 with gradient_sync(model, sync=m == len(micro) - 1):  # gradients cross processes once a step
@@ -138,6 +148,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                     (loss * env.world_size / targets).backward()
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
+            watch.at(step + 1, "gradient clipping and optimizer step")
             grad_norm = clip_gradients(params, cfg.max_grad_norm)
             lr = optimizer.param_groups[0]["lr"]  # the rate this step used
             optimizer.step()
@@ -146,15 +157,25 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
 
             done, last = step + 1, step + 1 == total_steps
             faults.after_step(done, env.rank)
-            meter.add(all_reduce_sum(loss_sum) / targets, tokens, flops)
+            watch.at(done, "summing the step's loss (all-reduce)")
+            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum)) / targets, tokens, flops)
+            times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
+            if record:  # the ranks compare their step times (one small all-gather)
+                watch.at(done, "comparing step times (all-gather)")
+                fields, warning = times.interval()
+                record.update(fields)
+                metrics.note(warning)
             if evaluator.due(done):
-                record = {"step": done, **record, "eval_loss": evaluator.run(model)}
+                with watch.paused(f"step {done}: evaluation"):
+                    record = {"step": done, **record, "eval_loss": evaluator.run(model)}
             metrics.after_step(done, record)
             trainer.update(step=done, epoch=epoch)
-            checkpoints.maybe_save(done, state, {**run_info, "epoch": epoch}, last=last)
+            with watch.paused(f"step {done}: checkpoint"):
+                checkpoints.maybe_save(done, state, {**run_info, "epoch": epoch}, last=last)
             collection.after_step(done)
             profiler.end(done, last=last)
+            watch.step_done()
     profiler.close()
     if stopped_by:
         save_before_stopping(checkpoints, cfg, env, stop, trainer, state, run_info, shared, total_steps, log)

@@ -119,6 +119,11 @@ class MetricsLog:
             self.bar.write(note)
         self.bar.update(1)
 
+    def note(self, text: str | None) -> None:
+        """A line above the progress bar (rank 0)."""
+        if self.enabled and text:
+            self.bar.write(text)
+
     def write(self, record: dict) -> None:
         self.records.append(record)
         with self.path.open("a") as f:

@@ -1,0 +1,222 @@
+"""A hung collective, caught long before `ddp_timeout`, with word of which rank is stuck and where.
+
+A thread in every rank watches the optimizer steps. When none completes within the hang timeout (evaluations,
+checkpoint writes and torch.compile at work pause the clock), each rank that can still run Python writes `output_dir/hang-<time>/rank<R>.txt`:
+where the loop was, the stacks of all its threads (faulthandler) and torch's flight recorder (its last
+collectives and their states: NCCL, and gloo where this torch records it). The ranks agree on the folder through the job's store. The lowest rank that
+reported writes `summary.txt`: the ranks that never reported (stopped, dead, or stuck outside Python holding the
+interpreter) and those not at the same place as the others. Then the reporting ranks exit with `HANG_EXIT`, so
+torchrun stops the rest and starts all workers again, from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import pickle
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshtune.distributed import DistEnv
+from meshtune.train.stragglers import Place
+
+HANG_EXIT = 75  # non-zero, so torchrun restarts the workers; distinct, so a log shows why
+AUTO_FLOOR_S = 60  # the automatic timeout never goes below this: a slow step is not a hang
+AUTO_STEPS = 5  # step times seen before the automatic timeout is set (the first steps compile and warm up)
+AUTO_FACTOR = 5  # the automatic timeout: this many times the median step
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for the dump (TORCH_FR_BUFFER_SIZE)
+
+
+def enable_flight_recorder() -> None:
+    """Before the NCCL process group exists: keep its recent collectives for a hang report (the user's value wins)."""
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+
+
+class HangWatchdog:
+    """`with HangWatchdog(...) as watch:` around the step loop; the loop calls `at` as it moves, `step_done` after
+    each step, and pauses the clock with `paused` around evaluations and saves.
+
+    `timeout` None: 5 x the median step of the steps so far once 5 are done, at least 60 s, at most 80% of
+    `ddp_timeout` (beyond it the collective fails first); 0: off. The clock starts when the first step is done.
+    """
+
+    def __init__(self, timeout: int | None, ddp_timeout: int, output_dir: Path, env: DistEnv, places: list[Place],
+                 log=print):
+        self.explicit, self.ddp_timeout = timeout, ddp_timeout
+        self.output_dir, self.env, self.places, self.log = output_dir, env, places, log
+        self.enabled = timeout != 0 and env.world_size > 1
+        self.step, self.where = 0, "starting the loop"
+        self._last = time.monotonic()
+        self._durations: list[float] = []
+        self._paused = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> HangWatchdog:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._watch, name="meshtune-hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def at(self, step: int, where: str) -> None:
+        """The loop is now at `where` of optimizer step `step` (two attribute writes: free per step)."""
+        self.step, self.where = step, where
+
+    def step_done(self) -> None:
+        now = time.monotonic()
+        self._durations.append(now - self._last)
+        self._last = now
+
+    @contextmanager
+    def paused(self, where: str):
+        """Work that may rightly take longer than a step (evaluation, a checkpoint write)."""
+        self.where = where
+        self._paused += 1
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._last += time.monotonic() - started  # the pause is not step time
+            self._paused -= 1
+
+    def timeout(self) -> float | None:
+        """Seconds without a completed step that count as a hang; None while not yet known."""
+        if not self._durations:  # the first step compiles and warms up: only ddp_timeout bounds it
+            return None
+        if self.explicit:
+            return float(self.explicit)
+        steady = self._durations[1:]  # the first step compiles and warms up
+        if len(steady) < AUTO_STEPS:
+            return None
+        return min(max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(steady)), 0.8 * self.ddp_timeout)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            limit = self.timeout()
+            if limit is None or self._paused:
+                continue
+            idle = time.monotonic() - self._last
+            if idle > limit and not main_thread_compiling():
+                self._report_and_exit(idle, limit)
+                return
+
+    def _report_and_exit(self, idle: float, limit: float) -> None:
+        folder = self._agree_on_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        rank = self.env.rank
+        here = {"rank": rank, "step": self.step, "where": self.where, "idle_s": round(idle, 1),
+                "node": self.places[rank].node, "host": self.places[rank].host, "pid": os.getpid()}
+        try:
+            entries = flight_record_entries()
+        except Exception:  # noqa: BLE001 - a report without it is still worth writing
+            entries = None
+        if entries:
+            here["last_collective"] = [entries[-1].get("collective_seq_id"), entries[-1].get("profiling_name")]
+        with (folder / f"rank{rank}.txt").open("w") as out:
+            out.write(f"meshtune hang report: rank {rank} of {self.env.world_size} (node {here['node']}, host "
+                      f"{here['host']}, pid {here['pid']}), attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n"
+                      f"step {self.step}, at: {self.where}; no optimizer step completed for {idle:.0f} s "
+                      f"(hang timeout {limit:.0f} s)\n\nPython stacks of every thread:\n")
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+            out.write("\n" + flight_record(entries))
+        (folder / f"rank{rank}.json").write_text(json.dumps(here))
+        time.sleep(min(30.0, max(5.0, limit / 2)))  # time for the other ranks to report
+        reported = sorted(int(p.stem[4:]) for p in folder.glob("rank*.json"))
+        if reported and reported[0] == rank:
+            (folder / "summary.txt").write_text(self.summary(folder, reported, limit))
+            print((folder / "summary.txt").read_text(), file=sys.stderr, flush=True)
+        print(f"meshtune: rank {rank}: no optimizer step completed for {idle:.0f} s after step {self.step - 1} "
+              f"(hang timeout {limit:.0f} s); stacks in {folder}; exiting so torchrun restarts the workers from "
+              f"the newest checkpoint", file=sys.stderr, flush=True)
+        os._exit(HANG_EXIT)
+
+    def _agree_on_folder(self) -> Path:
+        """One folder for every rank of this hang: the first to ask names it by its clock, in the job's store;
+        when the store cannot answer (the rank hosting it is the one stuck), by the step that did not finish."""
+        name = f"hang-step{self.step}"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=10))
+            proposed = "hang-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+            key = f"meshtune/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            name = store.compare_set(key, "", proposed).decode()
+        except Exception:  # noqa: BLE001 - any store failure: the fallback name every rank derives alike
+            pass
+        return self.output_dir / name
+
+    def summary(self, folder: Path, reported: list[int], limit: float) -> str:
+        """Who reported, who did not, and who is somewhere else than the rest."""
+        reports = [json.loads((folder / f"rank{r}.json").read_text()) for r in reported]
+        silent = [r for r in range(self.env.world_size) if r not in reported]
+        places = [(report["step"], report["where"]) for report in reports]
+        common = max(set(places), key=places.count)
+        elsewhere = [report for report, place in zip(reports, places) if place != common]
+        lines = [f"meshtune hang summary: no optimizer step completed for {limit:.0f} s (hang timeout) in a job of "
+                 f"{self.env.world_size} ranks",
+                 f"{len(reported)} rank(s) reported; most are at step {common[0]}, {common[1]}"]
+        for r in silent:
+            place = self.places[r]
+            lines.append(f"  rank {r} (node {place.node}, host {place.host}) did not report: its process is "
+                         f"stopped, dead, or stuck outside Python; the others wait for it")
+        for report in elsewhere:
+            lines.append(f"  rank {report['rank']} (node {report['node']}, host {report['host']}) is elsewhere: "
+                         f"step {report['step']}, {report['where']}")
+        collectives = [tuple(report["last_collective"]) for report in reports if "last_collective" in report]
+        if collectives:
+            usual = max(set(collectives), key=collectives.count)
+            for report in reports:
+                if "last_collective" in report and tuple(report["last_collective"]) != usual:
+                    seq, name = report["last_collective"]
+                    lines.append(f"  rank {report['rank']} is in another collective than the others: #{seq} {name}, "
+                                 f"the others #{usual[0]} {usual[1]}")
+        if not silent and not elsewhere:
+            lines.append("  every rank reported at the same place: the collective itself is stuck (network, NCCL); "
+                         "see the flight recorder in the rank files")
+        lines.append(f"stacks of each reporting rank: {folder}/rank<R>.txt")
+        return "\n".join(lines) + "\n"
+
+
+def main_thread_compiling() -> bool:
+    """torch.compile at work (a new sample length or code path can take a minute): slow, not hung."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(("_dynamo/convert_frame.py", "_inductor/compile_fx.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def flight_record_entries() -> list[dict]:
+    """torch's flight recorder: this rank's recent collectives (NCCL; gloo too where torch records it)."""
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    entries = pickle.loads(dump(True, False, False)).get("entries", [])
+    return sorted(entries, key=lambda entry: entry.get("record_id", 0))  # a ring buffer: oldest first
+
+
+def flight_record(entries: list[dict] | None, last: int = 30) -> str:
+    """The last collectives as text: sequence number, process group, operation, state, sizes."""
+    if entries is None:
+        return "flight recorder: unavailable in this torch build\n"
+    entries = entries[-last:]
+    lines = [f"flight recorder: the last {len(entries)} collectives (seq, process group, operation, state, sizes)"]
+    for entry in entries:
+        lines.append(f"  {entry.get('collective_seq_id')}  pg {entry.get('process_group')}  "
+                     f"{entry.get('profiling_name')}  {entry.get('state')}  in {entry.get('input_sizes')}")
+    return "\n".join(lines) + "\n"

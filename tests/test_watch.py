@@ -1,0 +1,78 @@
+"""The hang watchdog's timeout rules and the straggler warning's streaks, without processes (the two-node job that
+stops a rank and slows another is in test_faults.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from meshtune.distributed import DistEnv
+from meshtune.train.hang_watchdog import HangWatchdog
+from meshtune.train.stragglers import Place, StepTimes
+
+ENV = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+PLACES = [Place(0, "a"), Place(0, "a"), Place(1, "b"), Place(1, "b")]
+
+
+def watchdog(timeout, ddp_timeout=600, durations=()):
+    watch = HangWatchdog(timeout, ddp_timeout, output_dir=None, env=ENV, places=PLACES)
+    watch._durations = list(durations)
+    return watch
+
+
+def test_no_timeout_until_the_first_step_is_done():
+    assert watchdog(30).timeout() is None and watchdog(None).timeout() is None
+    assert watchdog(30, durations=[100.0]).timeout() == 30
+
+
+def test_the_automatic_timeout_is_five_median_steps_after_warm_up_between_a_floor_and_the_collective_timeout():
+    assert watchdog(None, durations=[90.0] + [2.0] * 4).timeout() is None  # 4 steady steps: not yet
+    assert watchdog(None, durations=[90.0] + [2.0] * 5).timeout() == 60  # 5 x 2 s is below the floor
+    assert watchdog(None, durations=[90.0] + [20.0] * 5).timeout() == 100
+    assert watchdog(None, ddp_timeout=100, durations=[90.0] + [20.0] * 5).timeout() == 80
+
+
+def test_off_with_zero_or_on_one_process():
+    assert not watchdog(0).enabled
+    single = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    assert not HangWatchdog(30, 600, None, single, PLACES[:1]).enabled
+
+
+def test_the_straggler_warning_needs_the_same_rank_over_the_threshold_for_the_intervals_asked():
+    times = StepTimes(ENV, PLACES, threshold=0.15, intervals=3)
+    own, waits = [1.0, 1.0, 1.5, 1.0], [0.5, 0.5, 0.0, 0.5]
+    assert times._warning(2, 0.5, own, 1.0, waits) is None
+    assert times._warning(2, 0.5, own, 1.0, waits) is None
+    warning = times._warning(2, 0.5, own, 1.0, waits)
+    assert warning.startswith("warning: rank 2 (node 1, host b) is a straggler: its own work took 50% longer")
+    assert times._warning(2, 0.5, own, 1.0, waits) is None  # said once, repeated only after 10 x 3 intervals
+    assert times._warning(1, 0.5, own, 1.0, waits) is None  # another rank starts its own streak
+    assert times._warning(1, 0.1, own, 1.0, waits) is None and times.streak == (-1, 0)  # under the threshold
+
+
+def test_no_warning_when_the_threshold_is_zero():
+    times = StepTimes(ENV, PLACES, threshold=0.0, intervals=1)
+    assert times._warning(2, 5.0, [1.0, 1.0, 6.0, 1.0], 1.0, [5.0, 5.0, 0.0, 5.0]) is None
+
+
+def test_a_main_thread_inside_torch_compile_is_not_hung():
+    import threading
+
+    from meshtune.train.hang_watchdog import main_thread_compiling
+
+    def seen_from_the_watchdog_thread() -> bool:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(main_thread_compiling()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    during = []
+
+    def backend(graph, example_inputs):  # called by dynamo on the main thread, while it compiles
+        during.append(seen_from_the_watchdog_thread())
+        return graph.forward
+
+    torch._dynamo.reset()
+    assert torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert during == [True]
+    assert not seen_from_the_watchdog_thread()
