@@ -290,9 +290,9 @@ def follow(store: DoctorStore, settings: NodeSettings, index: int, out) -> tuple
         return verdict["code"], {"skipped": verdict["skipped"]}
     report = verdict["report"]
     column = next((c for c in report["columns"] if c["index"] == index), None)
-    if column is None:
+    if column is None:  # node 0 had stopped waiting (an elastic job above its minimum, or past the timeout)
         out(f"meshtune doctor, node {settings.node_rank}: joined after node 0 closed its checks; not in its table")
-        return 0, {**report, "late": True}
+        return verdict["code"], {**report, "late": True}
     mine = [row for row in report["rows"] if str(column["position"]) in row["cells"]
             and row["cells"][str(column["position"])][0] != OK]
     out(f"meshtune doctor, node {settings.node_rank}: node 0 printed the table; "
