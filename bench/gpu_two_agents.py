@@ -6,6 +6,13 @@ how far its losses are from the uninterrupted run's.
 
   python bench/gpu_two_agents.py --modes zero2,hsdp --gpus-per-node 2 --out results      (4 GPUs)
 
+Hang (--fault hang): instead of a kill, rank 1 stops itself with SIGSTOP two steps after the checkpoint, and the
+job must recover by itself: the hang watchdog's reports (stacks, the NCCL flight recorder) and summary are copied to
+--out, and the losses are compared with the uninterrupted run's. The faulted run also starts with
+`preflight: bandwidth` (the doctor's NCCL all-reduce between the two nodes), whose table goes to --out too.
+
+  python bench/gpu_two_agents.py --fault hang --modes zero2 --gpus-per-node 1 --steps 40 --save-steps 10
+
 Speed (--speed): NCCL forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1), a stand-in
 for two nodes on a slow network, and step time per parallel mode, beside the same GPUs as one node on NVLink.
 The variables are per process, so traffic inside a "node" goes over sockets too.
@@ -83,15 +90,16 @@ def problem(records: list[dict], log_text: str, expect_resume: bool) -> str | No
     return None
 
 
-def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at: int | None) -> dict:
+def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at: int | None,
+            extra_env: dict | None = None, expect_resume: bool = False) -> dict:
     port = free_port()
     gpus = [list(range(0, gpus_per_node)), list(range(gpus_per_node, 2 * gpus_per_node))]
     logs = [work / f"{out_dir.name}-node{r}.log" for r in (0, 1)]
     fresh(out_dir, logs)
     started = time.monotonic()
-    nodes = [start_node(0, config, port, gpus[0], logs[0])]
+    nodes = [start_node(0, config, port, gpus[0], logs[0], extra_env)]
     time.sleep(2)
-    nodes.append(start_node(1, config, port, gpus[1], logs[1]))
+    nodes.append(start_node(1, config, port, gpus[1], logs[1], extra_env))
     killed_after = None
     if kill_at:
         while not (out_dir / f"checkpoint-{kill_at}" / "COMPLETE").exists():
@@ -110,7 +118,7 @@ def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at
     result = {"exit_codes": codes, "wall_s": round(time.monotonic() - started, 1), "steps": records[-1]["step"],
               "losses": [r["loss"] for r in records], "resumed": resumed[-1] if resumed else None,
               "tokens_per_s_last": records[-1]["tokens_per_s"], "peak_gib": records[-1]["peak_mem_gib"],
-              "problem": problem(records, text, expect_resume=bool(kill_at))}
+              "problem": problem(records, text, expect_resume=bool(kill_at) or expect_resume)}
     if kill_at:
         result.update(killed_after_s=killed_after, finished_before_kill=finished_before_kill)
     return result
@@ -191,6 +199,19 @@ def speed(args, work: Path) -> None:
     fail_on_problems({f"{r['job']} {r['mode']} {r['layout']}": r["problem"] for r in results})
 
 
+def hang_report(out_dir: Path, keep: Path) -> dict:
+    """The watchdog's folder of a hung run, copied to `keep`: whether its summary named the stopped rank and its
+    reports hold NCCL flight-recorder entries."""
+    folders = sorted(out_dir.glob("hang-*"))
+    if not folders:
+        return {"problem": "no hang report was written"}
+    shutil.copytree(folders[-1], keep, dirs_exist_ok=True)
+    summary = (folders[-1] / "summary.txt").read_text() if (folders[-1] / "summary.txt").exists() else ""
+    reports = "".join(p.read_text() for p in folders[-1].glob("rank*.txt"))
+    return {"hang_folder": folders[-1].name, "summary_names_rank_1": "rank 1 " in summary and "did not report" in summary,
+            "flight_recorder_entries": reports.count("nccl:")}
+
+
 def fail_on_problems(problems: dict[str, str | None]) -> None:
     """Exit code 1, naming each job whose figures are not a fresh run's: a report must not pass for a measurement."""
     bad = {job: why for job, why in problems.items() if why}
@@ -210,6 +231,9 @@ def main() -> None:
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--save-steps", type=int, default=40)
+    p.add_argument("--fault", choices=["kill", "hang"], default="kill",
+                   help="recovery from: node 1 killed after a checkpoint, or rank 1 stopped (SIGSTOP) after it")
+    p.add_argument("--hang-timeout", type=int, default=20, help="--fault hang: the job's hang_timeout")
     p.add_argument("--work", default="/tmp/meshtune-two-agents")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -219,26 +243,37 @@ def main() -> None:
         return speed(args, work)
     model_dir, data_file = prepare_workspace(args.size, work, 4 * args.steps * 2, 128, 1024)
     summary = {}
+    faulted = "killed" if args.fault == "kill" else "hung"
     for mode in args.modes.split(","):
-        for label, kill_at in (("uninterrupted", None), ("killed", args.save_steps)):
+        for label in ("uninterrupted", faulted):
             out_dir = work / f"{mode}-{label}"
             config = work / f"{mode}-{label}.yaml"
-            config.write_text(yaml.safe_dump(dict(
+            values = dict(
                 model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
                 output_dir=str(out_dir), finetuning_type="full", parallel=mode, per_device_train_batch_size=2,
                 gradient_accumulation_steps=1, max_steps=args.steps, save_steps=args.save_steps, save_total_limit=2,
                 logging_steps=1, learning_rate=1e-5, gradient_checkpointing=True, cutoff_len=1024, seed=1,
-                rdzv_timeout=120, ddp_timeout=300)))
-            summary[f"{mode}/{label}"] = run_job(config, out_dir, args.gpus_per_node, work, kill_at)
+                rdzv_timeout=120, ddp_timeout=300)
+            kill_at, env = None, None
+            if label == "killed":
+                kill_at = args.save_steps
+            elif label == "hung":
+                values.update(hang_timeout=args.hang_timeout, preflight="bandwidth")
+                env = {"MESHTUNE_FAULT": f"stop:{args.save_steps + 2}:1"}
+            config.write_text(yaml.safe_dump(values))
+            summary[f"{mode}/{label}"] = run_job(config, out_dir, args.gpus_per_node, work, kill_at, env,
+                                                 expect_resume=label == "hung")
+            if label == "hung":
+                summary[f"{mode}/{label}"].update(hang_report(out_dir, Path(args.out) / f"{mode}-hang"))
             row = {k: v for k, v in summary[f"{mode}/{label}"].items() if k != "losses"}
             print(mode, label, json.dumps(row), flush=True)
-        base, hit = summary[f"{mode}/uninterrupted"]["losses"], summary[f"{mode}/killed"]["losses"]
+        base, hit = summary[f"{mode}/uninterrupted"]["losses"], summary[f"{mode}/{faulted}"]["losses"]
         diffs = [abs(a - b) / abs(b) for a, b in zip(hit, base)]
-        print(f"{mode}: killed run vs uninterrupted: {len(hit)} vs {len(base)} steps, max relative loss difference "
+        print(f"{mode}: {faulted} run vs uninterrupted: {len(hit)} vs {len(base)} steps, max relative loss difference "
               f"{max(diffs):.2e} (first {args.save_steps} steps {max(diffs[:args.save_steps]):.2e}), "
               f"final loss {hit[-1]:.4f} vs {base[-1]:.4f}", flush=True)
     Path(args.out, "two_agents.json").write_text(json.dumps(summary, indent=1))
-    for log in work.glob("*killed*.log"):
+    for log in [*work.glob("*killed*.log"), *work.glob("*hung*.log")]:
         (Path(args.out) / log.name).write_text(log.read_text()[-20000:])
     fail_on_problems({job: result["problem"] for job, result in summary.items()})
 

@@ -6,7 +6,9 @@ Set MESHTUNE_FAULT to one or more comma-separated faults:
 - `raise-always:STEP:RANK`: the same in every attempt (an error no restart fixes);
 - `slow:SECONDS`: every rank sleeps that long after each step, so a test can act on a run in progress;
   `slow:SECONDS:RANK`: that rank alone (a straggler);
-- `stop:STEP:RANK`: the rank stops itself with SIGSTOP after that step (a hung process, for the hang watchdog).
+- `stop:STEP:RANK`: the rank stops itself with SIGSTOP after that step (a hung process, for the hang watchdog), once
+  per job: a marker in the temporary directory, named by the job's run id, keeps it from firing again after the
+  restart (a node whose agent restarts for another node's failure keeps its attempt count at 0).
 `save`, `raise` and `stop` fire in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job can show
 that it recovers. Unset, it costs one dictionary lookup per call.
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 
 def _faults() -> list[str]:
@@ -24,6 +28,16 @@ def _faults() -> list[str]:
 
 def _first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def _once(name: str) -> bool:
+    """True the first time this job asks, on this machine."""
+    marker = Path(tempfile.gettempdir(), f"meshtune-fault-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}-{name}")
+    try:
+        marker.touch(exist_ok=False)
+        return True
+    except FileExistsError:
+        return False
 
 
 def maybe_die(point: str, step: int, rank: int) -> None:
@@ -42,7 +56,7 @@ def after_step(step: int, rank: int) -> None:
             _, seconds, *only = fault.split(":")
             if not only or int(only[0]) == rank:
                 time.sleep(float(seconds))
-    if f"stop:{step}:{rank}" in faults and _first_attempt():
+    if f"stop:{step}:{rank}" in faults and _once(f"stop-{step}-{rank}"):
         print(f"meshtune fault injection: stopping rank {rank} (SIGSTOP) after step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     if f"raise-always:{step}:{rank}" in faults or (_first_attempt() and f"raise:{step}:{rank}" in faults):

@@ -234,9 +234,10 @@ stop_before_time_limit() {{
   scancel --signal=TERM "$SLURM_JOB_ID"
 }}
 trap stop_before_time_limit USR1
-# scancel, scontrol requeue and preemption signal every process of the job, srun too, which then kills the tasks:
-# the next run resumes from the last checkpoint saved (save_steps). To stop with a checkpoint and requeue, use
-# `scancel --batch --signal=USR1 JOBID`; to stop with a checkpoint and end, `scancel --signal=TERM JOBID`.
+# scancel, scontrol requeue and preemption send SIGTERM to every process of the job and SIGKILL KillWait seconds
+# later (scontrol show config): meshtune saves a checkpoint on the way out when KillWait leaves stop_grace_period
+# for it, else the next run resumes from the last periodic one (save_steps). To stop with a checkpoint and requeue
+# whatever KillWait is, use `scancel --batch --signal=USR1 JOBID`; to stop with one and end, `scancel --signal=TERM JOBID`.
 trap 'echo "meshtune: SLURM is ending this run (scancel, requeue, preemption or the time limit)"' TERM
 
 # in the background, so that the traps run while it trains; a node that fails stops the others
