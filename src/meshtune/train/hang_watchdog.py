@@ -38,8 +38,14 @@ FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for 
 
 def enable_flight_recorder() -> None:
     """Before the NCCL process group exists: keep its recent collectives for a hang report (the user's value wins)."""
-    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
-        os.environ["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+    names = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch 2.9's name, and the one before
+    if not set(names) & set(os.environ):
+        os.environ[names[0] if torch_version() >= (2, 9) else names[1]] = str(FLIGHT_RECORDER_ENTRIES)
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 class HangWatchdog:
@@ -205,7 +211,8 @@ def main_thread_compiling() -> bool:
 def flight_record_entries() -> list[dict]:
     """torch's flight recorder: this rank's recent collectives (NCCL; gloo too where torch records it)."""
     c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    # older torch keeps NCCL's collectives in a recorder of their own; newer torch has one for every backend
+    dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
     entries = pickle.loads(dump(True, False, False)).get("entries", [])
     return sorted(entries, key=lambda entry: entry.get("record_id", 0))  # a ring buffer: oldest first
 

@@ -54,11 +54,12 @@ class StepTimes:
         self.threshold, self.intervals = threshold, intervals
         self.cuda = env.device.type == "cuda"
         self.streak: tuple[int, int] = (-1, 0)  # (rank, consecutive intervals over the threshold)
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # reused: creating them costs more
         self._reset()
 
     def _reset(self) -> None:
         self.steps, self.step_s, self.wait_s = 0, 0.0, 0.0
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending = 0  # events of this interval recorded so far
         self._started: float | None = None
 
     def begin(self) -> None:
@@ -75,11 +76,13 @@ class StepTimes:
         if self.env.world_size == 1:
             return collective()
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self._pending == len(self._events):
+                self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            start, end = self._events[self._pending]
             start.record()
             result = collective()
             end.record()
-            self._pending.append((start, end))
+            self._pending += 1
             return result
         started = time.perf_counter()
         result = collective()
@@ -93,7 +96,7 @@ class StepTimes:
         if self.env.world_size == 1 or not self.steps:
             self._reset()
             return {}, None
-        for start, end in self._pending:
+        for start, end in self._events[:self._pending]:
             end.synchronize()
             self.wait_s += start.elapsed_time(end) / 1000
         mine = torch.tensor([self.step_s / self.steps, self.wait_s / self.steps], dtype=torch.float64,
