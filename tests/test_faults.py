@@ -448,5 +448,7 @@ def test_two_hosts_with_their_own_addresses_train_like_the_baseline(cluster, nam
         time.sleep(1)
     for node in nodes:
         assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
+    # the doctor's checks ran first, between the two addresses, and found nothing to report
+    assert "preflight: 2 nodes, all checks passed" in nodes[0].output(), nodes[0].output()[-4000:]
     assert losses(output) == baseline["losses"]
     assert final_hash(output) == baseline["hash"]
