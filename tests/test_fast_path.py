@@ -142,7 +142,10 @@ def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatc
     original = dynamo_ddp.DDPOptimizer.compile_fn
     monkeypatch.setattr(dynamo_ddp.DDPOptimizer, "compile_fn",
                         lambda self, gm, inputs: splits.append(gm) or original(self, gm, inputs))
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)  # torch's default; restored afterwards
+    # torch's default, set back afterwards by assignment: monkeypatch's undo deletes a key dynamo's config lacks in
+    # its __dict__, which hides the key from every later compile in this process
+    optimize_ddp = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = True
     monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1000)  # tiny blocks: tiny buckets, as 1.5B's
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -159,6 +162,7 @@ def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatc
             model(input_ids=torch.randint(0, 100, (2, 12))).logits.sum().backward()
             assert bool(splits) == (compile_ == "block.compile"), compile_
     finally:
+        torch._dynamo.config.optimize_ddp = optimize_ddp
         dist.destroy_process_group()
         torch._dynamo.reset()
 

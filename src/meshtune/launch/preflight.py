@@ -18,7 +18,7 @@ from meshtune.launch.doctor import run_doctor
 from meshtune.launch.doctor_checks import FAIL, OK
 from meshtune.launch.bandwidth import duration_text
 from meshtune.launch.nodes import NodeSettings
-from meshtune.launch.reachability import check_port_free, wait_for_master
+from meshtune.launch.reachability import reach_node0
 
 
 class PreflightError(MeshtuneError):
@@ -39,12 +39,7 @@ def run_preflight(cfg, settings: NodeSettings, rejoining: bool, log=print) -> No
             "other nodes wait in torchrun's rendezvous", flush=True)
         return
     started = time.monotonic()
-    if settings.node_rank == 0:
-        check_port_free(settings)
-    else:
-        log(f"preflight: waiting for node 0 at {settings.master_addr}:{settings.master_port} (up to rdzv_timeout="
-            f"{cfg.rdzv_timeout} s)", flush=True)
-        wait_for_master(settings, cfg.rdzv_timeout)
+    reach_node0(settings, cfg.rdzv_timeout, log, prefix="preflight: ")
     lines: list[str] = []
     try:
         code, report = run_doctor(cfg, settings, cfg.rdzv_timeout, out=lines.append,

@@ -39,6 +39,16 @@ def check_port_free(settings: NodeSettings) -> None:
             # not one of this host's addresses: torchrun's c10d decides who hosts; nothing to check here
 
 
+def reach_node0(settings: NodeSettings, timeout_s: int, log=print, prefix: str = "") -> None:
+    """Node 0: its port is free; the other nodes: node 0 answers within `timeout_s` (rdzv_timeout)."""
+    if settings.node_rank == 0:
+        check_port_free(settings)
+    else:
+        log(f"{prefix}waiting for node 0 at {settings.master_addr}:{settings.master_port} (up to rdzv_timeout="
+            f"{timeout_s} s)", flush=True)
+        wait_for_master(settings, timeout_s)
+
+
 def wait_for_master(settings: NodeSettings, timeout_s: float, poll_s: float = 1.0) -> float:
     """Non-zero nodes: connect to master_addr:master_port until it answers; seconds waited, or RendezvousError."""
     return wait_for_endpoint(settings.master_addr, settings.master_port, timeout_s,

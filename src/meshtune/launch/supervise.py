@@ -152,7 +152,7 @@ def leave_worker(code: int = 0) -> None:
 def check_rendezvous(settings, cfg) -> None:
     """c10d: node 0's port is free; other nodes: node 0 answers within rdzv_timeout (else say why, not hang).
     etcd-v2: python-etcd is installed and every node reaches the etcd server."""
-    from meshtune.launch.reachability import check_port_free, wait_for_endpoint, wait_for_master
+    from meshtune.launch.reachability import reach_node0, wait_for_endpoint
 
     if cfg.rdzv_backend == "etcd-v2":
         host, port = etcd_endpoint(cfg)
@@ -161,12 +161,7 @@ def check_rendezvous(settings, cfg) -> None:
                           f"server at {host}:{port} (rdzv_endpoint)", "is etcd running there, with --enable-v2 and "
                           "--listen-client-urls on an address the nodes reach?")
         return
-    if settings.node_rank == 0:
-        check_port_free(settings)
-    else:
-        print(f"waiting for node 0 at {settings.master_addr}:{settings.master_port} "
-              f"(up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
-        wait_for_master(settings, cfg.rdzv_timeout)
+    reach_node0(settings, cfg.rdzv_timeout)
 
 
 def etcd_endpoint(cfg) -> tuple[str, int]:
