@@ -3,6 +3,9 @@ stops a rank and slows another is in test_faults.py)."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from meshtune.distributed import DistEnv
@@ -15,7 +18,9 @@ PLACES = [Place(0, "a"), Place(0, "a"), Place(1, "b"), Place(1, "b")]
 
 def watchdog(timeout, ddp_timeout=600, durations=()):
     watch = HangWatchdog(timeout, ddp_timeout, output_dir=None, env=ENV, places=PLACES)
-    watch._durations = list(durations)
+    for seconds in durations:  # steps done, the first of them the warm-up
+        watch._last = time.monotonic() - seconds
+        watch.step_done()
     return watch
 
 
@@ -27,8 +32,9 @@ def test_no_timeout_until_the_first_step_is_done():
 def test_the_automatic_timeout_is_five_median_steps_after_warm_up_between_a_floor_and_the_collective_timeout():
     assert watchdog(None, durations=[90.0] + [2.0] * 4).timeout() is None  # 4 steady steps: not yet
     assert watchdog(None, durations=[90.0] + [2.0] * 5).timeout() == 60  # 5 x 2 s is below the floor
-    assert watchdog(None, durations=[90.0] + [20.0] * 5).timeout() == 100
+    assert watchdog(None, durations=[90.0] + [20.0] * 5).timeout() == pytest.approx(100, abs=0.01)
     assert watchdog(None, ddp_timeout=100, durations=[90.0] + [20.0] * 5).timeout() == 80
+    assert watchdog(None, durations=[90.0] + [200.0] + [20.0] * 300).timeout() == pytest.approx(100, abs=0.01)
 
 
 def test_off_with_zero_or_on_one_process():

@@ -130,15 +130,20 @@ def host(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, band
         reason = (f"node {training} is already in torchrun's rendezvous on this port: a node rejoining a running job, "
                   f"or one started with preflight: false")
         return finish(store, {"code": 0, "skipped": reason}, len(arrivals))
-    by_rank = sorted(arrivals, key=lambda i: (arrivals[i]["node_rank"], i))
-    members = [i for i in by_rank if arrivals[i].get("bandwidth")] if bandwidth else []
-    members = members if len(members) > 1 else []
-    backend = "nccl" if members and all(arrivals[i]["accelerators"].get("count") for i in members) else "gloo"
-    plan = {"members": members, "backend": backend, "prefix": f"bandwidth/{secrets.token_hex(4)}"}
-    store.put("bandwidth/plan", plan)
-    measured = host_bandwidth(cfg, settings, store, arrivals, plan, index) if bandwidth else None
-    report = evaluate(cfg, settings, arrivals, skews, timeout_s, measured)
-    out(render(report))
+    try:
+        by_rank = sorted(arrivals, key=lambda i: (arrivals[i]["node_rank"], i))
+        members = [i for i in by_rank if arrivals[i].get("bandwidth")] if bandwidth else []
+        members = members if len(members) > 1 else []
+        backend = "nccl" if members and all(arrivals[i]["accelerators"].get("count") for i in members) else "gloo"
+        plan = {"members": members, "backend": backend, "prefix": f"bandwidth/{secrets.token_hex(4)}"}
+        store.put("bandwidth/plan", plan)
+        measured = host_bandwidth(cfg, settings, store, arrivals, plan, index) if bandwidth else None
+        report = evaluate(cfg, settings, arrivals, skews, timeout_s, measured)
+        out(render(report))
+    except Exception as exc:  # the others would otherwise wait out their timeout for a verdict that never comes
+        finish(store, {"code": 1, "message": f"node 0 could not finish the checks ({type(exc).__name__}: {exc}); "
+                                             f"its own output says more"}, len(arrivals))
+        raise
     return finish(store, {"code": 1 if report["failed"] else 0, "report": report}, len(arrivals))
 
 
@@ -254,7 +259,7 @@ def finish(store: DoctorStore, verdict: dict, nodes: int) -> tuple[int, dict]:
     deadline = time.monotonic() + READ_WAIT_S
     while store.store.add("left", 0) < store.store.add("read", 0) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return verdict["code"], verdict.get("report") or {"skipped": verdict["skipped"]}
+    return verdict["code"], verdict.get("report") or {k: verdict[k] for k in ("skipped", "message") if k in verdict}
 
 
 def join(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, bandwidth: bool, out) -> tuple[int, dict]:
@@ -288,6 +293,9 @@ def follow(store: DoctorStore, settings: NodeSettings, index: int, out) -> tuple
         pass
     if "skipped" in verdict:
         return verdict["code"], {"skipped": verdict["skipped"]}
+    if "message" in verdict:  # node 0 failed to finish: this node's report is that message
+        out(f"meshtune doctor, node {settings.node_rank}: {verdict['message']}")
+        return verdict["code"], {"message": verdict["message"]}
     report = verdict["report"]
     column = next((c for c in report["columns"] if c["index"] == index), None)
     if column is None:  # node 0 had stopped waiting (an elastic job above its minimum, or past the timeout)

@@ -105,13 +105,15 @@ def advice(key: str) -> str:
     return "Use the same kind of machine on every node."
 
 
-def check_agreement(cfg: TrainConfig, env: DistEnv) -> None:
-    """Collective: every rank calls it; all raise the same AgreementError on a mismatch."""
+def check_agreement(cfg: TrainConfig, env: DistEnv) -> list[tuple[int, str]]:
+    """Collective: every rank calls it; all raise the same AgreementError on a mismatch. Returns each rank's node
+    rank and host, in rank order."""
     if env.world_size == 1:
-        return
+        return [(node_rank_of_this_process(), socket.gethostname())]
     gathered: list = [None] * env.world_size
     dist.all_gather_object(gathered, local_facts(cfg, env))
     problems = find_disagreements(gathered)
     if problems:
         raise AgreementError("the nodes of this job disagree, stopping before the model loads:\n  - "
                              + "\n  - ".join(problems))
+    return [(facts["node_rank"], facts["host"]) for facts in gathered]

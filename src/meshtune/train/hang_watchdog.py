@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -33,6 +34,7 @@ HANG_EXIT = 75  # non-zero, so torchrun restarts the workers; distinct, so a log
 AUTO_FLOOR_S = 60  # the automatic timeout never goes below this: a slow step is not a hang
 AUTO_STEPS = 5  # step times seen before the automatic timeout is set (the first steps compile and warm up)
 AUTO_FACTOR = 5  # the automatic timeout: this many times the median step
+RECENT_STEPS = 200  # the median is of the last this many steps
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for the dump (TORCH_FR_BUFFER_SIZE)
 
 
@@ -57,13 +59,14 @@ class HangWatchdog:
     """
 
     def __init__(self, timeout: int | None, ddp_timeout: int, output_dir: Path, env: DistEnv, places: list[Place],
-                 log=print):
+                 log=print, start_step: int = 0):
         self.explicit, self.ddp_timeout = timeout, ddp_timeout
         self.output_dir, self.env, self.places, self.log = output_dir, env, places, log
         self.enabled = timeout != 0 and env.world_size > 1
-        self.step, self.where = 0, "starting the loop"
+        self.step, self.where, self.start_step = 0, "starting the loop", start_step
         self._last = time.monotonic()
-        self._durations: list[float] = []
+        self._steps_done = 0
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)  # after the first: the median is read every second
         self._paused = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,7 +88,9 @@ class HangWatchdog:
 
     def step_done(self) -> None:
         now = time.monotonic()
-        self._durations.append(now - self._last)
+        if self._steps_done:  # the first step compiles and warms up
+            self._recent.append(now - self._last)
+        self._steps_done += 1
         self._last = now
 
     @contextmanager
@@ -102,14 +107,13 @@ class HangWatchdog:
 
     def timeout(self) -> float | None:
         """Seconds without a completed step that count as a hang; None while not yet known."""
-        if not self._durations:  # the first step compiles and warms up: only ddp_timeout bounds it
+        if not self._steps_done:  # the first step compiles and warms up: only ddp_timeout bounds it
             return None
         if self.explicit:
             return float(self.explicit)
-        steady = self._durations[1:]  # the first step compiles and warms up
-        if len(steady) < AUTO_STEPS:
+        if len(self._recent) < AUTO_STEPS:
             return None
-        return min(max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(steady)), 0.8 * self.ddp_timeout)
+        return min(max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(self._recent)), 0.8 * self.ddp_timeout)
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
@@ -154,8 +158,9 @@ class HangWatchdog:
 
     def _agree_on_folder(self) -> Path:
         """One folder for every rank of this hang: the first to ask names it by its clock, in the job's store;
-        when the store cannot answer (the rank hosting it is the one stuck), by the step that did not finish."""
-        name = f"hang-step{self.step}"
+        when the store cannot answer (the rank hosting it is the one stuck), by the step this attempt started from,
+        which every rank knows alike (not the step it is at: a rank elsewhere may be at another)."""
+        name = f"hang-since-step{self.start_step}"
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set_timeout(timedelta(seconds=10))

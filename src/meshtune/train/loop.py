@@ -49,7 +49,7 @@ from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
-from meshtune.train.stragglers import StepTimes, rank_places
+from meshtune.train.stragglers import Place, StepTimes
 from meshtune.worker_env import ERROR_DIR
 
 
@@ -63,7 +63,8 @@ class TrainResult:
 
 def train(cfg: TrainConfig) -> TrainResult:
     use_expandable_segments(cfg.expandable_segments)  # before the first CUDA allocation
-    enable_flight_recorder()  # before the NCCL process group exists
+    if cfg.hang_timeout != 0:
+        enable_flight_recorder()  # before the NCCL process group exists
     env = init_distributed(cfg.ddp_timeout)
     log = print if env.is_main else quiet_other_ranks()
     if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
@@ -74,7 +75,8 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..., None],
                                 stop: StopRequest) -> TrainResult:
-    check_agreement(cfg, env)  # config, versions, data, node ranks: identical everywhere, or stop now
+    places = [Place(node, host) for node, host in check_agreement(cfg, env)]  # config, versions, data, node ranks:
+    # identical everywhere, or stop now; each rank's node and host for the straggler and hang reports
     output_dir = prepare_output_dir(cfg, env)
     seed_everything(cfg.seed)
     shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
@@ -122,9 +124,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, trainer["step"], plan.compile)
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     run_info = checkpoint_info(cfg, env, plan, batches)
-    places = rank_places(env)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
-    watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places)
+    watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=trainer["step"])
     started = time.perf_counter()
     model.train()
     stopped_by = 0  # the signal that ends the loop early, if one comes

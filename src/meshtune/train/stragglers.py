@@ -12,8 +12,6 @@ the others' shorter wait at the next line-up only when its delay outlasts the re
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -30,20 +28,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Place:
-    """Where a rank runs: its node rank and host name (gathered once at start)."""
+    """Where a rank runs: its node rank and host name (from the agreement check's gather at start)."""
 
     node: int
     host: str
-
-
-def rank_places(env: DistEnv) -> list[Place]:
-    """Every rank's node and host, in rank order: one all-gather at start."""
-    mine = Place(int(os.environ.get("MESHTUNE_NODE_RANK", os.environ.get("GROUP_RANK", "0"))), socket.gethostname())
-    if env.world_size == 1:
-        return [mine]
-    places: list = [None] * env.world_size
-    dist.all_gather_object(places, mine)
-    return places
 
 
 class StepTimes:
@@ -96,16 +84,16 @@ class StepTimes:
         if self.env.world_size == 1 or not self.steps:
             self._reset()
             return {}, None
+        if self._pending:  # the events are on one stream: its last one done, all are
+            self._events[self._pending - 1][1].synchronize()
         for start, end in self._events[:self._pending]:
-            end.synchronize()
             self.wait_s += start.elapsed_time(end) / 1000
         mine = torch.tensor([self.step_s / self.steps, self.wait_s / self.steps], dtype=torch.float64,
                             device=self.env.device)
         gathered = [torch.empty_like(mine) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, mine)
         self._reset()
-        step_s = [float(t[0]) for t in gathered]
-        wait_s = [float(t[1]) for t in gathered]
+        step_s, wait_s = (list(column) for column in zip(*torch.stack(gathered).tolist()))
         own = [max(s - w, 1e-9) for s, w in zip(step_s, wait_s)]
         slowest = max(range(len(own)), key=own.__getitem__)
         median = statistics.median_low(own)
