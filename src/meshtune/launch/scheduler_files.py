@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from meshtune.errors import ConfigError
+from meshtune.launch.nodes import node_range
 
 SCHEDULERS = ("slurm", "pbs", "k8s")
 DEFAULT_MASTER_PORT = 29500
@@ -126,10 +127,13 @@ def expected_nnodes(job: JobRequest) -> str:
 
 
 def elastic_range(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"(\d+):(\d+)", text.strip())
-    if not match:
-        raise ConfigError(f"--elastic {text}: write the node range as MIN:MAX, e.g. 2:4")
-    return int(match[1]), int(match[2])
+    """`--elastic MIN:MAX`, read as `nnodes` is (a single number is not a range here)."""
+    try:
+        if ":" not in text:
+            raise ValueError(text)
+        return node_range(text)
+    except ValueError:
+        raise ConfigError(f"--elastic {text}: write the node range as MIN:MAX, e.g. 2:4") from None
 
 
 def walltime_seconds(text: str) -> int:
