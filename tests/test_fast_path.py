@@ -51,6 +51,27 @@ def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_
     assert seconds[0] > 0 and seconds == sorted(seconds) and "compile_s" not in plain[0]
 
 
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_compiler_recompute_under_a_memory_budget_gives_the_losses_of_the_plain_path(monkeypatch, tmp_path,
+                                                                                      tiny_model_dir, tiny_dataset):
+    """activation_memory_budget: the partitioner recomputes inside each compiled block's backward graph."""
+    from torch._functorch import partitioners
+
+    budgets, choose = [], partitioners.choose_saved_values_set
+
+    def spy(joint_graph, node_info, memory_budget=1):
+        budgets.append(memory_budget)
+        return choose(joint_graph, node_info, memory_budget=memory_budget)
+
+    monkeypatch.setattr(partitioners, "choose_saved_values_set", spy)
+    plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
+    budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", padding_free=True, torch_compile=True,
+                     activation_memory_budget=0.05)
+    assert [r["loss"] for r in budget] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
+    assert [r["grad_norm"] for r in budget] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-3)
+    assert budgets and set(budgets) == {0.05}  # every block's backward was partitioned under the budget
+
+
 @pytest.mark.parametrize("trains_head", [True, False])
 def test_fused_loss_matches_cross_entropy_in_value_and_gradients(monkeypatch, trains_head):
     monkeypatch.setattr(loss_head, "ROWS_ELEMENTS", 7 * 50)  # 7-row chunks: several chunks and a ragged last one

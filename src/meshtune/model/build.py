@@ -48,7 +48,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     if cfg.gradient_checkpointing:
         enable_checkpointing(model, cfg.gradient_checkpointing_ratio)  # before compile: recompute runs the compiled block
     if plan.compile:
-        compile_blocks(model)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
+        compile_blocks(model, cfg.activation_memory_budget)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
     model.config.use_cache = False  # training never reads a key-value cache
     loader = None
     if cfg.finetuning_type == "qlora":

@@ -23,15 +23,24 @@ def keep_one_graph_for_all_lengths() -> None:
     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
+def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0) -> None:
     """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
     so shapes are marked dynamic from the start instead of recompiling).
 
     Dynamo's DDPOptimizer is switched off: under DDP's forward it would cut every block's graph at DDP's bucket
     boundaries (25 MB, the first 1 MB) and compile the pieces apart. A block is already a natural bucket
     boundary: its backward returns all its gradients at once, and DDP all-reduces them while earlier blocks
-    run their backward."""
+    run their backward.
+
+    `activation_memory_budget` < 1: the compiler keeps at most that share of each block's activations for
+    backward and recomputes the rest inside the block's backward graph, choosing operators by their estimated
+    time per byte freed."""
     torch._dynamo.config.optimize_ddp = False
     keep_one_graph_for_all_lengths()
+    # read when a graph's backward is partitioned: 1 keeps what the min-cut partitioner keeps by default
+    # (it already recomputes cheap pointwise operators); lower, it solves for the least recompute time that fits
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = activation_memory_budget
     for block in transformer_blocks(model):
         block.compile(dynamic=True)

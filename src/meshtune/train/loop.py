@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from meshtune.checkpoint import CheckpointManager, training_state
 from meshtune.config import TrainConfig
+from meshtune.cpu_affinity import apply_cpu_affinity
 from meshtune.data.chat_template import serving_chat_template
 from meshtune.data.collate import IGNORE, Batch, collate, to_device
 from meshtune.data.pipeline import plan_steps, prepare_datasets
@@ -67,6 +68,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         enable_flight_recorder()  # before the NCCL process group exists
     env = init_distributed(cfg.ddp_timeout)
     log = print if env.is_main else quiet_other_ranks()
+    pinned = apply_cpu_affinity(cfg.cpu_affinity, env.local_rank, env.local_world_size)  # threads started from here on inherit it
+    if pinned:
+        log(f"{pinned} (rank 0)")
     if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
         log(f"gpu_memory_limit: each process allocates at most {cfg.gpu_memory_limit:g} GiB of its GPU")
     with StopRequest(log, os.environ.get(ERROR_DIR)) as stop:
