@@ -74,10 +74,10 @@ class Row:
     against: str | None = None  # a meshtune row this one is judged against (Q-LoRA: our LoRA's tokens/s and memory)
 
 
-# Checkpointing on, as the peer, but selective: the fraction of blocks recomputed is chosen per row so that LoRA
-# stays within the plain peer's peak memory (docs/benchmarks.md has the ablation behind these)
-LORA_15B = {"gradient_checkpointing_ratio": 0.35}
-LORA_7B = {"gradient_checkpointing_ratio": 0.8}
+# Checkpointing on, as the peer, with meshtune's default gradient_checkpointing_ratio (auto: the fewest recomputed
+# blocks that fit 90% of the card); a row with peers runs once more within the peers' memory (--no-at-peer-memory)
+LORA_15B: dict = {}
+LORA_7B: dict = {}
 QLORA_7B = {"gradient_checkpointing_ratio": 1.0}  # Q-LoRA's aim is memory: every block recomputed
 FULL_7B_ZERO3 = {"parallel": "zero3", "gradient_checkpointing": False}
 FULL_7B_HSDP = {"parallel": "hsdp", "hsdp_shard_size": 2}  # replicas of 2 GPUs each, checkpointing on
@@ -256,6 +256,13 @@ def peer_row(args, row: Row, kind: str, pool: int, flops_per_token: float, peak:
                 step_s=result["step_s"], peak_gib=result["peak_gib"], reported=result)  # the peer's line, as printed
 
 
+def at_peer_memory(results: list[dict], row: str) -> str | None:
+    """The variant of the run at the peers' memory: meshtune's defaults, memory_budget the lowest peak (GiB) of the
+    row's peers that ran; None where none measured one."""
+    peaks = [r["peak_gib"] for r in results if r["row"] == row and r["system"] != "meshtune" and r.get("peak_gib")]
+    return f"memory_budget={min(peaks)}" if peaks else None
+
+
 def mean_flops_per_token(model_dir: Path, samples) -> float:
     """FLOPs per real token over the whole sample set (the peer's batches draw from the same lengths)."""
     lengths = [len(s) for s in samples]
@@ -288,6 +295,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the peer runs of a row that has a peer: plain (HF Trainer + PEFT) and/or liger (the same "
                         "with Liger kernels)")
     p.add_argument("--no-peer", action="store_true", help="meshtune only")
+    p.add_argument("--no-at-peer-memory", dest="at_peer_memory", action="store_false",
+                   help="skip the run that follows a row's peers by default: meshtune's defaults with memory_budget "
+                        "set to the lowest peak memory of those peers (gradient_checkpointing_ratio auto then fits the "
+                        "step into it), the comparison at no more memory than the peer")
     p.add_argument("--peer", default=str(Path(__file__).resolve().parent / "peer_hf.py"),
                    help="the peer script (its arguments and JSON line as bench/peer_hf.py's)")
     p.add_argument("--steps", type=int, default=25, help=f"optimizer steps a run, the first {WARMUP} not timed")
@@ -350,6 +361,8 @@ def run_rows(args) -> None:
         row = ROWS[name]
         runs = [("meshtune", index, variant) for index, variant in enumerate(args.variants.split(";"))]
         runs += [(kind, None, None) for kind in args.peer_kinds if row.peer]
+        if args.at_peer_memory and row.peer and args.peer_kinds and row.mode != "qlora":
+            runs.append(("at-peer-memory", None, None))
         if row.gpus > max(gpus, 1):
             add(dict(row=name, system="meshtune", gpus=row.gpus,
                      skipped=f"needs {row.gpus} GPUs, this machine has {gpus}"))
@@ -357,6 +370,11 @@ def run_rows(args) -> None:
         if row.size not in prepared and not deadline.passed():
             prepared[row.size] = prepare(args, row.size)
         for system, index, variant in runs:
+            if system == "at-peer-memory":
+                variant = at_peer_memory(results, name)
+                if variant is None:  # no peer measured its memory (no CUDA, or the peers failed)
+                    continue
+                system, index = "meshtune", len(runs)
             head = (dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs) if system == "meshtune"
                     else dict(row=name, system=PEERS[system][0], gpus=1, bs=row.bs))
             if deadline.passed():

@@ -348,3 +348,16 @@ def test_big_qlora_script_writes_a_sharded_random_model_and_reports_memory_and_s
             assert sorted(f.keys()) == sorted(k for k, v in index["weight_map"].items() if v == file)
             if "model.norm.weight" in f.keys():
                 assert float(f.get_tensor("model.norm.weight").float().mean()) == 1.0
+
+
+def test_the_run_at_peer_memory_takes_the_lowest_peak_of_the_rows_peers():
+    from speed_table import at_peer_memory, parse_variant
+
+    results = [dict(row="lora-1.5b", system="meshtune", peak_gib=17.5),
+               dict(row="lora-1.5b", system="hf_trainer+peft", peak_gib=18.83),
+               dict(row="lora-1.5b", system="hf_trainer+peft+liger", peak_gib=6.49),
+               dict(row="full-1.5b", system="hf_trainer+peft+liger", peak_gib=13.61),
+               dict(row="lora-7b", system="hf_trainer+peft", error="out of memory")]
+    assert at_peer_memory(results, "lora-1.5b") == "memory_budget=6.49"
+    assert parse_variant(at_peer_memory(results, "full-1.5b")) == {"memory_budget": 13.61}  # GiB: above 1
+    assert at_peer_memory(results, "lora-7b") is None

@@ -72,6 +72,53 @@ def test_compiler_recompute_under_a_memory_budget_gives_the_losses_of_the_plain_
     assert budgets and set(budgets) == {0.05}  # every block's backward was partitioned under the budget
 
 
+def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio_set_by_hand(
+        monkeypatch, capsys, tmp_path, tiny_model_dir, tiny_dataset):
+    """gradient_checkpointing_ratio auto on a stand-in card: every block recomputed peaks at 100 bytes and each
+    kept block adds 10; a budget of 115 keeps one of the two blocks. The measured steps run the real forward and
+    backward (dropout included), yet the run's losses are those of ratio 0.5 set by hand, bit for bit."""
+    from meshtune.model.loading import transformer_blocks
+    from meshtune.train import memory_fit
+
+    def stand_in_peak(step, device):
+        step()
+        kept = [block for block in transformer_blocks(model_of[0]) if not block.gradient_checkpointing]
+        return 100.0 + 10.0 * len(kept)
+
+    model_of = []
+    fit = memory_fit.fit_recomputation
+    monkeypatch.setattr(memory_fit, "fit_recomputation", lambda model, *a: (model_of.append(model), fit(model, *a))[1])
+    monkeypatch.setattr(memory_fit, "can_measure", lambda device: True)
+    monkeypatch.setattr(memory_fit, "card_bytes", lambda device: 1000.0)
+    monkeypatch.setattr(memory_fit, "pending_optimizer_bytes", lambda optimizer, params: 0)
+    monkeypatch.setattr(memory_fit, "measured_peak", stand_in_peak)
+    common = dict(PLAIN, gradient_checkpointing=True, lora_dropout=0.1)
+    auto = records(tmp_path, tiny_model_dir, tiny_dataset, "auto", "lora", **common, memory_budget=0.115)
+    assert "-> 1 of 2 blocks recomputed (ratio 0.50)" in capsys.readouterr().out
+    by_hand = records(tmp_path, tiny_model_dir, tiny_dataset, "by-hand", "lora", **common,
+                      gradient_checkpointing_ratio=0.5)
+    assert [r["loss"] for r in auto] == [r["loss"] for r in by_hand]
+    assert auto[-1]["eval_loss"] == by_hand[-1]["eval_loss"]
+
+
+def test_auto_recomputation_arithmetic():
+    from meshtune.train.memory_fit import GIB, MemoryFit, blocks_to_keep, budget_bytes, pending_optimizer_bytes
+
+    assert budget_bytes(None, 80 * GIB, None) == pytest.approx(72 * GIB)  # 0.9 of the card
+    assert budget_bytes(0.5, 80 * GIB, 24) == 12 * GIB  # a share of gpu_memory_limit where it is lower
+    assert budget_bytes(6.49, 80 * GIB, None) == pytest.approx(6.49 * GIB)  # GiB above 1
+    assert blocks_to_keep(5 * GIB, 0.5 * GIB, 10 * GIB, 28) == 9  # 9.7 - 5 = 4.7 GiB of room
+    assert blocks_to_keep(5 * GIB, 0.5 * GIB, 100 * GIB, 28) == 28
+    assert blocks_to_keep(11 * GIB, 0.5 * GIB, 10 * GIB, 28) == 0
+    assert "does not fit even with every block recomputed" in MemoryFit(28, 0, 11 * GIB, 0, 10 * GIB, 4096).describe()
+    layer = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    assert pending_optimizer_bytes(optimizer, list(layer.parameters())) == 2 * 15 * 4  # two fp32 moments
+    layer(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    assert pending_optimizer_bytes(optimizer, list(layer.parameters())) == 0  # allocated already
+
+
 @pytest.mark.parametrize("trains_head", [True, False])
 def test_fused_loss_matches_cross_entropy_in_value_and_gradients(monkeypatch, trains_head):
     monkeypatch.setattr(loss_head, "ROWS_ELEMENTS", 7 * 50)  # 7-row chunks: several chunks and a ragged last one

@@ -94,7 +94,8 @@ class TrainConfig(BaseModel):
     lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
     lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. q_proj,v_proj")
     gradient_checkpointing: bool = MODEL(False, "recompute activations in backward instead of storing them: less memory, more compute; turn on when a batch does not fit", scope=JOB)
-    gradient_checkpointing_ratio: float = MODEL(1.0, "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory)", gt=0.0, le=1.0, scope=JOB)
+    gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU every block", scope=JOB)
+    memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) (1 or less), counted as torch allocates it (torch.cuda.max_memory_allocated, the speed table's peak GiB). Default 0.9 of the card", gt=0.0, scope=JOB)
     bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports it; CPU runs fp32")
 
     dataset: list[str] = DATA(description="training data: file(s), JSON list or JSONL, or names in dataset_dir/dataset_info.json (LLaMA-Factory's registry); comma-separated or a list")
@@ -194,6 +195,20 @@ class TrainConfig(BaseModel):
             return value
         raise ValueError("must be true, false or bandwidth")
 
+    @field_validator("gradient_checkpointing_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, value: Any) -> Any:
+        """One message for a wrong value, not one per member of `float | "auto"`."""
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            ratio = float(value)
+        except (TypeError, ValueError):
+            ratio = None
+        if isinstance(value, bool) or ratio is None or not 0 < ratio <= 1:
+            raise ValueError("must be auto or a fraction of the blocks, above 0 and at most 1 (1 = every block)")
+        return ratio
+
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
     def _resume_not_given(cls, value: Any) -> Any:
@@ -233,6 +248,10 @@ class TrainConfig(BaseModel):
         if unknown:
             raise ValueError(f"resume_allow_changed: {', '.join(unknown)} is not a key of the run's math; those are "
                              f"{', '.join(self.keys_of(MATH))}")
+        if self.memory_budget is not None and self.gradient_checkpointing_ratio != "auto":
+            raise ValueError(f"memory_budget: {self.memory_budget:g} is read only by gradient_checkpointing_ratio: auto, "
+                             f"not {self.gradient_checkpointing_ratio:g}; leave the ratio out (auto is its default) or "
+                             f"drop memory_budget")
         if self.val_size >= 1 and self.val_size != int(self.val_size):
             raise ValueError(f"val_size: {self.val_size} is neither a fraction below 1 nor a whole count")
         return self

@@ -105,8 +105,8 @@ def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float |
         return None
     tokens = cfg.cutoff_len
     per_token = (4 if cfg.is_lora else 6) * model.dense
-    if cfg.gradient_checkpointing:
-        per_token += 2 * model.dense * cfg.gradient_checkpointing_ratio
+    if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio != "auto":  # auto: none counted, the least
+        per_token += 2 * model.dense * cfg.gradient_checkpointing_ratio  # compute it may choose to hide traffic behind
     per_sample = per_token * tokens + 12 * model.layers * model.attention_width * tokens * tokens
     samples = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     return per_sample * samples / (peak_flops * MFU_ASSUMED)

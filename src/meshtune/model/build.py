@@ -46,7 +46,9 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
         model = add_lora(model, cfg)
     # Q-LoRA's NF4 comes after LoRA (its frozen base layers only), as each block is filled: in data_parallel
     if cfg.gradient_checkpointing:
-        enable_checkpointing(model, cfg.gradient_checkpointing_ratio)  # before compile: recompute runs the compiled block
+        # auto: every block until the measured steps before training choose (train/memory_fit.py)
+        ratio = 1.0 if cfg.gradient_checkpointing_ratio == "auto" else cfg.gradient_checkpointing_ratio
+        enable_checkpointing(model, ratio)  # before compile: recompute runs the compiled block
     if plan.compile:
         compile_blocks(model, cfg.activation_memory_budget)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
     model.config.use_cache = False  # training never reads a key-value cache

@@ -44,6 +44,7 @@ from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.hang_watchdog import HangWatchdog, enable_flight_recorder
+from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
@@ -130,8 +131,12 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     run_info = checkpoint_info(cfg, env, plan, batches)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=trainer["step"])
-    started = time.perf_counter()
     model.train()
+    if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio == "auto":
+        largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
+        log(fit_run_to_memory(model, loss_of, params, optimizer, lambda: rows_to_batch(largest()), cfg.memory_budget,
+                              cfg.gpu_memory_limit, env.device))
+    started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
         for step in range(trainer["step"], total_steps):

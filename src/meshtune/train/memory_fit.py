@@ -1,0 +1,181 @@
+"""`gradient_checkpointing_ratio: auto`: the fewest recomputed blocks whose step fits `memory_budget`, from steps
+measured before training rather than from a guess.
+
+The run's largest micro-batch (the most tokens this rank will ever see at once) goes forward and backward three
+times, without an optimizer step: once to compile and warm the allocator, once with every block recomputed, once
+with one block keeping its activations. The two peaks give the fixed part of a step (weights, gradients, the
+optimizer state still to be allocated, the loss head, one block's recompute) and what each kept block adds; as many
+blocks as fit under the budget keep their activations, spread evenly, the same on every rank (the largest figures
+of all ranks decide). Gradients are dropped and the random state put back afterwards, so the run trains exactly as
+it would with that ratio set by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshtune.data.sampler import GlobalBatchPlan, Row
+from meshtune.model.checkpointing import recompute_blocks
+from meshtune.model.loading import transformer_blocks
+from meshtune.model.parallel import unwrap
+
+GIB = 2**30
+DEFAULT_SHARE = 0.9  # of the card: CUDA's context, NCCL's buffers and the allocator's cache live outside the count
+HEADROOM = 0.03  # of the budget: allocator rounding, and steps that differ from the measured one in ways not modelled
+
+
+@dataclass
+class MemoryFit:
+    blocks: int
+    kept: int  # blocks that keep their activations; the others are recomputed
+    peak_all: float  # bytes of a step with every block recomputed, the optimizer state to come included
+    per_block: float  # bytes each kept block adds
+    budget: float
+    tokens: int  # of the measured micro-batch
+
+    @property
+    def ratio(self) -> float:
+        return (self.blocks - self.kept) / self.blocks
+
+    def describe(self) -> str:
+        gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        head = (f"gradient_checkpointing_ratio auto: a step of the largest micro-batch ({self.tokens:,} tokens) takes "
+                f"{gib(self.peak_all)} with every block recomputed, and each block kept adds {gib(self.per_block)}; "
+                f"memory_budget {gib(self.budget)}")
+        if self.peak_all > self.budget:
+            return (f"{head}: it does not fit even with every block recomputed; lower per_device_train_batch_size or "
+                    f"cutoff_len, or shard more (parallel: zero2 / zero3)")
+        return (f"{head} -> {self.blocks - self.kept} of {self.blocks} blocks recomputed (ratio "
+                f"{self.ratio:.2f}), step peak about {gib(self.peak_all + self.kept * self.per_block)}")
+
+
+def budget_bytes(memory_budget: float | None, card_bytes: float, gpu_memory_limit: float | None) -> float:
+    """memory_budget in bytes: GiB above 1, a share of the card (or of gpu_memory_limit) at 1 or below."""
+    card = min(card_bytes, gpu_memory_limit * GIB) if gpu_memory_limit else card_bytes
+    if memory_budget is None:
+        return DEFAULT_SHARE * card
+    return memory_budget * card if memory_budget <= 1 else memory_budget * GIB
+
+
+def blocks_to_keep(peak_all: float, per_block: float, budget: float, blocks: int) -> int:
+    """How many blocks may keep their activations: the room under the budget (less the headroom) over what one
+    adds. A block that adds nothing measurable costs nothing to keep."""
+    room = budget * (1 - HEADROOM) - peak_all
+    if room <= 0:
+        return 0
+    if per_block <= 0:
+        return blocks
+    return min(blocks, int(room // per_block))
+
+
+def largest_micro_batch(batches: GlobalBatchPlan, start: int, total: int, rank: int, padding_free: bool
+                        ) -> list[Row]:
+    """This rank's micro-batch with the most tokens over steps start..total-1 (padded: rows x longest row)."""
+    largest, size_of_largest = [], -1
+    for step in range(start, total):
+        epoch, in_epoch = batches.position(step)
+        for rows in batches.micro_batches(epoch, in_epoch, rank):
+            if not rows:
+                continue
+            lengths = [batches.row_length(row) for row in rows]
+            size = sum(lengths) if padding_free else len(rows) * max(lengths)
+            if size > size_of_largest:
+                largest, size_of_largest = rows, size
+    return largest
+
+
+def pending_optimizer_bytes(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> int:
+    """AdamW's two moments, allocated at its first step: nothing once they exist (a resumed run)."""
+    if optimizer.state:
+        return 0
+    local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731
+    return sum(2 * local(p).numel() * local(p).element_size() for p in params)
+
+
+def measured_peak(step: Callable[[], None], device: torch.device) -> float:
+    """Peak bytes allocated on `device` while `step` runs."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return float(torch.cuda.max_memory_allocated(device))
+
+
+def can_measure(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def largest_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+class RandomState:
+    """torch's CPU and device generators, put back after the measured steps (dropout draws from them)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+def fit_recomputation(model: torch.nn.Module, step: Callable[[], None], pending_bytes: int, budget: float,
+                      tokens: int, device: torch.device) -> MemoryFit:
+    """Measure `step` (forward and backward of the largest micro-batch, gradients dropped) and recompute the
+    fewest blocks that fit `budget`. Every rank calls it: the steps hold the data-parallel collectives."""
+    blocks = len(transformer_blocks(unwrap(model)))
+    random_state = RandomState(device)
+    try:
+        recompute_blocks(model, blocks)
+        measured_peak(step, device)  # compiles, and warms the allocator
+        peak_all = largest_over_ranks([measured_peak(step, device) + pending_bytes], device)[0]
+        kept, per_block = 0, 0.0
+        if peak_all < budget:  # the same decision on every rank: below it, one kept block would not fit anyway
+            recompute_blocks(model, blocks - 1)
+            one_kept = largest_over_ranks([measured_peak(step, device) + pending_bytes], device)[0]
+            per_block = max(one_kept - peak_all, 0.0)
+            kept = blocks_to_keep(peak_all, per_block, budget, blocks)
+    finally:
+        random_state.restore()
+    recompute_blocks(model, blocks - kept)
+    return MemoryFit(blocks, kept, peak_all, per_block, budget, tokens)
+
+
+def card_bytes(device: torch.device) -> float:
+    return float(torch.cuda.get_device_properties(device).total_memory)
+
+
+def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
+                      optimizer: torch.optim.Optimizer, largest: Callable[[], object], memory_budget: float | None,
+                      gpu_memory_limit: float | None, device: torch.device) -> str:
+    """Choose the recomputed blocks of an `auto` run (the model in train mode); returns the line to log.
+    `largest()` builds the run's largest micro-batch on the host."""
+    if not can_measure(device):
+        return "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
+    from meshtune.model.parallel import finish_gradient_sync
+
+    batch = largest().to(device)
+
+    def step() -> None:
+        loss = loss_of(batch)
+        (loss / max(batch.num_targets, 1)).backward()
+        finish_gradient_sync(model)
+        for p in params:
+            p.grad = None
+
+    budget = budget_bytes(memory_budget, card_bytes(device), gpu_memory_limit)
+    fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
+    return fit.describe()
