@@ -79,7 +79,7 @@ class Row:
 LORA_15B: dict = {}
 LORA_7B: dict = {}
 QLORA_7B = {"gradient_checkpointing_ratio": 1.0}  # Q-LoRA's aim is memory: every block recomputed
-FULL_7B_ZERO3 = {"parallel": "zero3", "gradient_checkpointing": False}
+FULL_7B_ZERO3 = {"parallel": "zero3"}  # auto recomputation: none on 4 GPUs, what 2 GPUs' memory asks for
 FULL_7B_HSDP = {"parallel": "hsdp", "hsdp_shard_size": 2}  # replicas of 2 GPUs each, checkpointing on
 FULL_15B = {}  # parallel auto: no wrapper on one GPU, zero2 on several
 ROWS = {
@@ -89,7 +89,7 @@ ROWS = {
     "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
     "qlora-7b": Row("7b", "qlora", 1, 4, settings=QLORA_7B, against="lora-7b"),
     # 7B full holds 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
-    # block's activations; over 2 (hsdp's shard) it is 61 GB, so hsdp recomputes every block on 80 GB cards
+    # block's activations; over 2 (zero3 on 2 GPUs, hsdp's shard) it is 61 GB, and auto recomputes what does not fit
     "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings=FULL_7B_ZERO3, scaling_of="full-7b-2gpu-zero3"),
     "full-7b-4gpu-hsdp": Row("7b", "full", 4, 4, settings=FULL_7B_HSDP, scaling_of="full-7b-2gpu-hsdp"),
     "lora-1.5b-2gpu": Row("1.5b", "lora", 2, 8, settings=LORA_15B, scaling_of="lora-1.5b"),

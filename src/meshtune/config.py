@@ -248,6 +248,9 @@ class TrainConfig(BaseModel):
         if unknown:
             raise ValueError(f"resume_allow_changed: {', '.join(unknown)} is not a key of the run's math; those are "
                              f"{', '.join(self.keys_of(MATH))}")
+        if self.memory_budget is not None and not self.gradient_checkpointing:
+            raise ValueError(f"memory_budget: {self.memory_budget:g} is met by recomputing blocks, which needs "
+                             f"gradient_checkpointing: true; set it, or drop memory_budget")
         if self.memory_budget is not None and self.gradient_checkpointing_ratio != "auto":
             raise ValueError(f"memory_budget: {self.memory_budget:g} is read only by gradient_checkpointing_ratio: auto, "
                              f"not {self.gradient_checkpointing_ratio:g}; leave the ratio out (auto is its default) or "
