@@ -94,10 +94,11 @@ def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreT
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated decoder layers, found by the class names HF models list in `_no_split_modules`."""
+    """The repeated decoder layers, found by the class names HF models list in `_no_split_modules` (FSDP2 swaps a
+    sharded module's class for a subclass named FSDP<name>, so the class's bases count too)."""
     base = getattr(model, "get_base_model", lambda: model)()
     names = set(getattr(base, "_no_split_modules", None) or [])
-    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    blocks = [module for module in model.modules() if any(cls.__name__ in names for cls in type(module).__mro__)]
     if not blocks:
         raise ModelError(f"cannot find the transformer blocks of {type(base).__name__} (none of its modules is one of "
                          f"its _no_split_modules)")

@@ -1,0 +1,98 @@
+"""gradient_checkpointing_ratio auto on two real ranks under FSDP2: the measured steps run the sharded forward and
+backward on every rank, and the largest figures of all ranks decide, so every rank recomputes the same blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from conftest import base_config
+
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> None:
+    """One rank of a 2-rank zero2 run on a stand-in card: with every block recomputed a step peaks at 100 bytes on
+    rank 0 and 120 on rank 1; each kept block adds 10. A budget of 135 leaves rank 1 room for one block (rank 0
+    alone would keep both)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from meshtune.config import build_config
+        from meshtune.model.loading import transformer_blocks
+        from meshtune.train import memory_fit
+        from meshtune.train.loop import run
+
+        seen: dict = {}
+
+        def stand_in_peak(step, device):
+            step()  # the real sharded forward and backward, with their collectives
+            kept = [b for b in transformer_blocks(seen["model"]) if not b.gradient_checkpointing]
+            return 100.0 + 20.0 * rank + 10.0 * len(kept)
+
+        fit = memory_fit.fit_recomputation
+
+        def recorded_fit(model, *args):
+            seen["model"] = model
+            result = fit(model, *args)
+            seen["recomputed"] = [i for i, b in enumerate(transformer_blocks(model)) if b.gradient_checkpointing]
+            seen["fit"] = [result.kept, result.peak_all, result.per_block]
+            return result
+
+        memory_fit.fit_recomputation = recorded_fit
+        memory_fit.can_measure = lambda device: True
+        memory_fit.card_bytes = lambda device: 1000.0
+        memory_fit.pending_optimizer_bytes = lambda optimizer, params: 0
+        memory_fit.measured_peak = stand_in_peak
+        cfg = build_config(base_config(Path(model_dir), Path(dataset), Path(out), finetuning_type="full",
+                                       parallel="zero2", nproc_per_node=2, gradient_checkpointing=True,
+                                       lora_dropout=0.0, memory_budget=0.135, max_steps=2))
+        records = run(cfg).records
+        Path(out, f"rank{rank}.json").write_text(json.dumps({**{k: seen[k] for k in ("recomputed", "fit")},
+                                                              "losses": [r["loss"] for r in records]}))
+    except BaseException:
+        Path(out, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    os._exit(0)  # as the checkpoint tests: no interpreter teardown with gloo threads alive
+
+
+def test_every_rank_recomputes_the_blocks_the_largest_rank_needs(tmp_path, tiny_model_dir, tiny_dataset):
+    out = tmp_path / "out"
+    out.mkdir()
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=rank_main, args=(rank, port, str(tiny_model_dir), str(tiny_dataset), str(out)))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        hung = [process for process in processes if process.is_alive()]
+        for process in hung:
+            process.kill()
+            process.join()
+    errors = "\n".join(p.read_text() for p in sorted(out.glob("rank*.error")))
+    assert not hung and all(p.exitcode == 0 for p in processes), errors
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    # room = 135 x 0.97 - 120 = 10.95: one block of 10 kept, the other recomputed, on both ranks
+    assert ranks[0]["fit"] == ranks[1]["fit"] == [1, 120.0, 10.0]
+    assert ranks[0]["recomputed"] == ranks[1]["recomputed"] == [0]
+    assert len(ranks[0]["losses"]) == 2
