@@ -96,3 +96,20 @@ def test_every_rank_recomputes_the_blocks_the_largest_rank_needs(tmp_path, tiny_
     assert ranks[0]["fit"] == ranks[1]["fit"] == [1, 120.0, 10.0]
     assert ranks[0]["recomputed"] == ranks[1]["recomputed"] == [0]
     assert len(ranks[0]["losses"]) == 2
+
+
+def test_the_largest_micro_batch_is_found_over_the_steps_left():
+    import numpy as np
+
+    from meshtune.data.sampler import GlobalBatchPlan
+    from meshtune.train.memory_fit import largest_micro_batch
+
+    lengths = np.array([10, 90, 20, 30, 40, 50, 60, 70])
+    plan = GlobalBatchPlan(lengths, seed=3, micro_batch=2, accumulation=1, dp_size=1)
+    rows = [plan.rows(0)[i:i + 2] for i in range(0, 8, 2)]  # the 4 steps' micro-batches, in order
+    tokens = [sum(int(lengths[s]) for row in pair for s in row) for pair in rows]
+    padded = [2 * max(int(lengths[s]) for row in pair for s in row) for pair in rows]
+    assert largest_micro_batch(plan, 0, 4, 0, padding_free=True) == rows[tokens.index(max(tokens))]
+    assert largest_micro_batch(plan, 0, 4, 0, padding_free=False) == rows[padded.index(max(padded))]
+    assert largest_micro_batch(plan, 2, 4, 0, padding_free=True) == rows[2 + tokens[2:].index(max(tokens[2:]))]
+    assert largest_micro_batch(plan, 4, 4, 0, padding_free=True) == []  # resumed at the end

@@ -133,8 +133,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=trainer["step"])
     model.train()
     if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio == "auto":
-        largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
-        log(fit_run_to_memory(model, loss_of, params, optimizer, lambda: rows_to_batch(largest()), cfg.memory_budget,
+        largest = largest_micro_batch(batches, trainer["step"], total_steps, env.rank, plan.padding_free)
+        log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
                               cfg.gpu_memory_limit, env.device))
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes

@@ -75,7 +75,8 @@ def blocks_to_keep(peak_all: float, per_block: float, budget: float, blocks: int
 
 def largest_micro_batch(batches: GlobalBatchPlan, start: int, total: int, rank: int, padding_free: bool
                         ) -> list[Row]:
-    """This rank's micro-batch with the most tokens over steps start..total-1 (padded: rows x longest row)."""
+    """This rank's micro-batch with the most tokens over steps start..total-1 (padded: rows x longest row); empty
+    when no step is left (a run resumed at its end)."""
     largest, size_of_largest = [], -1
     for step in range(start, total):
         epoch, in_epoch = batches.position(step)
@@ -159,15 +160,18 @@ def card_bytes(device: torch.device) -> float:
 
 
 def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
-                      optimizer: torch.optim.Optimizer, largest: Callable[[], object], memory_budget: float | None,
-                      gpu_memory_limit: float | None, device: torch.device) -> str:
+                      optimizer: torch.optim.Optimizer, largest_rows: list[Row], to_batch: Callable[[list[Row]], object],
+                      memory_budget: float | None, gpu_memory_limit: float | None, device: torch.device) -> str:
     """Choose the recomputed blocks of an `auto` run (the model in train mode); returns the line to log.
-    `largest()` builds the run's largest micro-batch on the host."""
+    `largest_rows`: the run's largest micro-batch (`largest_micro_batch`), which `to_batch` collates. Every rank
+    has one, or none, alike: a run's steps are the same on every rank."""
     if not can_measure(device):
         return "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
+    if not largest_rows:
+        return "gradient_checkpointing_ratio auto: no step left to train; every block recomputed"
     from meshtune.model.parallel import finish_gradient_sync
 
-    batch = largest().to(device)
+    batch = to_batch(largest_rows).to(device)
 
     def step() -> None:
         loss = loss_of(batch)
