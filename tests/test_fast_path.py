@@ -75,15 +75,15 @@ def test_compiler_recompute_under_a_memory_budget_gives_the_losses_of_the_plain_
 def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio_set_by_hand(
         monkeypatch, capsys, tmp_path, tiny_model_dir, tiny_dataset):
     """gradient_checkpointing_ratio auto on a stand-in card: every block recomputed peaks at 100 bytes and each
-    kept block adds 10; a budget of 115 keeps one of the two blocks. The measured steps run the real forward and
+    kept block holds 10 more at the end of forward; a budget of 115 keeps one of the two blocks. The measured steps run the real forward and
     backward (dropout included), yet the run's losses are those of ratio 0.5 set by hand, bit for bit."""
     from meshtune.model.loading import transformer_blocks
     from meshtune.train import memory_fit
 
-    def stand_in_peak(step, device):
+    def stand_in(step, device):  # (peak, bytes held when the forward ended)
         step()
         kept = [block for block in transformer_blocks(model_of[0]) if not block.gradient_checkpointing]
-        return 100.0 + 10.0 * len(kept)
+        return 100.0 + 10.0 * len(kept), 60.0 + 10.0 * len(kept)
 
     model_of = []
     fit = memory_fit.fit_recomputation
@@ -91,7 +91,8 @@ def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio
     monkeypatch.setattr(memory_fit, "can_measure", lambda device: True)
     monkeypatch.setattr(memory_fit, "card_bytes", lambda device: 1000.0)
     monkeypatch.setattr(memory_fit, "pending_optimizer_bytes", lambda optimizer, params: 0)
-    monkeypatch.setattr(memory_fit, "measured_peak", stand_in_peak)
+    monkeypatch.setattr(memory_fit, "measured", stand_in)
+    monkeypatch.setattr(memory_fit, "allocated", lambda device: 0.0)
     common = dict(PLAIN, gradient_checkpointing=True, lora_dropout=0.1)
     auto = records(tmp_path, tiny_model_dir, tiny_dataset, "auto", "lora", **common, memory_budget=0.115)
     assert "-> 1 of 2 blocks recomputed (ratio 0.50)" in capsys.readouterr().out

@@ -25,8 +25,9 @@ def free_port() -> int:
 
 def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> None:
     """One rank of a 2-rank zero2 run on a stand-in card: with every block recomputed a step peaks at 100 bytes on
-    rank 0 and 120 on rank 1; each kept block adds 10. A budget of 135 leaves rank 1 room for one block (rank 0
-    alone would keep both)."""
+    rank 0 and 120 on rank 1, and one kept block does not move that peak (as in full fine-tuning, whose peak comes
+    in backward) but holds 10 more bytes when the forward ends. A budget of 135 leaves rank 1 room for one block
+    (rank 0 alone would keep both; the peaks alone would keep every block)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -40,10 +41,10 @@ def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> N
 
         seen: dict = {}
 
-        def stand_in_peak(step, device):
+        def stand_in(step, device):  # (peak, bytes held when the forward ended)
             step()  # the real sharded forward and backward, with their collectives
             kept = [b for b in transformer_blocks(seen["model"]) if not b.gradient_checkpointing]
-            return 100.0 + 20.0 * rank + 10.0 * len(kept)
+            return 100.0 + 20.0 * rank, 40.0 + 5.0 * rank + 10.0 * len(kept)
 
         fit = memory_fit.fit_recomputation
 
@@ -58,7 +59,8 @@ def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> N
         memory_fit.can_measure = lambda device: True
         memory_fit.card_bytes = lambda device: 1000.0
         memory_fit.pending_optimizer_bytes = lambda optimizer, params: 0
-        memory_fit.measured_peak = stand_in_peak
+        memory_fit.measured = stand_in
+        memory_fit.allocated = lambda device: 0.0
         cfg = build_config(base_config(Path(model_dir), Path(dataset), Path(out), finetuning_type="full",
                                        parallel="zero2", nproc_per_node=2, gradient_checkpointing=True,
                                        lora_dropout=0.0, memory_budget=0.135, max_steps=2))

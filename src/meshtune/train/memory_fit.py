@@ -3,8 +3,9 @@ measured before training rather than from a guess.
 
 The run's largest micro-batch (the most tokens this rank will ever see at once) goes forward and backward three
 times, without an optimizer step: once to compile and warm the allocator, once with every block recomputed, once
-with one block keeping its activations. The two peaks give the fixed part of a step (weights, gradients, the
-optimizer state still to be allocated, the loss head, one block's recompute) and what each kept block adds; as many
+with one block keeping its activations. The peak of the second gives the fixed part of a step (weights, gradients,
+the optimizer state still to be allocated, the loss head, one block's recompute); the memory held when the forward
+ends, third against second, gives what each kept block adds; as many
 blocks as fit under the budget keep their activations, spread evenly, the same on every rank (the largest figures
 of all ranks decide). Gradients are dropped and the random state put back afterwards, so the run trains exactly as
 it would with that ratio set by hand.
@@ -45,13 +46,14 @@ class MemoryFit:
     def describe(self) -> str:
         gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
         head = (f"gradient_checkpointing_ratio auto: a step of the largest micro-batch ({self.tokens:,} tokens) takes "
-                f"{gib(self.peak_all)} with every block recomputed, and each block kept adds {gib(self.per_block)}; "
+                f"{gib(self.peak_all)} with every block recomputed, and each block kept holds {gib(self.per_block)} of "
+                f"activations; "
                 f"memory_budget {gib(self.budget)}")
         if self.peak_all > self.budget:
             return (f"{head}: it does not fit even with every block recomputed; lower per_device_train_batch_size or "
                     f"cutoff_len, or shard more (parallel: zero2 / zero3)")
         return (f"{head} -> {self.blocks - self.kept} of {self.blocks} blocks recomputed (ratio "
-                f"{self.ratio:.2f}), step peak about {gib(self.peak_all + self.kept * self.per_block)}")
+                f"{self.ratio:.2f}), step peak at most about {gib(self.peak_all + self.kept * self.per_block)}")
 
 
 def budget_bytes(memory_budget: float | None, card_bytes: float, gpu_memory_limit: float | None) -> float:
@@ -98,13 +100,19 @@ def pending_optimizer_bytes(optimizer: torch.optim.Optimizer, params: list[torch
     return sum(2 * local(p).numel() * local(p).element_size() for p in params)
 
 
-def measured_peak(step: Callable[[], None], device: torch.device) -> float:
-    """Peak bytes allocated on `device` while `step` runs."""
+def allocated(device: torch.device) -> float:
+    """Bytes the caching allocator has handed out on `device` (host-side bookkeeping: no sync)."""
+    return float(torch.cuda.memory_allocated(device))
+
+
+def measured(step: Callable[[], float], device: torch.device) -> tuple[float, float]:
+    """(peak bytes allocated on `device` while `step` runs, what `step` returns: the bytes held when its forward
+    ended, activations saved for backward included)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    step()
+    held = step()
     torch.cuda.synchronize(device)
-    return float(torch.cuda.max_memory_allocated(device))
+    return float(torch.cuda.max_memory_allocated(device)), held
 
 
 def can_measure(device: torch.device) -> bool:
@@ -133,21 +141,27 @@ class RandomState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
-def fit_recomputation(model: torch.nn.Module, step: Callable[[], None], pending_bytes: int, budget: float,
+def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending_bytes: int, budget: float,
                       tokens: int, device: torch.device) -> MemoryFit:
-    """Measure `step` (forward and backward of the largest micro-batch, gradients dropped) and recompute the
-    fewest blocks that fit `budget`. Every rank calls it: the steps hold the data-parallel collectives."""
+    """Measure `step` (forward and backward of the largest micro-batch, gradients dropped; it returns the bytes
+    held when its forward ended) and recompute the fewest blocks that fit `budget`. Every rank calls it: the steps
+    hold the data-parallel collectives.
+
+    A kept block's cost is what it holds at the end of forward, not the difference of two peaks: where the peak
+    lies elsewhere (full fine-tuning: in backward, with every gradient allocated), one kept block may not move it,
+    yet 28 would. The fixed part plus that cost per kept block bounds the step's peak from above."""
     blocks = len(transformer_blocks(unwrap(model)))
     random_state = RandomState(device)
     try:
         recompute_blocks(model, blocks)
-        measured_peak(step, device)  # compiles, and warms the allocator
-        peak_all = largest_over_ranks([measured_peak(step, device) + pending_bytes], device)[0]
+        measured(step, device)  # compiles, and warms the allocator
+        peak, held_all = measured(step, device)
+        peak_all = largest_over_ranks([peak + pending_bytes], device)[0]
         kept, per_block = 0, 0.0
         if peak_all < budget:  # the same decision on every rank: below it, one kept block would not fit anyway
             recompute_blocks(model, blocks - 1)
-            one_kept = largest_over_ranks([measured_peak(step, device) + pending_bytes], device)[0]
-            per_block = max(one_kept - peak_all, 0.0)
+            _, held_one = measured(step, device)
+            per_block = max(largest_over_ranks([held_one - held_all], device)[0], 0.0)
             kept = blocks_to_keep(peak_all, per_block, budget, blocks)
     finally:
         random_state.restore()
@@ -173,12 +187,14 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
 
     batch = to_batch(largest_rows).to(device)
 
-    def step() -> None:
+    def step() -> float:
         loss = loss_of(batch)
+        held = allocated(device)  # the saved activations are all alive here
         (loss / max(batch.num_targets, 1)).backward()
         finish_gradient_sync(model)
         for p in params:
             p.grad = None
+        return held
 
     budget = budget_bytes(memory_budget, card_bytes(device), gpu_memory_limit)
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
