@@ -10,6 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
 import torch.multiprocessing as mp
 
 from conftest import base_config
@@ -23,8 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> None:
-    """One rank of a 2-rank zero2 run on a stand-in card: with every block recomputed a step peaks at 100 bytes on
+def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str, method: str, parallel: str) -> None:
+    """One rank of a 2-rank run (zero2, or DDP's wrapper) on a stand-in card: with every block recomputed a step peaks at 100 bytes on
     rank 0 and 120 on rank 1, and one kept block does not move that peak (as in full fine-tuning, whose peak comes
     in backward) but holds 10 more bytes when the forward ends. A budget of 135 leaves rank 1 room for one block
     (rank 0 alone would keep both; the peaks alone would keep every block)."""
@@ -36,6 +37,7 @@ def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> N
         torch.set_num_threads(1)
         from meshtune.config import build_config
         from meshtune.model.loading import transformer_blocks
+        from meshtune.model.parallel import unwrap
         from meshtune.train import memory_fit
         from meshtune.train.loop import run
 
@@ -43,7 +45,7 @@ def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> N
 
         def stand_in(step, device):  # (peak, bytes held when the forward ended)
             step()  # the real sharded forward and backward, with their collectives
-            kept = [b for b in transformer_blocks(seen["model"]) if not b.gradient_checkpointing]
+            kept = [b for b in transformer_blocks(unwrap(seen["model"])) if not b.gradient_checkpointing]
             return 100.0 + 20.0 * rank, 40.0 + 5.0 * rank + 10.0 * len(kept)
 
         fit = memory_fit.fit_recomputation
@@ -51,7 +53,7 @@ def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> N
         def recorded_fit(model, *args):
             seen["model"] = model
             result = fit(model, *args)
-            seen["recomputed"] = [i for i, b in enumerate(transformer_blocks(model)) if b.gradient_checkpointing]
+            seen["recomputed"] = [i for i, b in enumerate(transformer_blocks(unwrap(model))) if b.gradient_checkpointing]
             seen["fit"] = [result.kept, result.peak_all, result.per_block]
             return result
 
@@ -61,8 +63,8 @@ def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> N
         memory_fit.pending_optimizer_bytes = lambda optimizer, params: 0
         memory_fit.measured = stand_in
         memory_fit.allocated = lambda device: 0.0
-        cfg = build_config(base_config(Path(model_dir), Path(dataset), Path(out), finetuning_type="full",
-                                       parallel="zero2", nproc_per_node=2, gradient_checkpointing=True,
+        cfg = build_config(base_config(Path(model_dir), Path(dataset), Path(out), finetuning_type=method,
+                                       parallel=parallel, nproc_per_node=2, gradient_checkpointing=True,
                                        lora_dropout=0.0, memory_budget=0.135, max_steps=2))
         records = run(cfg).records
         Path(out, f"rank{rank}.json").write_text(json.dumps({**{k: seen[k] for k in ("recomputed", "fit")},
@@ -73,12 +75,14 @@ def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str) -> N
     os._exit(0)  # as the checkpoint tests: no interpreter teardown with gloo threads alive
 
 
-def test_every_rank_recomputes_the_blocks_the_largest_rank_needs(tmp_path, tiny_model_dir, tiny_dataset):
+@pytest.mark.parametrize("method,parallel", [("full", "zero2"), ("lora", "ddp")])
+def test_every_rank_recomputes_the_blocks_the_largest_rank_needs(tmp_path, tiny_model_dir, tiny_dataset, method,
+                                                                 parallel):
     out = tmp_path / "out"
     out.mkdir()
     context = mp.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=rank_main, args=(rank, port, str(tiny_model_dir), str(tiny_dataset), str(out)))
+    processes = [context.Process(target=rank_main, args=(rank, port, str(tiny_model_dir), str(tiny_dataset), str(out), method, parallel))
                  for rank in range(2)]
     for process in processes:
         process.start()

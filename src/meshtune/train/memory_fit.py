@@ -150,7 +150,8 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
     A kept block's cost is what it holds at the end of forward, not the difference of two peaks: where the peak
     lies elsewhere (full fine-tuning: in backward, with every gradient allocated), one kept block may not move it,
     yet 28 would. The fixed part plus that cost per kept block bounds the step's peak from above."""
-    blocks = len(transformer_blocks(unwrap(model)))
+    model = unwrap(model)  # DDP's wrapper holds the blocks one level down; the steps still run through it
+    blocks = len(transformer_blocks(model))
     random_state = RandomState(device)
     try:
         recompute_blocks(model, blocks)
