@@ -122,6 +122,11 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     pad_id = tokenizer.pad_token_id
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing, padding_free=plan.padding_free)
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=built.fused_loss)
+    model.train()
+    if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio == "auto":  # before the step meter starts
+        largest = largest_micro_batch(batches, trainer["step"], total_steps, env.rank, plan.padding_free)
+        log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
+                              cfg.gpu_memory_limit, env.device))
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size, cfg.eval_steps, total_steps, env,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free),
                           loss_of)
@@ -131,11 +136,6 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     run_info = checkpoint_info(cfg, env, plan, batches)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=trainer["step"])
-    model.train()
-    if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio == "auto":
-        largest = largest_micro_batch(batches, trainer["step"], total_steps, env.rank, plan.padding_free)
-        log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
-                              cfg.gpu_memory_limit, env.device))
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
