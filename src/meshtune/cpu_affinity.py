@@ -72,9 +72,11 @@ def choose_cpus(mode: str, gpu_nodes: list[int | None], local_rank: int, allowed
     node = gpu_nodes[local_rank]
     if mode == "none":
         return None, "cpu_affinity: none"
-    if mode == "auto":
-        mode = "exclusive" if len(gpu_nodes) > 1 else "node"
     near = node_cpus(node, sys_root) & allowed if node is not None else set()
+    if mode == "auto":
+        if not near:
+            return None, "cpu_affinity auto: the system tells no NUMA node for this GPU; not pinned"
+        mode = "node"
     if not near:
         if mode == "node" or len(gpu_nodes) == 1:
             return None, "cpu_affinity: the system tells no NUMA node for this GPU; not pinned"
