@@ -123,6 +123,7 @@ class TrainConfig(BaseModel):
     lr_scheduler_type: Literal["cosine", "linear", "constant"] = OPTIMIZATION("cosine", "cosine | linear | constant (after warmup)")
     warmup_ratio: float = OPTIMIZATION(0.0, "warmup as a fraction of all steps", ge=0.0, lt=1.0)
     warmup_steps: int = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0", ge=0)
+    master_weights: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "full fine-tuning: the weights the optimizer updates. fp32 (16 bytes a parameter with AdamW: fp32 weights, gradients and two moments; bf16 compute) | bf16 (8 bytes: bf16 weights, gradients and moments, as HF Trainer trains a bf16 model, but each update rounded stochastically by torchao's AdamW so small updates survive on average; half the memory, for models that do not fit otherwise. Needs torchao; runs are reproducible for one layout, and layouts agree within bf16 rounding rather than exactly)")
     max_grad_norm: float = OPTIMIZATION(1.0, "gradient clipping; 0 turns it off (the norm is still logged)", ge=0.0)
     grad_reduce_dtype: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "the dtype gradients cross the processes in: fp32 (exact sums) | bf16 (half the bytes, as DeepSpeed's default under bf16; sums over many processes lose precision: try it when the network is the bottleneck). The optimizer always steps fp32 gradients")
     train_batch_size: int | None = OPTIMIZATION(None, "the global batch you expect (per_device_train_batch_size x gradient_accumulation_steps x data-parallel processes), as DeepSpeed's train_batch_size: the job stops at start naming the three when it differs; default: not checked", gt=0, scope=JOB)
@@ -248,6 +249,9 @@ class TrainConfig(BaseModel):
         if unknown:
             raise ValueError(f"resume_allow_changed: {', '.join(unknown)} is not a key of the run's math; those are "
                              f"{', '.join(self.keys_of(MATH))}")
+        if self.master_weights == "bf16" and self.finetuning_type != "full":
+            raise ValueError(f"master_weights: bf16 is for full fine-tuning; {self.finetuning_type}'s adapters are "
+                             f"small and train in fp32 (the frozen base is bf16 already): drop master_weights")
         if self.memory_budget is not None and not self.gradient_checkpointing:
             raise ValueError(f"memory_budget: {self.memory_budget:g} is met by recomputing blocks, which needs "
                              f"gradient_checkpointing: true; set it, or drop memory_budget")

@@ -40,6 +40,7 @@ class RunPlan:
     parallel: str                # ddp | zero2 | zero3 | hsdp
     bf16: bool                   # compute in bf16 (fp32 master weights)
     frozen_bf16: bool            # the frozen base stored in bf16 (LoRA under ddp, Q-LoRA): only adapters are master weights
+    bf16_weights: bool           # master_weights bf16: full fine-tuning's weights, gradients and AdamW moments in bf16
     padding_free: bool           # a micro-batch's samples end to end in one row, varlen attention
     fused_loss: bool             # the head computes the loss in chunks (where the head is a bias-free linear layer)
     compile: bool                # torch.compile each transformer block and the loss chunks
@@ -54,7 +55,7 @@ class RunPlan:
 
     @property
     def load_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.frozen_bf16 else torch.float32
+        return torch.bfloat16 if self.frozen_bf16 or self.bf16_weights else torch.float32
 
     @property
     def autocast_bf16(self) -> bool:
@@ -63,6 +64,7 @@ class RunPlan:
 
     def describe(self) -> str:
         precision = ("bf16 compute, frozen base in bf16, fp32 adapters" if self.frozen_bf16 else
+                     "bf16 weights, gradients and AdamW moments, stochastic rounding" if self.bf16_weights else
                      "bf16 compute, fp32 master weights" if self.bf16 else "fp32")
         rows = [("parallel", self.parallel), ("precision", precision),
                 ("padding_free", on(self.padding_free)), ("fused_loss", on(self.fused_loss)),
@@ -74,7 +76,8 @@ class RunPlan:
         if self.cpu_offload:
             rows.append(("cpu_offload", "on"))
         rows += [("gradient_accumulation_steps", str(self.gradient_accumulation_steps)),
-                 ("optim", "adamw_torch_fused" if self.fused_adamw else "adamw_torch"),
+                 ("optim", "torchao AdamW, bf16 stochastic rounding" if self.bf16_weights else
+                  "adamw_torch_fused" if self.fused_adamw else "adamw_torch"),
                  ("gc_interval", str(self.gc_interval)),
                  ("load_weights_on", "rank0" if self.weights_from_rank0 else "every_rank")]
         lines = ["run plan (also in output_dir/run_plan.json):"]
@@ -140,7 +143,11 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or env.world_size, env)
     accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
     check_train_batch_size(cfg, accumulation, env.world_size)
-    return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, padding_free=padding_free,
+    bf16_weights = cfg.master_weights == "bf16"
+    if bf16_weights and cfg.optim not in ("auto",):
+        why["optim"] = f"master_weights bf16 steps with torchao's AdamW (stochastic rounding), not {cfg.optim}"
+    return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
+                   padding_free=padding_free,
                    fused_loss=cfg.fused_loss, compile=compile_, blocks_per_unit=blocks_per_unit,
                    hsdp_shard_size=hsdp_shard, cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
@@ -171,15 +178,16 @@ def choose_parallel(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], Mod
     elif env.device.type != "cuda":
         mode, reason = "ddp", "CPU processes"
     else:
-        mode, reason = sharding_for_full(model_size().parameters, env.world_size, smallest_gpu_memory(env.device, cfg.gpu_memory_limit))
+        mode, reason = sharding_for_full(model_size().parameters, env.world_size, smallest_gpu_memory(env.device, cfg.gpu_memory_limit),
+                                         state_bytes=8 if cfg.master_weights == "bf16" else 16)
     why["parallel"] = f"auto: {reason}"
     return mode
 
 
-def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float) -> tuple[str, str]:
-    """zero2 unless its whole bf16 weights plus its share of the fp32 state (16 bytes a parameter: weights,
-    gradients, two Adam moments) would take over half of a GPU's memory."""
-    zero2_bytes = 2 * n_params + 16 * n_params / world_size
+def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float, state_bytes: int = 16) -> tuple[str, str]:
+    """zero2 unless its whole bf16 weights plus its share of the state (16 bytes a parameter in fp32: weights,
+    gradients, two Adam moments; 8 with bf16 master weights) would take over half of a GPU's memory."""
+    zero2_bytes = 2 * n_params + state_bytes * n_params / world_size
     share = f"{zero2_bytes / 2**30:.1f} GiB of weights and state per GPU of {gpu_bytes / 2**30:.0f} GiB"
     if zero2_bytes <= 0.5 * gpu_bytes:
         return "zero2", f"full fine-tuning on {world_size} GPUs, {share}"

@@ -160,7 +160,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
             grad_norm = clip_gradients(params, cfg.max_grad_norm)
-            lr = optimizer.param_groups[0]["lr"]  # the rate this step used
+            lr = float(optimizer.param_groups[0]["lr"])  # the rate this step used (a tensor in torchao's AdamW)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
