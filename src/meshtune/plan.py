@@ -144,8 +144,9 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
     check_train_batch_size(cfg, accumulation, env.world_size)
     bf16_weights = cfg.master_weights == "bf16"
-    if bf16_weights and cfg.optim not in ("auto",):
-        why["optim"] = f"master_weights bf16 steps with torchao's AdamW (stochastic rounding), not {cfg.optim}"
+    if bf16_weights:
+        why["optim"] = "master_weights: bf16 steps bf16 weights with torchao's AdamW" + (
+            "" if cfg.optim == "auto" else f", not {cfg.optim}")
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,
                    fused_loss=cfg.fused_loss, compile=compile_, blocks_per_unit=blocks_per_unit,
