@@ -72,6 +72,7 @@ class Row:
     settings: dict = field(default_factory=dict)
     scaling_of: str | None = None  # the row this one scales: 1 GPU, or the fewest GPUs that hold the model
     against: str | None = None  # a meshtune row this one is judged against (Q-LoRA: our LoRA's tokens/s and memory)
+    at_peer_memory: dict = field(default_factory=dict)  # settings of the run at the peers' memory, beyond memory_budget
 
 
 # Checkpointing on, as the peer, with meshtune's default gradient_checkpointing_ratio (auto: the fewest recomputed
@@ -86,7 +87,9 @@ ROWS = {
     "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),  # CPU smoke test
     "lora-1.5b": Row("1.5b", "lora", 1, 8, peer=True, settings=LORA_15B),
     "lora-7b": Row("7b", "lora", 1, 4, peer=True, settings=LORA_7B),
-    "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B),
+    # at the peers' memory, full fine-tuning trains bf16 weights as the peers do (with stochastic rounding): fp32
+    # master weights alone take 16 bytes a parameter, more than the peers' whole step
+    "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B, at_peer_memory={"master_weights": "bf16"}),
     "qlora-7b": Row("7b", "qlora", 1, 4, settings=QLORA_7B, against="lora-7b"),
     # 7B full holds 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
     # block's activations; over 2 (zero3 on 2 GPUs, hsdp's shard) it is 61 GB, and auto recomputes what does not fit
@@ -258,9 +261,12 @@ def peer_row(args, row: Row, kind: str, pool: int, flops_per_token: float, peak:
 
 def at_peer_memory(results: list[dict], row: str) -> str | None:
     """The variant of the run at the peers' memory: meshtune's defaults, memory_budget the lowest peak (GiB) of the
-    row's peers that ran; None where none measured one."""
+    row's peers that ran, and the row's own settings for that run; None where no peer measured its peak."""
     peaks = [r["peak_gib"] for r in results if r["row"] == row and r["system"] != "meshtune" and r.get("peak_gib")]
-    return f"memory_budget={min(peaks)}" if peaks else None
+    if not peaks:
+        return None
+    extra = "".join(f",{key}={value}" for key, value in ROWS[row].at_peer_memory.items())
+    return f"memory_budget={min(peaks)}{extra}"
 
 
 def mean_flops_per_token(model_dir: Path, samples) -> float:
