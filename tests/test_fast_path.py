@@ -64,9 +64,17 @@ def test_compiler_recompute_under_a_memory_budget_gives_the_losses_of_the_plain_
         return choose(joint_graph, node_info, memory_budget=memory_budget)
 
     monkeypatch.setattr(partitioners, "choose_saved_values_set", spy)
+    # the partition must happen here: no graph from an earlier test of this process, none from the on-disk caches
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
     plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
-    budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", padding_free=True, torch_compile=True,
-                     activation_memory_budget=0.05)
+    # torch's config.patch, not monkeypatch: monkeypatch's undo would delete these keys from torch's config modules
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", padding_free=True,
+                         torch_compile=True, activation_memory_budget=0.05)
     assert [r["loss"] for r in budget] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
     assert [r["grad_norm"] for r in budget] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-3)
     assert budgets and set(budgets) == {0.05}  # every block's backward was partitioned under the budget
