@@ -342,11 +342,13 @@ def rank_entry(job, rank: int, world_size: int, port: int, workdir: Path) -> Non
     os._exit(0)
 
 
-def run_ranks(job, world_size: int, workdir: Path) -> None:
-    """Start `job` on `world_size` gloo ranks; fail with the ranks' tracebacks; never leave a process behind."""
+def run_ranks(job, world_size: int, workdir: Path, entry=None) -> None:
+    """Start `job` on `world_size` gloo ranks; fail with the ranks' tracebacks; never leave a process behind.
+    `entry(job, rank, world_size, port, workdir)` runs in each process (default: `rank_entry`, which forms the
+    group and calls `job`); it leaves its traceback in workdir/rank<R>.error."""
     context = mp.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=rank_entry, args=(job, rank, world_size, port, workdir))
+    processes = [context.Process(target=entry or rank_entry, args=(job, rank, world_size, port, workdir))
                  for rank in range(world_size)]
     for process in processes:
         process.start()

@@ -5,32 +5,23 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 import traceback
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from conftest import base_config
-
-TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_checkpoint import run_ranks
 
 
-def rank_main(rank: int, port: int, model_dir: str, dataset: str, out: str, method: str, parallel: str) -> None:
-    """One rank of a 2-rank run (zero2, or DDP's wrapper) on a stand-in card: with every block recomputed a step peaks at 100 bytes on
-    rank 0 and 120 on rank 1, and one kept block does not move that peak (as in full fine-tuning, whose peak comes
+def rank_main(job: tuple, rank: int, world_size: int, port: int, out: Path) -> None:
+    """One rank of a 2-rank run (zero2, or DDP's wrapper) on a stand-in card: with every block recomputed a step
+    peaks at 100 bytes on rank 0 and 120 on rank 1, and one kept block does not move that peak (as in full fine-tuning, whose peak comes
     in backward) but holds 10 more bytes when the forward ends. A budget of 135 leaves rank 1 room for one block
     (rank 0 alone would keep both; the peaks alone would keep every block)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    model_dir, dataset, method, parallel = job
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         import torch
 
@@ -80,23 +71,7 @@ def test_every_rank_recomputes_the_blocks_the_largest_rank_needs(tmp_path, tiny_
                                                                  parallel):
     out = tmp_path / "out"
     out.mkdir()
-    context = mp.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=rank_main, args=(rank, port, str(tiny_model_dir), str(tiny_dataset), str(out), method, parallel))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [process for process in processes if process.is_alive()]
-        for process in hung:
-            process.kill()
-            process.join()
-    errors = "\n".join(p.read_text() for p in sorted(out.glob("rank*.error")))
-    assert not hung and all(p.exitcode == 0 for p in processes), errors
+    run_ranks((str(tiny_model_dir), str(tiny_dataset), method, parallel), 2, out, entry=rank_main)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     # room = 135 x 0.97 - 120 = 10.95: one block of 10 kept, the other recomputed, on both ranks
     assert ranks[0]["fit"] == ranks[1]["fit"] == [1, 120.0, 10.0]
