@@ -5,10 +5,9 @@ The run's largest micro-batch (the most tokens this rank will ever see at once) 
 times, without an optimizer step: once to compile and warm the allocator, once with every block recomputed, once
 with one block keeping its activations. The peak of the second gives the fixed part of a step (weights, gradients,
 the optimizer state still to be allocated, the loss head, one block's recompute); the memory held when the forward
-ends, third against second, gives what each kept block adds; as many
-blocks as fit under the budget keep their activations, spread evenly, the same on every rank (the largest figures
-of all ranks decide). Gradients are dropped and the random state put back afterwards, so the run trains exactly as
-it would with that ratio set by hand.
+ends, third against second, gives what each kept block adds. As many blocks as fit under the budget keep their
+activations, spread evenly, the same on every rank (the largest figures of all ranks decide). Gradients are
+dropped and the random state put back afterwards, so the run trains exactly as it would with that ratio set by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from meshtune.data.sampler import GlobalBatchPlan, Row
 from meshtune.model.checkpointing import recompute_blocks
 from meshtune.model.loading import transformer_blocks
-from meshtune.model.parallel import unwrap
+from meshtune.model.parallel import finish_gradient_sync, unwrap
 
 GIB = 2**30
 DEFAULT_SHARE = 0.9  # of the card: CUDA's context, NCCL's buffers and the allocator's cache live outside the count
@@ -47,8 +46,7 @@ class MemoryFit:
         gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
         head = (f"gradient_checkpointing_ratio auto: a step of the largest micro-batch ({self.tokens:,} tokens) takes "
                 f"{gib(self.peak_all)} with every block recomputed, and each block kept holds {gib(self.per_block)} of "
-                f"activations; "
-                f"memory_budget {gib(self.budget)}")
+                f"activations; memory_budget {gib(self.budget)}")
         if self.peak_all > self.budget:
             return (f"{head}: it does not fit even with every block recomputed; lower per_device_train_batch_size or "
                     f"cutoff_len, or shard more (parallel: zero2 / zero3)")
@@ -184,8 +182,6 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
         return "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
     if not largest_rows:
         return "gradient_checkpointing_ratio auto: no step left to train; every block recomputed"
-    from meshtune.model.parallel import finish_gradient_sync
-
     batch = to_batch(largest_rows).to(device)
 
     def step() -> float:
