@@ -40,7 +40,7 @@ RUNS: dict[tuple, list[float]] = {}  # a layout two tests compare against runs o
 # Runs in flight at once. Most of a run is single-threaded: the launcher's and torchrun's start-up, then each
 # worker importing torch; two runs side by side keep both cores busy. Each run is its own job (own output_dir,
 # free port, processes); the tokenized cache they share is built under a file lock. The losses do not depend on
-# it: gloo on CPU, one intra-op thread per worker as in a run alone.
+# it: gloo on CPU, and each process has the intra-op threads it would have alone.
 PARALLEL_RUNS = 2
 
 
