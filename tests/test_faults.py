@@ -15,6 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,37 @@ def cluster(tmp_path):
     c.cleanup()
 
 
+class SideJobs:
+    """Scenarios that run while another test's job runs, to use the cores its single-threaded phases (start-up,
+    waits) leave idle: each is a job of its own (own ports, output_dir and processes) with nothing timed against
+    its training steps (no kill, signal or straggler measure), nor in the job it runs beside. Each scenario's test
+    takes the result, and starts the job itself when run alone. A test that starts side jobs waits for them
+    before it ends, so none runs beside the step-timed tests (b, h, i)."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.futures: dict[str, Future] = {}
+
+    def start(self, name: str, job: Callable[[], dict]) -> Future:
+        if name not in self.futures:
+            self.futures[name] = self.pool.submit(job)
+        return self.futures[name]
+
+    def result(self, name: str, job: Callable[[], dict]) -> dict:
+        return self.start(name, job).result()
+
+    def wait(self, *names: str) -> None:
+        """Until these have ended, however they ended (their tests report how)."""
+        futures.wait([self.futures[name] for name in names if name in self.futures])
+
+
+@pytest.fixture(scope="module")
+def side_jobs():
+    jobs = SideJobs()
+    yield jobs
+    jobs.pool.shutdown(wait=True)
+
+
 def job_config(directory: Path, model_dir: Path, dataset: Path, output_dir: Path, **extra) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     values = base_config(model_dir, dataset, output_dir, finetuning_type="full", parallel="hsdp",
@@ -114,8 +148,12 @@ def losses(output_dir: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset):
-    """a. An uninterrupted 2-node run: the losses of every step and the hash of the final weights."""
+def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset, side_jobs):
+    """a. An uninterrupted 2-node run: the losses of every step and the hash of the final weights. Alongside it, a
+    lone node 0 waits out its rendezvous timeout (test_f), and the same job runs across two network namespaces
+    (test_two_hosts)."""
+    side_jobs.start("never joins", lambda: never_joining_node(tmp_path_factory, tiny_model_dir, tiny_dataset))
+    side_jobs.start("two hosts", lambda: two_hosts_job(tmp_path_factory, tiny_model_dir, tiny_dataset))
     root = tmp_path_factory.mktemp("baseline")
     output = root / "output"
     config = job_config(root / "cfg", tiny_model_dir, tiny_dataset, output)
@@ -124,6 +162,7 @@ def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset):
         nodes = c.run(config)
     finally:
         c.cleanup()
+        side_jobs.wait("never joins", "two hosts")
     assert "resumed" not in nodes[0].output() + nodes[1].output()
     records = read_metrics(output)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
@@ -248,11 +287,19 @@ def test_b_with_an_etcd_rendezvous_a_killed_node_0_relaunched_alone_completes_re
     kill_a_node_and_relaunch_it(cluster, config, output, baseline, victim=0)
 
 
-def test_c_rank_killed_while_saving_never_publishes_that_checkpoint(cluster, tmp_path, baseline,
-                                                                    tiny_model_dir, tiny_dataset):
-    output = tmp_path / "output"
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
-    nodes = cluster.run(config, env={"MESHTUNE_FAULT": "save:8:3"})
+def test_c_rank_killed_while_saving_never_publishes_that_checkpoint(cluster, tmp_path, baseline, side_jobs,
+                                                                    tmp_path_factory, tiny_model_dir, tiny_dataset):
+    """With test_d's and test_e's resumes alongside (side jobs)."""
+    side_jobs.start("flipped byte", lambda: flipped_byte_resume(tmp_path_factory, baseline, tiny_model_dir,
+                                                                tiny_dataset))
+    side_jobs.start("world size", lambda: resume_on_another_world_size(tmp_path_factory, baseline, tiny_model_dir,
+                                                                       tiny_dataset))
+    try:
+        output = tmp_path / "output"
+        config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
+        nodes = cluster.run(config, env={"MESHTUNE_FAULT": "save:8:3"})
+    finally:
+        side_jobs.wait("flipped byte", "world size")
     text = nodes[0].output() + nodes[1].output()
     assert "fault injection: killing rank 3 at save of step 8" in text
     assert "checkpoint-4 at step 4" in text and "checkpoint-8 at step 8" not in text
@@ -260,34 +307,59 @@ def test_c_rank_killed_while_saving_never_publishes_that_checkpoint(cluster, tmp
     assert final_hash(output) == baseline["hash"]
 
 
-def test_d_flipped_byte_fails_verify_and_resume_falls_back(cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset):
-    output = tmp_path / "output"
+def flipped_byte_resume(tmp_path_factory, baseline, model_dir: Path, dataset: Path) -> dict:
+    """The baseline's output with one byte of a shard of its last checkpoint flipped: `ckpt verify` on that
+    checkpoint, then the 2-node job on the output."""
+    root = tmp_path_factory.mktemp("flipped-byte")
+    output = root / "output"
     shutil.copytree(baseline["output"], output)
     shutil.rmtree(output / "final")
     shard = output / f"checkpoint-{STEPS}" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    result, _ = run_cli(["ckpt", "verify", str(shard.parent)], timeout=60)
-    assert result.returncode == 1 and "__1_0.distcp" in result.stdout
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
-    nodes = cluster.run(config)
-    text = nodes[0].output() + nodes[1].output()
+    verify, _ = run_cli(["ckpt", "verify", str(shard.parent)], timeout=60)
+    config = job_config(root / "cfg", model_dir, dataset, output)
+    c = Cluster(root)
+    try:
+        if verify.returncode != 1:  # the job would resume from the corrupt checkpoint: nothing more to learn
+            return {"verify": verify}
+        nodes = c.run(config)
+        return {"verify": verify, "text": nodes[0].output() + nodes[1].output(), "output": output}
+    finally:
+        c.cleanup()
+
+
+def test_d_flipped_byte_fails_verify_and_resume_falls_back(side_jobs, tmp_path_factory, baseline, tiny_model_dir,
+                                                           tiny_dataset):
+    run = side_jobs.result("flipped byte", lambda: flipped_byte_resume(tmp_path_factory, baseline, tiny_model_dir,
+                                                                       tiny_dataset))
+    assert run["verify"].returncode == 1 and "__1_0.distcp" in run["verify"].stdout, run["verify"].stdout
+    text, output = run["text"], run["output"]
     assert f"warning: not resuming from checkpoint-{STEPS}" in text and "__1_0.distcp" in text
     assert f"checkpoint-{STEPS - SAVE_EVERY} at step {STEPS - SAVE_EVERY}" in text
     assert losses(output) == baseline["losses"]
     assert final_hash(output) == baseline["hash"]
 
 
-def test_e_resume_on_another_world_size(tmp_path, baseline, tiny_model_dir, tiny_dataset):
-    """Saved by 2 nodes x 2 processes, resumed on 1 node x 2 (accumulation 1 -> 2 keeps the global batch)."""
-    output = tmp_path / "output"
+def resume_on_another_world_size(tmp_path_factory, baseline, model_dir: Path, dataset: Path) -> dict:
+    """The baseline's output up to checkpoint-12, resumed by one node of 2 processes."""
+    root = tmp_path_factory.mktemp("world-size")
+    output = root / "output"
     shutil.copytree(baseline["output"], output)
     shutil.rmtree(output / "final")
     for step in range(16, STEPS + 1, SAVE_EVERY):
         shutil.rmtree(output / f"checkpoint-{step}")
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, nproc_per_node=2)
+    config = job_config(root / "cfg", model_dir, dataset, output, nproc_per_node=2)
     result, _ = run_cli(["train", str(config)], timeout=JOB_TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    return {"result": result, "output": output}
+
+
+def test_e_resume_on_another_world_size(side_jobs, tmp_path_factory, baseline, tiny_model_dir, tiny_dataset):
+    """Saved by 2 nodes x 2 processes, resumed on 1 node x 2 (accumulation 1 -> 2 keeps the global batch)."""
+    run = side_jobs.result("world size", lambda: resume_on_another_world_size(tmp_path_factory, baseline,
+                                                                              tiny_model_dir, tiny_dataset))
+    result, output = run["result"], run["output"]
     assert result.returncode == 0, result.stdout[-4000:]
     assert "gradient_accumulation_steps 1 -> 2" in result.stdout and "checkpoint-12 at step 12" in result.stdout
     got = losses(output)
@@ -308,20 +380,31 @@ def test_f_unreachable_master_fails_within_the_timeout_and_says_why(cluster, tmp
     assert time.monotonic() - started < 60
 
 
-def test_f_a_node_that_never_joins_is_named_while_waiting_and_in_the_error(cluster, tmp_path, tiny_model_dir,
-                                                                           tiny_dataset):
+def never_joining_node(tmp_path_factory, model_dir: Path, dataset: Path) -> dict:
+    """Node 0 of 2 alone (preflight: false), its output and how long it ran."""
+    root = tmp_path_factory.mktemp("never-joins")
+    config = job_config(root / "cfg", model_dir, dataset, root / "output", rdzv_timeout=20, preflight=False)
+    c = Cluster(root)
+    try:
+        started = time.monotonic()
+        node0 = c.start(0, config, free_port())  # node 1 never comes
+        code = node0.wait(120)
+        return {"code": code, "text": node0.output(), "seconds": time.monotonic() - started}
+    finally:
+        c.cleanup()
+
+
+def test_f_a_node_that_never_joins_is_named_while_waiting_and_in_the_error(side_jobs, tmp_path_factory,
+                                                                           tiny_model_dir, tiny_dataset):
     """torchrun's rendezvous diagnosis, as without the preflight (preflight: false; test_doctor has the
-    preflight's own)."""
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output", rdzv_timeout=20,
-                        preflight=False)
-    started = time.monotonic()
-    node0 = cluster.start(0, config, free_port())  # node 1 never comes
-    assert node0.wait(120) == 1
-    text = node0.output()
+    preflight's own). Runs alongside the baseline (a side job)."""
+    run = side_jobs.result("never joins", lambda: never_joining_node(tmp_path_factory, tiny_model_dir, tiny_dataset))
+    text = run["text"]
+    assert run["code"] == 1, text[-3000:]
     assert "rendezvous: 1 of 2 nodes joined (node ranks 0); waiting for node ranks 1" in text, text[-3000:]
     last = text.strip().splitlines()[-1]
     assert "did not complete within rdzv_timeout=20 s" in last and "never joined: node ranks 1" in last, last
-    assert time.monotonic() - started < 80
+    assert run["seconds"] < 80
 
 
 def test_g_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model_dir, tiny_dataset):
@@ -419,36 +502,46 @@ class NetworkNamespaces:
         subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
-@pytest.fixture
-def namespaces():
+def two_hosts_job(tmp_path_factory, model_dir: Path, dataset: Path) -> dict:
+    """The baseline's job across a real (virtual) network: each node in its own namespace, talking over the veth
+    pair; local_addr and GLOO_SOCKET_IFNAME pick the network. {"skip": why} where namespaces cannot be made."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2 (ip); the 127.0.0.1 cluster tests cover the rest")
+        return {"skip": "network namespaces need root and iproute2 (ip); the 127.0.0.1 cluster tests cover the rest"}
     spaces = NetworkNamespaces()
     try:
-        spaces.create()
-    except subprocess.CalledProcessError as exc:
+        try:
+            spaces.create()
+        except subprocess.CalledProcessError as exc:
+            return {"skip": f"cannot create network namespaces here: {exc.stderr.decode().strip()}"}
+        root = tmp_path_factory.mktemp("two-hosts")
+        output = root / "output"
+        config = job_config(root / "cfg", model_dir, dataset, output)
+        port = free_port()
+        c = Cluster(root)
+        try:
+            nodes = []
+            for rank, (name, link, address) in enumerate(zip(spaces.names, spaces.links, spaces.addresses)):
+                nodes.append(c.start(rank, config, port, prefix=["ip", "netns", "exec", name],
+                                     master=spaces.addresses[0], overrides=[f"local_addr={address}"],
+                                     env={"GLOO_SOCKET_IFNAME": link}))
+                time.sleep(1)
+            for node in nodes:
+                assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
+            return {"node0": nodes[0].output(), "output": output}
+        finally:
+            c.cleanup()
+    finally:
         spaces.delete()
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
-    yield spaces
-    spaces.delete()
 
 
-def test_two_hosts_with_their_own_addresses_train_like_the_baseline(cluster, namespaces, tmp_path, baseline,
+def test_two_hosts_with_their_own_addresses_train_like_the_baseline(side_jobs, tmp_path_factory, baseline,
                                                                     tiny_model_dir, tiny_dataset):
-    """The same job across a real (virtual) network: each node in its own namespace, talking over the veth pair;
-    local_addr and GLOO_SOCKET_IFNAME pick the network, as on a cluster whose hostname resolves elsewhere."""
-    output = tmp_path / "output"
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
-    port = free_port()
-    nodes = []
-    for rank, (name, link, address) in enumerate(zip(namespaces.names, namespaces.links, namespaces.addresses)):
-        nodes.append(cluster.start(rank, config, port, prefix=["ip", "netns", "exec", name],
-                                   master=namespaces.addresses[0], overrides=[f"local_addr={address}"],
-                                   env={"GLOO_SOCKET_IFNAME": link}))
-        time.sleep(1)
-    for node in nodes:
-        assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
+    """The same job across a real (virtual) network, as on a cluster whose hostname resolves elsewhere. Runs
+    alongside the baseline (a side job)."""
+    run = side_jobs.result("two hosts", lambda: two_hosts_job(tmp_path_factory, tiny_model_dir, tiny_dataset))
+    if "skip" in run:
+        pytest.skip(run["skip"])
     # the doctor's checks ran first, between the two addresses, and found nothing to report
-    assert "preflight: 2 nodes, all checks passed" in nodes[0].output(), nodes[0].output()[-4000:]
-    assert losses(output) == baseline["losses"]
-    assert final_hash(output) == baseline["hash"]
+    assert "preflight: 2 nodes, all checks passed" in run["node0"], run["node0"][-4000:]
+    assert losses(run["output"]) == baseline["losses"]
+    assert final_hash(run["output"]) == baseline["hash"]

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -125,7 +126,14 @@ def test_qlora_trains_checkpoints_resumes_exactly_and_exports_a_peft_adapter(qlo
     assert not torch.allclose(probe_logits(base, ids), trained, atol=1e-3)  # and it changed the model
 
 
-LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (processes, gradient_accumulation_steps): global batch 8
+# (parallel, processes, gradient_accumulation_steps, extra keys) against ddp 1 x 4: global batch 8 in each. Each
+# run starts its own processes (most of its time), so each Q-LoRA property runs once:
+# - ddp 2 x 2: every process quantizes and holds the whole NF4 model, which DDP leaves out of its broadcast and
+#   checks; none of that depends on the number of processes (the ddp math over 4 ranks: test_topology);
+# - zero3 2 x 2 and 4 x 1: the NF4 weights sharded over 2 and 4 processes, with and without accumulation;
+# - hsdp 4 x 1 as 2 replicas x 2 shards: the NF4 weights sharded within a replica, the adapters' gradients
+#   all-reduced across replicas. (hsdp on 2 processes has one replica of 2 shards: zero3 2 x 2's sharding.)
+LAYOUTS_BY_MODE = [("ddp", 2, 2, {}), ("zero3", 2, 2, {}), ("zero3", 4, 1, {}), ("hsdp", 4, 1, {"hsdp_shard_size": 2})]
 RUNS: dict[tuple, tuple[list[float], str]] = {}
 
 
@@ -133,6 +141,22 @@ def layout_values(model_dir, dataset, out, tokenized, parallel, nproc, accumulat
     return qlora_values(model_dir, dataset, out, parallel=parallel, nproc_per_node=nproc,
                         gradient_accumulation_steps=accumulation, tokenized_path=str(tokenized), val_size=6,
                         per_device_eval_batch_size=2, save_final=False, **extra)
+
+
+# Runs in flight at once. Most of a run is single-threaded: the launcher's and torchrun's start-up, then each
+# worker importing torch; two runs side by side keep both cores busy. Each run is its own job (own output_dir,
+# free port, processes); the tokenized cache they share is built under a file lock.
+PARALLEL_RUNS = 2
+
+
+def layout_runs(tmp_path_factory, model_dir, dataset, runs: list[tuple[str, int, int, dict]]) -> None:
+    """Runs the (parallel, processes, accumulation, extra) not yet in RUNS, PARALLEL_RUNS at a time, the ones with
+    the most processes first."""
+    todo = [run for run in runs if (run[0], run[1], run[2], tuple(sorted(run[3].items()))) not in RUNS]
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        for future in [pool.submit(layout_run, tmp_path_factory, model_dir, dataset, parallel, nproc, accumulation,
+                                   **extra) for parallel, nproc, accumulation, extra in sorted(todo, key=lambda r: -r[1])]:
+            future.result()
 
 
 def layout_run(tmp_path_factory, model_dir, dataset, parallel, nproc, accumulation, **extra) -> tuple[list, str]:
@@ -167,24 +191,24 @@ def nf4_sizes(output: str) -> tuple[float, float | None]:
 @pytest.mark.slow
 def test_sharded_qlora_gives_the_same_losses_in_every_layout_and_keeps_a_shard_of_the_nf4_weights_per_process(
         qlora_model_dir, tiny_dataset, tmp_path_factory):
-    """ddp, zero3 and hsdp over 2 x 2 and 4 x 1 (processes x accumulation) against 1 x 4: the same losses. Under ddp every
-    process holds the whole 4-bit model; under zero3 each keeps 1 / processes of it, under hsdp 1 / shard size."""
+    """ddp, zero3 and hsdp over 2 x 2 and 4 x 1 (processes x accumulation, LAYOUTS_BY_MODE) against 1 x 4: the same
+    losses. Under ddp every process holds the whole 4-bit model; under zero3 each keeps 1 / processes of it, under
+    hsdp 1 / shard size."""
+    layout_runs(tmp_path_factory, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {}), *LAYOUTS_BY_MODE])
     reference, output = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
     assert reference[4] < reference[0], f"the loss should fall over 5 steps: {reference}"
     whole, share = nf4_sizes(output)
     assert share is None
-    for parallel in ("ddp", "zero3", "hsdp"):
-        for nproc, accumulation in LAYOUTS:
-            if nproc == 1:
-                continue  # the reference; zero3 and hsdp on one process run as ddp (test_choices.py)
-            extra = {"hsdp_shard_size": 2} if parallel == "hsdp" and nproc == 4 else {}  # 2 replicas x 2 shards
-            losses, output = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, parallel, nproc,
-                                        accumulation, **extra)
-            assert_close(losses, reference, f"{parallel} {nproc}x{accumulation}")
-            shards = 1 if parallel == "ddp" else extra.get("hsdp_shard_size", nproc)
-            assert nf4_sizes(output)[0] == whole
-            if shards > 1:
-                assert abs(nf4_sizes(output)[1] * shards / whole - 1) < 0.01, (parallel, nproc, output[-3000:])
+    for parallel, nproc, accumulation, extra in LAYOUTS_BY_MODE:  # on one process they run as ddp (test_choices)
+        losses, output = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, parallel, nproc,
+                                    accumulation, **extra)
+        assert_close(losses, reference, f"{parallel} {nproc}x{accumulation}")
+        shards = 1 if parallel == "ddp" else extra.get("hsdp_shard_size", nproc)
+        assert nf4_sizes(output)[0] == whole
+        if shards > 1:
+            assert abs(nf4_sizes(output)[1] * shards / whole - 1) < 0.01, (parallel, nproc, output[-3000:])
+        else:
+            assert nf4_sizes(output)[1] is None, (parallel, nproc, output[-3000:])  # the whole model here
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ with the worker's own words as the last line, instead of burning every restart."
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -22,9 +23,13 @@ def job(tmp_path, model_dir, dataset, name: str, fault: str | None = None, timeo
 @pytest.mark.slow
 def test_a_worker_that_fails_once_is_restarted_and_the_job_ends_as_if_nothing_happened(tmp_path, tiny_model_dir,
                                                                                         tiny_dataset):
-    reference, _, clean = job(tmp_path, tiny_model_dir, tiny_dataset, "clean")
+    # the two jobs side by side (own output_dirs, ports and processes): most of each is single-threaded start-up,
+    # and nothing here is timed
+    with ThreadPoolExecutor(2) as pool:
+        clean_job = pool.submit(job, tmp_path, tiny_model_dir, tiny_dataset, "clean")
+        fault_job = pool.submit(job, tmp_path, tiny_model_dir, tiny_dataset, "fault", fault="raise:3:1")
+        (reference, _, clean), (result, _, output) = clean_job.result(), fault_job.result()
     assert reference.returncode == 0, reference.stdout[-3000:]
-    result, _, output = job(tmp_path, tiny_model_dir, tiny_dataset, "fault", fault="raise:3:1")
     assert result.returncode == 0, result.stdout[-4000:]
     assert "fault injection: rank 1 fails after step 3" in result.stdout
     assert "resumed from" in result.stdout and "checkpoint-2 at step 2 of 6" in result.stdout

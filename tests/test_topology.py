@@ -1,24 +1,69 @@
 """Topology does not change the math: the same global batch split as 1x4, 2x2 and 4x1 (processes x
 accumulation) under ddp, zero2 and zero3 (and hsdp on a 2x2 mesh, ddp with the flat gradient sync, and
 padding-free token-balanced micro-batches), full and LoRA, gives the same losses, through the real CLI and
-torchrun."""
+torchrun. Each run starts its own processes (most of its time), so the matrix runs each distinct combination
+once (see LAYOUTS_BY_MODE)."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import base_config, read_metrics, run_cli, write_config
 
-LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (nproc_per_node, gradient_accumulation_steps): global batch 8
+# (parallel, nproc_per_node, gradient_accumulation_steps, extra keys) against ddp 1x4 (one process, no wrapper):
+# global batch 8 in each. What a layout exercises: 1x4 FSDP2 on a one-process mesh with accumulation; 2x2 the
+# gradient sync skipped on the first micro-step and done on the second, across 2 ranks; 4x1 sharding / reduction
+# over 4 ranks, and an evaluation in which three ranks see padding only. zero2 and zero3 are one fully_shard call
+# that differs only in reshard_after_forward (zero3 gathers every unit again for backward), so:
+# - ddp runs 2x2 and 4x1 (its own bucketed all-reduce and no_sync);
+# - zero3, the mode that re-gathers, runs every layout: 1x4, 2x2, and 4x1 with padding-free micro-batches;
+# - zero2 runs 2x2: sharding without the re-gather, under accumulation. Its 1x4 and 4x1 would repeat what zero3's
+#   1x4 and 4x1 prove about the one-process mesh and the 4-way sharding;
+# - hsdp runs its 2 replicas x 2 shards mesh (4x1);
+# - ddp 2x2 with the flat gradient sync and padding-free micro-batches.
+# The padded micro-batches on 4 ranks are those of ddp 4x1 and hsdp 4x1; padding-free, those of zero3 4x1.
+LAYOUTS_BY_MODE = [
+    ("ddp", 2, 2, {}),
+    ("ddp", 4, 1, {}),
+    ("zero2", 2, 2, {}),
+    ("zero3", 1, 4, {}),
+    ("zero3", 2, 2, {}),
+    ("zero3", 4, 1, {"padding_free": True}),
+    ("hsdp", 4, 1, {"hsdp_shard_size": 2}),  # 4 processes as 2 replicas x 2 shards (what 2 nodes x 2 GPUs would be)
+    ("ddp", 2, 2, {"grad_sync": "flat", "padding_free": True}),  # the speed levers across processes
+]
 
 
 RUNS: dict[tuple, list[float]] = {}  # a layout two tests compare against runs once per session
+# Runs in flight at once. Most of a run is single-threaded: the launcher's and torchrun's start-up, then each
+# worker importing torch; two runs side by side keep both cores busy. Each run is its own job (own output_dir,
+# free port, processes); the tokenized cache they share is built under a file lock. The losses do not depend on
+# it: gloo on CPU, and each process has the intra-op threads it would have alone.
+PARALLEL_RUNS = 2
+
+
+def run_key(model_dir, dataset, method, parallel, nproc, accumulation, **extra) -> tuple:
+    return (str(model_dir), str(dataset), method, parallel, nproc, accumulation, tuple(sorted(extra.items())))
+
+
+def train_all(tmp_path, model_dir, dataset, runs: list[tuple[str, str, int, int, dict]]) -> None:
+    """Runs the (method, parallel, nproc, accumulation, extra) not yet in RUNS, PARALLEL_RUNS at a time, the
+    ones with the most processes first."""
+    todo = {run_key(model_dir, dataset, m, p, n, a, **e): (m, p, n, a, e) for m, p, n, a, e in runs}
+    todo = sorted((spec for key, spec in todo.items() if key not in RUNS), key=lambda spec: -spec[2])
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        futures = {run_key(model_dir, dataset, m, p, n, a, **e): pool.submit(
+            _train_losses, tmp_path, model_dir, dataset, m, p, n, a, **e) for m, p, n, a, e in todo}
+        for key, future in futures.items():
+            RUNS[key] = future.result()
 
 
 def train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation, **extra) -> list[float]:
     """Per-step losses, then the final eval loss (6 held-out samples: with 4 ranks, three evaluate padding only).
     No final/ is written: only the metrics are compared (test_export checks final/)."""
-    key = (str(model_dir), str(dataset), method, parallel, nproc, accumulation, tuple(sorted(extra.items())))
+    key = run_key(model_dir, dataset, method, parallel, nproc, accumulation, **extra)
     if key not in RUNS:
         RUNS[key] = _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumulation, **extra)
     return RUNS[key]
@@ -42,23 +87,13 @@ def _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumul
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_same_losses_for_every_layout_and_mode(tmp_path, tiny_model_dir, tiny_dataset, method):
+    train_all(tmp_path, tiny_model_dir, tiny_dataset,
+              [(method, "ddp", 1, 4, {}), *((method, p, n, a, e) for p, n, a, e in LAYOUTS_BY_MODE)])
     reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "ddp", 1, 4)
     assert reference[4] < reference[0], f"the loss should fall over 5 steps: {reference}"
-    for parallel in ["ddp", "zero2", "zero3"]:
-        for nproc, accumulation in LAYOUTS:
-            if (parallel, nproc) == ("ddp", 1):
-                continue
-            losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, parallel, nproc, accumulation)
-            assert_close(losses, reference, f"{method} {parallel} {nproc}x{accumulation}")
-    # hsdp: 4 processes as 2 replicas x 2 shards (what 2 nodes x 2 GPUs would be)
-    losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "hsdp", 4, 1, hsdp_shard_size=2)
-    assert_close(losses, reference, f"{method} hsdp 2x2 mesh")
-    # the speed levers across processes: token-balanced padding-free micro-batches, and ddp's flat gradient sync
-    losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "ddp", 2, 2, grad_sync="flat",
-                          padding_free=True)
-    assert_close(losses, reference, f"{method} ddp 2x2 flat gradient sync, padding-free")
-    losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, "zero3", 4, 1, padding_free=True)
-    assert_close(losses, reference, f"{method} zero3 4x1 padding-free")
+    for parallel, nproc, accumulation, extra in LAYOUTS_BY_MODE:
+        losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, method, parallel, nproc, accumulation, **extra)
+        assert_close(losses, reference, f"{method} {parallel} {nproc}x{accumulation} {extra}")
 
 
 def assert_close(losses: list[float], reference: list[float], what: str) -> None:
@@ -71,8 +106,11 @@ def assert_close(losses: list[float], reference: list[float], what: str) -> None
 def test_bf16_gradient_reduction_stays_close_to_fp32_and_is_not_a_no_op(tmp_path, tiny_model_dir, tiny_dataset):
     """grad_reduce_dtype: bf16 under ddp (torch's bf16 compression hook), the flat sync and FSDP2's reduce-scatter:
     the losses follow the fp32 reduction's closely, and differ from them (the gradients did travel in bf16)."""
+    reduced = (("ddp", {}), ("ddp", {"grad_sync": "flat"}), ("zero2", {}))
+    train_all(tmp_path, tiny_model_dir, tiny_dataset, [("full", "ddp", 2, 2, {}), *(
+        ("full", parallel, 2, 2, {"grad_reduce_dtype": "bf16", **extra}) for parallel, extra in reduced)])
     reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 2, 2)
-    for parallel, extra in (("ddp", {}), ("ddp", {"grad_sync": "flat"}), ("zero2", {})):
+    for parallel, extra in reduced:
         losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", parallel, 2, 2,
                               grad_reduce_dtype="bf16", **extra)
         what = f"{parallel} {extra} bf16 reduce"
