@@ -79,6 +79,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place maximum across all ranks; returns the tensor for chaining."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

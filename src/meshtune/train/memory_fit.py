@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtune.data.sampler import GlobalBatchPlan, Row
+from meshtune.distributed import all_reduce_max
 from meshtune.model.checkpointing import recompute_blocks
 from meshtune.model.loading import transformer_blocks
 from meshtune.model.parallel import finish_gradient_sync, unwrap
@@ -117,12 +117,8 @@ def can_measure(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def largest_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+def largest_over_ranks(value: float, device: torch.device) -> float:
+    return all_reduce_max(torch.tensor(value, dtype=torch.float64, device=device)).item()
 
 
 class RandomState:
@@ -155,12 +151,12 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
         recompute_blocks(model, blocks)
         measured(step, device)  # compiles, and warms the allocator
         peak, held_all = measured(step, device)
-        peak_all = largest_over_ranks([peak + pending_bytes], device)[0]
+        peak_all = largest_over_ranks(peak + pending_bytes, device)
         kept, per_block = 0, 0.0
         if peak_all < budget:  # the same decision on every rank: below it, one kept block would not fit anyway
             recompute_blocks(model, blocks - 1)
             _, held_one = measured(step, device)
-            per_block = max(largest_over_ranks([held_one - held_all], device)[0], 0.0)
+            per_block = max(largest_over_ranks(held_one - held_all, device), 0.0)
             kept = blocks_to_keep(peak_all, per_block, budget, blocks)
     finally:
         random_state.restore()
