@@ -73,10 +73,7 @@ def choose_cpus(mode: str, gpu_nodes: list[int | None], local_rank: int, allowed
     if mode == "none":
         return None, "cpu_affinity: none"
     near = node_cpus(node, sys_root) & allowed if node is not None else set()
-    if mode == "auto":
-        if not near:
-            return None, "cpu_affinity auto: the system tells no NUMA node for this GPU; not pinned"
-        mode = "node"
+    mode = "node" if mode == "auto" else mode  # exclusive is unmeasured: auto only keeps a worker near its GPU
     if not near:
         if mode == "node" or len(gpu_nodes) == 1:
             return None, "cpu_affinity: the system tells no NUMA node for this GPU; not pinned"
