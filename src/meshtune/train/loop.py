@@ -124,7 +124,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=built.fused_loss)
     model.train()
     if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio == "auto":  # before the step meter starts
-        largest = largest_micro_batch(batches, trainer["step"], total_steps, env.rank, plan.padding_free)
+        largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
         log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
                               cfg.gpu_memory_limit, env.device))
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size, cfg.eval_steps, total_steps, env,

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtune.data.sampler import GlobalBatchPlan, Row
 from meshtune.distributed import all_reduce_max
+from meshtune.hardware import smallest_gpu_memory
 from meshtune.model.checkpointing import recompute_blocks
 from meshtune.model.loading import transformer_blocks
 from meshtune.model.parallel import finish_gradient_sync, unwrap
@@ -54,9 +55,8 @@ class MemoryFit:
                 f"{self.ratio:.2f}), step peak at most about {gib(self.peak_all + self.kept * self.per_block)}")
 
 
-def budget_bytes(memory_budget: float | None, card_bytes: float, gpu_memory_limit: float | None) -> float:
-    """memory_budget in bytes: GiB above 1, a share of the card (or of gpu_memory_limit) at 1 or below."""
-    card = min(card_bytes, gpu_memory_limit * GIB) if gpu_memory_limit else card_bytes
+def budget_bytes(memory_budget: float | None, card: float) -> float:
+    """memory_budget in bytes: GiB above 1, a share of `card` (`card_bytes`) at 1 or below."""
     if memory_budget is None:
         return DEFAULT_SHARE * card
     return memory_budget * card if memory_budget <= 1 else memory_budget * GIB
@@ -164,18 +164,22 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
     return MemoryFit(blocks, kept, peak_all, per_block, budget, tokens)
 
 
-def card_bytes(device: torch.device) -> float:
-    return float(torch.cuda.get_device_properties(device).total_memory)
+def card_bytes(device: torch.device, gpu_memory_limit: float | None) -> float:
+    """The smallest card of the job, or gpu_memory_limit where lower: one budget for every rank (a collective)."""
+    return smallest_gpu_memory(device, gpu_memory_limit)
 
 
 def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
-                      optimizer: torch.optim.Optimizer, largest_rows: list[Row], to_batch: Callable[[list[Row]], object],
-                      memory_budget: float | None, gpu_memory_limit: float | None, device: torch.device) -> str:
+                      optimizer: torch.optim.Optimizer, largest: Callable[[], list[Row]],
+                      to_batch: Callable[[list[Row]], object], memory_budget: float | None,
+                      gpu_memory_limit: float | None, device: torch.device) -> str:
     """Choose the recomputed blocks of an `auto` run (the model in train mode); returns the line to log.
-    `largest_rows`: the run's largest micro-batch (`largest_micro_batch`), which `to_batch` collates. Every rank
-    has one, or none, alike: a run's steps are the same on every rank."""
+    `largest()` finds the run's largest micro-batch (`largest_micro_batch`, a scan of the steps left, done only
+    where memory is measured), which `to_batch` collates. Every rank has one, or none, alike: a run's steps are the
+    same on every rank."""
     if not can_measure(device):
         return "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
+    largest_rows = largest()
     if not largest_rows:
         return "gradient_checkpointing_ratio auto: no step left to train; every block recomputed"
     batch = to_batch(largest_rows).to(device)
@@ -189,6 +193,6 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
             p.grad = None
         return held
 
-    budget = budget_bytes(memory_budget, card_bytes(device), gpu_memory_limit)
+    budget = budget_bytes(memory_budget, card_bytes(device, gpu_memory_limit))
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
     return fit.describe()
