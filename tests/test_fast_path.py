@@ -52,18 +52,27 @@ def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
-def test_compiler_recompute_under_a_memory_budget_gives_the_losses_of_the_plain_path(monkeypatch, tmp_path,
-                                                                                      tiny_model_dir, tiny_dataset):
-    """activation_memory_budget: the partitioner recomputes inside each compiled block's backward graph."""
+def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(monkeypatch, tmp_path, tiny_model_dir,
+                                                                               tiny_dataset):
+    """activation_memory_budget: the partitioner recomputes inside each compiled block's backward graph.
+    compile_combo_kernels: inductor's scheduler groups independent kernels (on GPUs; the CPU backend forms no
+    groups, so here the test shows the key reaches every compile and leaves the losses alone)."""
     from torch._functorch import partitioners
+    from torch._inductor.scheduler import Scheduler
 
     budgets, choose = [], partitioners.choose_saved_values_set
+    combos, group = [], Scheduler.create_combo_kernel_nodes
 
     def spy(joint_graph, node_info, memory_budget=1):
         budgets.append(memory_budget)
         return choose(joint_graph, node_info, memory_budget=memory_budget)
 
+    def combo_spy(scheduler, *args, **kwargs):
+        combos.append(len(scheduler.nodes))
+        return group(scheduler, *args, **kwargs)
+
     monkeypatch.setattr(partitioners, "choose_saved_values_set", spy)
+    monkeypatch.setattr(Scheduler, "create_combo_kernel_nodes", combo_spy)
     # the partition must happen here: no graph from an earlier test of this process, none from the on-disk caches
     import torch._dynamo
     import torch._functorch.config as functorch_config
@@ -74,10 +83,12 @@ def test_compiler_recompute_under_a_memory_budget_gives_the_losses_of_the_plain_
     # torch's config.patch, not monkeypatch: monkeypatch's undo would delete these keys from torch's config modules
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
         budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", padding_free=True,
-                         torch_compile=True, activation_memory_budget=0.05)
+                         torch_compile=True, activation_memory_budget=0.05, compile_combo_kernels=True)
+    inductor_config.combo_kernels = False  # compile_blocks set it for this process
     assert [r["loss"] for r in budget] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
     assert [r["grad_norm"] for r in budget] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-3)
     assert budgets and set(budgets) == {0.05}  # every block's backward was partitioned under the budget
+    assert len(combos) >= 2  # the block's forward and backward graphs were scheduled with combo kernels on
 
 
 def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio_set_by_hand(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch._dynamo
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 
 from meshtune.model.loading import transformer_blocks
 
@@ -14,8 +16,6 @@ def keep_one_graph_for_all_lengths() -> None:
     hidden. Where the norm weights train (full fine-tuning), a step whose token count lands on the other side of one
     of these recompiles the blocks, and the layers' shared frame can reach dynamo's recompile limit and run
     uncompiled from then on. Non-strict mode skips those checks, so no guard is added; the fusion stays."""
-    import torch._inductor.config as inductor_config
-
     if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
         inductor_config.triton.mix_order_reduction_non_strict_mode = True
     # one frame serves every layer: checkpointed forward, recompute, plain forward and eval are separate entries
@@ -23,7 +23,7 @@ def keep_one_graph_for_all_lengths() -> None:
     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
 
 
-def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0) -> None:
+def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0, combo_kernels: bool = False) -> None:
     """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
     so shapes are marked dynamic from the start instead of recompiling).
 
@@ -34,13 +34,15 @@ def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0
 
     `activation_memory_budget` < 1: the compiler keeps at most that share of each block's activations for
     backward and recomputes the rest inside the block's backward graph, choosing operators by their estimated
-    time per byte freed."""
+    time per byte freed.
+
+    `combo_kernels`: inductor launches independent pointwise kernels of a graph as one (on GPUs; each launch costs
+    the host 10-20 us, and a LoRA block casts each of its 14 adapter weights on its own)."""
     torch._dynamo.config.optimize_ddp = False
     keep_one_graph_for_all_lengths()
     # read when a graph's backward is partitioned: 1 keeps what the min-cut partitioner keeps by default
     # (it already recomputes cheap pointwise operators); lower, it solves for the least recompute time that fits
-    import torch._functorch.config as functorch_config
-
     functorch_config.activation_memory_budget = activation_memory_budget
+    inductor_config.combo_kernels = combo_kernels
     for block in transformer_blocks(model):
         block.compile(dynamic=True)

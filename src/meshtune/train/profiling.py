@@ -1,8 +1,8 @@
 """`profile_steps: FIRST-LAST`: torch.profiler over those optimizer steps, to see where a step's time goes.
 
 Writes output_dir/profile/rank{R}.json (a Chrome / Perfetto trace per rank: compare ranks to find a straggler or
-a collective that waits) and, on rank 0, summary.txt: the operators with the most device time (CPU time on a
-CPU run).
+a collective that waits) and, on rank 0, summary.txt: the operators with the most device time, then (on CUDA)
+those with the most host time, which is where a step that leaves the GPU idle spends it.
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ class StepProfiler:
         self.profiler.export_chrome_trace(str(self.directory / f"rank{self.rank}.json"))
         if self.rank == 0:
             averages = self.profiler.key_averages()
-            sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-            table = averages.table(sort_by=sort, row_limit=40)
             head = f"optimizer steps {self.steps[0]}-{step}: {wall:.3f} s wall"
+            tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
             if self.cuda:
                 head += "\n" + device_time_line(averages, wall)
-            (self.directory / "summary.txt").write_text(f"{head}\n{table}\n")
+                tables.insert(0, averages.table(sort_by="self_cuda_time_total", row_limit=40))
+            (self.directory / "summary.txt").write_text("\n".join([head, *tables]) + "\n")
         self.profiler = None
 
     def close(self) -> None:
