@@ -167,6 +167,13 @@ class Deadline:
         return row_timeout, f"timed out after {row_timeout} s"
 
 
+ROW_TIMEOUT, ROW_TIMEOUT_7B = 400, 900
+
+
+def row_timeout(args, row: Row) -> float:
+    return args.row_timeout or (ROW_TIMEOUT_7B if row.size == "7b" else ROW_TIMEOUT)
+
+
 def run_captured(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str]:
     """Run a command; (exit code or None when the timeout stopped it, stdout, stderr). On timeout the whole tree
     goes: torchrun's workers live in their own sessions and would keep their GPUs."""
@@ -206,13 +213,13 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     path = work / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     started = time.perf_counter()
-    timeout, stopped = deadline.timeout(args.row_timeout)
+    timeout, stopped = deadline.timeout(row_timeout(args, row))
     code, stdout, stderr = run_captured([sys.executable, "-m", "meshtune", "train", str(path)], timeout,
                                         env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.log").write_text(stdout + stderr)  # kept beside metrics.jsonl, for a slow or odd row
-    if code is None:
-        return dict(error=stopped)
+    if code is None:  # where the run was when stopped: loading, compiling, the memory probe or the steps
+        return dict(error=stopped, log=stdout[-4000:] + stderr[-4000:])
     if code != 0:
         return dict(error=last_line(stdout[-1500:] + stderr[-1500:]), log=stdout[-4000:] + stderr[-4000:])
     summary = out / "profile" / "summary.txt"
@@ -246,7 +253,7 @@ def peer_row(args, row: Row, kind: str, pool: int, flops_per_token: float, peak:
     cmd = [sys.executable, args.peer, "--size", row.size, "--mode", row.mode, "--bs", str(row.bs), "--steps",
            str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen), "--samples", str(pool),
            "--gc", "1", *PEERS[kind][1]]
-    timeout, stopped = deadline.timeout(args.row_timeout)
+    timeout, stopped = deadline.timeout(row_timeout(args, row))
     code, stdout, stderr = run_captured(cmd, timeout)
     if code is None:
         return dict(error=stopped)
@@ -310,7 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=25, help=f"optimizer steps a run, the first {WARMUP} not timed")
     p.add_argument("--minlen", type=int, default=128)
     p.add_argument("--maxlen", type=int, default=1024)
-    p.add_argument("--row-timeout", type=int, default=400, help="seconds one run may take")
+    p.add_argument("--row-timeout", type=int, default=None,
+                   help=f"seconds one run may take; default {ROW_TIMEOUT} s, {ROW_TIMEOUT_7B} s for the 7B rows (the "
+                        f"model read and broadcast from rank 0, and every block compiled, before the first step)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds from this script's start: no run starts after it, a run still going is stopped "
                         "at it, and the table is written with the rest listed as not run")
