@@ -240,6 +240,7 @@ def test_b_a_stopped_rank_is_caught_by_the_hang_watchdog_and_the_job_recovers_by
     assert "another collective" not in summary
     assert "rank 1 (node 0, host" in summary and "did not report" in summary, summary
     assert "rank 1 (node 0" in text and "resumed from" in text, text[-4000:]
+    assert "killing rank 1 (pid" in text, text[-4000:]  # its node's reporting rank ended it: no 30 s SIGTERM wait
     assert final_hash(output) == baseline["hash"]
     records = read_metrics(output)
     assert [r["slowest_rank"] for r in records[2:]] == [3] * (STEPS - 2), records

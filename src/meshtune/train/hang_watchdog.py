@@ -15,6 +15,7 @@ import faulthandler
 import json
 import os
 import pickle
+import signal
 import statistics
 import sys
 import threading
@@ -151,6 +152,9 @@ class HangWatchdog:
         if reported and reported[0] == rank:
             (folder / "summary.txt").write_text(self.summary(folder, reported, limit))
             print((folder / "summary.txt").read_text(), file=sys.stderr, flush=True)
+        for silent, pid in silent_local_workers(set(range(self.env.world_size)) - set(reported)):
+            print(f"meshtune: rank {rank}: killing rank {silent} (pid {pid}, same node), which did not report",
+                  file=sys.stderr, flush=True)
         print(f"meshtune: rank {rank}: no optimizer step completed for {idle:.0f} s after step {self.step - 1} "
               f"(hang timeout {limit:.0f} s); stacks in {folder}; exiting so torchrun restarts the workers from "
               f"the newest checkpoint", file=sys.stderr, flush=True)
@@ -201,6 +205,34 @@ class HangWatchdog:
                          "see the flight recorder in the rank files")
         lines.append(f"stacks of each reporting rank: {folder}/rank<R>.txt")
         return "\n".join(lines) + "\n"
+
+
+def silent_local_workers(silent: set[int]) -> list[tuple[int, int]]:
+    """SIGKILL the ranks in `silent` that are workers of this node's torchrun agent (same parent, run id and
+    attempt, found through /proc); returns (rank, pid) of each. A rank that did not report is stopped or stuck
+    outside Python: torchrun's SIGTERM cannot end it (a stopped process keeps it pending; a stuck one never runs
+    meshtune's SIGTERM handler), and torchrun waits a fixed 30 s before its SIGKILL when it restarts the workers,
+    30 s added to every recovery. Other nodes' silent ranks are left to their own agents. Not on Linux: none."""
+    run_id, attempt = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not silent or run_id is None or not Path("/proc").is_dir():
+        return []
+    parent, killed = os.getppid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            environ = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+            if (environ.get("TORCHELASTIC_RUN_ID") != run_id or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != attempt
+                    or not environ.get("RANK", "").isdigit() or int(environ["RANK"]) not in silent):
+                continue
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed.append((int(environ["RANK"]), int(entry.name)))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return sorted(killed)
 
 
 def main_thread_compiling() -> bool:
