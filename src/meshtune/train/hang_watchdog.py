@@ -152,7 +152,7 @@ class HangWatchdog:
         if reported and reported[0] == rank:
             (folder / "summary.txt").write_text(self.summary(folder, reported, limit))
             print((folder / "summary.txt").read_text(), file=sys.stderr, flush=True)
-        for silent, pid in silent_local_workers(set(range(self.env.world_size)) - set(reported)):
+        for silent, pid in kill_silent_local_workers(set(range(self.env.world_size)) - set(reported)):
             print(f"meshtune: rank {rank}: killing rank {silent} (pid {pid}, same node), which did not report",
                   file=sys.stderr, flush=True)
         print(f"meshtune: rank {rank}: no optimizer step completed for {idle:.0f} s after step {self.step - 1} "
@@ -207,7 +207,7 @@ class HangWatchdog:
         return "\n".join(lines) + "\n"
 
 
-def silent_local_workers(silent: set[int]) -> list[tuple[int, int]]:
+def kill_silent_local_workers(silent: set[int]) -> list[tuple[int, int]]:
     """SIGKILL the ranks in `silent` that are workers of this node's torchrun agent (same parent, run id and
     attempt, found through /proc); returns (rank, pid) of each. A rank that did not report is stopped or stuck
     outside Python: torchrun's SIGTERM cannot end it (a stopped process keeps it pending; a stuck one never runs
