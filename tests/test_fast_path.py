@@ -80,11 +80,13 @@ def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(
 
     torch._dynamo.reset()
     plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
-    # torch's config.patch, not monkeypatch: monkeypatch's undo would delete these keys from torch's config modules
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    # torch's config.patch, not monkeypatch: monkeypatch's undo would delete these keys from torch's config modules;
+    # on exit it also restores combo_kernels, which compile_blocks sets for the whole process
+    with inductor_config.patch(fx_graph_cache=False, combo_kernels=False), \
+            functorch_config.patch(enable_autograd_cache=False):
         budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", padding_free=True,
                          torch_compile=True, activation_memory_budget=0.05, compile_combo_kernels=True)
-    inductor_config.combo_kernels = False  # compile_blocks set it for this process
+    assert not inductor_config.combo_kernels
     assert [r["loss"] for r in budget] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
     assert [r["grad_norm"] for r in budget] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-3)
     assert budgets and set(budgets) == {0.05}  # every block's backward was partitioned under the budget
