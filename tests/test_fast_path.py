@@ -110,7 +110,7 @@ def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio
     fit = memory_fit.fit_recomputation
     monkeypatch.setattr(memory_fit, "fit_recomputation", lambda model, *a: (model_of.append(model), fit(model, *a))[1])
     monkeypatch.setattr(memory_fit, "can_measure", lambda device: True)
-    monkeypatch.setattr(memory_fit, "card_bytes", lambda device, limit: 1000.0)
+    monkeypatch.setattr(memory_fit, "smallest_gpu_memory", lambda device, limit: 1000.0)
     monkeypatch.setattr(memory_fit, "pending_optimizer_bytes", lambda optimizer, params: 0)
     monkeypatch.setattr(memory_fit, "measured", stand_in)
     monkeypatch.setattr(memory_fit, "allocated", lambda device: 0.0)
@@ -126,12 +126,12 @@ def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio
 def test_auto_recomputation_arithmetic(monkeypatch):
     from types import SimpleNamespace
 
-    from meshtune.train.memory_fit import (GIB, MemoryFit, blocks_to_keep, budget_bytes, card_bytes,
-                                           pending_optimizer_bytes)
+    from meshtune.train.memory_fit import (GIB, MemoryFit, blocks_to_keep, budget_bytes,
+                                           pending_optimizer_bytes, smallest_gpu_memory)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
-    assert card_bytes(torch.device("cpu"), None) == 80 * GIB
-    assert card_bytes(torch.device("cpu"), 24) == 24 * GIB  # gpu_memory_limit where it is lower
+    assert smallest_gpu_memory(torch.device("cpu"), None) == 80 * GIB
+    assert smallest_gpu_memory(torch.device("cpu"), 24) == 24 * GIB  # gpu_memory_limit where it is lower
     assert budget_bytes(None, 80 * GIB) == pytest.approx(72 * GIB)  # 0.9 of the card
     assert budget_bytes(0.5, 24 * GIB) == 12 * GIB  # a share of the card (here of gpu_memory_limit)
     assert budget_bytes(6.49, 80 * GIB) == pytest.approx(6.49 * GIB)  # GiB above 1

@@ -56,7 +56,7 @@ class MemoryFit:
 
 
 def budget_bytes(memory_budget: float | None, card: float) -> float:
-    """memory_budget in bytes: GiB above 1, a share of `card` (`card_bytes`) at 1 or below."""
+    """memory_budget in bytes: GiB above 1, a share of `card` at 1 or below."""
     if memory_budget is None:
         return DEFAULT_SHARE * card
     return memory_budget * card if memory_budget <= 1 else memory_budget * GIB
@@ -164,11 +164,6 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
     return MemoryFit(blocks, kept, peak_all, per_block, budget, tokens)
 
 
-def card_bytes(device: torch.device, gpu_memory_limit: float | None) -> float:
-    """The smallest card of the job, or gpu_memory_limit where lower: one budget for every rank (a collective)."""
-    return smallest_gpu_memory(device, gpu_memory_limit)
-
-
 def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
                       optimizer: torch.optim.Optimizer, largest: Callable[[], list[Row]],
                       to_batch: Callable[[list[Row]], object], memory_budget: float | None,
@@ -193,6 +188,7 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
             p.grad = None
         return held
 
-    budget = budget_bytes(memory_budget, card_bytes(device, gpu_memory_limit))
+    # the smallest card of the job, or gpu_memory_limit where lower: one budget for every rank (a collective)
+    budget = budget_bytes(memory_budget, smallest_gpu_memory(device, gpu_memory_limit))
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
     return fit.describe()
