@@ -232,6 +232,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     return dict(tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / row.gpus),
                 mfu=round(flops_per_s / peak, 4) if peak else None, step_s=round(seconds / len(timed), 4),
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
+                peak_reserved_gib=max((r.get("peak_reserved_gib", 0) for r in records), default=None),
                 trained_tokens=sum(r["tokens"] for r in records), alloc_retries=records[-1].get("alloc_retries"),
                 compile_s_timed=compile_seconds_in(records),
                 recompile_limit_hit="recompile_limit" in stdout + stderr,  # dynamo then runs eager
