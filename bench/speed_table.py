@@ -174,17 +174,35 @@ def row_timeout(args, row: Row) -> float:
     return args.row_timeout or (ROW_TIMEOUT_7B if row.size == "7b" else ROW_TIMEOUT)
 
 
-def run_captured(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str, str]:
-    """Run a command; (exit code or None when the timeout stopped it, stdout, stderr). On timeout the whole tree
-    goes: torchrun's workers live in their own sessions and would keep their GPUs."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def run_captured(cmd: list[str], timeout: float, env: dict | None = None, log: Path | None = None
+                 ) -> tuple[int | None, str]:
+    """Run a command; (exit code or None when the timeout stopped it, its stdout and stderr interleaved). With
+    `log`, each line is written there as it comes, after the seconds since the start, so that a run stopped by the
+    timeout, or by a kill of this script, still shows where its time went. On timeout the whole tree goes:
+    torchrun's workers live in their own sessions and would keep their GPUs."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    sink = open(log, "w") if log else None
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if sink:
+                sink.write(f"[{time.perf_counter() - started:7.1f} s] {line}")
+                sink.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
+        code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
-        out, err = proc.communicate()
-        return None, out, err
+        code = None
+    reader.join(timeout=30)
+    if sink:
+        sink.close()
+    return code, "".join(lines)
 
 
 def last_line(text: str) -> str:
@@ -214,14 +232,14 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     path.write_text(yaml.safe_dump(cfg))
     started = time.perf_counter()
     timeout, stopped = deadline.timeout(row_timeout(args, row))
-    code, stdout, stderr = run_captured([sys.executable, "-m", "meshtune", "train", str(path)], timeout,
-                                        env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train.log").write_text(stdout + stderr)  # kept beside metrics.jsonl, for a slow or odd row
+    # train.log, beside metrics.jsonl, for a slow or odd row: written as the run goes
+    code, output = run_captured([sys.executable, "-m", "meshtune", "train", str(path)], timeout,
+                                env={**os.environ, "NCCL_NVLS_ENABLE": "0"}, log=out / "train.log")
     if code is None:  # where the run was when stopped: loading, compiling, the memory probe or the steps
-        return dict(error=stopped, log=stdout[-4000:] + stderr[-4000:])
+        return dict(error=stopped, log=output[-8000:])
     if code != 0:
-        return dict(error=last_line(stdout[-1500:] + stderr[-1500:]), log=stdout[-4000:] + stderr[-4000:])
+        return dict(error=last_line(output[-3000:]), log=output[-8000:])
     summary = out / "profile" / "summary.txt"
     if summary.is_file():  # a variant with profile_steps=A-B: bring rank 0's operator table back
         Path(args.out, f"profile-{name}-v{index}.txt").write_text(summary.read_text())
@@ -235,7 +253,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                 peak_reserved_gib=max((r.get("peak_reserved_gib", 0) for r in records), default=None),
                 trained_tokens=sum(r["tokens"] for r in records), alloc_retries=records[-1].get("alloc_retries"),
                 compile_s_timed=compile_seconds_in(records),
-                recompile_limit_hit="recompile_limit" in stdout + stderr,  # dynamo then runs eager
+                recompile_limit_hit="recompile_limit" in output,  # dynamo then runs eager
                 final_loss=round(records[-1]["loss"], 4),
                 wall_s=round(time.perf_counter() - started, 1), settings=overrides)
 
@@ -255,12 +273,12 @@ def peer_row(args, row: Row, kind: str, pool: int, flops_per_token: float, peak:
            str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen), "--samples", str(pool),
            "--gc", "1", *PEERS[kind][1]]
     timeout, stopped = deadline.timeout(row_timeout(args, row))
-    code, stdout, stderr = run_captured(cmd, timeout)
+    code, output = run_captured(cmd, timeout)
     if code is None:
         return dict(error=stopped)
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in output.splitlines() if line.startswith("{")]
     if code != 0 or not lines:
-        return dict(error=last_line(stdout + stderr))
+        return dict(error=last_line(output))
     result = json.loads(lines[-1])
     tps = result["tokens_per_s"]
     return dict(tokens_per_s=tps, per_gpu=tps, mfu=round(tps * flops_per_token / peak, 4) if peak else None,

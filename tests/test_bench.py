@@ -198,6 +198,21 @@ def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
             proc.wait()
 
 
+def test_a_run_stopped_by_its_timeout_keeps_its_log_with_the_time_of_each_line(tmp_path):
+    from speed_table import run_captured
+
+    log = tmp_path / "train.log"
+    script = "import sys, time; print('loading', flush=True); print('no GPU', file=sys.stderr, flush=True); time.sleep(60)"
+    started = time.monotonic()
+    code, output = run_captured([sys.executable, "-c", script], 3, log=log)
+    assert code is None and time.monotonic() - started < 30
+    assert output.splitlines() == ["loading", "no GPU"]
+    stamps = [line.split("] ", 1) for line in log.read_text().splitlines()]
+    assert [text for _, text in stamps] == ["loading", "no GPU"]
+    assert all(stamp.startswith("[") and stamp.endswith(" s") and float(stamp[1:-2]) < 3 for stamp, _ in stamps)
+    assert run_captured([sys.executable, "-c", "raise SystemExit(3)"], 30) == (3, "")
+
+
 def test_presets_name_rows_and_every_scaling_row_has_its_base_in_the_table():
     from speed_table import DEFAULT_ROWS, PRESETS, ROWS, SCALING_8GPU, expand_rows, render
 
