@@ -239,7 +239,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     if code is None:  # where the run was when stopped: loading, compiling, the memory probe or the steps
         return dict(error=stopped, log=output[-8000:])
     if code != 0:
-        return dict(error=last_line(output[-3000:]), log=output[-8000:])
+        return dict(error=f"{last_line(output[-3000:])} (exit code {code})", log=output[-8000:])
     summary = out / "profile" / "summary.txt"
     if summary.is_file():  # a variant with profile_steps=A-B: bring rank 0's operator table back
         Path(args.out, f"profile-{name}-v{index}.txt").write_text(summary.read_text())
