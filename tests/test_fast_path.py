@@ -51,56 +51,6 @@ def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_
     assert seconds[0] > 0 and seconds == sorted(seconds) and "compile_s" not in plain[0]
 
 
-def test_rows_bucketed_for_cuda_graphs_give_the_losses_of_the_plain_path(monkeypatch, tmp_path, tiny_model_dir,
-                                                                          tiny_dataset):
-    """cuda_graphs pads each padding-free row to a multiple of cuda_graph_bucket tokens, and its segments to a multiple
-    of 8, with segments that train nothing: the losses, gradient norms, eval loss and token counts stay those of the
-    plain path. The graphs themselves need CUDA; here the bucketed rows and the loop's step marks run."""
-    import dataclasses
-
-    from meshtune.train import loop
-
-    plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
-    resolve, collate_rows, shapes = loop.resolve, loop.collate, []
-    monkeypatch.setattr(loop, "resolve", lambda *a, **k: dataclasses.replace(resolve(*a, **k), cuda_graphs=16))
-
-    def collate_and_note(*args, **kwargs):
-        batch = collate_rows(*args, **kwargs)
-        shapes.append((batch.input_ids.size(1), batch.cu_seqlens.numel() - 1, batch.num_tokens, batch.max_length))
-        return batch
-
-    monkeypatch.setattr(loop, "collate", collate_and_note)
-    bucketed = records(tmp_path, tiny_model_dir, tiny_dataset, "bucketed", "lora", **FAST)
-    assert [r["loss"] for r in bucketed] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
-    assert [r["grad_norm"] for r in bucketed] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-4)
-    assert bucketed[-1]["eval_loss"] == pytest.approx(plain[-1]["eval_loss"], rel=1e-5)
-    assert [r["tokens"] for r in bucketed] == [r["tokens"] for r in plain]
-    assert shapes and all(width % 16 == 0 and segments % 8 == 0 and width > tokens and bound == 64
-                          for width, segments, tokens, bound in shapes)
-
-
-def test_bucketed_row_pads_in_segments_of_their_own(tiny_model_dir, tiny_dataset, tmp_path):
-    from meshtune.data.collate import SEGMENTS_MULTIPLE, bucketed
-    from meshtune.data.tokenized import load_or_build
-    from meshtune.model.loading import load_tokenizer
-
-    tokenizer = load_tokenizer(tiny_model_dir)
-    data = load_or_build([tiny_dataset], tokenizer, fmt="auto", template="auto", cutoff_len=64, skip_invalid=False,
-                         cache_dir=tmp_path, show_progress=False)
-    flat = collate([[0], [1], [2]], data, tokenizer.pad_token_id, packed=False, padding_free=True)
-    for bucket in (1, 8, 100):
-        row = bucketed(flat, tokenizer.pad_token_id, bucket, 64)
-        width, real = row.input_ids.size(1), flat.input_ids.size(1)
-        cu = row.cu_seqlens.tolist()
-        assert width % bucket == 0 and width - real >= SEGMENTS_MULTIPLE - 3 and cu[-1] == width
-        assert len(cu) - 1 == SEGMENTS_MULTIPLE and cu[:4] == flat.cu_seqlens.tolist()
-        assert all(b > a for a, b in zip(cu, cu[1:]))  # no empty segment reaches the attention kernel
-        assert row.position_ids[0, real:].tolist() == [p for a, b in zip(cu[3:], cu[4:]) for p in range(b - a)]
-        assert (row.targets[0, real:] == IGNORE).all() and row.target_ids.tolist() == flat.target_ids.tolist()
-        assert (row.num_tokens, row.sample_lengths, row.max_length) == (flat.num_tokens, flat.sample_lengths,
-                                                                       max(64, *[b - a for a, b in zip(cu, cu[1:])]))
-
-
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
 def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(monkeypatch, tmp_path, tiny_model_dir,
                                                                                tiny_dataset):

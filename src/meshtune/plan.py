@@ -51,7 +51,6 @@ class RunPlan:
     fused_adamw: bool
     gc_interval: int             # 0: Python's automatic garbage collection
     weights_from_rank0: bool     # rank 0 reads the model files, the others receive its weights
-    cuda_graphs: int = 0         # compiled blocks replayed as CUDA graphs: the token bucket of a row; 0 = off
     why: dict[str, str] = field(default_factory=dict)  # the reason for each setting meshtune chose
 
     @property
@@ -70,8 +69,6 @@ class RunPlan:
         rows = [("parallel", self.parallel), ("precision", precision),
                 ("padding_free", on(self.padding_free)), ("fused_loss", on(self.fused_loss)),
                 ("torch_compile", on(self.compile))]
-        if self.cuda_graphs:
-            rows.append(("cuda_graphs", f"on, rows padded to multiples of {self.cuda_graphs} tokens"))
         if self.blocks_per_unit is not None:
             rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
         if self.hsdp_shard_size is not None:
@@ -146,10 +143,6 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or env.world_size, env)
     accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
     check_train_batch_size(cfg, accumulation, env.world_size)
-    if cfg.cuda_graphs and not (compile_ and padding_free and env.device.type == "cuda"):
-        raise ConfigError(f"cuda_graphs: true replays compiled blocks of padding-free rows on a GPU, but this run has "
-                          f"torch_compile {on(compile_)}, padding_free {on(padding_free)} on {env.device.type}: "
-                          f"turn those on (on a CUDA machine) or set cuda_graphs: false")
     bf16_weights = cfg.master_weights == "bf16"
     if bf16_weights:
         why["optim"] = "master_weights: bf16 steps bf16 weights with torchao's AdamW" + (
@@ -159,8 +152,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    fused_loss=cfg.fused_loss, compile=compile_, blocks_per_unit=blocks_per_unit,
                    hsdp_shard_size=hsdp_shard, cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
-                   weights_from_rank0=weights_from_rank0, cuda_graphs=cfg.cuda_graph_bucket if cfg.cuda_graphs else 0,
-                   why=why)
+                   weights_from_rank0=weights_from_rank0, why=why)
 
 
 def choose_parallel(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize], why: dict[str, str]) -> str:

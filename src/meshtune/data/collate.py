@@ -23,7 +23,6 @@ class Batch:
     num_tokens: int  # real (non-padding) tokens
     cu_seqlens: torch.Tensor | None = None  # padding-free: sample boundaries in the single row (int32)
     sample_lengths: tuple[int, ...] = ()  # every sample's length (the attention term of the FLOP count)
-    length_bound: int = 0  # the varlen kernel's bound on a sample's length, when fixed (0: the longest sample)
 
     def __post_init__(self) -> None:
         # where the targets sit in the flattened row(s), found here on the host so the step never waits on the GPU
@@ -38,8 +37,8 @@ class Batch:
 
     @property
     def max_length(self) -> int:
-        """The varlen kernel's bound on a segment's length: the longest sample, or a fixed bound (bucketed rows)."""
-        return self.length_bound or max(self.sample_lengths)
+        """The longest sample (the varlen kernel's bound)."""
+        return max(self.sample_lengths)
 
     def ignore_all(self) -> None:
         """Train nothing on this batch (a filler batch that keeps collectives in step)."""
@@ -50,7 +49,7 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         moved = Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
-                      self.num_tokens, move(self.cu_seqlens), self.sample_lengths, self.length_bound)
+                      self.num_tokens, move(self.cu_seqlens), self.sample_lengths)
         moved.target_positions, moved.target_ids = move(self.target_positions), move(self.target_ids)
         return moved
 
@@ -91,17 +90,14 @@ def concatenated(samples: list[int], dataset) -> tuple[np.ndarray, np.ndarray, n
 
 
 def collate(rows: list[list[int]], dataset, pad_id: int, packed: bool, pad_to_multiple: int = 1,
-            padding_free: bool = False, bucket: int = 0, length_bound: int = 0) -> Batch:
+            padding_free: bool = False) -> Batch:
     """Right-pad rows to the longest; each row holds one sample, or several when `packed`.
 
     `padding_free`: every sample of every row end to end in one row, with no padding at all, plus the sample
-    boundaries for a variable-length attention kernel. The math is that of the padded batch. With `bucket`, the
-    row is padded as `bucketed` says, and the kernel's bound on a segment is `length_bound` (the longest sample
-    the run can hold), so that the shapes a compiled graph sees take a few values only.
+    boundaries for a variable-length attention kernel. The math is that of the padded batch.
     """
     if padding_free:
-        batch = collate_padding_free([index for row in rows for index in row], dataset)
-        return bucketed(batch, pad_id, bucket, length_bound) if bucket else batch
+        return collate_padding_free([index for row in rows for index in row], dataset)
     pieces, lengths = [], []
     for row in rows:
         ids, targets, positions, row_lengths = concatenated(row, dataset)
@@ -132,28 +128,3 @@ def collate_padding_free(samples: list[int], dataset) -> Batch:
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths), 0)
     return Batch(torch.from_numpy(ids)[None], torch.from_numpy(targets)[None], torch.from_numpy(positions)[None], None,
                  int(sum(lengths)), cu_seqlens, tuple(lengths))
-
-
-SEGMENTS_MULTIPLE = 8  # bucketed rows hold a multiple of this many segments
-
-
-def bucketed(batch: Batch, pad_id: int, bucket: int, length_bound: int) -> Batch:
-    """A padding-free row padded to a multiple of `bucket` tokens, in segments of their own that train nothing
-    (targets ignored, positions from 0, attended only among themselves), as many as make the segment count a
-    multiple of SEGMENTS_MULTIPLE: a row then takes one of a few shapes, which CUDA graphs need (each recorded
-    graph serves one shape). Every segment holds at least one token: no empty segment reaches the attention kernel.
-    The counts that metrics and FLOPs read (num_tokens, sample_lengths) stay those of the real samples."""
-    real = batch.input_ids.size(1)
-    segments = len(batch.sample_lengths)
-    extra = -(-(segments + 1) // SEGMENTS_MULTIPLE) * SEGMENTS_MULTIPLE - segments  # 1..SEGMENTS_MULTIPLE
-    padded = -(-(real + extra) // bucket) * bucket
-    pad = padded - real
-    lengths = [1] * (extra - 1) + [pad - (extra - 1)]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    ids = torch.full((1, pad), pad_id or 0, dtype=batch.input_ids.dtype)  # any id: its segment trains nothing
-    targets = torch.full((1, pad), IGNORE, dtype=batch.targets.dtype)
-    ends = real + torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32)
-    return Batch(torch.cat([batch.input_ids, ids], 1), torch.cat([batch.targets, targets], 1),
-                torch.cat([batch.position_ids, positions.to(batch.position_ids.dtype)], 1), None, batch.num_tokens,
-                torch.cat([batch.cu_seqlens, ends]), batch.sample_lengths,
-                max(length_bound, max(lengths), max(batch.sample_lengths)))  # a longer segment: a new graph

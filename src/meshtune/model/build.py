@@ -50,7 +50,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
         ratio = 1.0 if cfg.gradient_checkpointing_ratio == "auto" else cfg.gradient_checkpointing_ratio
         enable_checkpointing(model, ratio)  # before compile: recompute runs the compiled block
     if plan.compile:
-        compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels, bool(plan.cuda_graphs))  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
+        compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
     model.config.use_cache = False  # training never reads a key-value cache
     loader = None
     if cfg.finetuning_type == "qlora":

@@ -23,8 +23,7 @@ def keep_one_graph_for_all_lengths() -> None:
     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
 
 
-def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0, combo_kernels: bool = False,
-                   cuda_graphs: bool = False) -> None:
+def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0, combo_kernels: bool = False) -> None:
     """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
     so shapes are marked dynamic from the start instead of recompiling).
 
@@ -38,11 +37,7 @@ def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0
     time per byte freed.
 
     `combo_kernels`: inductor launches independent pointwise kernels of a graph as one (on GPUs; each launch costs
-    the host 10-20 us, and a LoRA block casts each of its 14 adapter weights on its own).
-
-    `cuda_graphs`: torch.compile's reduce-overhead mode. Inductor records each call of a block's graphs (forward,
-    recompute, backward) as a CUDA graph in one memory pool (CUDA graph trees) for each shape it meets, and replays
-    it as one launch; the rows are bucketed (data/collate.py `bucketed`) so that few shapes occur."""
+    the host 10-20 us, and a LoRA block casts each of its 14 adapter weights on its own)."""
     torch._dynamo.config.optimize_ddp = False
     keep_one_graph_for_all_lengths()
     # read when a graph's backward is partitioned: 1 keeps what the min-cut partitioner keeps by default
@@ -50,4 +45,4 @@ def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0
     functorch_config.activation_memory_budget = activation_memory_budget
     inductor_config.combo_kernels = combo_kernels
     for block in transformer_blocks(model):
-        block.compile(dynamic=True, mode="reduce-overhead" if cuda_graphs else None)
+        block.compile(dynamic=True)

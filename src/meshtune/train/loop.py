@@ -27,7 +27,7 @@ from meshtune.checkpoint import CheckpointManager, training_state
 from meshtune.config import TrainConfig
 from meshtune.cpu_affinity import apply_cpu_affinity
 from meshtune.data.chat_template import serving_chat_template
-from meshtune.data.collate import IGNORE, SEGMENTS_MULTIPLE, Batch, collate, to_device
+from meshtune.data.collate import IGNORE, Batch, collate, to_device
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
@@ -120,22 +120,16 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
         log(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     pad_id = tokenizer.pad_token_id
-    # cuda_graphs: rows padded to a few shapes, and the attention's length bound fixed, so few graphs are recorded
-    shapes = dict(bucket=plan.cuda_graphs, length_bound=max(cfg.cutoff_len, plan.cuda_graphs + SEGMENTS_MULTIPLE))
-    rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
-                            padding_free=plan.padding_free, **shapes)
+    rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing, padding_free=plan.padding_free)
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=built.fused_loss)
-    # the memory probe's and evaluation's forwards each begin a step of their own
-    whole_step_loss = partial(new_graph_step, loss_of) if plan.cuda_graphs else loss_of
     model.train()
     if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio == "auto":  # before the step meter starts
         largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
-        log(fit_run_to_memory(model, whole_step_loss, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
+        log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
                               cfg.gpu_memory_limit, env.device))
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size, cfg.eval_steps, total_steps, env,
-                          partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free,
-                                  **shapes),
-                          whole_step_loss)
+                          partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free),
+                          loss_of)
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, trainer["step"], plan.compile)
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
@@ -158,8 +152,6 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
             stop.tally(votes)
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-            if plan.cuda_graphs:  # the previous step's graph outputs are dead: replays may reuse their memory
-                torch.compiler.cudagraph_mark_step_begin()
             for m, batch in enumerate(micro):
                 with gradient_sync(model, sync=m == len(micro) - 1):  # gradients cross processes once a step
                     loss = loss_of(batch.to(env.device))
@@ -250,13 +242,6 @@ def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf
                 return model(**batch.model_inputs(), use_cache=False).logits
         logits = model(**batch.model_inputs(), use_cache=False).logits
     return token_loss_sum(logits, batch.targets)
-
-
-def new_graph_step(loss_of: Callable[[Batch], torch.Tensor], batch: Batch) -> torch.Tensor:
-    """cuda_graphs: a forward that begins a new step of graph replays, whose memory may then be reused, because
-    nothing the previous step's graphs returned is read again."""
-    torch.compiler.cudagraph_mark_step_begin()
-    return loss_of(batch)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
