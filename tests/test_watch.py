@@ -3,6 +3,7 @@ stops a rank and slows another is in test_faults.py)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -41,6 +42,48 @@ def test_off_with_zero_or_on_one_process():
     assert not watchdog(0).enabled
     single = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     assert not HangWatchdog(30, 600, None, single, PLACES[:1]).enabled
+
+
+def test_while_no_timeout_applies_rank_0_says_every_minute_that_a_step_is_still_running():
+    said = []
+    watch = HangWatchdog(None, 600, output_dir=None, env=ENV, places=PLACES, log=said.append)
+    watch.at(1, "forward and backward, with the gradient reduction")
+    watch._last = time.monotonic() - 59
+    assert not watch._check() and said == []
+    watch._last = time.monotonic() - 61
+    assert not watch._check() and not watch._check()  # once a minute, not once a look
+    assert said == ["meshtune: step 1 still running after 61 s, at: forward and backward, with the gradient "
+                    "reduction"]
+    watch._last = time.monotonic() - 125
+    watch._check()
+    assert len(said) == 2 and said[1].startswith("meshtune: step 1 still running after 125 s")
+    for seconds in [90.0] + [2.0] * 5:  # five timed steps: the hang timeout applies, the notices stop
+        watch._last = time.monotonic() - seconds
+        watch.step_done()
+    watch._last = time.monotonic() - 59
+    assert watch.timeout() == 60 and not watch._check() and len(said) == 2
+    others = HangWatchdog(None, 600, None, DistEnv(1, 4, 1, 2, torch.device("cpu")), PLACES, log=said.append)
+    off = HangWatchdog(0, 600, None, ENV, PLACES, log=said.append)
+    for quiet in (others, off):
+        quiet._last = time.monotonic() - 61
+        quiet._check()
+    assert len(said) == 2 and not others.notices and not off.notices and not off.enabled
+
+
+def test_a_slow_first_step_of_a_run_is_announced_while_it_runs(monkeypatch, capsys, tmp_path, tiny_model_dir,
+                                                                 tiny_dataset):
+    from conftest import base_config
+    from meshtune.config import build_config
+    from meshtune.train import hang_watchdog
+    from meshtune.train.loop import run
+
+    monkeypatch.setattr(hang_watchdog, "SLOW_STEP_NOTICE_S", 1)
+    monkeypatch.setenv("MESHTUNE_FAULT", "slow:2.5")  # every step sleeps after its optimizer step
+    run(build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2)))
+    notices = [line for line in capsys.readouterr().out.splitlines() if "still running" in line]
+    for step in (1, 2):  # a notice a second; the 2.5 s sleep lies in the optimizer step's part
+        pattern = rf"meshtune: step {step} still running after \d+ s, at: gradient clipping and optimizer step"
+        assert any(re.fullmatch(pattern, line) for line in notices), notices
 
 
 def test_the_straggler_warning_needs_the_same_rank_over_the_threshold_for_the_intervals_asked():

@@ -177,7 +177,7 @@ class TrainConfig(BaseModel):
 
     straggler_threshold: float = WATCH(0.15, "a rank whose own work per step (step time less its waits for the others) exceeds the median rank's by this fraction for straggler_intervals logging intervals in a row is named in a warning with its node and host; metrics.jsonl records the slowest rank of every interval whatever the value. 0: no warning", ge=0)
     straggler_intervals: int = WATCH(3, "logging intervals in a row a rank must stay over straggler_threshold before the warning", gt=0)
-    hang_timeout: int | None = WATCH(None, "seconds without a completed optimizer step (evaluations and checkpoint writes not counted) after which every rank writes its stacks and torch's flight recorder of its last collectives to output_dir/hang-<time>/, summary.txt names the ranks that are stuck elsewhere or silent, and the workers exit for torchrun to restart them from the newest checkpoint. Default: 5 x the median step once 5 steps are done, at least 60 s, at most 80% of ddp_timeout. 0: off", ge=0)
+    hang_timeout: int | None = WATCH(None, "seconds without a completed optimizer step (evaluations and checkpoint writes not counted) after which every rank writes its stacks and torch's flight recorder of its last collectives to output_dir/hang-<time>/, summary.txt names the ranks that are stuck elsewhere or silent, and the workers exit for torchrun to restart them from the newest checkpoint. Default: 5 x the median step once 5 steps are done, at least 60 s, at most 80% of ddp_timeout; until then rank 0 logs every minute that a step is still running, where, and what the GPU allocator holds. 0: off, notices included", ge=0)
 
     @field_validator("nnodes", mode="before")
     @classmethod

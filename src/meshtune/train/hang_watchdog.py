@@ -7,6 +7,11 @@ collectives and their states: NCCL, and gloo where this torch records it). The r
 reported writes `summary.txt`: the ranks that never reported (stopped, dead, or stuck outside Python holding the
 interpreter) and those not at the same place as the others. Then the reporting ranks exit with `HANG_EXIT`, so
 torchrun stops the rest and starts all workers again, from the newest checkpoint.
+
+While no hang timeout applies yet (the first steps, which compile and warm up), rank 0 says every minute that a step
+is still running, where, whether torch.compile is at work, and, on GPUs, what the allocator holds and how often it
+has retried: a run stuck in its first step is then never silent, and an allocator at the card's limit (retries
+climbing) is told apart from a stuck collective (nothing moves).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ AUTO_STEPS = 5  # step times seen before the automatic timeout is set (the first
 AUTO_FACTOR = 5  # the automatic timeout: this many times the median step
 RECENT_STEPS = 200  # the median is of the last this many steps
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for the dump (TORCH_FR_BUFFER_SIZE)
+SLOW_STEP_NOTICE_S = 60  # while no hang timeout applies: rank 0's word on a step still running, this often
 
 
 def enable_flight_recorder() -> None:
@@ -56,14 +62,18 @@ class HangWatchdog:
     each step, and pauses the clock with `paused` around evaluations and saves.
 
     `timeout` None: 5 x the median step of the steps so far once 5 are done, at least 60 s, at most 80% of
-    `ddp_timeout` (beyond it the collective fails first); 0: off. The clock starts when the first step is done.
+    `ddp_timeout` (beyond it the collective fails first); 0: off, notices included. The clock starts when the first
+    step is done; before a timeout applies, rank 0 logs a notice every SLOW_STEP_NOTICE_S that a step is running.
     """
 
     def __init__(self, timeout: int | None, ddp_timeout: int, output_dir: Path, env: DistEnv, places: list[Place],
-                 log=print, start_step: int = 0):
+                 log=None, start_step: int = 0):
         self.explicit, self.ddp_timeout = timeout, ddp_timeout
-        self.output_dir, self.env, self.places, self.log = output_dir, env, places, log
+        self.output_dir, self.env, self.places = output_dir, env, places
+        self.log = log or above_progress_bar
         self.enabled = timeout != 0 and env.world_size > 1
+        self.notices = timeout != 0 and env.is_main
+        self._next_notice = SLOW_STEP_NOTICE_S
         self.step, self.where, self.start_step = 0, "starting the loop", start_step
         self._last = time.monotonic()
         self._steps_done = 0
@@ -73,7 +83,7 @@ class HangWatchdog:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> HangWatchdog:
-        if self.enabled:
+        if self.enabled or self.notices:
             self._thread = threading.Thread(target=self._watch, name="meshtune-hang-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -93,6 +103,7 @@ class HangWatchdog:
             self._recent.append(now - self._last)
         self._steps_done += 1
         self._last = now
+        self._next_notice = SLOW_STEP_NOTICE_S
 
     @contextmanager
     def paused(self, where: str):
@@ -118,13 +129,38 @@ class HangWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
-            limit = self.timeout()
-            if limit is None or self._paused:
-                continue
-            idle = time.monotonic() - self._last
-            if idle > limit and not main_thread_compiling():
-                self._report_and_exit(idle, limit)
+            if self._check():
                 return
+
+    def _check(self) -> bool:
+        """One look at the clock: a notice while no timeout applies; past the timeout, the report (True)."""
+        if self._paused:
+            return False
+        idle = time.monotonic() - self._last
+        limit = self.timeout()
+        if limit is None:
+            if self.notices and idle >= self._next_notice:
+                self.log(self.slow_step_notice(idle))
+                self._next_notice += SLOW_STEP_NOTICE_S
+            return False
+        if self.enabled and idle > limit and not main_thread_compiling():
+            self._report_and_exit(idle, limit)
+            return True
+        return False
+
+    def slow_step_notice(self, idle: float) -> str:
+        compiling = " (torch.compile at work)" if main_thread_compiling() else ""
+        text = f"meshtune: step {self.step} still running after {idle:.0f} s, at: {self.where}{compiling}"
+        device = self.env.device
+        if device.type == "cuda":  # host-side counters: no sync with the step in flight
+            gib = lambda b: f"{b / 2**30:.1f}"  # noqa: E731
+            total = torch.cuda.get_device_properties(device).total_memory
+            retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            text += (f"; GPU {device.index}: {gib(torch.cuda.memory_allocated(device))} GiB allocated, "
+                     f"{gib(torch.cuda.memory_reserved(device))} held by the allocator of {gib(total)}, {retries} "
+                     f"allocator retries (retries that climb between notices: the step is at the card's limit; "
+                     f"lower memory_budget)")
+        return text
 
     def _report_and_exit(self, idle: float, limit: float) -> None:
         folder = self._agree_on_folder()
@@ -233,6 +269,13 @@ def kill_silent_local_workers(silent: set[int]) -> list[tuple[int, int]]:
         except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             continue
     return sorted(killed)
+
+
+def above_progress_bar(text: str) -> None:
+    """A line printed from the watchdog's thread while rank 0's progress bar is drawn: above the bar, not into it."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stdout)
 
 
 def main_thread_compiling() -> bool:
