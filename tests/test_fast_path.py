@@ -139,6 +139,9 @@ def test_auto_recomputation_arithmetic(monkeypatch):
     assert blocks_to_keep(5 * GIB, 0.5 * GIB, 100 * GIB, 28) == 28
     assert blocks_to_keep(11 * GIB, 0.5 * GIB, 10 * GIB, 28) == 0
     assert "does not fit even with every block recomputed" in MemoryFit(28, 0, 11 * GIB, 0, 10 * GIB, 4096).describe()
+    line = MemoryFit(28, 4, 10 * GIB, GIB / 2, 20 * GIB, 4096, cached_all=3 * GIB).describe()
+    assert "holds 0.50 GiB of activations; the allocator held 3.00 GiB more at its peak; memory_budget 20.00 GiB" in line
+    assert "the allocator held" not in MemoryFit(28, 4, 10 * GIB, GIB / 2, 20 * GIB, 4096).describe()
     layer = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(layer.parameters())
     assert pending_optimizer_bytes(optimizer, list(layer.parameters())) == 2 * 15 * 4  # two fp32 moments

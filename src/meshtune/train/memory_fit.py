@@ -38,6 +38,7 @@ class MemoryFit:
     per_block: float  # bytes each kept block adds
     budget: float
     tokens: int  # of the measured micro-batch
+    cached_all: float = 0.0  # bytes the allocator held beyond its peak allocation in the step measured
 
     @property
     def ratio(self) -> float:
@@ -45,9 +46,11 @@ class MemoryFit:
 
     def describe(self) -> str:
         gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+        # what the allocator caches besides its allocations needs the card too, but is not counted in the budget
+        cached = f"; the allocator held {gib(self.cached_all)} more at its peak" if self.cached_all else ""
         head = (f"gradient_checkpointing_ratio auto: a step of the largest micro-batch ({self.tokens:,} tokens) takes "
                 f"{gib(self.peak_all)} with every block recomputed, and each block kept holds {gib(self.per_block)} of "
-                f"activations; memory_budget {gib(self.budget)}")
+                f"activations{cached}; memory_budget {gib(self.budget)}")
         if self.peak_all > self.budget:
             return (f"{head}: it does not fit even with every block recomputed; lower per_device_train_batch_size or "
                     f"cutoff_len, or shard more (parallel: zero2 / zero3)")
@@ -113,6 +116,14 @@ def measured(step: Callable[[], float], device: torch.device) -> tuple[float, fl
     return float(torch.cuda.max_memory_allocated(device)), held
 
 
+def cached_beyond_allocated(device: torch.device) -> float:
+    """Bytes the caching allocator held past its peak allocation since the peaks were last reset: memory the card
+    must also have, which the budget (counted as allocated) does not see."""
+    if device.type != "cuda":
+        return 0.0
+    return max(float(torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)), 0.0)
+
+
 def can_measure(device: torch.device) -> bool:
     return device.type == "cuda"
 
@@ -151,6 +162,7 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
         recompute_blocks(model, blocks)
         measured(step, device)  # compiles, and warms the allocator
         peak, held_all = measured(step, device)
+        cached_all = largest_over_ranks(cached_beyond_allocated(device), device)
         peak_all = largest_over_ranks(peak + pending_bytes, device)
         kept, per_block = 0, 0.0
         if peak_all < budget:  # the same decision on every rank: below it, one kept block would not fit anyway
@@ -161,7 +173,7 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
     finally:
         random_state.restore()
     recompute_blocks(model, blocks - kept)
-    return MemoryFit(blocks, kept, peak_all, per_block, budget, tokens)
+    return MemoryFit(blocks, kept, peak_all, per_block, budget, tokens, cached_all)
 
 
 def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
