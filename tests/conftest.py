@@ -3,6 +3,8 @@ always cleans up every process it started."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -50,6 +52,53 @@ def tiny_dataset(tmp_path_factory) -> Path:
                              {"role": "assistant", "content": sentence(rng, 1, 10)}]
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
+
+
+# Modules that start the most training processes, longest first: under pytest-xdist (`--dist loadfile`, as in
+# pyproject.toml) each worker takes whole modules, and the long ones started first let the workers end together.
+LONGEST_MODULES_FIRST = ("test_faults.py", "test_topology.py", "test_bench.py", "test_qlora.py", "test_demo.py",
+                         "test_slurm.py", "test_fast_path.py", "test_doctor.py", "test_restarts.py")
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_MODULES_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each module's own order kept
+
+
+class WorkerLock:
+    """Shared by the pytest-xdist workers of one run: a test marked `alone` (one that times itself or its steps
+    against the clock) runs with no other test beside it; the others run side by side."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.gate = (directory / "gate.lock").open("a")
+        self.tests = (directory / "tests.lock").open("a")
+
+    @contextlib.contextmanager
+    def hold(self, alone: bool):
+        fcntl.flock(self.gate, fcntl.LOCK_EX)  # an `alone` test waiting here keeps the next tests from starting
+        try:
+            fcntl.flock(self.tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.tests, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the temp folders
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker; its lock files in the run's shared temp folder
+        config.worker_lock = WorkerLock(config._tmp_path_factory.getbasetemp().parent / "worker-locks")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Around a test's setup, call and teardown (a module's fixtures, and the side jobs it waits for, included)."""
+    lock = getattr(item.config, "worker_lock", None)
+    with lock.hold(item.get_closest_marker("alone") is not None) if lock else contextlib.nullcontext():
+        yield
 
 
 def write_config(directory: Path, **values) -> Path:

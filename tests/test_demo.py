@@ -10,6 +10,7 @@ import pytest
 from conftest import read_metrics, run_cli
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_demo_loss_falls_and_heldout_answers_improve(tmp_path):
     result, seconds = run_cli(["demo", "--dir", str(tmp_path / "demo")], timeout=240)

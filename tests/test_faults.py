@@ -103,7 +103,8 @@ class SideJobs:
     waits) leave idle: each is a job of its own (own ports, output_dir and processes) with nothing timed against
     its training steps (no kill, signal or straggler measure), nor in the job it runs beside. Each scenario's test
     takes the result, and starts the job itself when run alone. A test that starts side jobs waits for them
-    before it ends, so none runs beside the step-timed tests (b, h, i)."""
+    before it ends, so none runs beside the step-timed tests (b, h, i), which are marked `alone`: under pytest-xdist
+    no other module's test runs beside them either."""
 
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=2)
@@ -219,6 +220,7 @@ def test_b_killed_node_0_alone_relaunched_rejoins_the_survivors_and_the_job_ends
     assert f"lost the rendezvous store at 127.0.0.1:{port}" in text and "training failed" not in text, text[-4000:]
 
 
+@pytest.mark.alone
 def test_b_a_stopped_rank_is_caught_by_the_hang_watchdog_and_the_job_recovers_by_itself_while_a_straggler_is_named(
         cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset):
     """Rank 3 sleeps after every step (a straggler); rank 1 stops itself with SIGSTOP after step 9 (a hung process).
@@ -461,6 +463,7 @@ def stop_and_resume(cluster: Cluster, tmp_path: Path, baseline, model_dir: Path,
     assert final_hash(output) == baseline["hash"]
 
 
+@pytest.mark.alone
 def test_h_sigterm_to_node_0_launcher_saves_and_a_relaunch_resumes_exactly(cluster, tmp_path, baseline,
                                                                            tiny_model_dir, tiny_dataset):
     """Kubernetes signals only the container's first process: node 0's meshtune launcher."""
@@ -468,6 +471,7 @@ def test_h_sigterm_to_node_0_launcher_saves_and_a_relaunch_resumes_exactly(clust
                     lambda nodes: nodes[0].process.send_signal(signal.SIGTERM))
 
 
+@pytest.mark.alone
 def test_i_sigterm_to_every_process_of_node_1_stops_both_nodes_after_a_checkpoint(cluster, tmp_path, baseline,
                                                                                   tiny_model_dir, tiny_dataset):
     """SLURM signals every process of the job step: launcher, torchrun and workers of node 1 at once. (The

@@ -43,6 +43,7 @@ def adapter_hash(output) -> str:
     return hashlib.sha256((output / "final" / "adapter_model.safetensors").read_bytes()).hexdigest()
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_sigterm_to_a_one_process_run_saves_exits_143_and_the_relaunch_resumes_exactly(tmp_path, tiny_model_dir,
                                                                                        tiny_dataset):

@@ -39,6 +39,7 @@ def test_a_worker_that_fails_once_is_restarted_and_the_job_ends_as_if_nothing_ha
     assert weights[0] == weights[1]
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_a_worker_that_fails_every_attempt_ends_the_job_quickly_with_its_message(tmp_path, tiny_model_dir,
                                                                                  tiny_dataset):
