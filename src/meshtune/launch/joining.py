@@ -21,6 +21,9 @@ def join_key(run_id: str, node_rank: int) -> str:
     return f"meshtune/{run_id}/node/{node_rank}"
 
 
+STORE_CONNECT_BOUND_S = 60  # longer than any connect attempt of the watcher's store client (a 5 s timeout, retried)
+
+
 class JoinWatch:
     """`with JoinWatch(settings, errors_dir, rdzv_timeout) as watch:` around this node's torchrun; `watch.joined`
     is the node ranks seen so far (for the error when the rendezvous times out)."""
@@ -39,7 +42,9 @@ class JoinWatch:
 
     def __exit__(self, *exc) -> None:
         self._done.set()
-        self._thread.join(timeout=10)
+        # until the thread has ended: one inside TCPStore's connect (tries and backoff, about 15 s at most) when
+        # Python exits would abort the process ("terminate called without an active exception")
+        self._thread.join(timeout=STORE_CONNECT_BOUND_S)
 
     def missing(self) -> list[int]:
         return [rank for rank in range(self.settings.max_nodes) if rank not in self.joined]
