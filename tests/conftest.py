@@ -60,7 +60,9 @@ LONGEST_MODULES_FIRST = ("test_faults.py", "test_topology.py", "test_bench.py", 
                          "test_slurm.py", "test_fast_path.py", "test_doctor.py", "test_restarts.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # a serial run keeps pytest's own order
+        return
     order = {name: i for i, name in enumerate(LONGEST_MODULES_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each module's own order kept
 

@@ -4,6 +4,7 @@ head + cross-entropy, selective activation checkpointing and compiled blocks giv
 
 from __future__ import annotations
 
+import gc
 import shutil
 
 import pytest
@@ -260,6 +261,11 @@ def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatc
             model = DistributedDataParallel(model, bucket_cap_mb=0.01)
             model(input_ids=torch.randint(0, 100, (2, 12))).logits.sum().backward()
             assert bool(splits) == (compile_ == "block.compile"), compile_
+            # DDP's reducer released here, while the group lives: dropped later by the garbage collector, it can
+            # destroy the gloo group on the main thread, which then joins gloo's threads holding the GIL that one
+            # of them needs to finish (a deadlock)
+            del model
+            gc.collect()
     finally:
         torch._dynamo.config.optimize_ddp = optimize_ddp
         dist.destroy_process_group()

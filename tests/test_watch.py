@@ -83,7 +83,7 @@ def test_a_slow_first_step_of_a_run_is_announced_while_it_runs(monkeypatch, caps
     notices = [line for line in capsys.readouterr().out.splitlines() if "still running" in line]
     for step in (1, 2):  # a notice a second; the 2.5 s sleep lies in the optimizer step's part
         pattern = rf"meshtune: step {step} still running after \d+ s, at: gradient clipping and optimizer step"
-        assert any(re.fullmatch(pattern, line) for line in notices), notices
+        assert any(re.search(pattern + "$", line) for line in notices), notices  # tqdm may move the cursor first
 
 
 def test_the_straggler_warning_needs_the_same_rank_over_the_threshold_for_the_intervals_asked():
