@@ -62,8 +62,8 @@ class StepMeter:
                   "peak_mem_gib": round(peak_memory_gib(self.env.device), 3)}
         if self.env.device.type == "cuda":  # the caching allocator freed everything and retried: fragmentation
             record["alloc_retries"] = torch.cuda.memory_stats(self.env.device).get("num_alloc_retries", 0)
-            # what the allocator holds from the card: CUDA graph pools keep their memory between replays, where
-            # peak_mem_gib sees only the tensors alive outside the graphs
+            # what the allocator holds from the card, its cached blocks included: peak_mem_gib counts only what it
+            # has handed out, and the difference is what fragmentation costs
             record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(self.env.device) / 2**30, 3)
         if self.compiled:  # seconds spent compiling so far: a step that compiled shows up as a jump
             record["compile_s"] = round(compile_seconds(), 2)
