@@ -9,7 +9,9 @@ traffic of the update. Optimizers:
   torchao-bf16    torchao's AdamW on bf16 weights with stochastic rounding (master_weights: bf16): one compiled call
                   for each parameter
   grouped-bf16    torchao's update, compiled once for each group of parameters of one shape and called once a group
-                  (the alternative measured against torchao-bf16; not used by meshtune: see docs/benchmarks.md)
+                  (an alternative measured against torchao-bf16; not used by meshtune: see docs/benchmarks.md)
+  meshtune-bf16   meshtune's StochasticBf16AdamW (master_weights: bf16): on CUDA one Triton kernel for every
+                  parameter, elsewhere its reference, operator by operator
 
   python3 bench/optimizer_step_cost.py --size 1.5b --divide 24 --device cpu --optimizers torchao-bf16,torch-foreach
 
@@ -27,7 +29,7 @@ import torch
 
 from workspace import model_config
 
-OPTIMIZERS = ["torch-fused", "torch-foreach", "torchao-bf16", "grouped-bf16"]
+OPTIMIZERS = ["torch-fused", "torch-foreach", "torchao-bf16", "grouped-bf16", "meshtune-bf16"]
 
 
 def parameter_shapes(size: str, divide: int) -> list[tuple[int, ...]]:
@@ -88,6 +90,10 @@ def build(name: str, shapes: list[tuple[int, ...]], device: str) -> torch.optim.
         from torchao.optim import _AdamW
 
         return _AdamW(groups, lr=3e-4, bf16_stochastic_round=True)
+    if name == "meshtune-bf16":
+        from meshtune.train.bf16_adamw import StochasticBf16AdamW
+
+        return StochasticBf16AdamW(groups, lr=3e-4)
     return grouped_bf16_adamw(groups, 3e-4)
 
 
@@ -106,7 +112,7 @@ def main() -> None:
     p.add_argument("--size", default="1.5b", help="a bench model shape (bench/workspace.py SIZES)")
     p.add_argument("--divide", type=int, default=24, help="each dimension of each parameter divided by this")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--optimizers", default="torch-fused,torchao-bf16", help=", ".join(OPTIMIZERS))
+    p.add_argument("--optimizers", default="torch-fused,torchao-bf16,meshtune-bf16", help=", ".join(OPTIMIZERS))
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args()
     shapes = parameter_shapes(args.size, args.divide)

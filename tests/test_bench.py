@@ -377,3 +377,27 @@ def test_the_run_at_peer_memory_takes_the_lowest_peak_of_the_rows_peers():
     # GiB (above 1); full fine-tuning trains bf16 weights there, as the peers do
     assert parse_variant(at_peer_memory(results, "full-1.5b")) == {"memory_budget": 13.61, "master_weights": "bf16"}
     assert at_peer_memory(results, "lora-7b") is None
+
+
+def test_trace_summary_splits_a_ranks_gpu_time_and_names_the_host_op_behind_each_idle_gap():
+    """A two-rank trace pair: rank 1's kernels leave a 3 ms gap while its host is in a hook; rank 0's all-gather
+    waits for it. Compute, NCCL, NCCL not hidden, idle and the gaps' host operators come out as drawn."""
+    from trace_summary import render, summarize
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    rank0 = {"traceEvents": [x("kernel", "gemm", 0, 1000), x("kernel", "ncclDevKernel_AllGather", 500, 4000),
+                             x("kernel", "gemm", 4500, 500), x("cpu_op", "aten::mm", 0, 100)]}
+    rank1 = {"traceEvents": [x("kernel", "gemm", 0, 1000), x("gpu_memcpy", "Memcpy HtoD", 1000, 200),
+                             x("cpu_op", "FSDP::post_backward", 900, 3500), x("cpu_op", "aten::empty", 1100, 50),
+                             x("kernel", "ncclDevKernel_AllGather", 4200, 300), x("kernel", "gemm", 4500, 500),
+                             {"ph": "i", "name": "marker", "ts": 0}]}
+    s0, s1 = summarize(rank0, gaps=5, min_gap_ms=1.0), summarize(rank1, gaps=5, min_gap_ms=1.0)
+    assert (s0["window_ms"], s0["compute_ms"], s0["nccl_ms"], s0["nccl_exposed_ms"], s0["idle_ms"]) == (5.0, 1.5, 4.0, 3.5, 0.0)
+    assert (s1["compute_ms"], s1["nccl_ms"], s1["idle_ms"]) == (1.7, 0.3, 3.0)
+    assert s1["gaps"] == [dict(at_ms=1.2, ms=3.0, host="FSDP::post_backward")]  # aten::empty ended before the gap
+    table = render(["rank0", "rank1"], [s0, s1], 1.0)
+    assert "| GPU idle (nothing running) | 0.0 | 3.0 |" in table and "FSDP::post_backward" in table
+    with pytest.raises(ValueError, match="no GPU events"):
+        summarize({"traceEvents": [x("cpu_op", "aten::mm", 0, 10)]}, gaps=5, min_gap_ms=1.0)

@@ -76,7 +76,7 @@ class RunPlan:
         if self.cpu_offload:
             rows.append(("cpu_offload", "on"))
         rows += [("gradient_accumulation_steps", str(self.gradient_accumulation_steps)),
-                 ("optim", "torchao AdamW, bf16 stochastic rounding" if self.bf16_weights else
+                 ("optim", "meshtune bf16 AdamW, stochastic rounding" if self.bf16_weights else
                   "adamw_torch_fused" if self.fused_adamw else "adamw_torch"),
                  ("gc_interval", str(self.gc_interval)),
                  ("load_weights_on", "rank0" if self.weights_from_rank0 else "every_rank")]
@@ -145,7 +145,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     check_train_batch_size(cfg, accumulation, env.world_size)
     bf16_weights = cfg.master_weights == "bf16"
     if bf16_weights:
-        why["optim"] = "master_weights: bf16 steps bf16 weights with torchao's AdamW" + (
+        why["optim"] = "master_weights: bf16 steps bf16 weights with stochastic rounding" + (
             "" if cfg.optim == "auto" else f", not {cfg.optim}")
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshtune.config import TrainConfig
-from meshtune.errors import ConfigError
+from meshtune.train.bf16_adamw import StochasticBf16AdamW
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool
@@ -19,21 +19,10 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool
     groups = [g for g in groups if g["params"]]
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.master_weights == "bf16":
-        return bf16_adamw(groups, cfg.learning_rate, betas, cfg.adam_epsilon), params
+        return StochasticBf16AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon,
+                                   seed=cfg.seed), params
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, fused=fused)
     return optimizer, params
-
-
-def bf16_adamw(groups: list[dict], lr: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
-    """AdamW on bf16 weights with bf16 moments (master_weights bf16): torchao's, which computes each update in
-    fp32 and rounds the new weight to bf16 stochastically, so an update below bf16's resolution still moves the
-    weight in expectation (a plain bf16 AdamW, as HF Trainer on a bf16 model, drops it)."""
-    try:
-        from torchao.optim import _AdamW
-    except ImportError as error:
-        raise ConfigError(f"master_weights: bf16 needs torchao ({error}); install the release made for your torch "
-                          f"(pip install torchao), or set master_weights: fp32") from None
-    return _AdamW(groups, lr=lr, betas=betas, eps=eps, bf16_stochastic_round=True)
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
