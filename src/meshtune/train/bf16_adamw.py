@@ -105,6 +105,7 @@ class StochasticBf16AdamW(torch.optim.Optimizer):
         self.seed = seed
         self.kernel = kernel
         self._launcher = None
+        self.parameter_keys: list[int] = []  # by place among all parameters, made once
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -145,7 +146,8 @@ class StochasticBf16AdamW(torch.optim.Optimizer):
         decay_factors = [1 - float(g["lr"]) * g["weight_decay"] for g in groups]
         step_sizes = [float(g["lr"]) / bias_correction1 for g in groups]
         this_step = step_key(step)
-        keys = [parameter_key(self.seed, i) ^ this_step for i in positions]
+        self.parameter_keys += [parameter_key(self.seed, i) for i in range(len(self.parameter_keys), position + 1)]
+        keys = [self.parameter_keys[i] ^ this_step for i in positions]
         if self.use_kernel(params[0].device):
             if self._launcher is None:
                 from meshtune.train.bf16_adamw_kernel import KernelLauncher
