@@ -135,5 +135,21 @@ def run_cli(args: list[str], timeout: float = 240, cwd: Path | None = None, env:
     return subprocess.CompletedProcess(args, process.returncode, output, None), time.monotonic() - started
 
 
+def run_cli_here(args: list[str], capfd) -> subprocess.CompletedProcess:
+    """`meshtune ARGS` through `meshtune.cli.main` in this process: the code path of `run_cli` without a Python
+    start-up (seconds of imports), for a command that stops early (an error, --help) or trains on one process
+    (which then trains here). stdout then stderr in one text, as `run_cli` merges them; capfd also holds what any
+    process it started printed."""
+    from meshtune.cli import main
+
+    capfd.readouterr()  # only this command's output
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse: --help, a bad option
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    captured = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out + captured.err, None)
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -113,15 +113,23 @@ def test_the_peer_counts_real_tokens_and_pads_to_the_longest_sample():
     assert collator.tokens == [4]
 
 
+def run_here(monkeypatch, main, argv: list[str]):
+    """A bench script's `main` in this process, as `python SCRIPT ARGV` calls it: the checks and messages of a run
+    without its Python start-up. A SystemExit("text") is the script's last line with status 1."""
+    monkeypatch.setattr(sys, "argv", [f"{main.__module__}.py", *argv])
+    return main()
+
+
 @pytest.mark.timeout(60)
-def test_the_liger_peer_names_the_package_it_needs():
+def test_the_liger_peer_names_the_package_it_needs(monkeypatch):
     if LIGER_INSTALLED:
         pytest.skip("liger-kernel is installed here")
-    proc = run([sys.executable, str(REPO / "bench" / "peer_hf.py"), "--size", "tiny", "--liger", "1"], timeout=50)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "peer_hf.py: --liger 1 needs the liger-kernel package (>= 0.3.0), which is not installed: "
-        "pip install liger-kernel")
+    from peer_hf import main
+
+    with pytest.raises(SystemExit) as stopped:  # and no other exception, which would print a traceback
+        run_here(monkeypatch, main, ["--size", "tiny", "--liger", "1"])
+    assert stopped.value.code == ("peer_hf.py: --liger 1 needs the liger-kernel package (>= 0.3.0), which is not "
+                                  "installed: pip install liger-kernel")
 
 
 def test_the_table_shows_our_speed_and_memory_against_each_peer():
@@ -142,11 +150,13 @@ def test_the_table_shows_our_speed_and_memory_against_each_peer():
 
 
 @pytest.mark.timeout(120)
-def test_runs_past_the_time_limit_are_listed_as_not_run_and_the_table_is_written(tmp_path):
+def test_runs_past_the_time_limit_are_listed_as_not_run_and_the_table_is_written(tmp_path, monkeypatch):
+    import speed_table
+
     out = tmp_path / "out"
-    proc = run([sys.executable, SPEED_TABLE, "--rows", "lora-tiny,lora-1.5b-2gpu", "--time-limit", "0", *SHORT,
-                "--work", str(tmp_path / "work"), "--out", str(out)], timeout=110)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    monkeypatch.setattr(speed_table.torch.cuda, "device_count", lambda: 0)  # as CUDA_VISIBLE_DEVICES="" (ENV)
+    run_here(monkeypatch, speed_table.main, ["--rows", "lora-tiny,lora-1.5b-2gpu", "--time-limit", "0", *SHORT,
+                                             "--work", str(tmp_path / "work"), "--out", str(out)])
     results = json.loads((out / "speed.json").read_text())["results"]
     assert [(r["system"], r["skipped"]) for r in results] == [
         ("meshtune", "time limit"), ("hf_trainer+peft", "time limit"), ("hf_trainer+peft+liger", "time limit"),
@@ -236,12 +246,14 @@ def test_presets_name_rows_and_every_scaling_row_has_its_base_in_the_table():
 
 
 @pytest.mark.timeout(120)
-def test_an_unknown_row_preset_or_peer_is_named_with_the_choices():
-    from speed_table import PRESETS, expand_rows, parse_peers
+def test_an_unknown_row_preset_or_peer_is_named_with_the_choices(monkeypatch, capsys):
+    from speed_table import PRESETS, expand_rows, main, parse_peers
 
-    proc = run([sys.executable, SPEED_TABLE, "--rows", "lora-1.5b,lora-15b"], timeout=110)
-    assert proc.returncode == 2 and "unknown row(s) lora-15b" in proc.stderr, proc.stderr[-2000:]
-    assert all(preset in proc.stderr for preset in PRESETS) and "full-7b-8gpu-hsdp" in proc.stderr
+    with pytest.raises(SystemExit) as stopped:
+        run_here(monkeypatch, main, ["--rows", "lora-1.5b,lora-15b"])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2 and "unknown row(s) lora-15b" in stderr, stderr[-2000:]
+    assert all(preset in stderr for preset in PRESETS) and "full-7b-8gpu-hsdp" in stderr
     with pytest.raises(ValueError, match="unknown row.*table-2gpu.*presets table .*table-1gpu"):
         expand_rows("table-2gpu")
     with pytest.raises(ValueError, match="unknown peer.*deepspeed.*peers are plain, liger"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli_here
 from meshtune.compat.deepspeed import translate_deepspeed
 from meshtune.compat.flags import split_flags
 from meshtune.compat.foreign import FOREIGN
@@ -215,11 +215,12 @@ def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_pa
         assert (final / "tokenizer_config.json").is_file(), path.name
 
 
-def test_llamafactory_yaml_through_the_command_line(tmp_path, tiny_model_dir):
+def test_llamafactory_yaml_through_the_command_line(tmp_path, tiny_model_dir, monkeypatch, capfd):
     tree = llamafactory_tree(FIXTURES, tmp_path / "lf")
     out = tmp_path / "out"
-    result, _ = run_cli(["train", "examples/train/lora_sft.yaml", f"model_name_or_path={tiny_model_dir}",
-                      f"output_dir={out}", "max_steps=2", "save_steps=0"], cwd=tree)
+    monkeypatch.chdir(tree)
+    result = run_cli_here(["train", "examples/train/lora_sft.yaml", f"model_name_or_path={tiny_model_dir}",
+                           f"output_dir={out}", "max_steps=2", "save_steps=0"], capfd)
     assert result.returncode == 0, result.stdout
     assert "overwrite_output_dir is HF TrainingArguments'; ignored because" in result.stdout
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == 2
@@ -238,10 +239,11 @@ def test_flags_are_split_from_the_command_and_parsed_as_yaml():
                      "--weight_decay", "0.1"]
 
 
-def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny_model_dir):
+def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny_model_dir, monkeypatch, capfd):
     """The flags of Qwen's finetune_lora_ds.sh, with its ZeRO-2 DeepSpeed JSON and data format."""
     out = tmp_path / "out"
-    result, _ = run_cli(
+    monkeypatch.chdir(tmp_path)
+    result = run_cli_here(
         ["train", "--model_name_or_path", str(tiny_model_dir), "--data_path", str(FIXTURES / "qwen" / "train.json"),
          "--bf16", "True", "--output_dir", str(out), "--num_train_epochs", "5", "--per_device_train_batch_size", "1",
          "--per_device_eval_batch_size", "1", "--gradient_accumulation_steps", "2", "--evaluation_strategy", "no",
@@ -249,7 +251,7 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
          "--weight_decay", "0.1", "--adam_beta2", "0.95", "--warmup_ratio", "0.01", "--lr_scheduler_type", "cosine",
          "--logging_steps", "1", "--report_to", "none", "--model_max_length", "128", "--lazy_preprocess", "True",
          "--use_lora", "--gradient_checkpointing", "--deepspeed", str(FIXTURES / "qwen" / "ds_config_zero2.json"),
-         "--max_steps", "2"], cwd=tmp_path)
+         "--max_steps", "2"], capfd)
     assert result.returncode == 0, result.stdout
     plan = json.loads((out / "run_plan.json").read_text())
     assert plan["parallel"] == "zero2"

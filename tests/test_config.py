@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from conftest import run_cli, write_config
+from conftest import run_cli_here, write_config
 from meshtune.compat.loading import load_config
 from meshtune.config import JOB, MATH, NODE, TrainConfig, build_config, describe_keys, parse_overrides
 from meshtune.errors import ConfigError
@@ -118,45 +118,46 @@ def test_help_lists_every_key_with_its_default_by_section():
     assert sections[0] == "model and method:" and "parallelism:" in sections and "stragglers and hangs:" in sections and len(sections) == 8
 
 
-def test_cli_reports_config_errors_fast_without_traceback(tmp_path):
+def test_cli_reports_config_errors_fast_without_traceback(tmp_path, capfd):
     path = write_config(tmp_path, model_name_or_path="/m", dataset="d.jsonl", learning_rat=1e-4, nproc_per_node=2)
-    result, seconds = run_cli(["train", str(path)], timeout=60)
+    result = run_cli_here(["train", str(path)], capfd)
     assert result.returncode == 1
     assert "unknown key 'learning_rat'; did you mean 'learning_rate'" in result.stdout
     assert "Traceback" not in result.stdout
     assert "torch.distributed" not in result.stdout  # no worker was started
 
 
-def test_cli_names_a_missing_model_directory(tmp_path, tiny_dataset):
+def test_cli_names_a_missing_model_directory(tmp_path, tiny_dataset, capfd):
     path = write_config(tmp_path, model_name_or_path=str(tmp_path / "absent"), dataset=str(tiny_dataset),
                         output_dir=str(tmp_path / "out"))
-    result, _ = run_cli(["train", str(path)], timeout=60)
+    result = run_cli_here(["train", str(path)], capfd)
     assert result.returncode == 1
     assert "is not a local directory" in result.stdout and "never downloads" in result.stdout
 
 
-def test_train_help_lists_keys():
-    result, _ = run_cli(["train", "--help"], timeout=60)
+def test_train_help_lists_keys(capfd):
+    result = run_cli_here(["train", "--help"], capfd)
     assert result.returncode == 0
     assert "gradient_accumulation_steps" in result.stdout and "key=value" in result.stdout
 
 
-def test_cli_refuses_a_global_batch_larger_than_the_data_before_starting_workers(tmp_path, tiny_model_dir, tiny_dataset):
+def test_cli_refuses_a_global_batch_larger_than_the_data_before_starting_workers(tmp_path, tiny_model_dir, tiny_dataset,
+                                                                                capfd):
     path = write_config(tmp_path, model_name_or_path=str(tiny_model_dir), dataset=str(tiny_dataset),
                         output_dir=str(tmp_path / "out"), nproc_per_node=2, per_device_train_batch_size=64)
-    result, _ = run_cli(["train", str(path)], timeout=120)
+    result = run_cli_here(["train", str(path)], capfd)
     assert result.returncode == 1
     assert "needs a global batch of 128" in result.stdout and "64 samples" in result.stdout
     assert "Traceback" not in result.stdout and "ChildFailedError" not in result.stdout
 
 
-def test_cli_names_the_malformed_record(tmp_path, tiny_model_dir):
+def test_cli_names_the_malformed_record(tmp_path, tiny_model_dir, capfd):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
                     '{"messages": [{"role": "user", "content": "no answer"}]}\n')
     path = write_config(tmp_path, model_name_or_path=str(tiny_model_dir), dataset=str(data),
                         output_dir=str(tmp_path / "out"), nproc_per_node=2)
-    result, _ = run_cli(["train", str(path)], timeout=120)
+    result = run_cli_here(["train", str(path)], capfd)
     assert result.returncode == 1
     assert f"{data}: record 2 (line 2):" in result.stdout and "skip_invalid" in result.stdout
     assert "Traceback" not in result.stdout

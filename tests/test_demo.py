@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, run_cli_here
 
 
 @pytest.mark.alone
@@ -26,7 +26,7 @@ def test_demo_loss_falls_and_heldout_answers_improve(tmp_path):
 
 
 @pytest.mark.slow
-def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(tmp_path):
+def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(tmp_path, capfd):
     """2 processes under zero3 vs 1 process with accumulation doubled: the same global batches, bit for bit.
 
     Two things would otherwise move the last bits, both found by bisecting these runs: (1) intra-op threads:
@@ -37,7 +37,7 @@ def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(t
     first 60 steps of the demo and drift to ~1e-2 relative as the loss nears 0). Clipping is off here.
     """
     directory = tmp_path / "D"
-    result, _ = run_cli(["demo", "--prepare", str(directory)], timeout=120)
+    result = run_cli_here(["demo", "--prepare", str(directory)], capfd)  # writes files only: in this process
     assert result.returncode == 0, result.stdout
     config = str(directory / "config.yaml")
 

@@ -76,16 +76,16 @@ def test_save_final_false_writes_no_model_and_says_so(tmp_path, tiny_model_dir, 
     assert "train loss     " in out and "(one logged step)" in out and " -> " not in out.split("train loss")[1]
 
 
-def test_ckpt_verify_knows_a_final_export_from_a_checkpoint(tmp_path, tiny_model_dir):
+def test_ckpt_verify_knows_a_final_export_from_a_checkpoint(tmp_path, tiny_model_dir, capfd):
     """`ckpt verify` on final/ says what it is and checks its files, instead of 'no COMPLETE marker'."""
     import shutil
 
-    from conftest import run_cli
+    from conftest import run_cli_here
 
     final = tmp_path / "final"
     shutil.copytree(tiny_model_dir, final)
-    result, _ = run_cli(["ckpt", "verify", str(final)], timeout=60)
+    result = run_cli_here(["ckpt", "verify", str(final)], capfd)
     assert result.returncode == 0 and "a final export (Hugging Face model), not a checkpoint: valid" in result.stdout
     (final / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{x")
-    result, _ = run_cli(["ckpt", "verify", str(final)], timeout=60)
+    result = run_cli_here(["ckpt", "verify", str(final)], capfd)
     assert result.returncode == 1 and "model.safetensors is not a readable safetensors file" in result.stdout

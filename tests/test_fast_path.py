@@ -242,6 +242,11 @@ def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatc
     original = dynamo_ddp.DDPOptimizer.compile_fn
     monkeypatch.setattr(dynamo_ddp.DDPOptimizer, "compile_fn",
                         lambda self, gm, inputs: splits.append(gm) or original(self, gm, inputs))
+    # dynamo splits (or not) before any backend runs: the eager backend keeps inductor's code generation, minutes
+    # of C++ compiles on a CPU, out of a check that only counts splits (test_compiled_blocks_* run inductor)
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **options: compile_module(self, backend="eager",
+                                                                                            **options))
     # torch's default, set back afterwards by assignment: monkeypatch's undo deletes a key dynamo's config lacks in
     # its __dict__, which hides the key from every later compile in this process
     optimize_ddp = torch._dynamo.config.optimize_ddp

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_config, kill_tree, read_metrics, run_cli, write_config
+from conftest import base_config, kill_tree, read_metrics, run_cli, run_cli_here, write_config
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 24, 4
@@ -171,10 +171,10 @@ def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset, side_jobs):
     return {"output": output, "losses": losses(output), "hash": final_hash(output), "root": root}
 
 
-def test_a_baseline_checkpoints_are_complete_and_verified(baseline):
+def test_a_baseline_checkpoints_are_complete_and_verified(baseline, capfd):
     steps = sorted(int(p.name.split("-")[1]) for p in baseline["output"].glob("checkpoint-*"))
     assert steps == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
-    result, _ = run_cli(["ckpt", "verify", str(baseline["output"] / f"checkpoint-{STEPS}")], timeout=60)
+    result = run_cli_here(["ckpt", "verify", str(baseline["output"] / f"checkpoint-{STEPS}")], capfd)
     assert result.returncode == 0, result.stdout
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import base_config, kill_tree, read_metrics, run_cli, write_config
+from conftest import base_config, kill_tree, read_metrics, run_cli, run_cli_here, write_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.launch import (describe, detect_node_settings, expand_hostlist, launch_env, needs_torchrun,
@@ -283,8 +283,8 @@ def test_dry_run_prints_settings_and_the_command(tmp_path):
     assert "env NODE_RANK" in process.stdout and process.stdout.rstrip().endswith(f"train {path} max_steps=3")
 
 
-def test_launch_help_explains_env_and_schedulers():
-    result, _ = run_cli(["launch", "--help"], timeout=60)
+def test_launch_help_explains_env_and_schedulers(capfd):
+    result = run_cli_here(["launch", "--help"], capfd)
     assert result.returncode == 0
     for expected in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "SLURM_JOB_NODELIST",
                      "PBS_NODEFILE", "PET_NNODES", "--dry-run"):

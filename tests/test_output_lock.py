@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import base_config, kill_tree, read_metrics, run_cli, write_config
+from conftest import base_config, kill_tree, read_metrics, run_cli_here, write_config
 from meshtune.errors import StorageError
 from meshtune.launch.output_lock import LOCK, STALE_S, OutputLock, check_not_held_by_another_job
 
@@ -67,7 +67,8 @@ def test_nodes_of_one_job_share_the_lock_and_refuse_another_job(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_job_on_a_running_jobs_output_dir_is_refused_until_that_job_dies(tmp_path, tiny_model_dir,
-                                                                                   tiny_dataset):
+                                                                                   tiny_dataset, capfd):
+    """The first job is a process of its own (the lock names its pid); the second runs in this process."""
     output = tmp_path / "out"
     values = base_config(tiny_model_dir, tiny_dataset, output, max_steps=40)
     (tmp_path / "a").mkdir()
@@ -81,15 +82,16 @@ def test_a_second_job_on_a_running_jobs_output_dir_is_refused_until_that_job_die
         while not ((output / "metrics.jsonl").exists() and read_metrics(output)):
             assert job_a.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        result, seconds = run_cli(["train", str(second)], timeout=60)
-        assert result.returncode == 1 and seconds < 30, result.stdout[-2000:]
+        started = time.monotonic()
+        result = run_cli_here(["train", str(second)], capfd)
+        assert result.returncode == 1 and time.monotonic() - started < 30, result.stdout[-2000:]
         last = result.stdout.strip().splitlines()[-1]
         assert f"is in use by another meshtune job" in last and f"(pid {job_a.pid})" in last, last
         assert not (output / "checkpoint-3").exists()
     finally:
         kill_tree(job_a.pid)
         job_a.wait()
-    result, _ = run_cli(["train", str(second), "resume_from_checkpoint=none"], timeout=120)
+    result = run_cli_here(["train", str(second), "resume_from_checkpoint=none"], capfd)
     assert result.returncode == 0, result.stdout[-2000:]
     assert f"taking over the lock of output_dir {output}" in result.stdout and "its process is gone" in result.stdout
     assert not (output / LOCK).exists()

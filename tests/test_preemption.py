@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import base_config, kill_tree, read_metrics, run_cli, write_config
+from conftest import base_config, kill_tree, read_metrics, run_cli, run_cli_here, write_config
 from meshtune.train.preemption import StopRequest, exit_code
 
 
@@ -78,11 +78,13 @@ def test_sigterm_to_a_one_process_run_saves_exits_143_and_the_relaunch_resumes_e
 
 
 @pytest.mark.slow
-def test_a_rerun_of_a_finished_run_resumes_at_its_last_step_and_ends_cleanly(tmp_path, tiny_model_dir, tiny_dataset):
-    """No step is left to run (and so no stop vote is ever read): the run still ends with its final export."""
+def test_a_rerun_of_a_finished_run_resumes_at_its_last_step_and_ends_cleanly(tmp_path, tiny_model_dir, tiny_dataset,
+                                                                           capfd):
+    """No step is left to run (and so no stop vote is ever read): the run still ends with its final export. Both
+    runs train on one process, this one."""
     config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2,
                                                   save_steps=2))
-    assert run_cli(["train", str(config)], timeout=120)[0].returncode == 0
-    result, _ = run_cli(["train", str(config)], timeout=120)
+    assert run_cli_here(["train", str(config)], capfd).returncode == 0
+    result = run_cli_here(["train", str(config)], capfd)
     assert result.returncode == 0 and "checkpoint-2 at step 2 of 2" in result.stdout, result.stdout[-3000:]
     assert (tmp_path / "out" / "final" / "adapter_model.safetensors").exists()

@@ -20,7 +20,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from conftest import base_config, kill_tree, read_metrics, run_cli, sentence, write_config
+from conftest import base_config, kill_tree, read_metrics, run_cli, run_cli_here, sentence, write_config
 from meshtune.config import build_config
 from meshtune.demo.model import build_tiny_model
 from meshtune.demo.tokenizer import train_tokenizer
@@ -149,24 +149,36 @@ def layout_values(model_dir, dataset, out, tokenized, parallel, nproc, accumulat
 PARALLEL_RUNS = 2
 
 
-def layout_runs(tmp_path_factory, model_dir, dataset, runs: list[tuple[str, int, int, dict]]) -> None:
-    """Runs the (parallel, processes, accumulation, extra) not yet in RUNS, PARALLEL_RUNS at a time, the ones with
-    the most processes first."""
+def layout_runs(tmp_path_factory, capfd, model_dir, dataset, runs: list[tuple[str, int, int, dict]]) -> None:
+    """Runs the (parallel, processes, accumulation, extra) not yet in RUNS: those that start torchrun
+    PARALLEL_RUNS at a time, the ones with the most processes first; meanwhile the one-process runs here, in this
+    thread (they train in this process: see layout_run)."""
     todo = [run for run in runs if (run[0], run[1], run[2], tuple(sorted(run[3].items()))) not in RUNS]
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
-        for future in [pool.submit(layout_run, tmp_path_factory, model_dir, dataset, parallel, nproc, accumulation,
-                                   **extra) for parallel, nproc, accumulation, extra in sorted(todo, key=lambda r: -r[1])]:
+        futures = [pool.submit(layout_run, tmp_path_factory, capfd, model_dir, dataset, parallel, nproc,
+                               accumulation, **extra)
+                   for parallel, nproc, accumulation, extra in sorted(todo, key=lambda r: -r[1]) if nproc > 1]
+        for parallel, nproc, accumulation, extra in todo:
+            if nproc == 1:
+                layout_run(tmp_path_factory, capfd, model_dir, dataset, parallel, nproc, accumulation, **extra)
+        for future in futures:
             future.result()
 
 
-def layout_run(tmp_path_factory, model_dir, dataset, parallel, nproc, accumulation, **extra) -> tuple[list, str]:
-    """Per-step losses then the final eval loss, and the output, of one layout (each runs once per session)."""
+def layout_run(tmp_path_factory, capfd, model_dir, dataset, parallel, nproc, accumulation,
+               **extra) -> tuple[list, str]:
+    """Per-step losses then the final eval loss, and the output, of one layout (each runs once per session).
+    `capfd` holds the output of a one-process run, which trains in this process."""
     key = (parallel, nproc, accumulation, tuple(sorted(extra.items())))
     if key not in RUNS:
         out = tmp_path_factory.mktemp(f"qlora-{parallel}-{nproc}x{accumulation}")
         values = layout_values(model_dir, dataset, out / "output", tmp_path_factory.getbasetemp() / "qlora-tokenized",
                                parallel, nproc, accumulation, **extra)
-        result, _ = run_cli(["train", str(write_config(out, **values))], timeout=300)
+        config = str(write_config(out, **values))
+        if nproc == 1:  # `meshtune train` trains in its own process, which may as well be this one: no start-up
+            result = run_cli_here(["train", config], capfd)
+        else:
+            result, _ = run_cli(["train", config], timeout=300)
         assert result.returncode == 0, result.stdout[-4000:]
         records = read_metrics(out / "output")
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
@@ -190,17 +202,17 @@ def nf4_sizes(output: str) -> tuple[float, float | None]:
 
 @pytest.mark.slow
 def test_sharded_qlora_gives_the_same_losses_in_every_layout_and_keeps_a_shard_of_the_nf4_weights_per_process(
-        qlora_model_dir, tiny_dataset, tmp_path_factory):
+        qlora_model_dir, tiny_dataset, tmp_path_factory, capfd):
     """ddp, zero3 and hsdp over 2 x 2 and 4 x 1 (processes x accumulation, LAYOUTS_BY_MODE) against 1 x 4: the same
     losses. Under ddp every process holds the whole 4-bit model; under zero3 each keeps 1 / processes of it, under
     hsdp 1 / shard size."""
-    layout_runs(tmp_path_factory, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {}), *LAYOUTS_BY_MODE])
-    reference, output = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
+    layout_runs(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {}), *LAYOUTS_BY_MODE])
+    reference, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
     assert reference[4] < reference[0], f"the loss should fall over 5 steps: {reference}"
     whole, share = nf4_sizes(output)
     assert share is None
     for parallel, nproc, accumulation, extra in LAYOUTS_BY_MODE:  # on one process they run as ddp (test_choices)
-        losses, output = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, parallel, nproc,
+        losses, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, parallel, nproc,
                                     accumulation, **extra)
         assert_close(losses, reference, f"{parallel} {nproc}x{accumulation}")
         shards = 1 if parallel == "ddp" else extra.get("hsdp_shard_size", nproc)
@@ -213,13 +225,13 @@ def test_sharded_qlora_gives_the_same_losses_in_every_layout_and_keeps_a_shard_o
 
 @pytest.mark.slow
 def test_zero3_qlora_on_two_nodes_of_two_matches_one_node_and_resumes_exactly_after_a_failure(
-        qlora_model_dir, tiny_dataset, tmp_path_factory, tmp_path):
+        qlora_model_dir, tiny_dataset, tmp_path_factory, tmp_path, capfd):
     """`meshtune train cfg.yaml finetuning_type=qlora parallel=zero3` on each of two simulated nodes (2 processes
     each): a worker fails after step 3, torchrun restarts the job, which resumes from checkpoint-2. Its losses are
     bit for bit those of the uninterrupted zero3 run on one node of 4, and those of 1 process x 4 within rounding.
     The checkpoint then resumes on 2 processes."""
-    single, _ = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, "zero3", 4, 1)
-    reference, _ = layout_run(tmp_path_factory, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
+    single, _ = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "zero3", 4, 1)
+    reference, _ = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
     values = layout_values(qlora_model_dir, tiny_dataset, tmp_path / "output",
                            tmp_path_factory.getbasetemp() / "qlora-tokenized", "ddp", 1, 1, save_steps=2,
                            max_restarts=1, rdzv_timeout=60, ddp_timeout=60)

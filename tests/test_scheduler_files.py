@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import base_config, kill_tree, read_metrics, write_config
+from conftest import base_config, kill_tree, read_metrics, run_cli_here, write_config
 from meshtune.cli import main
 
 SCHEMA = json.loads((Path(__file__).parent / "fixtures" / "kubeflow" / "pytorchjob-v1.schema.json").read_text())
@@ -417,16 +417,16 @@ def test_errors_name_the_option_and_what_to_do(capsys, tmp_path, args, message):
     assert not output.exists()  # nothing is written for a job that cannot run
 
 
-def test_an_unknown_scheduler_is_refused_with_the_choices(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "meshtune", "launch", "--scheduler", "lsf", "cfg.yaml", "--nodes",
-                             "2", "--gpus-per-node", "8"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert "invalid choice: 'lsf'" in result.stderr and "'slurm', 'pbs', 'k8s'" in result.stderr
+def test_an_unknown_scheduler_is_refused_with_the_choices(capsys):
+    with pytest.raises(SystemExit) as stopped:  # argparse's usage error
+        main(["launch", "--scheduler", "lsf", "cfg.yaml", "--nodes", "2", "--gpus-per-node", "8"])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert "invalid choice: 'lsf'" in stderr and "'slurm', 'pbs', 'k8s'" in stderr
 
 
-def test_launch_help_names_the_schedulers():
-    result = subprocess.run([sys.executable, "-m", "meshtune", "launch", "--help"], capture_output=True, text=True,
-                            timeout=60)
+def test_launch_help_names_the_schedulers(capfd):
+    result = run_cli_here(["launch", "--help"], capfd)
     assert result.returncode == 0
     for expected in ("--scheduler {slurm,pbs,k8s}", "--gpus-per-node", "--image", "--pvc", "docs/schedulers/"):
         assert expected in result.stdout

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import base_config, run_cli, write_config
+from conftest import base_config, run_cli_here, write_config
 from meshtune.checkpoint import CheckpointError, list_checkpoints, select_resume
 from meshtune.config import build_config
 from meshtune.train.loop import run
@@ -17,21 +17,21 @@ from meshtune.train.loop import run
 @pytest.mark.parametrize("where, cause", [("under_a_file", "a part of the path is a file, not a directory"),
                                           ("proc", "a part of the path cannot be created there")])
 def test_an_output_dir_that_cannot_be_written_is_named_before_any_process_starts(tmp_path, tiny_model_dir,
-                                                                                 tiny_dataset, where, cause):
+                                                                                 tiny_dataset, where, cause, capfd):
     (tmp_path / "a_file").write_text("")
     output = tmp_path / "a_file" / "out" if where == "under_a_file" else "/proc/meshtune-test/out"
     config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, output, nproc_per_node=2))
-    result, seconds = run_cli(["train", str(config)], timeout=120)
+    result = run_cli_here(["train", str(config)], capfd)
     assert result.returncode == 1, result.stdout[-3000:]
     assert f"output_dir: cannot write to {output}: {cause}" in result.stdout
     assert "Traceback" not in result.stdout and "torch.distributed" not in result.stdout  # no worker started
 
 
-def test_an_unwritable_tokenized_path_is_named_on_one_process_too(tmp_path, tiny_model_dir, tiny_dataset):
+def test_an_unwritable_tokenized_path_is_named_on_one_process_too(tmp_path, tiny_model_dir, tiny_dataset, capfd):
     (tmp_path / "a_file").write_text("")
     config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out",
                                                   tokenized_path=str(tmp_path / "a_file" / "cache")))
-    result, _ = run_cli(["train", str(config)], timeout=120)
+    result = run_cli_here(["train", str(config)], capfd)
     assert result.returncode == 1 and "tokenized_path: cannot write to" in result.stdout, result.stdout[-3000:]
     assert "Traceback" not in result.stdout
 

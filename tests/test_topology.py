@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import base_config, read_metrics, run_cli, write_config
+from meshtune.cli import main
 
 # (parallel, nproc_per_node, gradient_accumulation_steps, extra keys) against ddp 1x4 (one process, no wrapper):
 # global batch 8 in each. What a layout exercises: 1x4 FSDP2 on a one-process mesh with accumulation; 2x2 the
@@ -49,13 +50,18 @@ def run_key(model_dir, dataset, method, parallel, nproc, accumulation, **extra) 
 
 
 def train_all(tmp_path, model_dir, dataset, runs: list[tuple[str, str, int, int, dict]]) -> None:
-    """Runs the (method, parallel, nproc, accumulation, extra) not yet in RUNS, PARALLEL_RUNS at a time, the
-    ones with the most processes first."""
+    """Runs the (method, parallel, nproc, accumulation, extra) not yet in RUNS: those that start torchrun
+    PARALLEL_RUNS at a time, the ones with the most processes first; meanwhile the one-process runs here, in this
+    thread (they train in this process: see _train_losses)."""
     todo = {run_key(model_dir, dataset, m, p, n, a, **e): (m, p, n, a, e) for m, p, n, a, e in runs}
     todo = sorted((spec for key, spec in todo.items() if key not in RUNS), key=lambda spec: -spec[2])
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
         futures = {run_key(model_dir, dataset, m, p, n, a, **e): pool.submit(
-            _train_losses, tmp_path, model_dir, dataset, m, p, n, a, **e) for m, p, n, a, e in todo}
+            _train_losses, tmp_path, model_dir, dataset, m, p, n, a, **e) for m, p, n, a, e in todo if n > 1}
+        for m, p, n, a, e in todo:
+            if n == 1:
+                RUNS[run_key(model_dir, dataset, m, p, n, a, **e)] = _train_losses(tmp_path, model_dir, dataset, m,
+                                                                                   p, n, a, **e)
         for key, future in futures.items():
             RUNS[key] = future.result()
 
@@ -77,8 +83,12 @@ def _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumul
                          gradient_accumulation_steps=accumulation, tokenized_path=str(tmp_path / "tokenized"),
                          learning_rate=5e-3 if method == "lora" else 1e-3, val_size=6,
                          per_device_eval_batch_size=2, save_final=False, **extra)
-    result, _ = run_cli(["train", str(write_config(out, **values))], timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:]
+    config = str(write_config(out, **values))
+    if nproc == 1:  # `meshtune train` trains in its own process, which may as well be this one: no start-up
+        assert main(["train", config]) == 0
+    else:
+        result, _ = run_cli(["train", config], timeout=300)
+        assert result.returncode == 0, result.stdout[-4000:]
     records = read_metrics(out / "output")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     return [r["loss"] for r in records] + [records[-1]["eval_loss"]]
