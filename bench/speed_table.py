@@ -53,7 +53,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import kill_tree  # noqa: E402
-from trace_summary import render as render_traces, summarize as summarize_trace  # noqa: E402
+from trace_summary import summarize_files as summarize_traces  # noqa: E402
 from workspace import WARMUP, build_model_dir, prepare_workspace, timed_records, workspace_samples  # noqa: E402
 
 from meshtune.hardware import measure_peak_flops  # noqa: E402
@@ -244,10 +244,8 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     summary = out / "profile" / "summary.txt"
     if summary.is_file():  # a variant with profile_steps=A-B: bring rank 0's operator table back
         Path(args.out, f"profile-{name}-v{index}.txt").write_text(summary.read_text())
-        traces = sorted((out / "profile").glob("rank*.json"))
         try:  # and the GPU time of every rank: compute, NCCL, idle, and the host at the longest idle gaps
-            ranks = render_traces([t.stem for t in traces], [summarize_trace(json.loads(t.read_text()), 12, 1.0)
-                                                             for t in traces], 1.0)
+            ranks = summarize_traces(sorted((out / "profile").glob("rank*.json")))
             Path(args.out, f"profile-{name}-v{index}-ranks.md").write_text(ranks)
         except ValueError:  # a CPU run: no GPU events
             pass

@@ -99,21 +99,29 @@ def render(names: list[str], summaries: list[dict], min_gap_ms: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize_files(paths: list[Path], gaps: int = 12, min_gap_ms: float = 1.0) -> str:
+    """The table of `render` for trace files, each named by its stem (rank0, rank1, ...). ValueError names the file
+    whose trace has no GPU events."""
+    summaries = []
+    for path in paths:
+        try:
+            summaries.append(summarize(json.loads(Path(path).read_text()), gaps, min_gap_ms))
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+    return render([Path(path).stem for path in paths], summaries, min_gap_ms)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="+", help="Chrome trace files (output_dir/profile/rank{R}.json)")
     p.add_argument("--gaps", type=int, default=12, help="longest idle gaps listed per trace")
     p.add_argument("--min-gap-ms", type=float, default=1.0, help="idle gaps counted from this length")
     args = p.parse_args(argv)
-    names, summaries = [], []
-    for path in args.traces:
-        try:
-            summaries.append(summarize(json.loads(Path(path).read_text()), args.gaps, args.min_gap_ms))
-        except (OSError, ValueError) as error:
-            print(f"trace_summary: {path}: {error}", file=sys.stderr)
-            return 1
-        names.append(Path(path).stem)
-    sys.stdout.write(render(names, summaries, args.min_gap_ms))
+    try:
+        sys.stdout.write(summarize_files(args.traces, args.gaps, args.min_gap_ms))
+    except (OSError, ValueError) as error:
+        print(f"trace_summary: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

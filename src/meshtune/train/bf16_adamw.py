@@ -26,8 +26,9 @@ GOLDEN32 = 0x9E3779B1  # Weyl step over the element index; index < 2^31, so inde
 MIX32 = 0x045D9F3B  # 32-bit avalanche multiplier; x < 2^32, so x * MIX32 < 2^59: no int64 overflow anywhere
 
 
-def mix32(x: int) -> int:
-    """The hash's mixing rounds, on a Python int (the keys made on the host)."""
+def mix32(x):
+    """The hash's mixing rounds, on a Python int (the keys made on the host) or an int64 tensor below 2^32 (the
+    element bits): the same operators, so both give the same values."""
     x = ((x >> 16) ^ x) * MIX32 & MASK32
     x = ((x >> 16) ^ x) * MIX32 & MASK32
     return (x >> 16) ^ x
@@ -44,10 +45,7 @@ def step_key(step: int) -> int:
 def random_16bit(numel: int, key: int, device: torch.device) -> torch.Tensor:
     """Uniform integers in [0, 2^16), one per element index, from a 32-bit key (int32, flat)."""
     x = torch.arange(numel, device=device, dtype=torch.int64) & 0x7FFFFFFF
-    x = (x * GOLDEN32 + key) & MASK32
-    x = (((x >> 16) ^ x) * MIX32) & MASK32
-    x = (((x >> 16) ^ x) * MIX32) & MASK32
-    return (((x >> 16) ^ x) & 0xFFFF).to(torch.int32)
+    return (mix32((x * GOLDEN32 + key) & MASK32) & 0xFFFF).to(torch.int32)
 
 
 def round_to_bf16_stochastically(value: torch.Tensor, key: int) -> torch.Tensor:
