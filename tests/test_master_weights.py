@@ -16,8 +16,8 @@ from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
-from meshtune.train.bf16_adamw import (StochasticBf16AdamW, mix32, random_16bit, round_to_bf16_stochastically,
-                                       step_key)
+from meshtune.train.bf16_adamw import StochasticBf16AdamW
+from meshtune.train.bf16_adamw_reference import mix32, random_16bit, round_to_bf16_stochastically, step_key
 
 
 def losses(out) -> list[float]:

@@ -3,7 +3,7 @@
 The kernel reads a table of the tensors' addresses (weights, gradients, moments), element counts, random keys and
 per-parameter factors, and each program updates one chunk of one parameter. The host's work per step is to refill
 that table (gradients are new tensors each step) and copy it from pinned memory without waiting for the GPU; the
-arithmetic is `bf16_adamw.reference_update`'s, element by element, with IEEE division and square root.
+arithmetic is `bf16_adamw_reference.reference_update`'s, element by element, with IEEE division and square root.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from meshtune.train.bf16_adamw import GOLDEN32, MASK32, MIX32, reference_update
+from meshtune.train.bf16_adamw_reference import GOLDEN32, MASK32, MIX32, reference_update
 
 BLOCK = 1024
 CHUNK_BLOCKS = 8  # a program updates CHUNK = 8,192 elements of one parameter
