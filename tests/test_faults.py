@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -246,7 +247,9 @@ def test_b_a_stopped_rank_is_caught_by_the_hang_watchdog_and_the_job_recovers_by
     assert final_hash(output) == baseline["hash"]
     records = read_metrics(output)
     assert [r["slowest_rank"] for r in records[2:]] == [3] * (STEPS - 2), records
-    assert all(r["slowest_node"] == 1 and r["slowest_over_median"] > 0.5 for r in records[2:])
+    # by how much is timing: an interval around the restart also holds every rank's slow first step
+    assert all(r["slowest_node"] == 1 and r["slowest_over_median"] > 0 for r in records[2:]), records
+    assert statistics.median(r["slowest_over_median"] for r in records[2:]) > 0.5, records
     assert "warning: rank 3 (node 1, host" in text and "straggler" in text, text[-4000:]
 
 
