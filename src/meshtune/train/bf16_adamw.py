@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtune.train.bf16_adamw_reference import parameter_key, reference_update, step_key
 
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
