@@ -13,13 +13,7 @@ job must recover by itself: the hang watchdog's reports (stacks, the NCCL flight
 
   python bench/gpu_two_agents.py --fault hang --modes zero2 --gpus-per-node 1 --steps 40 --save-steps 10
 
-Speed (--speed): NCCL forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1), a stand-in
-for two nodes on a slow network, and step time per parallel mode, beside the same GPUs as one node on NVLink.
-The variables are per process, so traffic inside a "node" goes over sockets too.
-
-  python bench/gpu_two_agents.py --speed --modes zero2,zero3,hsdp --jobs full-1.5b,lora-7b --gpus-per-node 2
-  python bench/gpu_two_agents.py --speed --modes zero3,hsdp --jobs full-7b --gpus-per-node 4    (8 GPUs: 2 x 4 vs 1 x 8)
-  (--modes takes ddp too; --layouts sockets skips the one-node runs)
+Speed across the two nodes: bench/two_node_speed.py.
 
 Every job starts from an empty output folder and fresh logs, so a second invocation on the same --work measures
 a new run rather than resuming the last one's checkpoints. A job that trained no tokens, or resumed where it
@@ -54,9 +48,6 @@ def free_port() -> int:
 def kill_node(process: subprocess.Popen) -> None:
     kill_tree(process.pid)
     process.wait()
-
-
-SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
 
 def start_node(rank: int, config: Path, port: int, gpus: list[int], log: Path, extra_env: dict | None = None,
@@ -124,81 +115,6 @@ def run_job(config: Path, out_dir: Path, gpus_per_node: int, work: Path, kill_at
     return result
 
 
-LAYOUTS = {"sockets": "2 nodes, sockets", "nvlink": "1 node, NVLink"}
-JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-7b": ("7b", "lora", 4), "full-7b": ("7b", "full", 4),
-        "lora-tiny": ("tiny", "lora", 2)}  # size, method, batch per GPU; tiny: CPU smoke test
-
-
-def speed_config(args, work: Path, job: str, mode: str, out_dir: Path, model_dir: Path, data_file: Path) -> Path:
-    """The job's config: the same for both layouts, so only the network differs."""
-    size, method, bs = JOBS[job]
-    config = out_dir.with_suffix(".yaml")
-    config.write_text(yaml.safe_dump(dict(
-        model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / size / "tokenized"),
-        output_dir=str(out_dir), finetuning_type=method, lora_rank=64, lora_alpha=16, lora_target="all",
-        parallel=mode, per_device_train_batch_size=bs, max_steps=args.steps, logging_steps=1, learning_rate=1e-5,
-        gradient_checkpointing=True, cutoff_len=1024, seed=1, rdzv_timeout=120, ddp_timeout=300,
-        resume_from_checkpoint="none", hsdp_shard_size=args.gpus_per_node, save_final=False)))
-    return config
-
-
-def run_speed_job(args, work: Path, config: Path, out_dir: Path, two_nodes: bool) -> tuple[list, list[dict], str]:
-    """Two agents (NCCL on sockets) or one with all the GPUs: exit codes, metrics records and the logs' text."""
-    port, per_node = free_port(), args.gpus_per_node
-    if two_nodes:
-        logs = [work / f"{out_dir.name}-node{r}.log" for r in (0, 1)]
-        fresh(out_dir, logs)
-        gpus = [list(range(per_node)), list(range(per_node, 2 * per_node))]
-        nodes = [start_node(r, config, port, gpus[r], logs[r], SOCKETS) for r in (0, 1)]
-    else:
-        logs = [work / f"{out_dir.name}.log"]
-        fresh(out_dir, logs)
-        nodes = [start_node(0, config, port, list(range(2 * per_node)), logs[0], nnodes=1)]
-    try:
-        codes = [node.wait(timeout=args.job_timeout) for node in nodes]
-    except subprocess.TimeoutExpired:
-        codes = ["timeout"]
-    finally:
-        for node in nodes:
-            kill_node(node)
-    metrics = out_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return codes, records, "".join(log.read_text() for log in logs if log.exists())
-
-
-def speed(args, work: Path) -> None:
-    """Mean step time after the warm-up steps: two agents over sockets, and one agent with all GPUs on NVLink."""
-    results = []
-    for job in args.jobs.split(","):
-        size, _, bs = JOBS[job]
-        model_dir, data_file = prepare_workspace(size, work / size,
-                                                 bs * 2 * args.gpus_per_node * (args.steps + WARMUP), 128, 1024)
-        for mode in args.modes.split(","):
-            for name in args.layouts.split(","):
-                two_nodes = name == "sockets"
-                out_dir = work / f"speed-{job}-{mode}-{'two' if two_nodes else 'one'}"
-                config = speed_config(args, work, job, mode, out_dir, model_dir, data_file)
-                started = time.monotonic()
-                codes, records, text = run_speed_job(args, work, config, out_dir, two_nodes)
-                failed = codes != [0] * len(codes)
-                row = dict(job=job, mode=mode, layout=LAYOUTS[name], exit_codes=codes,
-                           wall_s=round(time.monotonic() - started),
-                           problem=f"exit codes {codes}" if failed else problem(records, text, expect_resume=False))
-                timed, seconds = timed_records(records)
-                if timed and not row["problem"]:
-                    row.update(step_s=round(seconds / len(timed), 3),
-                               tokens_per_s=round(sum(r["tokens"] for r in timed) / seconds),
-                               peak_gib=max(r["peak_mem_gib"] for r in records))
-                results.append(row)
-                print(json.dumps(row), flush=True)
-    Path(args.out, "two_agents_speed.json").write_text(json.dumps(results, indent=1))
-    print("\n| job | mode | layout | step s | tokens/s | peak GiB |\n|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['job']} | {r['mode']} | {r['layout']} | {r.get('step_s', 'failed: ' + str(r['problem']))} "
-              f"| {r.get('tokens_per_s', '')} | {r.get('peak_gib', '')} |")
-    fail_on_problems({f"{r['job']} {r['mode']} {r['layout']}": r["problem"] for r in results})
-
-
 def hang_report(out_dir: Path, keep: Path) -> dict:
     """The watchdog's folder of a hung run, copied to `keep`: whether its summary named the stopped rank and its
     reports hold NCCL flight-recorder entries."""
@@ -221,11 +137,6 @@ def fail_on_problems(problems: dict[str, str | None]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--speed", action="store_true", help="step time per mode over sockets (see above)")
-    p.add_argument("--jobs", default="full-1.5b,lora-7b", help=f"--speed: comma list of {', '.join(JOBS)}")
-    p.add_argument("--layouts", default="sockets,nvlink",
-                   help="--speed: sockets (two agents, NCCL on sockets) and/or nvlink (one agent with all the GPUs)")
-    p.add_argument("--job-timeout", type=int, default=300)
     p.add_argument("--modes", default="zero2,hsdp")
     p.add_argument("--size", default="0.5b")
     p.add_argument("--gpus-per-node", type=int, default=2)
@@ -239,8 +150,6 @@ def main() -> None:
     args = p.parse_args()
     work = Path(args.work)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.speed:
-        return speed(args, work)
     model_dir, data_file = prepare_workspace(args.size, work, 4 * args.steps * 2, 128, 1024)
     summary = {}
     faulted = "killed" if args.fault == "kill" else "hung"

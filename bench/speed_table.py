@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -224,7 +225,8 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     out = fresh(work / f"out-{name}-v{index}")
     cfg = dict(model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
                output_dir=str(out), finetuning_type=row.mode, lora_rank=64, lora_alpha=16, lora_dropout=0.05,
-               lora_target="all", per_device_train_batch_size=row.bs, max_steps=args.steps, logging_steps=1,
+               lora_target="all", per_device_train_batch_size=row.bs, max_steps=args.steps,
+               logging_steps=args.logging_steps,
                learning_rate=3e-4, lr_scheduler_type="cosine", weight_decay=0.1, cutoff_len=args.maxlen,
                gradient_checkpointing=True, nproc_per_node=row.gpus, seed=1, resume_from_checkpoint="none",
                save_final=False)  # nothing of a row's output is read but its metrics; a 7B model is 30 GB to write
@@ -250,7 +252,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
         except ValueError:  # a CPU run: no GPU events
             pass
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    timed, seconds = timed_records(records)
+    timed, seconds = timed_records(records, args.warmup)
     tokens_per_s = sum(r["tokens"] for r in timed) / seconds
     flops_per_s = sum(r["tflops_per_gpu"] * 1e12 * r["tokens"] / r["tokens_per_s"] for r in timed) / seconds
     return dict(tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / row.gpus),
@@ -258,15 +260,15 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
                 peak_reserved_gib=max((r.get("peak_reserved_gib", 0) for r in records), default=None),
                 trained_tokens=sum(r["tokens"] for r in records), alloc_retries=records[-1].get("alloc_retries"),
-                compile_s_timed=compile_seconds_in(records),
+                compile_s_timed=compile_seconds_in(records, args.warmup),
                 recompile_limit_hit="recompile_limit" in output,  # dynamo then runs eager
                 final_loss=round(records[-1]["loss"], 4),
                 wall_s=round(time.perf_counter() - started, 1), settings=overrides)
 
 
-def compile_seconds_in(records: list[dict]) -> float | None:
+def compile_seconds_in(records: list[dict], warmup: int = WARMUP) -> float | None:
     """Seconds torch.compile took inside the timed steps (after the warm-up): they count in tokens/s."""
-    warm = [r for r in records if r["step"] <= WARMUP]
+    warm = [r for r in records if r["step"] <= warmup]
     if not warm or "compile_s" not in records[-1]:
         return None
     return round(records[-1]["compile_s"] - warm[-1]["compile_s"], 2)
@@ -319,7 +321,7 @@ def prepare(args, size: str) -> tuple[Path, Path, Path, float]:
 def pool_size(steps: int) -> int:
     """One sample pool for every row, stream and peer, whatever GPUs it sees: the largest global batch of any row
     times the steps."""
-    return max(r.bs * r.gpus for r in ROWS.values()) * (steps + WARMUP)
+    return max(r.bs * r.gpus for r in ROWS.values()) * (steps + WARMUP)  # more than any run trains
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -340,6 +342,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer", default=str(Path(__file__).resolve().parent / "peer_hf.py"),
                    help="the peer script (its arguments and JSON line as bench/peer_hf.py's)")
     p.add_argument("--steps", type=int, default=25, help=f"optimizer steps a run, the first {WARMUP} not timed")
+    p.add_argument("--warmup", type=int, default=WARMUP,
+                   help=f"steps not timed (default {WARMUP}): compilation, first allocations, cache warm-up")
+    p.add_argument("--logging-steps", type=int, default=WARMUP, choices=[1, WARMUP],
+                   help=f"meshtune's logging_steps in every run: tokens/s is timed over the logging intervals after "
+                        f"the warm-up. {WARMUP} (default): one host sync for the metrics every {WARMUP} steps, nearer "
+                        f"meshtune's own default of 10 | 1: every step timed, at the cost of a sync after each")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds: every row (its variants and peers) runs once a round, in the order given, so a "
+                        "scaling row alternates with its base row; the table shows each figure's median with the "
+                        "lowest and highest run, and a scaling's spread from the rounds' own ratios")
     p.add_argument("--minlen", type=int, default=128)
     p.add_argument("--maxlen", type=int, default=1024)
     p.add_argument("--row-timeout", type=int, default=None,
@@ -364,6 +376,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(error))
     if args.peer_kinds and not Path(args.peer).is_file():
         p.error(f"--peer {args.peer}: no such file (or --no-peer)")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: at least 1")
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps}: more than the {args.warmup} warm-up steps, or nothing is timed")
+    if args.warmup % args.logging_steps:
+        p.error(f"--warmup {args.warmup}: a multiple of --logging-steps {args.logging_steps}, so no timed interval "
+                f"holds a warm-up step")
     return args
 
 
@@ -397,26 +416,28 @@ def run_rows(args) -> None:
         save()  # before the line: a stream's parent takes the line to mean the row is on disk
         print(json.dumps({k: v for k, v in result.items() if k != "log"}), flush=True)
 
-    for name in args.rows.split(","):
+    for round_, name in ((r, name) for r in range(args.repeats) for name in args.rows.split(",")):
         row = ROWS[name]
         runs = [("meshtune", index, variant) for index, variant in enumerate(args.variants.split(";"))]
         runs += [(kind, None, None) for kind in args.peer_kinds if row.peer]
         if args.at_peer_memory and row.peer and args.peer_kinds and row.mode != "qlora":
             runs.append(("at-peer-memory", None, None))
         if row.gpus > max(gpus, 1):
-            add(dict(row=name, system="meshtune", gpus=row.gpus,
-                     skipped=f"needs {row.gpus} GPUs, this machine has {gpus}"))
+            if round_ == 0:
+                add(dict(row=name, system="meshtune", gpus=row.gpus,
+                         skipped=f"needs {row.gpus} GPUs, this machine has {gpus}"))
             continue
         if row.size not in prepared and not deadline.passed():
             prepared[row.size] = prepare(args, row.size)
         for system, index, variant in runs:
             if system == "at-peer-memory":
-                variant = at_peer_memory(results, name)
+                variant = at_peer_memory([r for r in results if r.get("round", 0) == round_], name)
                 if variant is None:  # no peer measured its memory (no CUDA, or the peers failed)
                     continue
                 system, index = "meshtune", len(runs)
             head = (dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs) if system == "meshtune"
                     else dict(row=name, system=PEERS[system][0], gpus=1, bs=row.bs))
+            head["round"] = round_
             if deadline.passed():
                 add(dict(head, skipped="time limit"))
                 continue
@@ -553,14 +574,71 @@ COLUMNS = ["row", "variant", "system", "GPUs", "bs/GPU", "tokens/s", "per GPU", 
            "peak GiB", "scaling"]
 
 
-def render(results: list[dict], summary: dict) -> str:
-    peers = {(r["row"], r["system"]): r for r in results if r["system"] != "meshtune" and "tokens_per_s" in r}
-    base = {(r["row"], r.get("variant")): r for r in results if r["system"] == "meshtune" and "per_gpu" in r}
-    lines = [f"{summary['device']} x {summary['gpus']}, bf16 matmul peak {summary['peak_tflops']} TFLOP/s (measured), "
-             f"{summary['args']['steps']} steps ({WARMUP} warm-up), lengths {summary['args']['minlen']}.."
-             f"{summary['args']['maxlen']}", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def aggregate(results: list[dict]) -> list[dict]:
+    """The runs of one (row, variant, system) as one figure: medians of tokens/s, per GPU and MFU, the highest peak
+    memory, the lowest and highest tokens/s (`spread`) and per-GPU tokens/s by round (`rounds`), in the order the
+    figures first appear. Runs not run stay as they are, one line each."""
+    groups: dict[tuple, list[dict]] = {}
+    out: list[dict | tuple] = []
     for r in results:
+        if "tokens_per_s" not in r:
+            out.append(r)
+            continue
+        key = (r["row"], r.get("variant"), r["system"])
+        if key not in groups:
+            groups[key] = []
+            out.append(key)
+        groups[key].append(r)
+    figures = []
+    for item in out:
+        if isinstance(item, dict):
+            figures.append(item)
+            continue
+        runs = groups[item]
+        figure = dict(runs[0], tokens_per_s=round(median([r["tokens_per_s"] for r in runs])),
+                      per_gpu=round(median([r["per_gpu"] for r in runs])), runs=len(runs),
+                      spread=(min(r["tokens_per_s"] for r in runs), max(r["tokens_per_s"] for r in runs)),
+                      rounds={r.get("round", 0): r["per_gpu"] for r in runs})
+        mfus = [r["mfu"] for r in runs if r.get("mfu") is not None]
+        figure["mfu"] = median(mfus) if mfus else None
+        peaks = [r["peak_gib"] for r in runs if r.get("peak_gib") is not None]
+        figure["peak_gib"] = max(peaks) if peaks else None
+        figures.append(figure)
+    return figures
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def scaling_text(figure: dict, base: dict) -> str:
+    """Per-GPU tokens/s over the base row's, medians; with several rounds, the lowest and highest of the rounds'
+    own ratios (each scaling run over its base run of the same round)."""
+    text = f"{figure['per_gpu'] / base['per_gpu']:.1%}"
+    paired = [figure["rounds"][k] / base["rounds"][k] for k in figure.get("rounds", {}) if k in base.get("rounds", {})]
+    if len(paired) > 1:
+        text += f" ({min(paired):.1%}–{max(paired):.1%})"
+    return text
+
+
+def tokens_text(figure: dict) -> str:
+    text = f"{figure['tokens_per_s']:,}"
+    if figure.get("runs", 1) > 1:
+        low, high = figure["spread"]
+        text += f" ({low:,}–{high:,}, {figure['runs']} runs)"
+    return text
+
+
+def render(results: list[dict], summary: dict) -> str:
+    figures = aggregate(results)
+    peers = {(r["row"], r["system"]): r for r in figures if r["system"] != "meshtune" and "tokens_per_s" in r}
+    base = {(r["row"], r.get("variant")): r for r in figures if r["system"] == "meshtune" and "per_gpu" in r}
+    args = summary["args"]
+    lines = [f"{summary['device']} x {summary['gpus']}, bf16 matmul peak {summary['peak_tflops']} TFLOP/s (measured), "
+             f"{args['steps']} steps ({args.get('warmup', WARMUP)} warm-up), lengths {args['minlen']}..{args['maxlen']}"
+             + (f", {args['repeats']} rounds: medians (lowest–highest)" if args.get("repeats", 1) > 1 else ""), "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in figures:
         variant = r.get("variant", "") or ""
         head = f"| {r['row']} | {variant} | {r['system']} | {r['gpus']} | {r.get('bs', '')} |"
         if "skipped" in r or "error" in r:
@@ -575,13 +653,12 @@ def render(results: list[dict], summary: dict) -> str:
                 plain = versus(r, base.get((against, r.get("variant"))) or base.get((against, "default")), against)
             of = ROWS[r["row"]].scaling_of
             if of and (of, r.get("variant")) in base:
-                scaling = f"{r['per_gpu'] / base[(of, r.get('variant'))]['per_gpu']:.1%}"
+                scaling = scaling_text(r, base[(of, r.get("variant"))])
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
         peak = r["peak_gib"] if r.get("peak_gib") is not None else ""
-        cells = [f"{r['tokens_per_s']:,}", f"{r['per_gpu']:,}", plain, liger, mfu, peak, scaling]
+        cells = [tokens_text(r), f"{r['per_gpu']:,}", plain, liger, mfu, peak, scaling]
         lines.append(f"{head} " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

@@ -95,7 +95,7 @@ def workspace_samples(model_dir: Path, n_samples: int, minlen: int, maxlen: int)
     return peer_samples(vocab, n_samples, minlen, maxlen)
 
 
-def timed_records(records: list[dict]) -> tuple[list[dict], float]:
-    """metrics.jsonl records after the warm-up steps (logging_steps 1), and the seconds they took."""
-    timed = [r for r in records if r["step"] > WARMUP and "tokens" in r]
+def timed_records(records: list[dict], warmup: int = WARMUP) -> tuple[list[dict], float]:
+    """metrics.jsonl records after the warm-up steps (logging_steps dividing `warmup`), and the seconds they took."""
+    timed = [r for r in records if r["step"] > warmup and "tokens" in r]
     return timed, sum(r["tokens"] / r["tokens_per_s"] for r in timed)

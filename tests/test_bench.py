@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -262,34 +263,88 @@ def test_an_unknown_row_preset_or_peer_is_named_with_the_choices(monkeypatch, ca
 
 
 @pytest.mark.timeout(420)
-def test_two_agent_speed_script_runs_both_layouts_on_cpu(tmp_path):
-    """bench/gpu_two_agents.py --speed end to end with the tiny job: two agents (one process each) as two nodes,
-    then one agent with both processes; a broken script shows up here, not on a GPU machine. The work folder holds
+def test_two_node_speed_script_runs_both_layouts_in_rounds_on_cpu(tmp_path):
+    """bench/two_node_speed.py end to end with the tiny job: two agents (one process each) as two nodes, then one
+    agent with both processes; a broken script shows up here, not on a GPU machine. The work folder holds
     what an earlier invocation leaves (an output folder with a checkpoint, a log that resumed): both jobs start
     afresh all the same."""
     work, out = tmp_path / "work", tmp_path / "out"
-    stale = work / "speed-lora-tiny-ddp-two"
+    stale = work / "lora-tiny-auto-two-nodes-default"
     (stale / "checkpoint-7").mkdir(parents=True)
     (stale / "checkpoint-7" / "COMPLETE").write_text("")
-    (work / "speed-lora-tiny-ddp-two-node0.log").write_text("resumed from checkpoint-7 at step 7 of 7\n")
-    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "gpu_two_agents.py"), "--speed", "--jobs",
-                             "lora-tiny", "--modes", "ddp", "--gpus-per-node", "1", "--steps", "7", "--job-timeout",
-                             "150", "--work", str(work), "--out", str(out)],
+    (work / "lora-tiny-auto-two-nodes-default-node0.log").write_text("resumed from checkpoint-7 at step 7 of 7\n")
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "two_node_speed.py"), "--jobs", "lora-tiny",
+                             "--gpus-per-node", "1", "--steps", "7", "--warmup", "5", "--logging-steps", "1", "--global-batch", "8",
+                             "--links", "default", "--repeats", "1", "--no-bandwidth", "--job-timeout", "150",
+                             "--work", str(work), "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                             start_new_session=True)
     try:
-        output = proc.communicate(timeout=400)[0]
+        output = proc.communicate(timeout=500)[0]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, output[-3000:]
-    rows = json.loads((out / "two_agents_speed.json").read_text())
-    assert [(r["layout"], r["exit_codes"], r["problem"]) for r in rows] == [
-        ("2 nodes, sockets", [0, 0], None), ("1 node, NVLink", [0], None)]
-    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in rows), rows
+    rows = json.loads((out / "two_node_speed.json").read_text())["runs"]
+    assert [(r["layout"], r["round"], r["exit_codes"], r["problem"], r["parallel"]) for r in rows] == [
+        ("two-nodes", 0, [0, 0], None, "ddp"), ("one-node", 0, [0], None, "ddp")]
+    assert all(r["step_s"] > 0 and r["per_gpu"] > 0 and r["tokens_per_step"] > 0 for r in rows), rows
+    config = yaml.safe_load((work / "lora-tiny-auto-one-node.yaml").read_text())
+    assert config["gradient_accumulation_steps"] == 2  # 8 sequences = 2 a GPU x 2 GPUs x 2 micro-steps
     assert not (stale / "checkpoint-7").exists()
-    assert "| lora-tiny | ddp | 2 nodes, sockets |" in output
+    table = (out / "two_node_speed.md").read_text()
+    assert "| lora-tiny | ddp | two-nodes | default | 1 |" in table and "| lora-tiny | ddp | one-node |  | 1 |" in table
+
+
+def test_two_node_speed_reads_nccl_transports_and_refuses_a_global_batch_it_cannot_make():
+    from two_node_speed import accumulation_for, node_env, transports
+
+    log = ("host:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n"
+           "host:1:2 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[2] [send] via NET/Socket/0\n"
+           "host:1:2 [1] NCCL INFO Channel 01/0 : 3[3] -> 1[1] [receive] via NET/Socket/1\n")
+    assert transports(log) == {"P2P/CUMEM": 1, "NET/Socket": 2}
+    assert node_env(1, "fast", "two-nodes") == {"NCCL_HOSTID": "meshtune-node1", "NCCL_DEBUG": "INFO",
+                                                "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
+    assert node_env(0, "default", "sockets")["NCCL_P2P_DISABLE"] == "1"
+    assert accumulation_for(64, 8, 4) == 2
+    with pytest.raises(ValueError, match="--global-batch 60 is not a multiple of 8 sequences a GPU x 4 GPUs"):
+        accumulation_for(60, 8, 4)
+
+
+def test_two_node_report_gives_each_layouts_median_and_its_share_of_one_node_by_round():
+    from two_node_speed import report
+
+    def run(layout, link, round_, per_gpu):
+        return dict(job="full-1.5b", mode="auto", layout=layout, link=link, round=round_, parallel="hsdp"
+                    if layout == "two-nodes" else "zero2", per_gpu=per_gpu, step_s=0.5, transports={"NET/Socket": 4},
+                    problem=None)
+    rows = [run("two-nodes", "default", 0, 9000), run("one-node", "", 0, 30000),
+            run("two-nodes", "default", 1, 12000), run("one-node", "", 1, 30000),
+            run("two-nodes", "default", 2, 10000), run("one-node", "", 2, 25000),
+            dict(job="full-1.5b", mode="auto", layout="two-nodes", link="fast", round=0, problem="exit codes [1, 1]")]
+    table = report(rows, [dict(link="default", busbw_gbs=4.2, latency_us=80.0, transports={"NET/Socket": 2})])
+    assert "| default | 4.2 | 80.0 |" in table
+    # medians 10,000 over 30,000; the rounds: 30%, 40%, 40%
+    assert "| full-1.5b | hsdp | two-nodes | default | 3 | 10,000 (9,000–12,000) | 0.500 | 33.3% (30.0%–40.0%) |" in table
+    assert "| full-1.5b | zero2 | one-node |  | 3 | 30,000 (25,000–30,000) | 0.500 |  |" in table
+    assert "| full-1.5b | auto | two-nodes | fast | 1 | failed: exit codes [1, 1] |" in table
+
+
+def test_repeated_rounds_show_medians_with_their_spread_and_the_scaling_of_paired_rounds():
+    from speed_table import render
+
+    one = [30000, 28000, 32000]
+    two = [27000, 29000, 28000]  # per GPU; the rounds' ratios: 90.0%, 103.6%, 87.5%
+    results = [dict(row=row, system="meshtune", variant="default", gpus=gpus, bs=8, tokens_per_s=per_gpu * gpus,
+                    per_gpu=per_gpu, mfu=0.3, peak_gib=20.0 + r, round=r)
+               for r in range(3) for row, gpus, per_gpu in (("lora-1.5b", 1, one[r]), ("lora-1.5b-2gpu", 2, two[r]))]
+    table = render(results, dict(device="H200", gpus=4, peak_tflops=800,
+                                 args=dict(steps=25, minlen=128, maxlen=1024, repeats=3)))
+    assert "3 rounds: medians (lowest–highest)" in table
+    assert "| lora-1.5b | default | meshtune | 1 | 8 | 30,000 (28,000–32,000, 3 runs) | 30,000 |" in table
+    assert ("| lora-1.5b-2gpu | default | meshtune | 2 | 8 | 56,000 (54,000–58,000, 3 runs) | 28,000 |  |  | 30.0% "
+            "| 22.0 | 93.3% (87.5%–103.6%) |") in table
 
 
 def test_a_two_agent_job_that_did_not_train_afresh_fails_the_report():

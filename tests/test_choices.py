@@ -190,3 +190,80 @@ def test_sharded_qlora_with_checkpointing_is_uncompiled_by_default_on_cuda(monke
         assert resolve(config(finetuning_type="qlora", **values), env(2, "cuda"), None, lambda: QWEN_32B).compile
     assert resolve(config(finetuning_type="qlora", parallel="zero3", gradient_checkpointing=True, torch_compile=True),
                    env(2, "cuda"), None, lambda: QWEN_32B).compile  # asked for: kept
+
+
+@pytest.fixture
+def gpus_of(monkeypatch):
+    """CUDA as the plan sees it, without a GPU: every card of `gib` GiB, bf16 and varlen attention available."""
+    def set_card(gib: float) -> None:
+        monkeypatch.setattr("meshtune.plan.smallest_gpu_memory", lambda device, limit: gib * GIB)
+        monkeypatch.setattr("meshtune.plan.bf16_supported", lambda device: True)
+        monkeypatch.setattr("meshtune.plan.varlen_available", lambda device: True)
+    return set_card
+
+
+QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28)
+QWEN_72B = ModelSize(72_706_203_648, 856_686_592, 80)
+
+
+@pytest.mark.parametrize("size, nodes, per_node, expected, reason, reshard", [
+    # 7B on 4 GPUs a node: its whole bf16 weights beside a quarter of the state would take over half the card
+    (QWEN_7B, 2, 4, "hsdp", "hsdp shards the model over each node's GPUs (28.4 GiB of state per GPU of 80 GiB)",
+     "42.6 GiB per GPU of 80 GiB; gathered again for backward, as zero3"),
+    (QWEN_7B, 2, 8, "hsdp", "(14.2 GiB of state per GPU", "as zero2 (28.4 GiB of weights and state per GPU"),
+    (QWEN_72B, 2, 8, "zero3", "one node's 8 GPUs cannot hold the model's state for hsdp (135.4 GiB each)", None),
+    (QWEN_7B, 4, 1, "zero3", "full fine-tuning on 4 GPUs; zero2 would hold", None),  # one GPU a node: no shard in it
+    (ModelSize(1_543_714_304, 46_797_824, 28), 2, 1, "ddp", "2 nodes of one GPU: each holds the whole model", None),
+    (QWEN_7B, 1, 8, "zero2", "full fine-tuning on 8 GPUs", None),  # one node: as before
+])
+def test_auto_across_nodes_shards_inside_a_node_and_replicates_across(gpus_of, size, nodes, per_node, expected,
+                                                                      reason, reshard):
+    gpus_of(80)
+    plan = resolve(config(finetuning_type="full"), env(nodes * per_node, "cuda", per_node), None, lambda: size)
+    assert plan.parallel == expected and reason in plan.why["parallel"], plan.why["parallel"]
+    if expected == "hsdp":
+        assert plan.hsdp_shard_size == per_node and "only the gradients' all-reduce crosses" in plan.why["parallel"]
+        assert reshard in plan.why["reshard_after_forward"]
+        assert plan.reshard_after_forward is ("as zero3" in reshard)
+    else:
+        assert plan.reshard_after_forward is ({"zero3": True, "zero2": False}.get(expected))
+
+
+def test_qlora_across_nodes_shards_inside_a_node_where_the_node_holds_the_4bit_model(gpus_of):
+    gpus_of(24)  # 32B's 17.7 GiB of 4-bit model: over half a 24 GiB card, under half of four
+    plan = resolve(config(finetuning_type="qlora"), env(8, "cuda", 4), None, lambda: QWEN_32B)
+    assert plan.parallel == "hsdp" and "over each node's 4 GPUs instead" in plan.why["parallel"]
+    assert plan.reshard_after_forward is True  # Q-LoRA's point is memory
+    gpus_of(16)  # 8.9 GiB a GPU over 2: over half a 16 GiB card, so zero3 over all 8
+    assert resolve(config(finetuning_type="qlora"), env(8, "cuda", 2), None, lambda: QWEN_32B).parallel == "zero3"
+
+
+def test_lora_under_zero2_runs_as_ddp_and_says_why():
+    """A DeepSpeed ZeRO-2 JSON becomes parallel: zero2; with LoRA its meaning (gradients and optimizer state
+    sharded, weights whole) is ddp's, and FSDP2 would gather the frozen base every step."""
+    plan = resolve(config(finetuning_type="lora", parallel="zero2"), env(4, "cpu"), None, never_counted)
+    assert plan.parallel == "ddp" and "zero2 with LoRA runs as ddp" in plan.why["parallel"]
+    assert plan.frozen_bf16 == plan.bf16 and plan.blocks_per_unit is None
+    assert resolve(config(finetuning_type="lora", parallel="zero3"), env(4, "cpu"), None,
+                   lambda: ModelSize(10, 1)).parallel == "zero3"  # zero3 does shard the base: kept
+
+
+@pytest.mark.parametrize("parallel, device, card, size, expected, reason", [
+    ("ddp", "cpu", None, None, "once_per_step", "no_sync"),
+    ("hsdp", "cpu", None, None, "shard_each_micro_step", "all-reduced across the replicas on the last only"),
+    ("zero2", "cpu", None, None, "once_per_step", "no GPU to hold"),
+    ("zero3", "cpu", None, None, "each_micro_step", "gradients stay sharded"),
+    ("zero2", "cuda", 80, QWEN_7B, "each_micro_step", "70.9 GiB per GPU of 80 GiB"),  # 7B on 4: no room
+    ("zero3", "cuda", 141, QWEN_7B, "once_per_step", "56.7 GiB per GPU of 141 GiB"),
+])
+def test_gradients_cross_once_an_optimizer_step_where_memory_allows(gpus_of, parallel, device, card, size, expected,
+                                                                    reason):
+    if card:
+        gpus_of(card)
+    plan = resolve(config(finetuning_type="full", parallel=parallel, gradient_accumulation_steps=4,
+                          hsdp_shard_size=2), env(4, device, 2), None, lambda: size or ModelSize(10, 1))
+    assert plan.gradient_reduction == expected and reason in plan.why["gradient_reduction"], plan.why
+    assert f"gradient_reduction           {expected}" in plan.describe()
+    one_step = resolve(config(finetuning_type="full", parallel=parallel, hsdp_shard_size=2), env(4, device, 2), None,
+                       lambda: size or ModelSize(10, 1))
+    assert one_step.gradient_reduction == "once_per_step" and "gradient_reduction" not in one_step.why

@@ -85,3 +85,29 @@ def test_grouped_units_gather_once_per_unit_and_train_the_same(tmp_path, five_bl
     for name, tensor in reference.state_dict().items():
         for result in (one, two):
             assert torch.allclose(result["trained"][name], tensor, rtol=1e-5, atol=1e-7), name
+
+
+def regather_job(rank: int, world_size: int, workdir: Path) -> None:
+    """All-gathers of one training step's forward and backward under zero3, one block a unit."""
+    task = json.loads((workdir / "task.json").read_text())
+    env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"))
+    model = wrap_model(load_model(task["model"]), "zero3", env, bf16=False, blocks_per_unit=1)
+    name = next(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n))
+    original, gathers = getattr(torch.distributed, name), []
+    setattr(torch.distributed, name, lambda *a, **k: gathers.append(1) or original(*a, **k))
+    try:
+        ids = torch.arange(24).reshape(2, 12) % 50 + 3
+        loss = model(input_ids=ids, labels=ids).loss
+        forward = len(gathers)
+        loss.backward()
+    finally:
+        setattr(torch.distributed, name, original)
+    (workdir / f"rank{rank}.json").write_text(json.dumps({"forward": forward, "backward": len(gathers) - forward}))
+
+
+def test_zero3_gathers_every_unit_again_for_backward_but_the_last_and_the_root(tmp_path, five_block_model):
+    """Backward begins with the head (the root) and the last block: freeing them after forward would only gather
+    them again at once, so they stay whole; the other four blocks are gathered again."""
+    (tmp_path / "task.json").write_text(json.dumps({"model": str(five_block_model)}))
+    run_ranks(regather_job, 2, tmp_path)
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"forward": 6, "backward": 4}

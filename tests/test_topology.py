@@ -22,7 +22,9 @@ from meshtune.cli import main
 # - zero3, the mode that re-gathers, runs every layout: 1x4, 2x2, and 4x1 with padding-free micro-batches;
 # - zero2 runs 2x2: sharding without the re-gather, under accumulation. Its 1x4 and 4x1 would repeat what zero3's
 #   1x4 and 4x1 prove about the one-process mesh and the 4-way sharding;
-# - hsdp runs its 2 replicas x 2 shards mesh (4x1);
+# - hsdp runs its 2 replicas x 2 shards mesh (4x2, one sample a micro-step);
+# - under accumulation zero3 reduce-scatters every micro-step, zero2 and ddp reduce on the last only (the run plan's
+#   gradient_reduction on CPU);
 # - ddp 2x2 with the flat gradient sync and padding-free micro-batches.
 # The padded micro-batches on 4 ranks are those of ddp 4x1 and hsdp 4x1; padding-free, those of zero3 4x1.
 LAYOUTS_BY_MODE = [
@@ -32,7 +34,9 @@ LAYOUTS_BY_MODE = [
     ("zero3", 1, 4, {}),
     ("zero3", 2, 2, {}),
     ("zero3", 4, 1, {"padding_free": True}),
-    ("hsdp", 4, 1, {"hsdp_shard_size": 2}),  # 4 processes as 2 replicas x 2 shards (what 2 nodes x 2 GPUs would be)
+    # 4 processes as 2 replicas x 2 shards (what 2 nodes x 2 GPUs would be), under accumulation: reduce-scattered
+    # inside each replica on both micro-steps, all-reduced across the replicas on the second only
+    ("hsdp", 4, 2, {"hsdp_shard_size": 2, "per_device_train_batch_size": 1}),
     ("ddp", 2, 2, {"grad_sync": "flat", "padding_free": True}),  # the speed levers across processes
 ]
 
@@ -82,7 +86,8 @@ def _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumul
                          nproc_per_node=nproc, per_device_train_batch_size=2,
                          gradient_accumulation_steps=accumulation, tokenized_path=str(tmp_path / "tokenized"),
                          learning_rate=5e-3 if method == "lora" else 1e-3, val_size=6,
-                         per_device_eval_batch_size=2, save_final=False, **extra)
+                         per_device_eval_batch_size=2, save_final=False)
+    values.update(extra)
     config = str(write_config(out, **values))
     if nproc == 1:  # `meshtune train` trains in its own process, which may as well be this one: no start-up
         assert main(["train", config]) == 0

@@ -22,6 +22,11 @@ from meshtune.errors import ConfigError
 from meshtune.hardware import bf16_supported, smallest_gpu_memory, varlen_available
 
 SHARDED = ("zero2", "zero3", "hsdp")
+# When gradients cross the processes under gradient accumulation (one micro-step: always on it)
+ONCE = "once_per_step"              # only on the last micro-step; each process accumulates its own until then
+SHARD_EACH = "shard_each_micro_step"  # hsdp: reduce-scattered inside the replica every micro-step, all-reduced
+#                                       across the replicas (the nodes) only on the last
+EACH = "each_micro_step"            # reduce-scattered every micro-step, so gradients stay sharded
 UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the config leaves blocks per unit open
 MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks.md)
 
@@ -46,6 +51,8 @@ class RunPlan:
     compile: bool                # torch.compile each transformer block and the loss chunks
     blocks_per_unit: int | None  # consecutive blocks per FSDP2 unit; None under ddp
     hsdp_shard_size: int | None  # processes sharding one replica; None unless hsdp
+    reshard_after_forward: bool | None  # FSDP2 frees each unit's gathered weights after forward; None under ddp
+    gradient_reduction: str      # under accumulation, when gradients cross processes: ONCE, SHARD_EACH, EACH
     cpu_offload: bool            # FSDP2's shards (weights, gradients, optimizer state) in host memory
     gradient_accumulation_steps: int  # the config's, or what keeps a resumed checkpoint's global batch
     fused_adamw: bool
@@ -73,6 +80,10 @@ class RunPlan:
             rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
         if self.hsdp_shard_size is not None:
             rows.append(("hsdp_shard_size", str(self.hsdp_shard_size)))
+        if self.reshard_after_forward is not None:
+            rows.append(("reshard_after_forward", on(self.reshard_after_forward)))
+        if self.gradient_accumulation_steps > 1:
+            rows.append(("gradient_reduction", self.gradient_reduction))
         if self.cpu_offload:
             rows.append(("cpu_offload", "on"))
         rows += [("gradient_accumulation_steps", str(self.gradient_accumulation_steps)),
@@ -100,7 +111,10 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     (full fine-tuning on several GPUs, FSDP2 units); choosing the parallel mode may be a collective."""
     why: dict[str, str] = {}
     model_size = functools.cache(model_size)  # builds a model without weights: once, and only if a choice needs it
-    parallel = choose_parallel(cfg, env, model_size, why)
+    # the smallest GPU of the job (a collective, the same on every rank), once and only if a choice needs it
+    gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
+                                if env.device.type == "cuda" else None)
+    parallel = choose_parallel(cfg, env, model_size, gpu_bytes, why)
     bf16 = bf16_supported(env.device) if cfg.bf16 is None else cfg.bf16 and env.device.type == "cuda"
     if cfg.bf16 and env.device.type != "cuda":
         why["precision"] = "bf16 is ignored on CPU"
@@ -136,6 +150,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         if cfg.fsdp_blocks_per_unit is None:
             why["fsdp_blocks_per_unit"] = f"default: up to {MAX_BLOCKS_PER_UNIT} blocks within ~1B parameters a unit"
     hsdp_shard = hsdp_shard_size(cfg, env, parallel, why)
+    reshard = reshard_after_forward(cfg, parallel, hsdp_shard, model_size, gpu_bytes, why)
     if cfg.finetuning_type == "qlora" and parallel == "hsdp" and hsdp_shard == 1:
         raise ConfigError("parallel: hsdp with a shard of 1 process shards nothing, and torchao's NF4 weights cannot "
                           "be sharded over one: for qlora set hsdp_shard_size above 1, or parallel: ddp")
@@ -143,6 +158,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or env.world_size, env)
     accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
     check_train_batch_size(cfg, accumulation, env.world_size)
+    reduction = gradient_reduction(cfg, env.world_size, parallel, accumulation, model_size, gpu_bytes, why)
     bf16_weights = cfg.master_weights == "bf16"
     if bf16_weights:
         why["optim"] = "master_weights: bf16 steps bf16 weights with stochastic rounding" + (
@@ -150,39 +166,81 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,
                    fused_loss=cfg.fused_loss, compile=compile_, blocks_per_unit=blocks_per_unit,
-                   hsdp_shard_size=hsdp_shard, cpu_offload=cfg.cpu_offload,
+                   hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
+                   cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, why=why)
 
 
-def choose_parallel(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize], why: dict[str, str]) -> str:
-    """`parallel: auto` made concrete; other values pass through.
+def choose_parallel(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize],
+                    gpu_bytes: Callable[[], float | None], why: dict[str, str]) -> str:
+    mode, reason = parallel_for(cfg, env.world_size, env.local_world_size, env.device.type == "cuda", gpu_bytes,
+                                model_size)
+    if reason:
+        why["parallel"] = reason
+    return mode
+
+
+def parallel_for(cfg: TrainConfig, processes: int, per_node: int, gpus: bool, gpu_bytes: Callable[[], float | None],
+                 model_size: Callable[[], ModelSize]) -> tuple[str, str | None]:
+    """The parallel mode a job of `processes` (`per_node` a node) runs, and why where meshtune chose it: `auto` made
+    concrete (`auto_parallel`); other values pass through, but for two that cannot do what they say, Q-LoRA sharded
+    over one process and LoRA under zero2. The doctor asks the same from the nodes' facts."""
+    if cfg.finetuning_type == "qlora" and processes == 1 and cfg.parallel in SHARDED:
+        return "ddp", (f"{cfg.parallel} on one process: nothing to shard (and torchao's NF4 weights cannot be "
+                       f"sharded over one)")
+    if cfg.finetuning_type == "lora" and cfg.parallel == "zero2":
+        return "ddp", ("zero2 with LoRA runs as ddp: ZeRO-2 shards gradients and optimizer state, which LoRA has "
+                       "for its adapters only, and never the weights (DeepSpeed's ZeRO-2 keeps the frozen base "
+                       "whole on every GPU too), while FSDP2 would gather the whole base again every step")
+    if cfg.parallel != "auto":
+        return cfg.parallel, None
+    mode, reason = auto_parallel(cfg, processes, per_node, gpus, gpu_bytes, model_size)
+    return mode, f"auto: {reason}"
+
+
+def auto_parallel(cfg: TrainConfig, processes: int, per_node: int, gpus: bool, gpu_bytes: Callable[[], float],
+                  model_size: Callable[[], ModelSize]) -> tuple[str, str]:
+    """The mode `parallel: auto` picks, and why; the doctor asks the same from the nodes' facts.
 
     LoRA trains a few million parameters: ddp all-reduces only theirs and keeps the frozen base in bf16. Full
-    fine-tuning on several GPUs: zero2 reduce-scatters the gradients and steps the optimizer on a shard, faster than
-    ddp at a fraction of its memory. zero2 keeps every block's bf16 weights whole from forward to backward; where
-    those plus its 16-byte-per-parameter share of the fp32 state would take over half the smallest GPU, zero3
-    (reshard after forward) leaves room for activations.
-    """
-    if cfg.finetuning_type == "qlora" and env.world_size == 1 and cfg.parallel in SHARDED:
-        why["parallel"] = (f"{cfg.parallel} on one process: nothing to shard (and torchao's NF4 weights cannot be "
-                           f"sharded over one)")
-        return "ddp"
-    if cfg.parallel != "auto":
-        return cfg.parallel
-    if cfg.finetuning_type == "qlora" and env.world_size > 1 and env.device.type == "cuda":
-        mode, reason = sharding_for_qlora(model_size(), env.world_size, smallest_gpu_memory(env.device, cfg.gpu_memory_limit))
-    elif cfg.is_lora:
-        mode, reason = "ddp", "LoRA: only the adapters' gradients are all-reduced"
-    elif env.world_size == 1:
-        mode, reason = "ddp", "one process"
-    elif env.device.type != "cuda":
-        mode, reason = "ddp", "CPU processes"
-    else:
-        mode, reason = sharding_for_full(model_size().parameters, env.world_size, smallest_gpu_memory(env.device, cfg.gpu_memory_limit),
-                                         state_bytes=8 if cfg.master_weights == "bf16" else 16)
-    why["parallel"] = f"auto: {reason}"
-    return mode
+    fine-tuning on one node: zero2 reduce-scatters the gradients and steps the optimizer on a shard, at a fraction of
+    ddp's memory; zero3 where zero2's whole weights would not leave room (`sharding_for_full`). Across nodes the
+    network is the slow link: hsdp shards inside each node and replicates across nodes, so only the gradients'
+    all-reduce crosses it, once an optimizer step, overlapping backward; zero3 over every process only when one
+    node's GPUs cannot hold the model's state. Q-LoRA shards its 4-bit model only where a GPU could not hold it
+    whole (`sharding_for_qlora`), inside a node first."""
+    nodes = max(processes // max(per_node, 1), 1)
+    if cfg.finetuning_type == "qlora" and processes > 1 and gpus:
+        mode, reason = sharding_for_qlora(model_size(), processes, gpu_bytes())
+        if mode == "zero3" and nodes > 1 and per_node > 1 and qlora_bytes(model_size()) / per_node <= 0.5 * gpu_bytes():
+            return "hsdp", (f"{reason}; on {nodes} nodes hsdp shards it over each node's {per_node} GPUs instead, so "
+                            f"only the adapters' gradients cross the network")
+        return mode, reason
+    if cfg.is_lora:
+        return "ddp", "LoRA: only the adapters' gradients are all-reduced"
+    if processes == 1:
+        return "ddp", "one process"
+    if not gpus:
+        return "ddp", "CPU processes"
+    state_bytes = 8 if cfg.master_weights == "bf16" else 16
+    n_params = model_size().parameters
+    if nodes == 1:
+        return sharding_for_full(n_params, processes, gpu_bytes(), state_bytes)
+    share = state_bytes * n_params / per_node
+    if per_node == 1 and share <= 0.5 * gpu_bytes():
+        return "ddp", (f"full fine-tuning on {nodes} nodes of one GPU: each holds the whole model "
+                       f"({share / 2**30:.1f} GiB of state of {gpu_bytes() / 2**30:.0f} GiB), so only the gradients' "
+                       f"all-reduce crosses the network, overlapping backward")
+    if per_node > 1 and share <= 0.5 * gpu_bytes():
+        return "hsdp", (f"full fine-tuning on {nodes} nodes x {per_node} GPUs: hsdp shards the model over each node's "
+                        f"GPUs ({share / 2**30:.1f} GiB of state per GPU of {gpu_bytes() / 2**30:.0f} GiB) and "
+                        f"replicates it across nodes, so only the gradients' all-reduce crosses the network")
+    mode, reason = sharding_for_full(n_params, processes, gpu_bytes(), state_bytes)
+    if per_node > 1:
+        reason += (f"; one node's {per_node} GPUs cannot hold the model's state for hsdp "
+                   f"({share / 2**30:.1f} GiB each)")
+    return mode, reason
 
 
 def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float, state_bytes: int = 16) -> tuple[str, str]:
@@ -202,13 +260,84 @@ def sharding_for_qlora(size: ModelSize, world_size: int, gpu_bytes: float) -> tu
     """Q-LoRA under ddp keeps the whole 4-bit model on every GPU: its block weights in NF4, embeddings and head in
     bf16. Where that would take over half of the smallest GPU (activations and the adapters' state need the rest),
     zero3 shards it over the processes, as zero3 does for full fine-tuning."""
-    block_params = size.block_parameters * size.blocks
-    whole = NF4_BYTES * block_params + 2 * (size.parameters - block_params)
+    whole = qlora_bytes(size)
     held = f"{whole / 2**30:.1f} GiB of 4-bit model per GPU of {gpu_bytes / 2**30:.0f} GiB"
     if whole <= 0.5 * gpu_bytes:
         return "ddp", f"Q-LoRA: {held}; only the adapters' gradients are all-reduced"
     return "zero3", (f"Q-LoRA: ddp would hold {held}; zero3 shards it, "
                      f"{whole / world_size / 2**30:.1f} GiB per GPU over {world_size}")
+
+
+def qlora_bytes(size: ModelSize) -> float:
+    """The whole Q-LoRA base: block weights in NF4, embeddings and head in bf16."""
+    block_params = size.block_parameters * size.blocks
+    return NF4_BYTES * block_params + 2 * (size.parameters - block_params)
+
+
+def reshard_after_forward(cfg: TrainConfig, parallel: str, shard: int | None, model_size: Callable[[], ModelSize],
+                          gpu_bytes: Callable[[], float | None], why: dict[str, str]) -> bool | None:
+    """Whether FSDP2 frees each unit's gathered weights after its forward and gathers them again for backward: zero3
+    does (least memory), zero2 does not (one gather a micro-step). hsdp gathers inside a node, over its fast links:
+    for full fine-tuning it keeps the weights like zero2 where the node's GPUs hold them with the state, else
+    reshards like zero3; LoRA and Q-LoRA reshard (their point is memory). Whatever the mode, the last unit and the
+    root (embeddings, head) keep theirs: backward needs them first (model/parallel.py)."""
+    if parallel not in SHARDED:
+        return None
+    if parallel != "hsdp":
+        return parallel == "zero3"
+    if cfg.is_lora:
+        return True
+    card = gpu_bytes()
+    keep = "hsdp, full fine-tuning: each replica's processes keep every unit's weights from forward to backward, as zero2"
+    if card is None:
+        why["reshard_after_forward"] = keep
+        return False
+    n_params = model_size().parameters
+    held = 2 * n_params + (8 if cfg.master_weights == "bf16" else 16) * n_params / shard
+    if held <= 0.5 * card:
+        why["reshard_after_forward"] = (f"{keep} ({held / 2**30:.1f} GiB of weights and state per GPU of "
+                                        f"{card / 2**30:.0f} GiB)")
+        return False
+    why["reshard_after_forward"] = (f"hsdp, full fine-tuning: whole weights and state would take {held / 2**30:.1f} "
+                                    f"GiB per GPU of {card / 2**30:.0f} GiB; gathered again for backward, as zero3")
+    return True
+
+
+def gradient_reduction(cfg: TrainConfig, world_size: int, parallel: str, accumulation: int,
+                       model_size: Callable[[], ModelSize], gpu_bytes: Callable[[], float | None],
+                       why: dict[str, str]) -> str:
+    """When gradients cross the processes under gradient accumulation. Once an optimizer step where memory allows:
+    each process accumulates its own until the last micro-step (DDP's no_sync; FSDP2 without gradient sync, which
+    holds them unsharded in fp32, 4 bytes a trainable parameter). hsdp reduce-scatters inside each replica every
+    micro-step (a node's fast links) and all-reduces across the replicas, the slow links, once. zero2 (or zero3)
+    full fine-tuning reduce-scatters every micro-step unless the unsharded gradients fit beside its weights and
+    state: zero2 unless the GPU is known too small, zero3 only where it is known large enough."""
+    if accumulation == 1 or world_size == 1:
+        return ONCE
+    if parallel == "ddp":
+        why["gradient_reduction"] = "ddp: all-reduced on the last micro-step only (no_sync before it)"
+        return ONCE
+    if parallel == "hsdp":
+        why["gradient_reduction"] = ("hsdp: reduce-scattered inside each replica every micro-step, all-reduced "
+                                     "across the replicas on the last only")
+        return SHARD_EACH
+    if cfg.is_lora:
+        why["gradient_reduction"] = f"{parallel}: reduced on the last micro-step only (the adapters' gradients)"
+        return ONCE
+    card = gpu_bytes()
+    if card is None:
+        once = parallel == "zero2"
+        verdict = "no GPU to hold"
+    else:
+        n_params = model_size().parameters
+        held = (2 * n_params if parallel == "zero2" else 0) + 16 * n_params / world_size + 4 * n_params
+        once = held <= 0.5 * card
+        verdict = f"{held / 2**30:.1f} GiB per GPU of {card / 2**30:.0f} GiB with unsharded fp32 gradients"
+    if once:
+        why["gradient_reduction"] = f"{parallel}: reduced on the last micro-step only ({verdict})"
+        return ONCE
+    why["gradient_reduction"] = f"{parallel}: reduce-scattered every micro-step, so gradients stay sharded ({verdict})"
+    return EACH
 
 
 def offload_reason(is_lora: bool, n_params: int, shards: int, env: DistEnv) -> str:

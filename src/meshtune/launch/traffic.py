@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtune.launch.bandwidth import duration_text, size_text
-from meshtune.plan import NF4_BYTES, SHARDED, ModelSize, sharding_for_full, sharding_for_qlora
+from meshtune.plan import EACH, NF4_BYTES, SHARDED, ModelSize, gradient_reduction, parallel_for
 
 MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks.md)
 SLOW_RATIO = 0.5    # communication above half the compute time: the network sets the pace
@@ -63,18 +63,15 @@ def model_facts(cfg) -> ModelFacts:
     return ModelFacts(size, trainable, counter.dense_params, counter.layers, counter.heads * counter.head_dim)
 
 
-def parallel_mode(cfg, processes: int, gpus: bool, gpu_bytes: float | None, size: ModelSize) -> tuple[str, str]:
-    """The parallel mode the run plan will choose (plan.choose_parallel, from the doctor's facts), and how."""
-    if cfg.parallel != "auto":
-        return cfg.parallel, ""
-    if cfg.finetuning_type == "qlora" and gpus and gpu_bytes:
-        return sharding_for_qlora(size, processes, gpu_bytes)[0], " (auto)"
-    if cfg.is_lora or not gpus or not gpu_bytes:
-        return "ddp", " (auto)"
-    return sharding_for_full(size.parameters, processes, gpu_bytes)[0], " (auto)"
+def parallel_mode(cfg, processes: int, per_node: int, gpus: bool, gpu_bytes: float | None,
+                  size: ModelSize) -> tuple[str, str]:
+    """The parallel mode the run plan will choose (plan.parallel_for, from the doctor's facts), and how."""
+    mode, _ = parallel_for(cfg, processes, per_node, gpus and gpu_bytes is not None, lambda: gpu_bytes, lambda: size)
+    return mode, " (auto)" if cfg.parallel == "auto" else ""
 
 
-def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node: bool) -> list[Collective]:
+def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node: bool, processes: int = 1,
+                     gpu_bytes: float | None = None) -> list[Collective]:
     """The collectives that cross the nodes in one optimizer step (see the module's docstring)."""
     grad_bytes = 2 if cfg.grad_reduce_dtype == "bf16" else 4
     gradients = model.trainable * grad_bytes
@@ -88,8 +85,9 @@ def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node
     if mode == "ddp" or (mode == "hsdp" and hsdp_in_node):
         return [reduce]
     gathers = micro if mode == "zero2" else 2 * micro
+    reduction = gradient_reduction(cfg, processes, mode, micro, lambda: model.size, lambda: gpu_bytes, {})
     return [Collective("all-gather", "weights", weights, gathers),
-            Collective("reduce-scatter", "gradients", gradients, 1)]
+            Collective("reduce-scatter", "gradients", gradients, micro if reduction == EACH else 1)]
 
 
 def collective_seconds(collectives: list[Collective], busbw: float, nodes: int) -> float:
@@ -125,14 +123,15 @@ def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, bu
     """The communication a step of this config needs across `nodes` at `busbw`, against its compute; `slow` when
     it would set the step time, with the modes that would move less."""
     processes = nodes * nproc
-    mode, how = parallel_mode(cfg, processes, gpus, gpu_bytes, model.size)
+    mode, how = parallel_mode(cfg, processes, nproc, gpus, gpu_bytes, model.size)
     bf16 = gpus and cfg.bf16 is not False
     hsdp_in_node = (cfg.hsdp_shard_size or nproc) <= nproc
-    collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node)
+    collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, gpu_bytes)
     seconds = collective_seconds(collectives, busbw, nodes)
     compute = compute_seconds(cfg, model, peak_flops)
     ratio = seconds / compute if compute else None
-    others = {other: collective_seconds(step_collectives(cfg, other, model, bf16, True), busbw, nodes)
+    others = {other: collective_seconds(step_collectives(cfg, other, model, bf16, True, processes, gpu_bytes),
+                                        busbw, nodes)
               for other in ("ddp", "zero2", "hsdp", "zero3") if other != mode}
     return {"parallel": mode, "auto": bool(how), "collectives": [c.__dict__ for c in collectives],
             "comm_s": seconds, "compute_s": compute, "ratio": ratio, "busbw": busbw, "nodes": nodes,

@@ -80,7 +80,8 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
         check_same_model(model, env)  # the empty models match rank 0's tensor for tensor, or the broadcast would hang
     wrap = dict(parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
                 prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16",
-                blocks_per_unit=plan.blocks_per_unit or 1, cpu_offload=plan.cpu_offload)
+                blocks_per_unit=plan.blocks_per_unit or 1, cpu_offload=plan.cpu_offload,
+                reshard_after_forward=plan.reshard_after_forward, bucket_cap_mb=cfg.ddp_bucket_cap_mb)
     if plan.parallel == "ddp":
         if loader is not None:
             loader.load_all(model)

@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtune.distributed import DistEnv
 from meshtune.model.loading import transformer_blocks
+from meshtune.plan import EACH, ONCE, SHARD_EACH
 
 
 class FlatGradientSync:
@@ -83,13 +84,16 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                hsdp_shard_size: int | None = None, prefetch: int = 1, grad_sync: str = "ddp",
                in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1,
-               cpu_offload: bool = False,
+               cpu_offload: bool = False, reshard_after_forward: bool | None = None,
+               bucket_cap_mb: float | None = None,
                before_shard: Callable[[list[torch.nn.Module]], None] | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
     gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `blocks_per_unit`:
     consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all).
     `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host memory.
+    `reshard_after_forward`: FSDP2 frees each unit's gathered weights after forward (the run plan's choice; by
+    default zero3's and hsdp's yes, zero2's no). `bucket_cap_mb`: DDP's gradient buckets (torch's 25 MB by default).
     `before_shard`: called with each unit's blocks, then with the model, right before FSDP2 shards them (Q-LoRA's
     block-by-block loading: only one unit is ever whole on the device)."""
     if parallel == "ddp":
@@ -106,25 +110,32 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
         # plain tensors; they never train, and every rank quantized the same files itself
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
             name for name, p in model.named_parameters() if not p.requires_grad and type(p.data) is not torch.Tensor])
-        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False, init_sync=not in_sync)
+        # gradients as views of DDP's buckets: no copy into the buckets after backward, no second gradient buffer
+        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False, init_sync=not in_sync,
+                                      gradient_as_bucket_view=True, **({"bucket_cap_mb": bucket_cap_mb}
+                                                                       if bucket_cap_mb else {}))
         if reduce_bf16:
             ddp.register_comm_hook(None, bf16_allreduce_hook)
         return ddp
     reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32 if bf16 else None
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
-    reshard = parallel in ("zero3", "hsdp")
+    reshard = parallel in ("zero3", "hsdp") if reshard_after_forward is None else reshard_after_forward
     offload = offload_policy(cpu_offload, env.device)
     mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
     blocks = transformer_blocks(model)
     units = fsdp_units(blocks, blocks_per_unit)
-    for unit in units:
+    for i, unit in enumerate(units):
         if before_shard is not None:
             before_shard(unit)
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed,
-                    offload_policy=offload)
+        # backward starts with the last unit: freeing its weights after forward would only gather them again at once
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard and i < len(units) - 1,
+                    mp_policy=mixed, offload_policy=offload)
     if before_shard is not None:
         before_shard([model])
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
+    # the root (embeddings, final norm, head) is gathered for the whole forward and again from the start of backward
+    # (the head's gradient comes first) to its end (the embeddings' last): resharding it in between would cost a
+    # gather and save nothing, hence FSDP2's own default for a root
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
     if prefetch:
         set_prefetch([unit[0] for unit in units], prefetch)
     return model
@@ -164,12 +175,17 @@ def data_parallel_mesh(parallel: str, env: DistEnv, hsdp_shard_size: int | None)
     return init_device_mesh(device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def gradient_sync(model: torch.nn.Module, sync: bool) -> ContextManager:
-    """Skip the gradient all-reduce on all but the last micro-step of an optimizer step."""
+def gradient_sync(model: torch.nn.Module, last: bool, reduction: str) -> ContextManager:
+    """Around one micro-step's backward: whether its gradients cross the processes (plan.gradient_reduction).
+    `last`: the optimizer step's last micro-step, on which they always do."""
     if isinstance(model, DistributedDataParallel):
-        return nullcontext() if sync else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
+        return nullcontext() if last or reduction == EACH else model.no_sync()
+    if isinstance(model, FSDPModule):
+        if reduction == ONCE:
+            model.set_requires_gradient_sync(last)
+        elif reduction == SHARD_EACH:  # reduce-scatter inside the replica always; across the replicas once
+            model.set_requires_gradient_sync(True)
+            model.set_requires_all_reduce(last)
     return nullcontext()
 
 

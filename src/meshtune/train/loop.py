@@ -153,7 +153,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
-                with gradient_sync(model, sync=m == len(micro) - 1):  # gradients cross processes once a step
+                with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction):
                     loss = loss_of(batch.to(env.device))
                     (loss * env.world_size / targets).backward()
                 loss_sum += loss.detach().double()
