@@ -104,10 +104,10 @@ def test_deepspeed_scheduler_gives_way_to_an_explicit_lr_scheduler_type_and_says
     out = translate_deepspeed(json.loads((FIXTURES / "qwen" / "ds_config_zero2.json").read_text()), "z2.json",
                               {"lr_scheduler_type": "cosine"}, {"lr_scheduler_type": "command line"})
     assert "lr_scheduler_type" not in out.values and out.problems == []
-    assert any("scheduler WarmupLR (warmup, then constant) is not used: lr_scheduler_type 'cosine' (command line)"
-               in note for note in out.notes)
+    assert any("scheduler WarmupLR (lr_scheduler_type constant_with_warmup) is not used: lr_scheduler_type 'cosine' "
+               "(command line)" in note for note in out.notes)
     alone = translate_deepspeed(json.loads((FIXTURES / "qwen" / "ds_config_zero2.json").read_text()), "z2.json", {}, {})
-    assert alone.values["lr_scheduler_type"] == "constant"
+    assert alone.values["lr_scheduler_type"] == "constant_with_warmup"  # HF's constant has no warmup
 
 
 def test_deepspeed_file_is_found_next_to_the_config_and_errors_name_it(tmp_path, monkeypatch):
@@ -255,7 +255,8 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
     assert result.returncode == 0, result.stdout
     plan = json.loads((out / "run_plan.json").read_text())
     assert plan["parallel"] == "zero2"
-    assert "scheduler WarmupLR (warmup, then constant) is not used: lr_scheduler_type 'cosine'" in result.stdout
+    assert "scheduler WarmupLR (lr_scheduler_type constant_with_warmup) is not used: lr_scheduler_type 'cosine'" \
+        in result.stdout
     saved = (out / "config.yaml").read_text()
     for line in ("finetuning_type: lora", "cutoff_len: 128", "adam_beta2: 0.95", "lr_scheduler_type: cosine"):
         assert line in saved

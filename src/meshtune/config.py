@@ -120,9 +120,9 @@ class TrainConfig(BaseModel):
     adam_epsilon: float = OPTIMIZATION(1e-8, "AdamW epsilon", gt=0.0)
     num_train_epochs: float = OPTIMIZATION(3.0, "epochs, used when max_steps is -1", gt=0.0)
     max_steps: int = OPTIMIZATION(-1, "optimizer steps; -1 = from num_train_epochs", ge=-1)
-    lr_scheduler_type: Literal["cosine", "linear", "constant"] = OPTIMIZATION("cosine", "cosine | linear | constant (after warmup)")
-    warmup_ratio: float = OPTIMIZATION(0.0, "warmup as a fraction of all steps", ge=0.0, lt=1.0)
-    warmup_steps: int = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0", ge=0)
+    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = OPTIMIZATION("cosine", "HF's schedule of that name, warmup from lr 0 included: cosine | linear (decay to 0 after the warmup) | constant (no warmup, as in HF) | constant_with_warmup")
+    warmup_ratio: float = OPTIMIZATION(0.0, "warmup as a fraction of all steps, rounded up", ge=0.0, lt=1.0)
+    warmup_steps: float = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0. A fraction below 1 is a share of all steps, as in transformers 5", ge=0)
     master_weights: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "full fine-tuning: the weights the optimizer updates. fp32 (16 bytes a parameter with AdamW: fp32 weights, gradients and two moments; bf16 compute) | bf16 (8 bytes: bf16 weights, gradients and moments, as HF Trainer trains a bf16 model, but each update computed in fp32 and rounded to bf16 stochastically so small updates survive on average; half the memory. On CUDA one Triton kernel updates every parameter. Runs are reproducible for one layout, and layouts agree within bf16 rounding rather than exactly)")
     max_grad_norm: float = OPTIMIZATION(1.0, "gradient clipping; 0 turns it off (the norm is still logged)", ge=0.0)
     grad_reduce_dtype: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "the dtype gradients cross the processes in: fp32 (exact sums) | bf16 (half the bytes, as DeepSpeed's default under bf16; sums over many processes lose precision: try it when the network is the bottleneck). The optimizer always steps fp32 gradients")
@@ -236,6 +236,12 @@ class TrainConfig(BaseModel):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _whole_steps_stay_whole(cls, value: float) -> float:
+        """A count of steps is kept an int (the run's identity hashes `10`, not `10.0`); a fraction is a share."""
+        return int(value) if value == int(value) else value
 
     @model_validator(mode="after")
     def _check_supported(self) -> "TrainConfig":

@@ -16,7 +16,7 @@ from typing import Any
 from meshtune.errors import ConfigError
 
 STAGE_TO_PARALLEL = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
-SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+SCHEDULERS = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 # Entries that tune how DeepSpeed runs, not what it computes: FSDP2 decides these by itself.
 TUNING = ("overlap_comm", "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "reduce_bucket_size",
           "contiguous_gradients", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
@@ -151,14 +151,14 @@ def _scheduler(block: dict[str, Any], name: str, given: dict[str, Any], sources:
     kind = block.get("type")
     if kind not in SCHEDULERS:
         out.problems.append(f"{name}: scheduler.type {kind!r} is not supported; meshtune has {', '.join(SCHEDULERS)} "
-                            f"(as lr_scheduler_type constant, linear, cosine); remove the scheduler block to use "
-                            f"lr_scheduler_type")
+                            f"(as lr_scheduler_type {', '.join(SCHEDULERS.values())}); remove the scheduler block "
+                            f"to use lr_scheduler_type")
         return
     params = dict(block.get("params") or {})
     ours = SCHEDULERS[kind]
     if "lr_scheduler_type" in given and given["lr_scheduler_type"] != ours:
         # HF Trainer lets the file's scheduler win silently; the user's explicit choice is what meshtune follows
-        out.notes.append(f"{name}: scheduler {kind} (warmup, then {ours}) is not used: lr_scheduler_type "
+        out.notes.append(f"{name}: scheduler {kind} (lr_scheduler_type {ours}) is not used: lr_scheduler_type "
                          f"{given['lr_scheduler_type']!r} ({sources.get('lr_scheduler_type', 'config')}) is; HF "
                          f"Trainer would have run the file's {kind}")
     else:

@@ -49,7 +49,7 @@ from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
-from meshtune.train.schedule import build_scheduler, warmup_steps
+from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.stragglers import Place, StepTimes
 from meshtune.worker_env import ERROR_DIR
@@ -105,8 +105,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     built = build_model(cfg, plan, env, log)
     model = built.model
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
-    scheduler = build_scheduler(optimizer, total_steps, warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps),
-                                cfg.lr_scheduler_type)
+    warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
+    scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
+    log(describe_schedule(total_steps, warmup, cfg.lr_scheduler_type))
     trainer = {"step": 0}
     state = training_state(model, optimizer, scheduler, trainer, env.rank, trainable_only=cfg.is_lora)
     if resume_path:

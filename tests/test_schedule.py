@@ -1,0 +1,94 @@
+"""The learning-rate schedule means what HF Trainer's does: warmup from lr 0, `constant` without warmup, the
+warmup counted as TrainingArguments counts it, and a resumed run continuing the same rates."""
+
+from __future__ import annotations
+
+import math
+import typing
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import TrainingArguments
+
+from meshtune.checkpoint import CheckpointManager, training_state
+from meshtune.config import TrainConfig
+from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
+
+TOTAL, WARMUP = 10, 4
+
+
+def rates(kind: str, total: int = TOTAL, warmup: int = WARMUP, scheduler=None, optimizer=None) -> list[float]:
+    """The lr each optimizer step trains at (read before the step, as the loop logs it)."""
+    if scheduler is None:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        scheduler = build_scheduler(optimizer, total, warmup, kind)
+    seen = []
+    for _ in range(total - scheduler.last_epoch):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+WARMING = [0.0, 0.25, 0.5, 0.75]  # step k of a warmup of 4 trains at k / 4: the first step at lr 0
+EXPECTED = {
+    "cosine": WARMING + [0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(6)],
+    "linear": WARMING + [(6 - k) / 6 for k in range(6)],
+    "constant": [1.0] * TOTAL,  # HF's constant has no warmup
+    "constant_with_warmup": WARMING + [1.0] * 6,
+}
+
+
+@pytest.mark.parametrize("kind", typing.get_args(TrainConfig.model_fields["lr_scheduler_type"].annotation))
+def test_each_schedule_the_config_accepts_is_hfs(kind):
+    assert rates(kind) == pytest.approx(EXPECTED[kind], abs=1e-12)
+
+
+@pytest.mark.parametrize("total, ratio, steps", [(30, 0.1, 0), (100, 0.07, 0), (1000, 0.03, 0), (7, 0.5, 0),
+                                                 (30, 0.0, 0.1), (30, 0.0, 0.07), (30, 0.2, 5), (30, 0.2, 5.5)])
+def test_warmup_is_counted_as_hf_counts_it(total, ratio, steps):
+    """transformers 5 reads warmup_steps below 1 as a share of all steps; transformers 4's warmup_ratio is the same
+    share when warmup_steps is 0."""
+    hf = TrainingArguments(output_dir="unused", warmup_steps=steps or ratio, report_to="none")
+    assert warmup_steps(total, ratio, steps) == hf.get_warmup_steps(total)
+
+
+def test_a_share_of_steps_rounds_up_as_hf_does():
+    assert warmup_steps(30, 0.07, 0) == warmup_steps(30, 0.0, 0.07) == 3  # 2.1 steps
+    assert warmup_steps(100, 0.07, 0) == 8  # 7.000000000000001 in floating point, and so in HF
+    assert warmup_steps(30, 0.1, 0) == 3 and warmup_steps(30, 0.2, 5.5) == 5
+
+
+def test_the_log_line_says_when_constant_leaves_a_warmup_unused():
+    assert "no warmup" in describe_schedule(TOTAL, WARMUP, "constant")
+    assert describe_schedule(TOTAL, 0, "constant") == "lr schedule: constant"
+    assert describe_schedule(TOTAL, WARMUP, "cosine") == ("lr schedule (cosine): 4 warmup step(s) from 0, then cosine "
+                                                          "decay to 0 over 6 step(s)")
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["cosine", "constant_with_warmup"])
+def test_a_checkpoint_taken_in_the_warmup_resumes_the_same_rates(tmp_path, world_of_one, kind):
+    def fresh():
+        model = torch.nn.Linear(3, 3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        return model, optimizer, build_scheduler(optimizer, TOTAL, WARMUP, kind)
+
+    model, optimizer, scheduler = fresh()
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    manager = CheckpointManager(tmp_path, None, False, 0, 1)
+    manager.save(2, training_state(model, optimizer, scheduler, {"step": 2}, 0, False),
+                 {"epoch": 0, "world_size": 1, "parallel": "ddp", "config_hash": "abc"})
+    manager.close()
+    model, optimizer, scheduler = fresh()
+    manager.load(tmp_path / "checkpoint-2", training_state(model, optimizer, scheduler, {}, 0, False))
+    assert rates(kind, scheduler=scheduler, optimizer=optimizer) == pytest.approx(EXPECTED[kind][2:], abs=1e-12)
