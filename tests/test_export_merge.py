@@ -1,25 +1,31 @@
 """`meshtune export`: LoRA adapters from final/ or any checkpoint-N, as a PEFT directory or merged into the base
 model's own (sharded) safetensors files, loading in transformers with the trained model's logits; Q-LoRA merged
-into the bf16 base; a full fine-tuning checkpoint written by 4 ranks as a model directory equal to final/."""
+into the bf16 base; a full fine-tuning checkpoint written by 4 ranks as a model directory equal to final/. Every
+export carries the chat template trained with, and is written in the base's dtype unless --dtype says another."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import base_config
 from meshtune.cli import main
 from meshtune.config import build_config
+from meshtune.data.chat_template import ChatTemplate
 from meshtune.errors import MeshtuneError
 from meshtune.export.merge import export
+from meshtune.model.loading import load_tokenizer
 from meshtune.train.loop import run
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64, 2, 31]]
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the quick fox"}]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,7 @@ def peft_logits(base, adapter_dir) -> torch.Tensor:
 
 def test_merged_export_loads_in_transformers_with_the_trained_logits(trained, tmp_path):
     out = tmp_path / "merged"
-    assert main(["export", str(trained / "run"), "--output", str(out), "--merge", "--dtype", "fp32"]) == 0
+    assert main(["export", str(trained / "run"), "--output", str(out), "--merge"]) == 0  # the fp32 base's dtype
     assert (out / "model.safetensors.index.json").is_file()
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
     want = peft_logits(trained / "base", trained / "run" / "final")
@@ -141,3 +147,90 @@ def test_qlora_adapters_merge_into_the_unquantized_base(tmp_path, tiny_model_dir
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     want = peft_logits(tiny_model_dir, tmp_path / "run" / "final")
     assert torch.allclose(logits(merged), want, atol=1e-5, rtol=1e-5)
+
+
+def served_prompt(folder) -> str:
+    """What serving renders from the exported tokenizer: its own chat template, as vLLM and transformers use it."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+
+
+def test_every_export_of_a_checkpoint_carries_the_chat_template_trained_with(trained, tmp_path):
+    """The base tokenizer has no chat template: training rendered with the written-out ChatML, which final/ saves;
+    the adapter and the merged model exported from a checkpoint-N render prompts the same way."""
+    trained_with = ChatTemplate(load_tokenizer(trained / "base"), "auto").render_prompt(CONVERSATION)
+    with pytest.raises(ValueError, match="chat template"):
+        served_prompt(trained / "base")
+    assert served_prompt(trained / "run" / "final") == trained_with
+    for merge in (False, True):
+        out = tmp_path / f"merge-{merge}"
+        export(trained / "run" / "checkpoint-2", out, merge=merge, dtype=None, force=False)
+        assert (out / "chat_template.jinja").is_file(), merge
+        assert served_prompt(out) == trained_with, merge
+
+
+def test_a_checkpoint_exports_the_template_its_manifest_keeps(trained, tmp_path):
+    """The template is kept in each checkpoint's manifest, so an export writes what that run trained with; a
+    manifest without it (written before checkpoints kept it) has the run's template rendered again."""
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(trained / "run" / "checkpoint-2", checkpoint)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["chat_template"] == ChatTemplate(load_tokenizer(trained / "base"), "auto").jinja
+    manifest["chat_template"] = "{% for message in messages %}[{{ message['content'] }}]{% endfor %}"
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    export(checkpoint, tmp_path / "kept", merge=False, dtype=None, force=False)
+    assert served_prompt(tmp_path / "kept") == "[Be brief.][the quick fox]"
+    del manifest["chat_template"]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    export(checkpoint, tmp_path / "rendered", merge=False, dtype=None, force=False)
+    assert served_prompt(tmp_path / "rendered") == served_prompt(trained / "run" / "final")
+
+
+def test_a_full_checkpoint_exports_with_its_template_in_the_base_dtype(tmp_path, tiny_model_dir, tiny_dataset):
+    """A full run trained with llama3's written-out template: checkpoint-2 exports as final/ does, with that
+    template, in the fp32 of its base unless --dtype says otherwise."""
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "run", finetuning_type="full",
+                                   template="llama3", cutoff_len=256, max_steps=2, save_steps=2,
+                                   learning_rate=1e-3))
+    run(cfg)
+    trained_with = ChatTemplate(load_tokenizer(tiny_model_dir), "llama3").render_prompt(CONVERSATION)
+    assert trained_with.startswith("<|start_header_id|>system") and served_prompt(tmp_path / "run" / "final") == \
+        trained_with
+    assert "fp32" in export(tmp_path / "run" / "checkpoint-2", tmp_path / "model", merge=False, dtype=None,
+                            force=False)
+    assert served_prompt(tmp_path / "model") == trained_with
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["dtype"] == "float32"
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").state_dict()
+    assert all(torch.equal(exported[key], final[key]) for key in final)
+    export(tmp_path / "run" / "checkpoint-2", tmp_path / "bf16", merge=False, dtype="bf16", force=False)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def tensor_dtypes(folder) -> set[torch.dtype]:
+    dtypes = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as reader:
+            dtypes |= {reader.get_tensor(key).dtype for key in reader.keys()}
+    return dtypes
+
+
+def test_a_merge_is_written_in_the_base_models_dtype_unless_told_another(trained, tmp_path):
+    """An fp32 base merges to fp32 and a bf16 base to bf16 (config.json's dtype, as LLaMA-Factory exports);
+    --dtype overrides; the index's total size is that of the weights written."""
+    export(trained / "run", tmp_path / "fp32", merge=True, dtype=None, force=False)
+    assert tensor_dtypes(tmp_path / "fp32") == {torch.float32}
+    bf16_base = tmp_path / "bf16-base"
+    AutoModelForCausalLM.from_pretrained(trained / "base").to(torch.bfloat16).save_pretrained(
+        bf16_base, max_shard_size="60KB")
+    assert json.loads((bf16_base / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "bf16" in export(trained / "run", tmp_path / "bf16", merge=True, dtype=None, force=False,
+                            base_model=str(bf16_base))
+    assert tensor_dtypes(tmp_path / "bf16") == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    export(trained / "run", tmp_path / "fp16", merge=True, dtype="fp16", force=False)
+    assert tensor_dtypes(tmp_path / "fp16") == {torch.float16}
+    index = json.loads((tmp_path / "fp16" / "model.safetensors.index.json").read_text())
+    weights = sum(tensor.numel() * tensor.itemsize for path in (tmp_path / "fp16").glob("*.safetensors")
+                  for tensor in load_file(path).values())
+    assert index["metadata"]["total_size"] == weights

@@ -163,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("source", help="output_dir, output_dir/final or output_dir/checkpoint-N")
     export.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
     export.add_argument("--merge", action="store_true", help="merge the adapters into the base model's weights")
-    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-                        help="dtype of the merged weights (default bf16)")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                        help="dtype of the merged or full model's weights (default: the base model's own, its "
+                             "config.json's dtype; fp32 where it names none)")
     export.add_argument("--base-model", metavar="DIR",
                         help="the base model folder (default: the one the run trained from)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --output")

@@ -93,6 +93,7 @@ class TrainConfig(BaseModel):
     lora_alpha: float | None = MODEL(None, "LoRA scaling alpha (the update is scaled by alpha / r); default 2 x lora_rank", gt=0)
     lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
     lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. q_proj,v_proj")
+    adapter_name_or_path: str | None = MODEL(None, "a PEFT LoRA adapter directory to continue training (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's final/; a checkpoint-N becomes one with `meshtune export`): the run starts from its weights, with its r, alpha, dropout and target modules in place of lora_rank, lora_alpha, lora_dropout and lora_target, as LLaMA-Factory continues an adapter; lora and qlora")
     gradient_checkpointing: bool = MODEL(False, "recompute activations in backward instead of storing them: less memory, more compute; turn on when a batch does not fit", scope=JOB)
     gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU every block", scope=JOB)
     memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) (1 or less), counted as torch allocates it (torch.cuda.max_memory_allocated, the speed table's peak GiB). Default 0.9 of the card", gt=0.0, scope=JOB)
@@ -212,6 +213,22 @@ class TrainConfig(BaseModel):
             raise ValueError("must be auto or a fraction of the blocks, above 0 and at most 1 (1 = every block)")
         return ratio
 
+    @field_validator("adapter_name_or_path", mode="before")
+    @classmethod
+    def _one_adapter(cls, value: Any) -> Any:
+        """LLaMA-Factory takes a comma-separated list and merges all but the last into the base; one is continued
+        here, and the others are merged by the user first."""
+        parts = value.split(",") if isinstance(value, str) else value
+        if not isinstance(parts, list):
+            return value
+        parts = [str(part).strip() for part in parts if str(part).strip()]
+        if len(parts) > 1:
+            raise ValueError(f"{len(parts)} adapters ({', '.join(parts)}): meshtune continues one. Merge the others "
+                             f"into the base first (`meshtune export ADAPTER --merge --base-model BASE --output "
+                             f"MERGED`, one after the other), then set model_name_or_path: MERGED and "
+                             f"adapter_name_or_path: {parts[-1]}")
+        return parts[0] if parts else None
+
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
     def _resume_not_given(cls, value: Any) -> Any:
@@ -253,6 +270,11 @@ class TrainConfig(BaseModel):
                              f"{self.parallel}: the offload is FSDP2's; set parallel: zero3 (the least GPU memory)")
         if not self.dataset:
             raise ValueError("dataset: no file given; set dataset: path/to/train.jsonl")
+        if self.adapter_name_or_path and not self.is_lora:
+            raise ValueError(f"adapter_name_or_path: {self.adapter_name_or_path} is a LoRA adapter, which "
+                             f"finetuning_type: {self.finetuning_type} does not train; continue it with "
+                             f"finetuning_type: lora (or qlora), or merge it into the base first (`meshtune export "
+                             f"ADAPTER --merge --output MERGED`) and fine-tune MERGED in full")
         unknown = [key for key in self.resume_allow_changed if key not in self.keys_of(MATH)]
         if unknown:
             raise ValueError(f"resume_allow_changed: {', '.join(unknown)} is not a key of the run's math; those are "

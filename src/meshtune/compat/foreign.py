@@ -83,14 +83,14 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "lora_r": (QWEN, renamed("lora_rank")),
     "lora_target_modules": (QWEN, renamed("lora_target")),
     "lora_bias": (QWEN, only({"none": {}}, "LoRA trains no bias terms in meshtune; set lora_bias none")),
-    "lora_weight_path": (QWEN, only({"": {}, None: {}}, "starting from an existing adapter is not supported")),
+    "lora_weight_path": (QWEN, lambda value: Outcome(values={"adapter_name_or_path": value} if value else {})),
     "additional_target": (LF, only({None: {}}, "modules trained in full beside LoRA are not supported")),
     "use_rslora": (LF, only({False: {}}, "rank-stabilized LoRA scaling is not supported; meshtune scales by alpha / r")),
     "use_dora": (LF, only({False: {}}, "DoRA is not supported")),
     "pissa_init": (LF, only({False: {}}, "PiSSA initialisation is not supported")),
     "loraplus_lr_ratio": (LF, only({None: {}}, "LoRA+ learning rates are not supported")),
-    "create_new_adapter": (LF, only({False: {}}, "starting from an existing adapter is not supported")),
-    "adapter_name_or_path": (LF, only({None: {}}, "starting from an existing adapter is not supported")),
+    "create_new_adapter": (LF, only({False: {}}, "a new adapter on top of merged ones is not supported; merge them "
+                                                 "into the base (meshtune export ADAPTER --merge) and train on it")),
     "fix_vit": (QWEN, ignored("meshtune trains text models only", True, False)),
     # data
     "data_path": (QWEN, renamed("dataset")),

@@ -1,5 +1,6 @@
 """The job's config as the user brings it: a meshtune or LLaMA-Factory YAML, Qwen's `--flag value` form,
-`key=value` overrides, and the DeepSpeed JSON any of them names, into one validated `TrainConfig`.
+`key=value` overrides, the DeepSpeed JSON any of them names and the LoRA settings of an adapter it continues,
+into one validated `TrainConfig`.
 
 Later sources win: YAML, then flags, then overrides. Every problem of all of them comes in one error, each line
 naming where its key was given; keys of other tools that meshtune ignores come back as warnings.
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtune.compat.adapter import adapter_settings
 from meshtune.compat.deepspeed import read_deepspeed, translate_deepspeed
 from meshtune.compat.foreign import translate_foreign
 from meshtune.config import TrainConfig, build_config, load_yaml, parse_overrides
@@ -62,6 +64,12 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         if translation.unhonoured:
             warnings.append(f"{ds_path}: not applied (FSDP2 and meshtune decide these themselves): "
                             f"{', '.join(translation.unhonoured)}")
+    adapter = values.get("adapter_name_or_path")
+    if isinstance(adapter, str) and adapter.strip() and "," not in adapter:  # several: the config names the error
+        settings = adapter_settings(adapter.strip(), values, sources.get("adapter_name_or_path", source))
+        values.update(settings.values)
+        warnings += settings.warnings
+        problems += settings.problems
     return LoadedConfig(build_config(values, source, sources, problems), warnings)
 
 

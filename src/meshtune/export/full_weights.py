@@ -18,6 +18,8 @@ from meshtune.errors import MeshtuneError
 from meshtune.export.adapters import load_tensors, model_tensors
 
 FILE_BYTES = 5 << 30  # per safetensors file, as transformers' default max_shard_size
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def is_full_checkpoint(path: Path) -> bool:
@@ -25,15 +27,32 @@ def is_full_checkpoint(path: Path) -> bool:
         (read_manifest(path).get("config") or {}).get("finetuning_type") == "full"
 
 
-def export_full_checkpoint(checkpoint: Path, output: Path, dtype: torch.dtype, base_model: str | None,
-                           prepare: Callable[[], None]) -> int:
-    """Writes model-0000i-of-0000n.safetensors (+ index), config and generation config; returns the tensor count.
-    `prepare` empties the output, called once the checkpoint and base are found good (nothing removed before)."""
-    sizes = model_tensors(checkpoint)
+def base_dtype(base: Path) -> str:
+    """The dtype the base model is released in, the export's default, so an export is what its base was: its
+    config.json's `dtype` (`torch_dtype` as older transformers write it); fp32 where it names none, as
+    transformers then loads it."""
+    config = json.loads((base / "config.json").read_text())
+    named = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if named not in CONFIG_DTYPES:
+        raise MeshtuneError(f"{base / 'config.json'} gives the model's dtype as {named!r}; pass --dtype bf16, fp16 "
+                            f"or fp32 for the export")
+    return CONFIG_DTYPES[named]
+
+
+def full_checkpoint_base(checkpoint: Path, base_model: str | None) -> Path:
+    """The base model folder a full fine-tuning checkpoint was trained from (or `base_model`), with its config."""
     base = Path(base_model or (read_manifest(checkpoint).get("config") or {}).get("model_name_or_path", ""))
     if not (base / "config.json").is_file():
         raise MeshtuneError(f"the base model folder {base} (whose config.json describes the architecture) has no "
                             f"config.json; pass --base-model DIR")
+    return base
+
+
+def export_full_checkpoint(checkpoint: Path, output: Path, dtype: torch.dtype, base: Path,
+                           prepare: Callable[[], None]) -> int:
+    """Writes model-0000i-of-0000n.safetensors (+ index), config and generation config; returns the tensor count.
+    `prepare` empties the output, called once the checkpoint is found good (nothing removed before)."""
+    sizes = model_tensors(checkpoint)
     prepare()
     groups: list[list[str]] = [[]]
     used = 0

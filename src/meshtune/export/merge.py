@@ -18,13 +18,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from meshtune.checkpoint.manifest import read_manifest
+from meshtune.checkpoint.manifest import MANIFEST, read_manifest
 from meshtune.errors import MeshtuneError
 from meshtune.export.adapters import PEFT_PREFIX, Adapters, read_adapters
-from meshtune.export.full_weights import export_full_checkpoint, is_full_checkpoint, write_model_config
+from meshtune.export.full_weights import (DTYPES, base_dtype, export_full_checkpoint, full_checkpoint_base,
+                                          is_full_checkpoint, write_model_config)
 from meshtune.model.export import export_kind
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def source_of(path: Path) -> Path:
@@ -47,13 +46,15 @@ def prepare_output(output: Path, force: bool) -> None:
     output.mkdir(parents=True, exist_ok=True)
 
 
-def export(source: Path, output: Path, merge: bool, dtype: str, force: bool, base_model: str | None = None) -> str:
-    """Write the export; returns a one-line description of what was written."""
+def export(source: Path, output: Path, merge: bool, dtype: str | None, force: bool,
+           base_model: str | None = None) -> str:
+    """Write the export; returns a one-line description of what was written. `dtype` None: the base model's own."""
     source = source_of(source)
     if is_full_checkpoint(source):
-        count = export_full_checkpoint(source, output, DTYPES[dtype], base_model,
+        base = full_checkpoint_base(source, base_model)
+        dtype = dtype or base_dtype(base)
+        count = export_full_checkpoint(source, output, DTYPES[dtype], base,
                                        prepare=lambda: prepare_output(output, force))
-        base = Path(base_model or read_manifest(source)["config"]["model_name_or_path"])
         copy_tokenizer(source, base, output)
         return f"full model ({count} tensors, {dtype}) from {source} in {output}"
     if export_kind(source) == "Hugging Face model":
@@ -64,6 +65,7 @@ def export(source: Path, output: Path, merge: bool, dtype: str, force: bool, bas
     if merge and not (base / "config.json").is_file():
         raise MeshtuneError(f"the base model folder {base} (where the adapters were trained from) has no "
                             f"config.json; pass --base-model DIR with the original model files")
+    dtype = (dtype or base_dtype(base)) if merge else dtype
     prepare_output(output, force)
     if not merge:
         write_adapter_dir(adapters, output)
@@ -92,6 +94,7 @@ def merge_into(adapters: Adapters, base: Path, output: Path, dtype: torch.dtype)
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
         ["model.safetensors"]
     pending = {f"{module}.weight": pair for module, pair in adapters.pairs.items()}
+    total = 0
     for name in tqdm(files, desc="merging", unit="file"):
         path = base / name
         if not path.is_file():
@@ -104,19 +107,41 @@ def merge_into(adapters: Adapters, base: Path, output: Path, dtype: torch.dtype)
                     a, b = pending.pop(key)
                     weight = weight.float() + adapters.scale * (b.float() @ a.float())
                 tensors[key] = weight.to(dtype) if weight.is_floating_point() else weight
+                total += tensors[key].numel() * tensors[key].itemsize
         save_file(tensors, str(output / name), metadata={"format": "pt"})
     if pending:
         raise MeshtuneError(f"the base model in {base} has no weight for {len(pending)} adapted layers (e.g. "
                             f"{next(iter(pending))}); pass --base-model with the model the adapters were trained on")
-    if index.is_file():
-        shutil.copy(index, output / index.name)
+    if index.is_file():  # the base's, with the size of the weights in the exported dtype
+        listing = json.loads(index.read_text())
+        listing["metadata"] = {**listing.get("metadata", {}), "total_size": total}
+        (output / index.name).write_text(json.dumps(listing, indent=2) + "\n")
     write_model_config(base, output, dtype)
     return len(adapters.pairs)
 
 
 def copy_tokenizer(source: Path, base: Path, output: Path) -> None:
-    """The tokenizer saved with the training output (it carries the chat template trained with), else the base's."""
+    """The tokenizer saved with final/ (it carries the chat template trained with); for a checkpoint-N, the base's
+    with the template its run trained with, so `apply_chat_template` on the export renders prompts as trained;
+    for an adapter directory of another origin, the base's."""
     from meshtune.model.loading import load_tokenizer
 
-    folder = source if (source / "tokenizer_config.json").is_file() else base
-    load_tokenizer(folder).save_pretrained(str(output))
+    if (source / "tokenizer_config.json").is_file():
+        load_tokenizer(source).save_pretrained(str(output))
+        return
+    tokenizer = load_tokenizer(base)
+    template = trained_chat_template(source, tokenizer) if (source / MANIFEST).is_file() else None
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(output))
+
+
+def trained_chat_template(checkpoint: Path, tokenizer) -> str | None:
+    """The chat template a checkpoint's run trained with, as final/ saves it (None: the tokenizer's own): kept in
+    its manifest; a manifest from before checkpoints kept it has the run's `template`, rendered again."""
+    from meshtune.data.chat_template import serving_chat_template
+
+    manifest = read_manifest(checkpoint)
+    if "chat_template" in manifest:
+        return manifest["chat_template"]
+    return serving_chat_template(tokenizer, (manifest.get("config") or {}).get("template", "auto"))

@@ -4,7 +4,8 @@ NF4 on its device, and, under zero2 / zero3 / hsdp, lets FSDP2 shard the block b
 process holds more than one block's unquantized weights, and each keeps 1 / shards of the 4-bit model.
 
 Every process reads the files itself: quantizing is deterministic, so all hold the same 4-bit weights without a
-broadcast, and the LoRA adapters start from values drawn from the seed and their names, the same in every layout.
+broadcast, and the LoRA adapters start from values drawn from the seed and their names, the same in every layout
+(or from the adapter the run continues, which every process reads).
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ class BlockLoader:
     is still without values, and quantizes the blocks among them. `shards`: the processes FSDP2 splits each weight
     over (1 under ddp)."""
 
-    def __init__(self, model: torch.nn.Module, model_dir: Path, device: torch.device, seed: int, shards: int):
+    def __init__(self, model: torch.nn.Module, model_dir: Path, device: torch.device, seed: int, shards: int,
+                 adapter: dict[str, torch.Tensor] | None = None):
+        """`adapter`: the weights of an adapter the run continues (model/lora.starting_adapter), else new ones."""
         self.files = WeightFiles(model_dir)
         self.device = device
         self.seed = seed
+        self.adapter = adapter or {}
         self.shards = shards
         self.names = {id(module): name for name, module in model.named_modules()}
         self.blocks = {id(block) for block in transformer_blocks(model)}
@@ -71,6 +75,8 @@ class BlockLoader:
         for name in names:
             if file_key(name) in self.files:
                 return self.files.read(file_key(name), like, self.device)
+        if names[0] in self.adapter:
+            return self.adapter[names[0]].to(device=self.device, dtype=like.dtype)
         initial = initial_adapter_weight(names[0], like.shape, self.seed)
         if initial is None:
             raise ModelError(f"{file_key(names[0])} is in the model its config.json describes but in none of the "

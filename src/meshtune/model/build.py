@@ -16,7 +16,7 @@ from meshtune.model.checkpointing import enable_checkpointing
 from meshtune.model.compile import compile_blocks
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import load_model, model_skeleton
-from meshtune.model.lora import add_lora
+from meshtune.model.lora import add_lora, set_adapter, starting_adapter
 from meshtune.model.loss_head import install_loss_head, output_head
 from meshtune.model.parallel import wrap_model
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
@@ -34,7 +34,8 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     model_dir = Path(cfg.model_name_or_path).expanduser()
     # rank 0 reads the files; the others build the same modules on the meta device (no memory, no reads).
     # Q-LoRA: every process starts empty and reads the files block by block as it quantizes (data_parallel)
-    empty = cfg.finetuning_type == "qlora" or (plan.weights_from_rank0 and not env.is_main)
+    reads_files = env.is_main or not plan.weights_from_rank0
+    empty = cfg.finetuning_type == "qlora" or not reads_files
     model = model_skeleton(model_dir, plan.load_dtype) if empty else load_model(model_dir, plan.load_dtype)
     flops = FlopCounter.of(model)  # before LoRA adds parameters and FSDP2 shards them
     if plan.padding_free:
@@ -44,6 +45,13 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
     if cfg.is_lora:
         model = add_lora(model, cfg)
+    # continuing an adapter: its weights replace the new ones where the files are read (the others receive them
+    # with the base's); Q-LoRA's empty adapters take them as each block is filled
+    start = starting_adapter(model, cfg) if cfg.adapter_name_or_path and reads_files else None
+    if start and not empty:
+        set_adapter(model, start)
+    if start:
+        log(f"LoRA continues the adapter in {cfg.adapter_name_or_path} ({len(start)} weights, r {cfg.lora_rank})")
     # Q-LoRA's NF4 comes after LoRA (its frozen base layers only), as each block is filled: in data_parallel
     if cfg.gradient_checkpointing:
         # auto: every block until the measured steps before training choose (train/memory_fit.py)
@@ -54,7 +62,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     model.config.use_cache = False  # training never reads a key-value cache
     loader = None
     if cfg.finetuning_type == "qlora":
-        loader = BlockLoader(model, model_dir, env.device, cfg.seed, nf4_shards(plan, env))
+        loader = BlockLoader(model, model_dir, env.device, cfg.seed, nf4_shards(plan, env), start)
     wrapped = data_parallel(model, cfg, plan, env, loader)
     if loader is not None:
         loader.close()

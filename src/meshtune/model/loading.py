@@ -38,7 +38,30 @@ def check_model_dir(path: str | Path) -> Path:
     if missing:
         raise ModelError(f"model directory {directory} is incomplete or damaged: " + "; ".join(
             item if " is " in item else f"missing {item}" for item in missing) + ". Copy or download it again")
+    check_not_prequantized(directory)
     return directory
+
+
+def check_not_prequantized(directory: Path) -> None:
+    """A model released quantized (AWQ, GPTQ, AQLM, bitsandbytes, ... : config.json has a quantization_config)
+    holds packed integer weights that only their quantizer's kernels read; meshtune reads the floating-point
+    weights and quantizes them itself (Q-LoRA), so such a model is named here, before any tokenizing."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except ValueError as error:
+        raise ModelError(f"{directory / 'config.json'} is not valid JSON ({error}); copy or download it "
+                         f"again") from None
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    if not quantization:
+        return
+    method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else "unnamed"
+    bits = quantization.get("bits") if isinstance(quantization, dict) else None
+    raise ModelError(
+        f"model_name_or_path: {directory} is a pre-quantized model (config.json quantization_config: quant_method "
+        f"{method}{f', {bits} bits' if bits else ''}): meshtune trains from a model's unquantized weights and "
+        f"quantizes them itself. Point model_name_or_path at the unquantized base (the same model without the "
+        f"-AWQ / -GPTQ / -Int4 / -bnb-4bit suffix) and set finetuning_type: qlora: meshtune stores its frozen "
+        f"weights in 4-bit NF4, about the memory of the quantized model")
 
 
 def safetensors_problem(path: Path) -> str | None:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import re
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 from meshtune.config import TrainConfig
-from meshtune.errors import ConfigError
+from meshtune.errors import ConfigError, ModelError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def linear_module_names(model: torch.nn.Module) -> set[str]:
@@ -47,3 +53,47 @@ def initial_adapter_weight(name: str, shape: torch.Size, seed: int) -> torch.Ten
     weight = torch.empty(shape)
     torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=torch.Generator().manual_seed(stream))
     return weight
+
+
+def starting_adapter(model: torch.nn.Module, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """The weights of the adapter the run continues (`adapter_name_or_path`), by the names of `model`'s adapter
+    parameters (`model`: after `add_lora`, built empty or not), each checked against the parameter it replaces."""
+    folder = Path(cfg.adapter_name_or_path).expanduser()
+    config = json.loads((folder / "adapter_config.json").read_text())
+    settings = {"lora_rank": (config.get("r"), cfg.lora_rank),
+                "lora_alpha": (config.get("lora_alpha"), cfg.resolved_lora_alpha)}
+    differing = [f"{key} {ours} (the adapter's is {theirs})" for key, (theirs, ours) in settings.items()
+                 if theirs is not None and float(theirs) != float(ours)]
+    if differing:
+        raise ModelError(f"the run's {', '.join(differing)} differ from the adapter it continues, {folder}; set them "
+                         f"as its adapter_config.json says (a config read by `meshtune train` takes them from there)")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ModelError(f"{folder / ADAPTER_WEIGHTS} not found: adapter_name_or_path needs the adapter's weights in "
+                         f"safetensors (an adapter_model.bin: load it with peft and save it again)")
+    saved = load_file(str(folder / ADAPTER_WEIGHTS))
+    wanted = {name: param for name, param in model.named_parameters() if ".lora_" in name}
+    weights, missing = {}, []
+    for name, param in wanted.items():
+        key = re.sub(r"\.(lora_[AB])\.default\.", r".\1.", name)
+        if key not in saved:
+            missing.append(key)
+        elif saved[key].shape != param.shape:
+            raise ModelError(f"{folder / ADAPTER_WEIGHTS}: {key} is {list(saved[key].shape)}, the run's "
+                             f"{list(param.shape)}: the adapter was trained on another model than "
+                             f"{cfg.model_name_or_path}")
+        else:
+            weights[name] = saved.pop(key)
+    misfits = [f"it lacks {missing[0]} ({len(missing)} of the run's adapter weights)"] if missing else []
+    misfits += [f"it has {next(iter(saved))}, which the run has no place for"] if saved else []
+    if misfits:
+        raise ModelError(f"{folder / ADAPTER_WEIGHTS} does not fit the run's LoRA layers: {'; '.join(misfits)}. "
+                         f"Continue it on the model it was trained on, with its target modules (lora_target)")
+    return weights
+
+
+def set_adapter(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy `weights` (from `starting_adapter`) into `model`'s adapter parameters, which hold values."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in weights:
+                param.copy_(weights[name].to(param.dtype))

@@ -82,7 +82,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                                 stop: StopRequest) -> TrainResult:
     places = [Place(node, host) for node, host in check_agreement(cfg, env)]  # config, versions, data, node ranks:
     # identical everywhere, or stop now; each rank's node and host for the straggler and hang reports
-    output_dir = prepare_output_dir(cfg, env)
+    output_dir = Path(cfg.output_dir)
+    if env.is_main:
+        ensure_writable_dir(output_dir, "output_dir")
     seed_everything(cfg.seed)
     shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
@@ -94,11 +96,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     model_dir = check_model_dir(cfg.model_name_or_path)
     plan = resolve(cfg, env, manifest, lambda: model_size(model_dir))
     log(plan.describe())
-    if env.is_main:
-        plan.write(output_dir / "run_plan.json")
 
     # data: tokenized once into the shared cache (other processes wait on its file lock)
     tokenizer = load_tokenizer(model_dir)
+    chat_template = serving_chat_template(tokenizer, cfg.template)  # saved with final/ and in every checkpoint
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main, log=log)
     batches, total_steps = plan_steps(cfg, train_data, env.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
@@ -128,13 +129,15 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
         largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
         log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
                               cfg.gpu_memory_limit, env.device))
+    if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
+        describe_run(cfg, plan, output_dir)
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size, cfg.eval_steps, total_steps, env,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free),
                           loss_of)
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, trainer["step"], plan.compile)
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
-    run_info = checkpoint_info(cfg, env, plan, batches)
+    run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=trainer["step"])
     started = time.perf_counter()
@@ -198,8 +201,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
 
     final_dir = None
     if cfg.save_final:
-        final_dir = save_final(model, tokenizer, output_dir / "final", cfg.is_lora, env,
-                               serving_chat_template(tokenizer, cfg.template))
+        final_dir = save_final(model, tokenizer, output_dir / "final", cfg.is_lora, env, chat_template)
     if env.is_main:
         plot_losses(metrics.records, output_dir / "loss.png")
         log(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
@@ -251,20 +253,22 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE, reduction="sum")
 
 
-def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan: RunPlan, batches: GlobalBatchPlan) -> dict:
-    """What manifest.json records besides the files and the epoch: enough to judge a resume before loading."""
+def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan: RunPlan, batches: GlobalBatchPlan,
+                    chat_template: str | None) -> dict:
+    """What manifest.json records besides the files and the epoch: enough to judge a resume before loading, and
+    the chat template trained with (None: the tokenizer's own), which `meshtune export` writes with the model."""
     return {"world_size": env.world_size, "processes_per_node": env.local_world_size, "parallel": plan.parallel,
             "finetuning_type": cfg.finetuning_type, "global_batch": batches.global_batch,
-            "config_hash": cfg.hash(), "config": cfg.math(), "versions": package_versions()}
+            "config_hash": cfg.hash(), "config": cfg.math(), "versions": package_versions(),
+            "chat_template": chat_template}
 
 
-def prepare_output_dir(cfg: TrainConfig, env: DistEnv) -> Path:
-    """output_dir, holding the config as given (rank 0 writes it)."""
-    output_dir = Path(cfg.output_dir)
-    if env.is_main:
-        ensure_writable_dir(output_dir, "output_dir")
-        cfg.write_yaml(output_dir / "config.yaml")
-    return output_dir
+def describe_run(cfg: TrainConfig, plan: RunPlan, output_dir: Path) -> None:
+    """config.yaml (the config as given) and run_plan.json, written once the run is accepted: a run refused at
+    start (a resume with other values, missing data, a bad model) leaves them describing the run whose checkpoints
+    and final/ are there."""
+    cfg.write_yaml(output_dir / "config.yaml")
+    plan.write(output_dir / "run_plan.json")
 
 
 def seed_everything(seed: int) -> None:
