@@ -186,7 +186,7 @@ def test_sharded_qlora_with_checkpointing_is_uncompiled_by_default_on_cuda(monke
     plan = resolve(config(finetuning_type="qlora", parallel="zero3", gradient_checkpointing=True), env(2, "cuda"),
                    None, lambda: QWEN_32B)
     assert not plan.compile and "fail their recompute" in plan.why["torch_compile"]
-    for values in ({"parallel": "ddp", "gradient_checkpointing": True}, {"parallel": "zero3"}):
+    for values in ({"parallel": "ddp", "gradient_checkpointing": True}, {"parallel": "zero3", "gradient_checkpointing": False}):
         assert resolve(config(finetuning_type="qlora", **values), env(2, "cuda"), None, lambda: QWEN_32B).compile
     assert resolve(config(finetuning_type="qlora", parallel="zero3", gradient_checkpointing=True, torch_compile=True),
                    env(2, "cuda"), None, lambda: QWEN_32B).compile  # asked for: kept
@@ -267,3 +267,26 @@ def test_gradients_cross_once_an_optimizer_step_where_memory_allows(gpus_of, par
     one_step = resolve(config(finetuning_type="full", parallel=parallel, hsdp_shard_size=2), env(4, device, 2), None,
                        lambda: size or ModelSize(10, 1))
     assert one_step.gradient_reduction == "once_per_step" and "gradient_reduction" not in one_step.why
+
+
+@pytest.mark.parametrize("values, device, expected, reason", [
+    ({}, "cuda", "measure", "blocks are recomputed only where it would not fit memory_budget"),
+    ({}, "cpu", 0.0, "default on CPU: nothing recomputed"),
+    ({"gradient_checkpointing": True}, "cuda", "measure", None),
+    ({"gradient_checkpointing": True}, "cpu", 1.0, "every block (memory is measured on GPUs only)"),
+    ({"gradient_checkpointing_ratio": 0.5}, "cpu", 0.5, None),  # a ratio given turns it on
+    ({"gradient_checkpointing": False}, "cuda", 0.0, None),
+])
+def test_recomputation_left_open_is_measured_on_gpus_and_off_on_cpu(gpus_of, values, device, expected, reason):
+    """As LLaMA-Factory, which recomputes by default, a job that fits only with recomputation trains with the
+    defaults; unlike it, a step that fits recomputes nothing."""
+    gpus_of(80)
+    plan = resolve(config(**values), env(1, device), None, never_counted)
+    assert plan.recompute == expected
+    assert (reason in plan.why.get("gradient_checkpointing", "")) if reason else "gradient_checkpointing" not in plan.why
+    text = ("measured before training" if expected == "measure" else "off" if expected == 0.0 else
+            f"{expected:g} of the blocks")
+    assert f"gradient_checkpointing       {text}" in plan.describe()
+    sharded_qlora = resolve(config(finetuning_type="qlora", parallel="zero3", **values), env(2, device), None,
+                            lambda: QWEN_32B)
+    assert sharded_qlora.compile == (device == "cuda" and expected == 0.0)  # a recomputed block runs uncompiled

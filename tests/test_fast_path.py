@@ -111,6 +111,7 @@ def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio
     fit = memory_fit.fit_recomputation
     monkeypatch.setattr(memory_fit, "fit_recomputation", lambda model, *a: (model_of.append(model), fit(model, *a))[1])
     monkeypatch.setattr(memory_fit, "can_measure", lambda device: True)
+    monkeypatch.setattr("meshtune.plan.memory_measurable", lambda device: True)  # a GPU, as the plan sees it
     monkeypatch.setattr(memory_fit, "smallest_gpu_memory", lambda device, limit: 1000.0)
     monkeypatch.setattr(memory_fit, "pending_optimizer_bytes", lambda optimizer, params: 0)
     monkeypatch.setattr(memory_fit, "measured", stand_in)
@@ -122,6 +123,27 @@ def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio
                       gradient_checkpointing_ratio=0.5)
     assert [r["loss"] for r in auto] == [r["loss"] for r in by_hand]
     assert auto[-1]["eval_loss"] == by_hand[-1]["eval_loss"]
+
+
+def test_a_step_that_does_not_fit_even_recomputing_every_block_stops_before_training(
+        monkeypatch, tmp_path, tiny_model_dir, tiny_dataset):
+    """On a stand-in card where every block recomputed peaks at 100 bytes, a budget of 50: a named error with the
+    measured need, before the first step (no metrics, no config.yaml: the run never trained)."""
+    from meshtune.errors import MemoryFitError
+    from meshtune.train import memory_fit
+
+    monkeypatch.setattr(memory_fit, "can_measure", lambda device: True)
+    monkeypatch.setattr("meshtune.plan.memory_measurable", lambda device: True)  # a GPU, as the plan sees it
+    monkeypatch.setattr(memory_fit, "smallest_gpu_memory", lambda device, limit: 1000.0)
+    monkeypatch.setattr(memory_fit, "pending_optimizer_bytes", lambda optimizer, params: 0)
+    monkeypatch.setattr(memory_fit, "measured", lambda step, device: (step(), (100.0, 60.0))[1])
+    monkeypatch.setattr(memory_fit, "allocated", lambda device: 0.0)
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", finetuning_type="lora",
+                                   max_steps=2, gradient_checkpointing=True, memory_budget=0.05, **PLAIN))
+    with pytest.raises(MemoryFitError, match=r"takes 0\.00 GiB with every block recomputed.*does not fit even with "
+                                             r"every block recomputed\. Lower per_device_train_batch_size"):
+        run(cfg)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / "config.yaml").exists()
 
 
 def test_auto_recomputation_arithmetic(monkeypatch):

@@ -50,6 +50,9 @@ def rank_main(job: tuple, rank: int, world_size: int, port: int, out: Path) -> N
 
         memory_fit.fit_recomputation = recorded_fit
         memory_fit.can_measure = lambda device: True
+        import meshtune.plan
+
+        meshtune.plan.memory_measurable = lambda device: True  # a GPU, as the plan sees it
         memory_fit.smallest_gpu_memory = lambda device, limit: 1000.0
         memory_fit.pending_optimizer_bytes = lambda optimizer, params: 0
         memory_fit.measured = stand_in

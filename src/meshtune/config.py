@@ -94,8 +94,8 @@ class TrainConfig(BaseModel):
     lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
     lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. q_proj,v_proj")
     adapter_name_or_path: str | None = MODEL(None, "a PEFT LoRA adapter directory to continue training (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's final/; a checkpoint-N becomes one with `meshtune export`): the run starts from its weights, with its r, alpha, dropout and target modules in place of lora_rank, lora_alpha, lora_dropout and lora_target, as LLaMA-Factory continues an adapter; lora and qlora")
-    gradient_checkpointing: bool = MODEL(False, "recompute activations in backward instead of storing them: less memory, more compute; turn on when a batch does not fit", scope=JOB)
-    gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU every block", scope=JOB)
+    gradient_checkpointing: bool | None = MODEL(None, "recompute activations in backward instead of storing them: less memory, more compute. Default: on GPUs, the run's largest step is measured before training and only the blocks it must are recomputed to fit memory_budget (none where the step fits; where even every block recomputed does not fit, the run stops at start with the measured need); on CPU none. true: recompute gradient_checkpointing_ratio of the blocks | false: never", scope=JOB)
+    gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory; a value here turns recomputation on unless gradient_checkpointing is false) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU, with gradient_checkpointing true, every block", scope=JOB)
     memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) (1 or less), counted as torch allocates it (torch.cuda.max_memory_allocated, the speed table's peak GiB). Default 0.9 of the card", gt=0.0, scope=JOB)
     bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports it; CPU runs fp32")
 
@@ -282,9 +282,9 @@ class TrainConfig(BaseModel):
         if self.master_weights == "bf16" and self.finetuning_type != "full":
             raise ValueError(f"master_weights: bf16 is for full fine-tuning; {self.finetuning_type}'s adapters are "
                              f"small and train in fp32 (the frozen base is bf16 already): drop master_weights")
-        if self.memory_budget is not None and not self.gradient_checkpointing:
-            raise ValueError(f"memory_budget: {self.memory_budget:g} is met by recomputing blocks, which needs "
-                             f"gradient_checkpointing: true; set it, or drop memory_budget")
+        if self.memory_budget is not None and self.gradient_checkpointing is False:
+            raise ValueError(f"memory_budget: {self.memory_budget:g} is met by recomputing blocks, which "
+                             f"gradient_checkpointing: false forbids; drop one of them")
         if self.memory_budget is not None and self.gradient_checkpointing_ratio != "auto":
             raise ValueError(f"memory_budget: {self.memory_budget:g} is read only by gradient_checkpointing_ratio: auto, "
                              f"not {self.gradient_checkpointing_ratio:g}; leave the ratio out (auto is its default) or "

@@ -19,6 +19,10 @@ class ModelError(MeshtuneError):
     """A model directory that is missing, incomplete or unsupported."""
 
 
+class MemoryFitError(MeshtuneError):
+    """A training step that does not fit the GPU memory it may take, measured before training."""
+
+
 class StorageError(MeshtuneError):
     """A directory meshtune must write to that it cannot: missing, read-only, full, or not a directory."""
 

@@ -27,6 +27,7 @@ ONCE = "once_per_step"              # only on the last micro-step; each process 
 SHARD_EACH = "shard_each_micro_step"  # hsdp: reduce-scattered inside the replica every micro-step, all-reduced
 #                                       across the replicas (the nodes) only on the last
 EACH = "each_micro_step"            # reduce-scattered every micro-step, so gradients stay sharded
+MEASURE = "measure"  # recompute: the blocks to recompute are measured before training (train/memory_fit.py)
 UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the config leaves blocks per unit open
 MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks.md)
 
@@ -49,6 +50,7 @@ class RunPlan:
     padding_free: bool           # a micro-batch's samples end to end in one row, varlen attention
     fused_loss: bool             # the head computes the loss in chunks (where the head is a bias-free linear layer)
     compile: bool                # torch.compile each transformer block and the loss chunks
+    recompute: float | str       # share of the blocks recomputed in backward, or MEASURE (fit memory_budget)
     blocks_per_unit: int | None  # consecutive blocks per FSDP2 unit; None under ddp
     hsdp_shard_size: int | None  # processes sharding one replica; None unless hsdp
     reshard_after_forward: bool | None  # FSDP2 frees each unit's gathered weights after forward; None under ddp
@@ -75,7 +77,9 @@ class RunPlan:
                      "bf16 compute, fp32 master weights" if self.bf16 else "fp32")
         rows = [("parallel", self.parallel), ("precision", precision),
                 ("padding_free", on(self.padding_free)), ("fused_loss", on(self.fused_loss)),
-                ("torch_compile", on(self.compile))]
+                ("torch_compile", on(self.compile)),
+                ("gradient_checkpointing", "measured before training" if self.recompute == MEASURE else
+                 f"{self.recompute:g} of the blocks" if self.recompute else "off")]
         if self.blocks_per_unit is not None:
             rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
         if self.hsdp_shard_size is not None:
@@ -124,7 +128,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     padding_free = cfg.padding_free if cfg.padding_free is not None else varlen_available(env.device)
     # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
     # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
-    compile_clash = cfg.finetuning_type == "qlora" and parallel in SHARDED and cfg.gradient_checkpointing
+    recompute = recomputation(cfg, env, why)
+    compile_clash = cfg.finetuning_type == "qlora" and parallel in SHARDED and recompute != 0
     compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda" and not compile_clash
     for key, value, default in (("padding_free", cfg.padding_free, "on with CUDA"),
                                 ("torch_compile", cfg.torch_compile, "on with CUDA" + (
@@ -165,11 +170,36 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
             "" if cfg.optim == "auto" else f", not {cfg.optim}")
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,
-                   fused_loss=cfg.fused_loss, compile=compile_, blocks_per_unit=blocks_per_unit,
+                   fused_loss=cfg.fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,
                    hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
                    cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, why=why)
+
+
+def memory_measurable(device: torch.device) -> bool:
+    """Where a step's memory can be measured before training (the caching allocator's peaks): GPUs."""
+    return device.type == "cuda"
+
+
+def recomputation(cfg: TrainConfig, env: DistEnv, why: dict[str, str]) -> float | str:
+    """The share of blocks recomputed in backward, or MEASURE: the fewest that fit memory_budget, from steps measured
+    before training. Left open, GPU runs measure (a step that fits recomputes nothing), CPU runs recompute nothing; a
+    ratio given turns recomputation on; `gradient_checkpointing: false` never recomputes."""
+    if cfg.gradient_checkpointing is False:
+        return 0.0
+    cuda = memory_measurable(env.device)
+    if cfg.gradient_checkpointing_ratio != "auto":
+        return float(cfg.gradient_checkpointing_ratio)
+    if cfg.gradient_checkpointing is None:
+        why["gradient_checkpointing"] = ("default on GPUs: the largest step is measured before training and blocks are "
+                                         "recomputed only where it would not fit memory_budget" if cuda else
+                                         "default on CPU: nothing recomputed")
+        return MEASURE if cuda else 0.0
+    if not cuda:
+        why["gradient_checkpointing"] = "ratio auto on CPU: every block (memory is measured on GPUs only)"
+        return 1.0
+    return MEASURE
 
 
 def choose_parallel(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize],

@@ -20,7 +20,7 @@ from meshtune.model.lora import add_lora, set_adapter, starting_adapter
 from meshtune.model.loss_head import install_loss_head, output_head
 from meshtune.model.parallel import wrap_model
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
-from meshtune.plan import RunPlan
+from meshtune.plan import MEASURE, RunPlan
 
 
 @dataclass
@@ -53,10 +53,10 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     if start:
         log(f"LoRA continues the adapter in {cfg.adapter_name_or_path} ({len(start)} weights, r {cfg.lora_rank})")
     # Q-LoRA's NF4 comes after LoRA (its frozen base layers only), as each block is filled: in data_parallel
-    if cfg.gradient_checkpointing:
-        # auto: every block until the measured steps before training choose (train/memory_fit.py)
-        ratio = 1.0 if cfg.gradient_checkpointing_ratio == "auto" else cfg.gradient_checkpointing_ratio
-        enable_checkpointing(model, ratio)  # before compile: recompute runs the compiled block
+    if plan.recompute:
+        # measured: every block until the steps measured before training choose (train/memory_fit.py)
+        enable_checkpointing(model, 1.0 if plan.recompute == MEASURE else plan.recompute)  # before compile: the
+        # recompute runs the compiled block
     if plan.compile:
         compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
     model.config.use_cache = False  # training never reads a key-value cache

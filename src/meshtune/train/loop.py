@@ -39,7 +39,7 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
-from meshtune.plan import RunPlan, resolve
+from meshtune.plan import MEASURE, RunPlan, resolve
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
@@ -125,7 +125,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing, padding_free=plan.padding_free)
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=built.fused_loss)
     model.train()
-    if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio == "auto":  # before the step meter starts
+    if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
         log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
                               cfg.gpu_memory_limit, env.device))

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtune.data.sampler import GlobalBatchPlan, Row
 from meshtune.distributed import all_reduce_max
+from meshtune.errors import MemoryFitError
 from meshtune.hardware import smallest_gpu_memory
 from meshtune.model.checkpointing import recompute_blocks
 from meshtune.model.loading import transformer_blocks
@@ -52,8 +53,9 @@ class MemoryFit:
                 f"{gib(self.peak_all)} with every block recomputed, and each block kept holds {gib(self.per_block)} of "
                 f"activations{cached}; memory_budget {gib(self.budget)}")
         if self.peak_all > self.budget:
-            return (f"{head}: it does not fit even with every block recomputed; lower per_device_train_batch_size or "
-                    f"cutoff_len, or shard more (parallel: zero2 / zero3)")
+            return (f"{head}: it does not fit even with every block recomputed. Lower per_device_train_batch_size "
+                    f"(with more gradient_accumulation_steps for the same global batch) or cutoff_len, shard more "
+                    f"(parallel: zero3, more GPUs), or raise memory_budget if the card has room")
         return (f"{head} -> {self.blocks - self.kept} of {self.blocks} blocks recomputed (ratio "
                 f"{self.ratio:.2f}), step peak at most about {gib(self.peak_all + self.kept * self.per_block)}")
 
@@ -203,4 +205,6 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
     # the smallest card of the job, or gpu_memory_limit where lower: one budget for every rank (a collective)
     budget = budget_bytes(memory_budget, smallest_gpu_memory(device, gpu_memory_limit))
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
+    if fit.peak_all > fit.budget:  # the same on every rank (the largest figures decide): all stop before step 1
+        raise MemoryFitError(fit.describe())
     return fit.describe()
