@@ -254,7 +254,7 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
          "--max_steps", "2"], capfd)
     assert result.returncode == 0, result.stdout
     plan = json.loads((out / "run_plan.json").read_text())
-    assert plan["parallel"] == "zero2"
+    assert plan["parallel"] == "ddp" and "zero2 with LoRA runs as ddp" in plan["why"]["parallel"]  # the ZeRO-2 JSON
     assert "scheduler WarmupLR (lr_scheduler_type constant_with_warmup) is not used: lr_scheduler_type 'cosine'" \
         in result.stdout
     saved = (out / "config.yaml").read_text()
