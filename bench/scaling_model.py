@@ -46,6 +46,7 @@ class Job:
     method: str
     bs: int           # sequences a GPU a micro-step
     accumulation: int
+    reduce: str = "fp32"  # the dtype gradients cross in (grad_reduce_dtype)
 
 
 def job_config(job: Job, mode: str):
@@ -53,7 +54,8 @@ def job_config(job: Job, mode: str):
 
     return build_config(dict(model_name_or_path="model", dataset=["data"], finetuning_type=job.method, lora_rank=64,
                              lora_alpha=16, lora_target="all", per_device_train_batch_size=job.bs,
-                             gradient_accumulation_steps=job.accumulation, parallel=mode))
+                             gradient_accumulation_steps=job.accumulation, parallel=mode,
+                             grad_reduce_dtype=job.reduce))
 
 
 def model_facts(job: Job):
@@ -138,12 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--link-gbps", default="100,200,400", help="line rates a node, Gb/s")
     p.add_argument("--link-efficiency", type=float, default=0.9)
     p.add_argument("--gpu-gib", type=float, default=141.0, help="GPU memory, for the mode auto picks")
+    p.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the dtype gradients cross the network in (meshtune's grad_reduce_dtype)")
     p.add_argument("--out", type=Path, help="write the tables here (markdown) and beside it as JSON")
     args = p.parse_args(argv)
     if args.job not in JOBS:
         p.error(f"--job {args.job}: choose from {', '.join(JOBS)}")
     size, method, bs = JOBS[args.job]
-    job = Job(args.job, size, method, bs, accumulation_for(args.global_batch, bs, 2 * args.gpus_per_node))
+    job = Job(args.job, size, method, bs, accumulation_for(args.global_batch, bs, 2 * args.gpus_per_node),
+              args.grad_reduce_dtype)
     measured = measured_from(args.source, args.job) if args.source else None
     compute_s = measured["compute_s"] if measured else args.compute_step_s
     if compute_s is None:
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         links = {f"measured ({name}, {busbw / 1e9:.2f} GB/s)": busbw, **links}
     result = {"job": args.job, "compute_s": compute_s, "tokens_per_gpu_step": tokens, "rows": [], "check": []}
     lines = [f"{args.job}: one-node step {compute_s:.3f} s, {tokens:,.0f} tokens a GPU a step, "
-             f"{args.gpus_per_node} GPUs a node, accumulation {job.accumulation}", "",
+             f"{args.gpus_per_node} GPUs a node, accumulation {job.accumulation}, gradients in {job.reduce}", "",
              "| link | nodes | mode | crossing s (gather + reduce) | step s | tokens/s a GPU | efficiency | seed |",
              "|---|---|---|---|---|---|---|---|"]
     for name, busbw in links.items():

@@ -256,7 +256,8 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     tokens_per_s = sum(r["tokens"] for r in timed) / seconds
     flops_per_s = sum(r["tflops_per_gpu"] * 1e12 * r["tokens"] / r["tokens_per_s"] for r in timed) / seconds
     return dict(tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / row.gpus),
-                mfu=round(flops_per_s / peak, 4) if peak else None, step_s=round(seconds / len(timed), 4),
+                mfu=round(flops_per_s / peak, 4) if peak else None,
+                step_s=round(seconds / (timed[-1]["step"] - args.warmup), 4),  # the steps the timed records cover
                 peak_gib=round(max(r["peak_mem_gib"] for r in records), 2), first_loss=records[0]["loss"],
                 peak_reserved_gib=max((r.get("peak_reserved_gib", 0) for r in records), default=None),
                 trained_tokens=sum(r["tokens"] for r in records), alloc_retries=records[-1].get("alloc_retries"),
@@ -435,7 +436,8 @@ def run_rows(args) -> None:
                 if variant is None:  # no peer measured its memory (no CUDA, or the peers failed)
                     continue
                 system, index = "meshtune", len(runs)
-            head = (dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=row.bs) if system == "meshtune"
+            bs = parse_variant(variant or "").get("per_device_train_batch_size", row.bs)  # a variant may set it
+            head = (dict(row=name, system="meshtune", variant=variant, gpus=row.gpus, bs=bs) if system == "meshtune"
                     else dict(row=name, system=PEERS[system][0], gpus=1, bs=row.bs))
             head["round"] = round_
             if deadline.passed():

@@ -273,11 +273,11 @@ def main(argv: list[str] | None = None) -> None:
                         if timed and not row["problem"]:
                             gpus = 2 * args.gpus_per_node
                             tokens_per_s = sum(r["tokens"] for r in timed) / seconds
-                            row.update(step_s=round(seconds / sum(args.logging_steps for _ in timed), 4),
+                            row.update(step_s=round(seconds / (timed[-1]["step"] - args.warmup), 4),
                                        tokens_per_s=round(tokens_per_s), per_gpu=round(tokens_per_s / gpus),
                                        peak_gib=max(r["peak_mem_gib"] for r in records),
                                        tokens_per_step=round(sum(r["tokens"] for r in timed) /
-                                                             (len(timed) * args.logging_steps)))
+                                                             (timed[-1]["step"] - args.warmup)))
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         save()
