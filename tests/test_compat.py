@@ -7,6 +7,7 @@ real files are present in ../shared/compat, on those too.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -257,9 +258,69 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
     assert plan["parallel"] == "zero2"
     assert "scheduler WarmupLR (warmup, then constant) is not used: lr_scheduler_type 'cosine'" in result.stdout
     saved = (out / "config.yaml").read_text()
-    for line in ("finetuning_type: lora", "cutoff_len: 128", "adam_beta2: 0.95", "lr_scheduler_type: cosine"):
+    for line in ("finetuning_type: lora", "cutoff_len: 128", "adam_beta2: 0.95", "lr_scheduler_type: cosine",
+                 "lora_rank: 64", "lora_alpha: 16.0", "lora_dropout: 0.05"):
         assert line in saved
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == 2
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (64, 16, 0.05)
+    assert "its defaults apply where no flag sets them: lora_rank: 64, lora_alpha: 16, lora_dropout: 0.05" in result.stdout
+
+
+def test_qwen_full_parameter_script_trains_every_parameter(tmp_path, tiny_model_dir, monkeypatch, capfd):
+    """finetune_ds.sh passes no --use_lora: finetune.py then trains every parameter, here too."""
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    result = run_cli_here(
+        ["train", "--model_name_or_path", str(tiny_model_dir), "--data_path", str(FIXTURES / "qwen" / "train.json"),
+         "--bf16", "True", "--output_dir", str(out), "--per_device_train_batch_size", "1",
+         "--gradient_accumulation_steps", "2", "--learning_rate", "1e-5", "--weight_decay", "0.1",
+         "--adam_beta2", "0.95", "--model_max_length", "128", "--gradient_checkpointing", "True",
+         "--lazy_preprocess", "True", "--deepspeed", str(FIXTURES / "qwen" / "ds_config_zero3.json"),
+         "--max_steps", "1"], capfd)
+    assert result.returncode == 0, result.stdout
+    assert "finetuning_type: full" in (out / "config.yaml").read_text()
+    trained, total = re.search(r"trainable parameters ([\d,]+) of ([\d,]+)", result.stdout).groups()
+    assert trained == total
+    assert (out / "final" / "model.safetensors").is_file() and not (out / "final" / "adapter_config.json").exists()
+    assert "finetuning_type: full (without --use_lora finetune.py trains every parameter)" in result.stdout
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"use_lora": True, "q_lora": True}, ("qlora", 64, 16.0, 0.05)),
+    ({"use_lora": True, "lora_r": 8, "lora_dropout": 0.0}, ("lora", 8, 16.0, 0.0)),
+    ({"use_lora": True, "lora_alpha": 32, "lora_target_modules": ["c_attn"]}, ("lora", 64, 32.0, 0.05)),
+    ({"use_lora": False}, ("full", 8, None, 0.0)),
+    ({"finetuning_type": "lora"}, ("lora", 64, 16.0, 0.05)),
+])
+def test_qwen_flag_sets_get_finetune_py_defaults_and_explicit_flags_win(flags, expected):
+    cfg = load_job_config(None, ["model_name_or_path=m"], {"data_path": "train.json", **flags}).config
+    assert (cfg.finetuning_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) == expected
+
+
+def test_native_configs_keep_meshtunes_own_defaults():
+    loaded = load_job_config(None, ["model_name_or_path=m", "dataset=train.json"])
+    cfg = loaded.config
+    assert (cfg.finetuning_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) == ("lora", 8, None, 0.0)
+    assert not any("finetune.py" in line for line in loaded.warnings)
+
+
+def test_qwen_q_lora_without_use_lora_is_refused():
+    """finetune.py ignores --q_lora without --use_lora; the intent is unclear, so the job does not start."""
+    with pytest.raises(ConfigError, match=r"q_lora: True without use_lora: finetune.py then ignores q_lora"):
+        load_job_config(None, ["model_name_or_path=m"], {"data_path": "train.json", "q_lora": True})
+
+
+def test_qwen1_lora_target_names_mean_the_same_layers_of_other_models(tiny_model_dir):
+    from meshtune.model.lora import linear_module_names, lora_targets
+    from meshtune.model.loading import load_model
+
+    available = linear_module_names(load_model(tiny_model_dir))
+    assert lora_targets(["c_attn", "c_proj", "w1", "w2"], available) == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj", "gate_proj"]
+    assert lora_targets(["c_attn", "o_proj"], available) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    with pytest.raises(ConfigError, match="lora_target: c_attn, qkv not found in the model"):
+        lora_targets(["c_attn", "qkv"], available)
 
 
 def test_migration_guide_lists_every_key_of_the_other_tools():
