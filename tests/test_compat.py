@@ -16,7 +16,7 @@ import pytest
 from conftest import read_metrics, run_cli_here
 from meshtune.compat.deepspeed import translate_deepspeed
 from meshtune.compat.flags import split_flags
-from meshtune.compat.foreign import FOREIGN
+from meshtune.compat.foreign import FAMILIES, FOREIGN, foreign_handler
 from meshtune.compat.loading import load_job_config
 from meshtune.errors import ConfigError
 
@@ -325,8 +325,72 @@ def test_qwen1_lora_target_names_mean_the_same_layers_of_other_models(tiny_model
 
 def test_migration_guide_lists_every_key_of_the_other_tools():
     guide = (Path(__file__).parents[1] / "docs" / "migration.md").read_text()
-    missing = [key for key in FOREIGN if f"`{key}`" not in guide and f"`--{key}`" not in guide]
+    family_keys = [key for family in FAMILIES for key in (*family.keys, *([family.switch] if family.switch else []))]
+    prefixes = [f"{prefix}*" for family in FAMILIES for prefix in family.prefixes]
+    missing = [key for key in [*FOREIGN, *family_keys, *prefixes] if f"`{key}`" not in guide and f"`--{key}`" not in guide]
     assert not missing, f"docs/migration.md lacks {missing}"
+
+
+# ---- keys of methods meshtune does not have: named as their method's, never read as a look-alike key of ours
+
+@pytest.mark.parametrize("key, value, message", [
+    ("use_dft_loss", True, "use_dft_loss: True is LLaMA-Factory's; meshtune cannot run it: it turns on the DFT loss"),
+    ("use_galore", True, "it turns on GaLore (low-rank projection of full fine-tuning's gradients): meshtune trains "
+                         "LoRA, Q-LoRA or full"),
+    ("use_apollo", True, "it turns on the APOLLO optimizer"),
+    ("use_badam", True, "it turns on the BAdam optimizer"),
+    ("pissa_init", True, "it turns on PiSSA initialisation"),
+    ("loraplus_lr_ratio", 16.0, "it turns on LoRA+"),
+    ("use_llama_pro", True, "it turns on LLaMA Pro"),
+    ("use_adam_mini", True, "it turns on the Adam-mini optimizer"),
+    ("use_muon", True, "it turns on the Muon optimizer"),
+    ("pure_bf16", True, "the nearest meshtune has is master_weights: bf16"),
+    ("disable_shuffling", True, "every epoch's order is a permutation drawn from the seed"),
+    ("early_stopping_steps", 3, "training runs all its steps"),
+])
+def test_keys_that_turn_on_another_method_are_refused_as_that_method(key, value, message):
+    with pytest.raises(ConfigError) as error:
+        load_job_config(None, ["model_name_or_path=m", "dataset=d.json"], {key: value})
+    assert message in str(error.value)
+    assert "did you mean" not in str(error.value)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("galore_rank", 16, "galore_rank is LLaMA-Factory's; ignored because it is a GaLore setting, read only with "
+                        "use_galore: true: meshtune trains LoRA, Q-LoRA or full"),
+    ("apollo_rank", 16, "it is an APOLLO setting, read only with use_apollo: true"),
+    ("badam_mode", "layer", "it is a BAdam setting, read only with use_badam: true"),
+    ("oft_target", "all", "oft_target is LLaMA-Factory's; ignored because it is an OFT setting, read only with "
+                          "finetuning_type: oft"),
+    ("module_dropout", 0.1, "it is an OFT setting"),
+    ("freeze_trainable_layers", 2, "it is a freeze (partial-parameter) fine-tuning setting, read only with "
+                                   "finetuning_type: freeze"),
+    ("freeze_vision_tower", True, "it is a multimodal setting: meshtune trains text models only"),
+    ("pissa_iter", 16, "it is a PiSSA setting, read only with pissa_init: true"),
+    ("loraplus_lr_embedding", 1e-6, "it is a LoRA+ setting, read only with loraplus_lr_ratio set"),
+    ("ray_num_workers", 4, "ray_num_workers is LLaMA-Factory's; ignored because it is a Ray setting: meshtune starts "
+                           "its processes with torchrun, not Ray: nproc_per_node processes on each of nnodes nodes"),
+    ("resources_per_worker", {"GPU": 1}, "it is a Ray setting"),
+    ("swanlab_project", "p", "it is a SwanLab setting"),
+    ("pref_beta", 0.1, "it is a preference or RL training setting: read only by stage: dpo, kto, ppo or rm"),
+    ("ref_model_adapters", "a", "it is a preference or RL training setting"),
+    ("use_mca", True, "meshtune trains through DDP or FSDP2, not Megatron Core"),
+])
+def test_settings_of_another_method_are_ignored_as_that_methods(key, value, message):
+    loaded = load_job_config(None, ["model_name_or_path=m", "dataset=d.json"], {key: value})
+    assert any(message in line for line in loaded.warnings), loaded.warnings
+    assert loaded.config == load_job_config(None, ["model_name_or_path=m", "dataset=d.json"]).config
+
+
+def test_axolotls_micro_batch_size_is_the_batch_per_process():
+    cfg = load_job_config(None, ["model_name_or_path=m", "dataset=d.json", "micro_batch_size=4"]).config
+    assert (cfg.per_device_train_batch_size, cfg.train_batch_size) == (4, None)
+
+
+def test_no_key_of_meshtunes_is_read_as_another_tools():
+    from meshtune.config import TrainConfig
+
+    assert [key for key in TrainConfig.model_fields if foreign_handler(key)] == []
 
 
 def test_deepspeed_train_batch_size_is_checked_against_the_job(tmp_path, tiny_model_dir):
