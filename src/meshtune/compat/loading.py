@@ -22,7 +22,7 @@ COMMAND_LINE = "command line"
 # LLaMA-Factory's templates for models that read images, video or audio
 VISION_TEMPLATES = ("qwen2_vl", "qwen2_5_vl", "qwen2_omni", "qwen3_vl", "qwen3_vl_nothink", "qwen3_omni", "llava",
                     "llava_next", "llava_next_video", "paligemma", "mllama", "minicpm_v", "minicpm_o", "glm4v",
-                    "intern_vl", "kimi_vl", "pixtral", "video_llava", "llama4", "gemma3", "gemma3n")
+                    "intern_vl", "kimi_vl", "pixtral", "video_llava", "llama4", "gemma3n")
 
 
 @dataclass

@@ -74,8 +74,9 @@ class ChatTemplate:
     """A tokenizer plus the template that turns conversations into (input_ids, labels).
 
     `template`: "auto" uses the tokenizer's own chat template when it has one, else ChatML; "tokenizer" requires
-    the tokenizer's own; "chatml", "default", "empty" and "alpaca" are always written out; the model-family names
-    (qwen, qwen3, qwen3_nothink, llama3, llama2, mistral) use the tokenizer's own template when it is that family's
+    the tokenizer's own; formats without a family marker (chatml, default, empty, alpaca, deepseek, glm4, baichuan2,
+    intern2, cohere) are always written out; the model-family names (qwen, qwen3, qwen3_nothink, llama3, llama2,
+    mistral, gemma, gemma3, phi, phi4, deepseek3, yi) use the tokenizer's own template when it is that family's
     and renders plain and tool conversations prefix-stably, else the written-out format.
     `name` is the format ("tokenizer" for the tokenizer's own under auto/tokenizer), `own` whether the tokenizer's
     template renders, `description` both in words for the run log, `jinja` the template text in use.
@@ -160,7 +161,8 @@ class ChatTemplate:
 
         Trained: each assistant message's content or tool calls, its end-of-turn marker and whatever the template
         puts right after it. Not trained: system, user and tool turns and the assistant header (the generation
-        prompt).
+        prompt). Formats without an end-of-turn marker (glm4, baichuan2) train the eos token in its place, as
+        LLaMA-Factory does: as the label of the next turn's first token, and appended after the last turn.
         """
         self._check_tools(messages, tools)
         return self._encode(messages, tools)
@@ -179,12 +181,21 @@ class ChatTemplate:
             before = after
         input_ids: list[int] = []
         labels: list[int] = []
+        eos = self.tokenizer.eos_token_id if not self.own and FORMATS[self.name].efficient_eos else None
+        after_trained = False
         for text, trained in pieces:
             if not text:
                 continue
             ids = self.tokenizer.encode(text, add_special_tokens=False, verbose=False)  # cutoff_len truncates later
             input_ids += ids
-            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+            untrained = [IGNORE_INDEX] * len(ids)
+            if eos is not None and after_trained and not trained:  # the turn ends with eos, predicted here
+                untrained[0] = eos
+            labels += ids if trained else untrained
+            after_trained = trained
+        if eos is not None and after_trained:
+            input_ids.append(eos)
+            labels.append(eos)
         return input_ids, labels
 
     def _added(self, before: str, after: str) -> str:
