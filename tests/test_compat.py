@@ -135,14 +135,14 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
         "overwrite_output_dir is HF TrainingArguments'; ignored because output_dir is never cleared: a run resumes "
         "its newest complete checkpoint (resume_from_checkpoint: auto); set resume_from_checkpoint: none to start over",
         "report_to is HF TrainingArguments'; ignored because metrics go to output_dir/metrics.jsonl and loss.png"]
-    config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\ntrain_on_prompt: true\nfp16: true\n"
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\nuse_dft_loss: true\nfp16: true\n"
                       "quantization_bit: 8\ntemplate: qwen2_vl\nlearning_rat: 1\n")
     with pytest.raises(ConfigError) as err:
         load_job_config(config)
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
     for expected in ("stage: 'ppo' is LLaMA-Factory's; meshtune cannot run it: meshtune trains supervised "
-                     "fine-tuning (stage: sft) only", "train_on_prompt: True", "fp16: True",
+                     "fine-tuning (stage: sft) only", "use_dft_loss: True", "fp16: True",
                      "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
@@ -264,7 +264,8 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == 2
     adapter = json.loads((out / "final" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (64, 16, 0.05)
-    assert "its defaults apply where no flag sets them: lora_rank: 64, lora_alpha: 16, lora_dropout: 0.05" in result.stdout
+    assert ("its defaults apply where no flag sets them: lora_rank: 64, lora_alpha: 16, lora_dropout: 0.05"
+            in result.stdout)
 
 
 def test_qwen_full_parameter_script_trains_every_parameter(tmp_path, tiny_model_dir, monkeypatch, capfd):
@@ -327,7 +328,8 @@ def test_migration_guide_lists_every_key_of_the_other_tools():
     guide = (Path(__file__).parents[1] / "docs" / "migration.md").read_text()
     family_keys = [key for family in FAMILIES for key in (*family.keys, *([family.switch] if family.switch else []))]
     prefixes = [f"{prefix}*" for family in FAMILIES for prefix in family.prefixes]
-    missing = [key for key in [*FOREIGN, *family_keys, *prefixes] if f"`{key}`" not in guide and f"`--{key}`" not in guide]
+    missing = [key for key in [*FOREIGN, *family_keys, *prefixes]
+               if f"`{key}`" not in guide and f"`--{key}`" not in guide]
     assert not missing, f"docs/migration.md lacks {missing}"
 
 

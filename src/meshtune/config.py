@@ -104,6 +104,8 @@ class TrainConfig(BaseModel):
     max_samples: int | None = DATA(None, "use only the first N records of each dataset (as LLaMA-Factory); default: all", gt=0)
     dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA("auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
     template: Literal["auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "gemma", "gemma3", "phi", "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2", "cohere", "default", "empty", "alpaca"] = DATA("auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, phi4, deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (the tokenizer's own template when it is that family's, else the format written out as LLaMA-Factory renders it; final/ saves the one trained)")
+    train_on_prompt: bool = DATA(False, "also train on the prompt: system, user and tool turns and the assistant header (LLaMA-Factory's key); default: assistant turns only")
+    mask_history: bool = DATA(False, "train only the last assistant turn of each conversation, earlier ones are context; a conversation longer than cutoff_len keeps its end (LLaMA-Factory's key)")
     cutoff_len: int = DATA(2048, "samples are truncated to this many tokens", gt=1)
     val_size: float = DATA(0.0, "held-out part of the training data: a fraction (<1) or a count", ge=0.0)
     skip_invalid: bool = DATA(False, "skip malformed records (counted) instead of stopping at the first")

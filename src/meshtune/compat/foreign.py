@@ -104,8 +104,6 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "dataloader_pin_memory": (HF, ignored("batches are always copied through pinned memory", True)),
     "dataloader_persistent_workers": (HF, ignored("there are no loader workers", False)),
     "neat_packing": (LF, only({True: {"packing": True}, False: {}}, "it takes true or false")),
-    "train_on_prompt": (LF, only({False: {}}, "meshtune trains assistant tokens only")),
-    "mask_history": (LF, only({False: {}}, "meshtune trains every assistant turn, not only the last")),
     "streaming": (LF, only({False: {}}, f"{CACHE}; streaming would change the order samples are drawn in")),
     "mix_strategy": (LF, only({"concat": {}}, "datasets are concatenated; interleaving is not supported")),
     "media_dir": (LF, ignored("meshtune trains text models only")),

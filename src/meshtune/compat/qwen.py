@@ -31,9 +31,9 @@ def finetune_py_defaults(values: dict[str, Any], sources: dict[str, str], defaul
         return {}, None, []
     use_lora, q_lora = values.get("use_lora") is True, values.get("q_lora") is True
     if q_lora and not use_lora and "finetuning_type" not in values:
-        return {}, None, [f"{sources.get('q_lora', default_source)}: q_lora: True without use_lora: finetune.py then ignores q_lora and trains every "
-                          f"parameter of the unquantized model; add --use_lora True for Q-LoRA, or drop --q_lora to "
-                          f"train every parameter"]
+        return {}, None, [f"{sources.get('q_lora', default_source)}: q_lora: True without use_lora: finetune.py "
+                          f"then ignores q_lora and trains every parameter of the unquantized model; add --use_lora "
+                          f"True for Q-LoRA, or drop --q_lora to train every parameter"]
     defaults: dict[str, Any] = {}
     if not use_lora and "finetuning_type" not in values:
         defaults["finetuning_type"] = "full"
