@@ -167,9 +167,11 @@ class TrainConfig(BaseModel):
     output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and final/ go; shared storage across nodes (checked at start)", scope=NODE)
     logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps; the ranks compare their step times then (a collective), so it is the same on every node", gt=0)
     per_device_eval_batch_size: int = OUTPUT(8, "samples per process per evaluation step", gt=0)
+    eval_strategy: Literal["steps", "epoch", "no"] = OUTPUT("steps", "with val_size or eval_dataset, when to evaluate: steps (every eval_steps, and at the end) | epoch (at the end of every epoch, and at the end) | no (only at the end)")
     eval_steps: int | None = OUTPUT(None, "evaluate every N steps (default: only at the end); needs val_size or eval_dataset", gt=0)
     save_final: bool = OUTPUT(True, "write the trained model (or LoRA adapter) to output_dir/final at the end; false for throughput runs and smoke tests, where only the metrics matter")
-    save_steps: int = OUTPUT(0, "write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
+    save_strategy: Literal["steps", "epoch", "no"] = OUTPUT("steps", "when to write sharded checkpoints: steps (every save_steps) | epoch (at the end of every epoch and at the last step; save_steps is not read) | no (none: only final/)")
+    save_steps: int = OUTPUT(0, "save_strategy steps: write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
     save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: all", gt=0)
     async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); turn on when saving stalls training")
     stop_grace_period: int = OUTPUT(60, "seconds a SIGTERM (what SLURM, Kubernetes and other schedulers send before preempting) leaves the job: every process finishes the step in progress and the next, a checkpoint is written if the last save's duration fits in what is left, and the job exits with 143 (128 + SIGTERM, retryable) to resume from there when relaunched. 0: stop after the step without saving. Give the scheduler at least this long between its SIGTERM and SIGKILL", ge=0)
@@ -212,6 +214,14 @@ class TrainConfig(BaseModel):
         if isinstance(value, bool) or ratio is None or not 0 < ratio <= 1:
             raise ValueError("must be auto or a fraction of the blocks, above 0 and at most 1 (1 = every block)")
         return ratio
+
+    @field_validator("save_strategy", "eval_strategy", mode="before")
+    @classmethod
+    def _strategy(cls, value: Any) -> Any:
+        """YAML 1.1 reads `no` as false; HF's names are compared without case."""
+        if value is False:
+            return "no"
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod

@@ -117,15 +117,7 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "logging_strategy": (HF, only({"steps": {}}, "meshtune logs every logging_steps optimizer steps")),
     "logging_first_step": (HF, ignored("the first logged step is logging_steps", False)),
     "run_name": (HF, ignored("the run is named by its output_dir")),
-    "save_strategy": (HF, only({"steps": {}, "no": {"save_steps": 0}, False: {"save_steps": 0}},
-                               "checkpoints are written every save_steps optimizer steps; set save_steps to the steps "
-                               "of an epoch (run_plan.json has them) instead of save_strategy: epoch")),
-    "evaluation_strategy": (HF, only({"steps": {}, "no": {}, False: {}},
-                                     "evaluation runs every eval_steps optimizer steps; set eval_steps instead of "
-                                     "evaluation_strategy: epoch")),
-    "eval_strategy": (HF, only({"steps": {}, "no": {}, False: {}},  # YAML 1.1 reads no as false
-                               "evaluation runs every eval_steps optimizer steps; set eval_steps instead of "
-                               "eval_strategy: epoch")),
+    "evaluation_strategy": (HF, renamed("eval_strategy")),
     "save_only_model": (HF, ignored("checkpoints always keep the optimizer and data position, so a resume is exact",
                                     False)),
     "save_safetensors": (HF, ignored("final/ is always safetensors", True)),

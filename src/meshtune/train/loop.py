@@ -86,7 +86,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     seed_everything(cfg.seed)
     shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
-                                    save_steps=cfg.save_steps if shared else 0)
+                                    save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0)
     resume_path, manifest, notes = checkpoints.find_resume(cfg.resume_from_checkpoint if shared else "none",
                                                            cfg.math(), cfg.resume_allow_changed)
     for note in notes:
@@ -102,6 +102,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main, log=log)
     batches, total_steps = plan_steps(cfg, train_data, env.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
+    by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
+    epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
+    if shared and cfg.save_strategy == "epoch":
+        checkpoints.save_at(epoch_ends)
     built = build_model(cfg, plan, env, log)
     model = built.model
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
@@ -127,9 +131,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
         largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
         log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
                               cfg.gpu_memory_limit, env.device))
-    evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size, cfg.eval_steps, total_steps, env,
+    evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
+                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, env,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free),
-                          loss_of)
+                          loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, trainer["step"], plan.compile)
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
