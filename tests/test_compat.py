@@ -264,6 +264,8 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == 2
     adapter = json.loads((out / "final" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (64, 16, 0.05)
+    # a base model (its path does not say "chat"): finetune.py trains its embedding and head in full too
+    assert sorted(adapter["modules_to_save"]) == ["embed_tokens", "lm_head"]
     assert ("its defaults apply where no flag sets them: lora_rank: 64, lora_alpha: 16, lora_dropout: 0.05"
             in result.stdout)
 
@@ -285,6 +287,19 @@ def test_qwen_full_parameter_script_trains_every_parameter(tmp_path, tiny_model_
     assert trained == total
     assert (out / "final" / "model.safetensors").is_file() and not (out / "final" / "adapter_config.json").exists()
     assert "finetuning_type: full (without --use_lora finetune.py trains every parameter)" in result.stdout
+
+
+@pytest.mark.parametrize("model, flags, in_full", [
+    ("/models/Qwen-7B", {"use_lora": True}, ["wte", "lm_head"]),
+    ("/models/Qwen-7B-Chat", {"use_lora": True}, []),
+    ("/models/Qwen-7B", {"use_lora": True, "q_lora": True}, []),
+    ("/models/Qwen-7B", {"use_lora": True, "additional_target": "lm_head"}, ["lm_head"]),
+    ("/models/Qwen-7B", {}, []),
+])
+def test_qwen_lora_trains_a_base_models_embedding_and_head_in_full(model, flags, in_full):
+    """finetune.py: `modules_to_save = None if q_lora or 'chat' in model_name_or_path.lower() else [wte, lm_head]`"""
+    cfg = load_job_config(None, [], {"model_name_or_path": model, "data_path": "train.json", **flags}).config
+    assert cfg.additional_target == in_full
 
 
 @pytest.mark.parametrize("flags, expected", [

@@ -93,6 +93,7 @@ class TrainConfig(BaseModel):
     lora_alpha: float | None = MODEL(None, "LoRA scaling alpha (the update is scaled by alpha / r); default 2 x lora_rank", gt=0)
     lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
     lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. q_proj,v_proj")
+    additional_target: list[str] = MODEL([], "lora: modules trained in full beside the adapters (LLaMA-Factory's additional_target, PEFT's modules_to_save), e.g. embed_tokens,lm_head: a trainable fp32 copy of each, saved in the adapter; default none")
     gradient_checkpointing: bool = MODEL(False, "recompute activations in backward instead of storing them: less memory, more compute; turn on when a batch does not fit", scope=JOB)
     gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU every block", scope=JOB)
     memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) (1 or less), counted as torch allocates it (torch.cuda.max_memory_allocated, the speed table's peak GiB). Default 0.9 of the card", gt=0.0, scope=JOB)
@@ -215,6 +216,12 @@ class TrainConfig(BaseModel):
             raise ValueError("must be auto or a fraction of the blocks, above 0 and at most 1 (1 = every block)")
         return ratio
 
+    @field_validator("additional_target", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        """`additional_target: null` (LLaMA-Factory's default) and an empty override mean none."""
+        return [] if value is None else value
+
     @field_validator("save_strategy", "eval_strategy", mode="before")
     @classmethod
     def _strategy(cls, value: Any) -> Any:
@@ -240,7 +247,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"'{text}' is not FIRST-LAST with 1 <= FIRST <= LAST (optimizer steps, e.g. 10-12)")
         return text
 
-    @field_validator("dataset", "eval_dataset", "lora_target", "resume_allow_changed", mode="before")
+    @field_validator("dataset", "eval_dataset", "lora_target", "additional_target", "resume_allow_changed",
+                     mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         """LLaMA-Factory writes lists as comma-separated strings: `lora_target: q_proj,v_proj`."""
@@ -262,6 +270,12 @@ class TrainConfig(BaseModel):
         if unknown:
             raise ValueError(f"resume_allow_changed: {', '.join(unknown)} is not a key of the run's math; those are "
                              f"{', '.join(self.keys_of(MATH))}")
+        if self.additional_target and self.finetuning_type != "lora":
+            raise ValueError(f"additional_target: {','.join(self.additional_target)} trains modules in full beside "
+                             f"LoRA's adapters; " + ("under full fine-tuning every module trains already: drop it"
+                             if self.finetuning_type == "full" else "Q-LoRA keeps the base frozen in 4-bit, and its "
+                             "embeddings and head are not copied to train in full: drop it, or use "
+                             "finetuning_type: lora"))
         if self.master_weights == "bf16" and self.finetuning_type != "full":
             raise ValueError(f"master_weights: bf16 is for full fine-tuning; {self.finetuning_type}'s adapters are "
                              f"small and train in fp32 (the frozen base is bf16 already): drop master_weights")

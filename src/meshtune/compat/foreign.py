@@ -85,7 +85,6 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "lora_target_modules": (QWEN, renamed("lora_target")),
     "lora_bias": (QWEN, only({"none": {}}, "LoRA trains no bias terms in meshtune; set lora_bias none")),
     "lora_weight_path": (QWEN, only({"": {}, None: {}}, "starting from an existing adapter is not supported")),
-    "additional_target": (LF, only({None: {}}, "modules trained in full beside LoRA are not supported")),
     "use_rslora": (LF, only({False: {}}, "rank-stabilized LoRA scaling is not supported; meshtune scales by alpha / r")),
     "use_dora": (LF, only({False: {}}, "DoRA is not supported")),
     "create_new_adapter": (LF, only({False: {}}, "starting from an existing adapter is not supported")),

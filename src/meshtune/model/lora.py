@@ -7,6 +7,7 @@ import math
 
 import torch
 from peft import LoraConfig, get_peft_model
+from peft.utils import ModulesToSaveWrapper
 from transformers import PreTrainedModel
 
 from meshtune.config import TrainConfig
@@ -29,9 +30,33 @@ def add_lora(model: PreTrainedModel, cfg: TrainConfig) -> torch.nn.Module:
         targets: str | list[str] = "all-linear"  # peft: every linear layer except the output head
     else:
         targets = lora_targets(cfg.lora_target, available)
+    in_full = trained_in_full(cfg.additional_target, model)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, lora)
+                      target_modules=targets, task_type="CAUSAL_LM", bias="none", modules_to_save=in_full or None)
+    model = get_peft_model(model, lora)
+    for wrapper in model.modules():
+        if isinstance(wrapper, ModulesToSaveWrapper):
+            wrapper.modules_to_save.float()  # master weights: fp32 even where the frozen base is bf16
+    return model
+
+
+def trained_in_full(names: list[str], model: torch.nn.Module) -> list[str]:
+    """The modules `names` (additional_target) means, by the last part of their names, as peft's modules_to_save
+    finds them; Qwen(1)'s `wte` is the model's input embedding and `lm_head` its output head, whatever their
+    names."""
+    by_module = {module: name.rsplit(".", 1)[-1] for name, module in model.named_modules() if name}
+    roles = {"wte": model.get_input_embeddings(), "lm_head": model.get_output_embeddings()}
+    found = []
+    for name in names:
+        if name in by_module.values():
+            found.append(name)
+        elif roles.get(name) in by_module:
+            found.append(by_module[roles[name]])
+        else:
+            raise ConfigError(f"additional_target: {name} is not a module of the model; give the last part of a "
+                              f"module's name, e.g. {by_module[model.get_input_embeddings()]} (the embedding) or "
+                              f"{by_module.get(model.get_output_embeddings(), 'lm_head')} (the output head)")
+    return list(dict.fromkeys(found))
 
 
 def lora_targets(names: list[str], available: set[str]) -> list[str]:
