@@ -64,8 +64,10 @@ def test_fused_loss_trains_the_heads_trainable_copy_as_the_plain_loss_does(tiny_
 def test_trained_copies_are_fp32_master_weights_over_a_bf16_base(tiny_model_dir):
     model = lora_model(tiny_model_dir, fused=True, dtype=torch.bfloat16)
     for name in BOTH:
-        assert trained_copy(model, name).weight.dtype == torch.float32 and trained_copy(model, name).weight.requires_grad
-    assert all(m.original_module.weight.dtype == torch.bfloat16 for m in model.modules() if hasattr(m, "original_module"))
+        weight = trained_copy(model, name).weight
+        assert weight.dtype == torch.float32 and weight.requires_grad
+    originals = [m.original_module for m in model.modules() if hasattr(m, "original_module")]
+    assert len(originals) == 2 and all(m.weight.dtype == torch.bfloat16 for m in originals)
 
 
 def test_qwens_names_are_the_models_embedding_and_head(tiny_model_dir):

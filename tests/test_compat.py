@@ -90,10 +90,12 @@ def test_deepspeed_explicit_values_apply_and_conflicts_name_both():
 
 
 def test_deepspeed_settings_meshtune_cannot_run_are_errors():
-    bad = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+    bad = {"fp16": {"enabled": True}, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
            "optimizer": {"type": "Lamb"}, "scheduler": {"type": "OneCycle"}}
     problems = "\n".join(translate_deepspeed(bad, "ds.json", {}, {}).problems)
-    for expected in ("fp16.enabled true", "offload_param.device nvme is not supported", "optimizer.type 'Lamb'",
+    for expected in ("bf16.enabled and fp16.enabled are both true", "offload_param.device nvme is not supported",
+                     "optimizer.type 'Lamb'",
                      "scheduler.type 'OneCycle' is not supported"):
         assert expected in problems
     stage0 = translate_deepspeed({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -135,14 +137,14 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
         "overwrite_output_dir is HF TrainingArguments'; ignored because output_dir is never cleared: a run resumes "
         "its newest complete checkpoint (resume_from_checkpoint: auto); set resume_from_checkpoint: none to start over",
         "report_to is HF TrainingArguments'; ignored because metrics go to output_dir/metrics.jsonl and loss.png"]
-    config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\nuse_dft_loss: true\nfp16: true\n"
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\nuse_dft_loss: true\npure_bf16: true\n"
                       "quantization_bit: 8\ntemplate: qwen2_vl\nlearning_rat: 1\n")
     with pytest.raises(ConfigError) as err:
         load_job_config(config)
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
     for expected in ("stage: 'ppo' is LLaMA-Factory's; meshtune cannot run it: meshtune trains supervised "
-                     "fine-tuning (stage: sft) only", "use_dft_loss: True", "fp16: True",
+                     "fine-tuning (stage: sft) only", "use_dft_loss: True", "pure_bf16: True",
                      "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
@@ -312,6 +314,17 @@ def test_qwen_lora_trains_a_base_models_embedding_and_head_in_full(model, flags,
 def test_qwen_flag_sets_get_finetune_py_defaults_and_explicit_flags_win(flags, expected):
     cfg = load_job_config(None, ["model_name_or_path=m"], {"data_path": "train.json", **flags}).config
     assert (cfg.finetuning_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) == expected
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_qwens_qlora_script_reads_as_finetune_py_runs_it(source):
+    """finetune_qlora_ds.sh: --fp16 True (GPUs without bf16), --use_lora --q_lora, its ZeRO-2 JSON."""
+    flags = {"model_name_or_path": "/models/Qwen-7B-Chat-Int4", "data_path": "train.json", "fp16": True,
+             "use_lora": True, "q_lora": True, "gradient_checkpointing": True, "model_max_length": 512,
+             "deepspeed": str(source / "qwen" / "ds_config_zero2.json")}
+    cfg = load_job_config(None, [], flags).config
+    assert (cfg.finetuning_type, cfg.fp16, cfg.parallel, cfg.lora_rank, cfg.lora_dropout, cfg.additional_target) == (
+        "qlora", True, "zero2", 64, 0.05, [])
 
 
 def test_native_configs_keep_meshtunes_own_defaults():

@@ -98,6 +98,7 @@ class TrainConfig(BaseModel):
     gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "with gradient_checkpointing: the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU every block", scope=JOB)
     memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) (1 or less), counted as torch allocates it (torch.cuda.max_memory_allocated, the speed table's peak GiB). Default 0.9 of the card", gt=0.0, scope=JOB)
     bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports it; CPU runs fp32")
+    fp16: bool = MODEL(False, "fp16 compute on GPUs without bf16 (V100, T4), as HF's fp16: autocast to fp16 with a dynamic loss scale (torch's GradScaler, its sharded one under zero2 / zero3 / hsdp: a step whose gradients overflow is skipped and the scale halves), fp32 master weights; FSDP2 then gathers fp32 parameters. CPU runs fp32")
 
     dataset: list[str] = DATA(description="training data: file(s), JSON list or JSONL, or names in dataset_dir/dataset_info.json (LLaMA-Factory's registry); comma-separated or a list")
     eval_dataset: list[str] | None = DATA(None, "held-out data file(s) or dataset_info.json names; otherwise val_size splits the training data")
@@ -276,6 +277,9 @@ class TrainConfig(BaseModel):
                              if self.finetuning_type == "full" else "Q-LoRA keeps the base frozen in 4-bit, and its "
                              "embeddings and head are not copied to train in full: drop it, or use "
                              "finetuning_type: lora"))
+        if self.fp16 and (self.bf16 or self.master_weights == "bf16"):
+            raise ValueError("fp16: true and " + ("bf16: true" if self.bf16 else "master_weights: bf16") + " ask for "
+                             "two compute precisions; keep fp16 on GPUs without bf16 (V100, T4), else bf16")
         if self.master_weights == "bf16" and self.finetuning_type != "full":
             raise ValueError(f"master_weights: bf16 is for full fine-tuning; {self.finetuning_type}'s adapters are "
                              f"small and train in fp32 (the frozen base is bf16 already): drop master_weights")

@@ -135,8 +135,6 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
                                                   "(gradient_checkpointing, gradient_checkpointing_ratio)")),
     "load_best_model_at_end": (HF, only({False: {}}, "final/ holds the last step's model; pick an earlier "
                                                       "checkpoint-N yourself from metrics.jsonl's eval_loss")),
-    "fp16": (HF, only({False: {}}, "meshtune computes in bf16 (bf16: true) or fp32; fp16 with loss scaling is not "
-                                   "supported")),
     "tf32": (HF, ignored("meshtune sets matmul precision itself")),
     "flash_attn": (LF, ignored("meshtune picks the attention kernel itself (torch's flash and variable-length "
                                "kernels where the GPU has them)", "auto")),
