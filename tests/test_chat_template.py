@@ -155,3 +155,24 @@ def test_the_chat_template_saved_for_serving_renders_as_training_did(tokenizer):
             assert served.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True) == \
                 ChatTemplate(tok, template).render_prompt(messages[:-1])
     assert serving_chat_template(with_template(tokenizer, QWEN25_TEMPLATE), "auto") is None  # its own is saved
+
+
+def test_train_on_prompt_trains_every_token(tokenizer):
+    """LLaMA-Factory's train_on_prompt: system, user and tool turns and the assistant headers are trained too."""
+    input_ids, labels = ChatTemplate(tokenizer, "chatml", train_on_prompt=True).encode(MULTI)
+    assert labels == input_ids
+    assert ChatTemplate(tokenizer, "chatml").encode(MULTI)[0] == input_ids  # the same text, other labels
+
+
+def test_mask_history_trains_only_the_last_assistant_turn(tokenizer):
+    input_ids, labels = ChatTemplate(tokenizer, "chatml", mask_history=True).encode(MULTI)
+    assert trained_spans(tokenizer, input_ids, labels) == expected_spans(MULTI)[-1:]
+    both = ChatTemplate(tokenizer, "chatml", mask_history=True, train_on_prompt=True).encode(MULTI)[1]
+    first_answer = render_chatml(MULTI[:2]) + "<|im_start|>assistant\n"  # trained as prompt, then the masked answer
+    assert both[:len(tokenizer.encode(first_answer))] == tokenizer.encode(first_answer)
+    assert IGNORE_INDEX in both and both[-1] != IGNORE_INDEX
+
+
+def test_train_on_prompt_is_refused_where_eos_ends_each_turn(tokenizer):
+    with pytest.raises(DataError, match="train_on_prompt: true with template: glm4"):
+        ChatTemplate(tokenizer, "glm4", train_on_prompt=True)

@@ -7,6 +7,7 @@ real files are present in ../shared/compat, on those too.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from conftest import read_metrics, run_cli_here
 from meshtune.compat.deepspeed import translate_deepspeed
 from meshtune.compat.flags import split_flags
-from meshtune.compat.foreign import FOREIGN
+from meshtune.compat.foreign import FAMILIES, FOREIGN, foreign_handler
 from meshtune.compat.loading import load_job_config
 from meshtune.errors import ConfigError
 
@@ -89,10 +90,12 @@ def test_deepspeed_explicit_values_apply_and_conflicts_name_both():
 
 
 def test_deepspeed_settings_meshtune_cannot_run_are_errors():
-    bad = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+    bad = {"fp16": {"enabled": True}, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
            "optimizer": {"type": "Lamb"}, "scheduler": {"type": "OneCycle"}}
     problems = "\n".join(translate_deepspeed(bad, "ds.json", {}, {}).problems)
-    for expected in ("fp16.enabled true", "offload_param.device nvme is not supported", "optimizer.type 'Lamb'",
+    for expected in ("bf16.enabled and fp16.enabled are both true", "offload_param.device nvme is not supported",
+                     "optimizer.type 'Lamb'",
                      "scheduler.type 'OneCycle' is not supported"):
         assert expected in problems
     stage0 = translate_deepspeed({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -134,14 +137,14 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
         "overwrite_output_dir is HF TrainingArguments'; ignored because output_dir is never cleared: a run resumes "
         "its newest complete checkpoint (resume_from_checkpoint: auto); set resume_from_checkpoint: none to start over",
         "report_to is HF TrainingArguments'; ignored because metrics go to output_dir/metrics.jsonl and loss.png"]
-    config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\ntrain_on_prompt: true\nfp16: true\n"
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\nuse_dft_loss: true\npure_bf16: true\n"
                       "quantization_bit: 8\ntemplate: qwen2_vl\nlearning_rat: 1\n")
     with pytest.raises(ConfigError) as err:
         load_job_config(config)
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
     for expected in ("stage: 'ppo' is LLaMA-Factory's; meshtune cannot run it: meshtune trains supervised "
-                     "fine-tuning (stage: sft) only", "train_on_prompt: True", "fp16: True",
+                     "fine-tuning (stage: sft) only", "use_dft_loss: True", "pure_bf16: True",
                      "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
@@ -258,15 +261,167 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
     assert "scheduler WarmupLR (lr_scheduler_type constant_with_warmup) is not used: lr_scheduler_type 'cosine'" \
         in result.stdout
     saved = (out / "config.yaml").read_text()
-    for line in ("finetuning_type: lora", "cutoff_len: 128", "adam_beta2: 0.95", "lr_scheduler_type: cosine"):
+    for line in ("finetuning_type: lora", "cutoff_len: 128", "adam_beta2: 0.95", "lr_scheduler_type: cosine",
+                 "lora_rank: 64", "lora_alpha: 16.0", "lora_dropout: 0.05"):
         assert line in saved
     assert [r["step"] for r in read_metrics(out) if "loss" in r][-1] == 2
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (64, 16, 0.05)
+    # a base model (its path does not say "chat"): finetune.py trains its embedding and head in full too
+    assert sorted(adapter["modules_to_save"]) == ["embed_tokens", "lm_head"]
+    assert ("its defaults apply where no flag sets them: lora_rank: 64, lora_alpha: 16, lora_dropout: 0.05"
+            in result.stdout)
+
+
+def test_qwen_full_parameter_script_trains_every_parameter(tmp_path, tiny_model_dir, monkeypatch, capfd):
+    """finetune_ds.sh passes no --use_lora: finetune.py then trains every parameter, here too."""
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    result = run_cli_here(
+        ["train", "--model_name_or_path", str(tiny_model_dir), "--data_path", str(FIXTURES / "qwen" / "train.json"),
+         "--bf16", "True", "--output_dir", str(out), "--per_device_train_batch_size", "1",
+         "--gradient_accumulation_steps", "2", "--learning_rate", "1e-5", "--weight_decay", "0.1",
+         "--adam_beta2", "0.95", "--model_max_length", "128", "--gradient_checkpointing", "True",
+         "--lazy_preprocess", "True", "--deepspeed", str(FIXTURES / "qwen" / "ds_config_zero3.json"),
+         "--max_steps", "1"], capfd)
+    assert result.returncode == 0, result.stdout
+    assert "finetuning_type: full" in (out / "config.yaml").read_text()
+    trained, total = re.search(r"trainable parameters ([\d,]+) of ([\d,]+)", result.stdout).groups()
+    assert trained == total
+    assert (out / "final" / "model.safetensors").is_file() and not (out / "final" / "adapter_config.json").exists()
+    assert "finetuning_type: full (without --use_lora finetune.py trains every parameter)" in result.stdout
+
+
+@pytest.mark.parametrize("model, flags, in_full", [
+    ("/models/Qwen-7B", {"use_lora": True}, ["wte", "lm_head"]),
+    ("/models/Qwen-7B-Chat", {"use_lora": True}, []),
+    ("/models/Qwen-7B", {"use_lora": True, "q_lora": True}, []),
+    ("/models/Qwen-7B", {"use_lora": True, "additional_target": "lm_head"}, ["lm_head"]),
+    ("/models/Qwen-7B", {}, []),
+])
+def test_qwen_lora_trains_a_base_models_embedding_and_head_in_full(model, flags, in_full):
+    """finetune.py: `modules_to_save = None if q_lora or 'chat' in model_name_or_path.lower() else [wte, lm_head]`"""
+    cfg = load_job_config(None, [], {"model_name_or_path": model, "data_path": "train.json", **flags}).config
+    assert cfg.additional_target == in_full
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"use_lora": True, "q_lora": True}, ("qlora", 64, 16.0, 0.05)),
+    ({"use_lora": True, "lora_r": 8, "lora_dropout": 0.0}, ("lora", 8, 16.0, 0.0)),
+    ({"use_lora": True, "lora_alpha": 32, "lora_target_modules": ["c_attn"]}, ("lora", 64, 32.0, 0.05)),
+    ({"use_lora": False}, ("full", 8, None, 0.0)),
+    ({"finetuning_type": "lora"}, ("lora", 64, 16.0, 0.05)),
+])
+def test_qwen_flag_sets_get_finetune_py_defaults_and_explicit_flags_win(flags, expected):
+    cfg = load_job_config(None, ["model_name_or_path=m"], {"data_path": "train.json", **flags}).config
+    assert (cfg.finetuning_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) == expected
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_qwens_qlora_script_reads_as_finetune_py_runs_it(source):
+    """finetune_qlora_ds.sh: --fp16 True (GPUs without bf16), --use_lora --q_lora, its ZeRO-2 JSON."""
+    flags = {"model_name_or_path": "/models/Qwen-7B-Chat-Int4", "data_path": "train.json", "fp16": True,
+             "use_lora": True, "q_lora": True, "gradient_checkpointing": True, "model_max_length": 512,
+             "deepspeed": str(source / "qwen" / "ds_config_zero2.json")}
+    cfg = load_job_config(None, [], flags).config
+    assert (cfg.finetuning_type, cfg.fp16, cfg.parallel, cfg.lora_rank, cfg.lora_dropout, cfg.additional_target) == (
+        "qlora", True, "zero2", 64, 0.05, [])
+
+
+def test_native_configs_keep_meshtunes_own_defaults():
+    loaded = load_job_config(None, ["model_name_or_path=m", "dataset=train.json"])
+    cfg = loaded.config
+    assert (cfg.finetuning_type, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) == ("lora", 8, None, 0.0)
+    assert not any("finetune.py" in line for line in loaded.warnings)
+
+
+def test_qwen_q_lora_without_use_lora_is_refused():
+    """finetune.py ignores --q_lora without --use_lora; the intent is unclear, so the job does not start."""
+    with pytest.raises(ConfigError, match=r"q_lora: True without use_lora: finetune.py then ignores q_lora"):
+        load_job_config(None, ["model_name_or_path=m"], {"data_path": "train.json", "q_lora": True})
+
+
+def test_qwen1_lora_target_names_mean_the_same_layers_of_other_models(tiny_model_dir):
+    from meshtune.model.lora import linear_module_names, lora_targets
+    from meshtune.model.loading import load_model
+
+    available = linear_module_names(load_model(tiny_model_dir))
+    assert lora_targets(["c_attn", "c_proj", "w1", "w2"], available) == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj", "gate_proj"]
+    assert lora_targets(["c_attn", "o_proj"], available) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    with pytest.raises(ConfigError, match="lora_target: c_attn, qkv not found in the model"):
+        lora_targets(["c_attn", "qkv"], available)
 
 
 def test_migration_guide_lists_every_key_of_the_other_tools():
     guide = (Path(__file__).parents[1] / "docs" / "migration.md").read_text()
-    missing = [key for key in FOREIGN if f"`{key}`" not in guide and f"`--{key}`" not in guide]
+    family_keys = [key for family in FAMILIES for key in (*family.keys, *([family.switch] if family.switch else []))]
+    prefixes = [f"{prefix}*" for family in FAMILIES for prefix in family.prefixes]
+    missing = [key for key in [*FOREIGN, *family_keys, *prefixes]
+               if f"`{key}`" not in guide and f"`--{key}`" not in guide]
     assert not missing, f"docs/migration.md lacks {missing}"
+
+
+# ---- keys of methods meshtune does not have: named as their method's, never read as a look-alike key of ours
+
+@pytest.mark.parametrize("key, value, message", [
+    ("use_dft_loss", True, "use_dft_loss: True is LLaMA-Factory's; meshtune cannot run it: it turns on the DFT loss"),
+    ("use_galore", True, "it turns on GaLore (low-rank projection of full fine-tuning's gradients): meshtune trains "
+                         "LoRA, Q-LoRA or full"),
+    ("use_apollo", True, "it turns on the APOLLO optimizer"),
+    ("use_badam", True, "it turns on the BAdam optimizer"),
+    ("pissa_init", True, "it turns on PiSSA initialisation"),
+    ("loraplus_lr_ratio", 16.0, "it turns on LoRA+"),
+    ("use_llama_pro", True, "it turns on LLaMA Pro"),
+    ("use_adam_mini", True, "it turns on the Adam-mini optimizer"),
+    ("use_muon", True, "it turns on the Muon optimizer"),
+    ("pure_bf16", True, "the nearest meshtune has is master_weights: bf16"),
+    ("disable_shuffling", True, "every epoch's order is a permutation drawn from the seed"),
+    ("early_stopping_steps", 3, "training runs all its steps"),
+])
+def test_keys_that_turn_on_another_method_are_refused_as_that_method(key, value, message):
+    with pytest.raises(ConfigError) as error:
+        load_job_config(None, ["model_name_or_path=m", "dataset=d.json"], {key: value})
+    assert message in str(error.value)
+    assert "did you mean" not in str(error.value)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("galore_rank", 16, "galore_rank is LLaMA-Factory's; ignored because it is a GaLore setting, read only with "
+                        "use_galore: true: meshtune trains LoRA, Q-LoRA or full"),
+    ("apollo_rank", 16, "it is an APOLLO setting, read only with use_apollo: true"),
+    ("badam_mode", "layer", "it is a BAdam setting, read only with use_badam: true"),
+    ("oft_target", "all", "oft_target is LLaMA-Factory's; ignored because it is an OFT setting, read only with "
+                          "finetuning_type: oft"),
+    ("module_dropout", 0.1, "it is an OFT setting"),
+    ("freeze_trainable_layers", 2, "it is a freeze (partial-parameter) fine-tuning setting, read only with "
+                                   "finetuning_type: freeze"),
+    ("freeze_vision_tower", True, "it is a multimodal setting: meshtune trains text models only"),
+    ("pissa_iter", 16, "it is a PiSSA setting, read only with pissa_init: true"),
+    ("loraplus_lr_embedding", 1e-6, "it is a LoRA+ setting, read only with loraplus_lr_ratio set"),
+    ("ray_num_workers", 4, "ray_num_workers is LLaMA-Factory's; ignored because it is a Ray setting: meshtune starts "
+                           "its processes with torchrun, not Ray: nproc_per_node processes on each of nnodes nodes"),
+    ("resources_per_worker", {"GPU": 1}, "it is a Ray setting"),
+    ("swanlab_project", "p", "it is a SwanLab setting"),
+    ("pref_beta", 0.1, "it is a preference or RL training setting: read only by stage: dpo, kto, ppo or rm"),
+    ("ref_model_adapters", "a", "it is a preference or RL training setting"),
+    ("use_mca", True, "meshtune trains through DDP or FSDP2, not Megatron Core"),
+])
+def test_settings_of_another_method_are_ignored_as_that_methods(key, value, message):
+    loaded = load_job_config(None, ["model_name_or_path=m", "dataset=d.json"], {key: value})
+    assert any(message in line for line in loaded.warnings), loaded.warnings
+    assert loaded.config == load_job_config(None, ["model_name_or_path=m", "dataset=d.json"]).config
+
+
+def test_axolotls_micro_batch_size_is_the_batch_per_process():
+    cfg = load_job_config(None, ["model_name_or_path=m", "dataset=d.json", "micro_batch_size=4"]).config
+    assert (cfg.per_device_train_batch_size, cfg.train_batch_size) == (4, None)
+
+
+def test_no_key_of_meshtunes_is_read_as_another_tools():
+    from meshtune.config import TrainConfig
+
+    assert [key for key in TrainConfig.model_fields if foreign_handler(key)] == []
 
 
 def test_deepspeed_train_batch_size_is_checked_against_the_job(tmp_path, tiny_model_dir):

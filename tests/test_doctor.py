@@ -258,3 +258,17 @@ def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight
     assert "preflight: skipped: node 0 rejoins its running job" in out0
     assert f"preflight: skipped: 127.0.0.1:{port} answers, but not as node 0's doctor" in out1
     assert [r["step"] for r in read_metrics(output)] == [1, 2]
+
+
+def test_checkpoint_space_counts_the_saves_of_each_save_strategy(tmp_path):
+    from types import SimpleNamespace
+
+    from meshtune.launch.doctor_checks import checkpoint_bytes
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 2000)  # 1,000 bf16 parameters
+    cfg = dict(model_name_or_path=str(tmp_path), finetuning_type="full", save_total_limit=None, max_steps=100,
+               save_steps=25, num_train_epochs=3.0)
+    per_save = checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="steps")) // 4
+    assert per_save > 0
+    assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="epoch")) == 3 * per_save
+    assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="no")) == 0

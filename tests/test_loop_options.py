@@ -1,11 +1,11 @@
 """Options that must not change the math: gradient checkpointing and length grouping give the losses of the
-plain run; packing trains on rows of several samples."""
+plain run; packing trains on rows of several samples; checkpoints and evaluations at the ends of epochs."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import base_config
+from conftest import base_config, read_metrics
 from meshtune.config import build_config
 from meshtune.train.loop import run
 
@@ -77,3 +77,45 @@ def test_expandable_segments_are_set_unless_turned_off_or_set_by_the_user(monkey
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     assert use_expandable_segments(enabled) is bool(expected)
     assert calls == expected
+
+
+def test_save_and_eval_strategy_epoch_act_at_the_end_of_every_epoch(tmp_path, tiny_model_dir, tiny_dataset):
+    """64 samples, a quarter held out: 48 to train on, 12 steps an epoch at a global batch of 4; 1.5 epochs end at
+    step 18, inside the second epoch, which is saved and evaluated as the last step."""
+    out = tmp_path / "out"
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, out, max_steps=-1, num_train_epochs=1.5,
+                                   val_size=0.25, save_strategy="epoch", save_steps=5, eval_strategy="epoch",
+                                   eval_steps=5, logging_steps=6))
+    run(cfg)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-12", "checkpoint-18"]
+    assert [r["step"] for r in read_metrics(out) if "eval_loss" in r] == [12, 18]
+
+
+def test_strategy_keys_read_as_hf_writes_them():
+    from meshtune.compat.loading import load_job_config
+
+    values = ["model_name_or_path=m", "dataset=d.json"]
+    cfg = load_job_config(None, values + ["save_strategy=no", "evaluation_strategy=EPOCH"]).config
+    assert (cfg.save_strategy, cfg.eval_strategy) == ("no", "epoch")
+    assert load_job_config(None, values).config.save_strategy == "steps"
+
+
+def test_checkpoints_and_evaluations_are_due_at_the_steps_each_strategy_names(tmp_path):
+    from meshtune.checkpoint.manager import CheckpointManager
+    from meshtune.train.evaluation import Evaluator
+
+    def saved(manager, total):
+        steps = []
+        manager.save = lambda step, state, info: steps.append(step)
+        for step in range(1, total + 1):
+            manager.maybe_save(step, {}, {}, last=step == total)
+        return steps
+
+    assert saved(CheckpointManager(tmp_path, None, False, 0, 1, save_steps=4), 10) == [4, 8, 10]
+    by_epoch = CheckpointManager(tmp_path, None, False, 0, 1)
+    by_epoch.save_at(frozenset({3, 6}))
+    assert saved(by_epoch, 8) == [3, 6, 8]
+    assert saved(CheckpointManager(tmp_path, None, False, 0, 1), 8) == []
+    evaluator = Evaluator(object(), 1, None, 8, None, None, None, also_at=frozenset({3, 6}))
+    assert [step for step in range(1, 9) if evaluator.due(step)] == [3, 6, 8]
+    assert [step for step in range(1, 9) if Evaluator(object(), 1, 4, 8, None, None, None).due(step)] == [4, 8]

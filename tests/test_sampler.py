@@ -46,6 +46,16 @@ def test_total_steps_and_positions():
     assert p.position(0) == (0, 0) and p.position(5) == (1, 0) and p.position(7) == (1, 2)
 
 
+def test_epoch_ends_are_the_steps_that_complete_an_epoch():
+    p = plan(1, 1, micro=8)  # 5 steps per epoch
+    assert p.epoch_ends(p.total_steps(2.0, -1)) == {5, 10}
+    assert p.epoch_ends(7) == {5}  # 1.5 epochs: the last step is inside the second
+    assert p.epoch_ends(4) == frozenset()
+    packed = plan(2, 1, micro=1, packing_capacity=10)  # packing: epochs may differ in steps
+    ends = np.cumsum([packed.steps_in_epoch(epoch) for epoch in range(40)])
+    assert packed.epoch_ends(100) == set(ends[ends <= 100].tolist())
+
+
 def test_packing_plan_uses_rows_and_group_by_length_keeps_the_step_content():
     packed = plan(2, 1, micro=1, packing_capacity=10)
     rows = packed.rows(0)

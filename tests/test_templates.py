@@ -4,11 +4,12 @@ tokenizer's own template, and the template saved for serving."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from transformers import AutoTokenizer
 
-from meshtune.data.chat_template import ChatTemplate, serving_chat_template
+from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate, serving_chat_template
 from meshtune.data.templates import FORMATS
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
@@ -32,7 +33,20 @@ THINK_CHATML = "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n<think>\
 LLAMA3_USER = ("<|start_header_id|>user<|end_header_id|>\n\nHi.<|eot_id|>"
                "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>")
 
-# name: (rendered with the system message, rendered without one, trained text of the assistant turn)
+GEMMA_USER = "<start_of_turn>user\n{}<end_of_turn>\n"
+GEMMA_MODEL = "<start_of_turn>model\nHello.<end_of_turn>\n"
+PHI = "<|user|>\nHi.<|end|>\n<|assistant|>\nHello.<|end|>\n"
+PHI4 = "<|im_start|>user<|im_sep|>Hi.<|im_end|><|im_start|>assistant<|im_sep|>Hello.<|im_end|>"
+INTERN_DEFAULT = ("You are an AI assistant whose name is InternLM (书生·浦语).\n- InternLM (书生·浦语) is a conversational "
+                  "language model that is developed by Shanghai AI Laboratory (上海人工智能实验室). It is designed to be "
+                  "helpful, honest, and harmless.\n- InternLM (书生·浦语) can understand and communicate fluently in the "
+                  "language chosen by the user such as English and 中文.")
+COHERE = ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+          "Hello.</s>")
+
+# name: (the template's text with the system message, without one, trained text of the assistant turn); formats
+# without an end-of-turn text (efficient_eos) append the eos token to the training sample
+
 EXPECTED = {
     "chatml": (CHATML_SYSTEM + CHATML, CHATML, "Hello.<|im_end|>\n"),
     "qwen": (CHATML_SYSTEM + CHATML, QWEN_DEFAULT + CHATML, "Hello.<|im_end|>\n"),
@@ -48,6 +62,26 @@ EXPECTED = {
     "empty": ("Be brief.Hi.Hello.", "Hi.Hello.", "Hello."),
     "alpaca": ("Be brief.### Instruction:\nHi.\n\n### Response:\nHello.</s>\n\n",
                ALPACA_DEFAULT + "### Instruction:\nHi.\n\n### Response:\nHello.</s>\n\n", "Hello.</s>\n\n"),
+    "gemma": ("<s>" + GEMMA_USER.format("Be brief.\n\nHi.") + GEMMA_MODEL,
+              "<s>" + GEMMA_USER.format("Hi.") + GEMMA_MODEL, "Hello.<end_of_turn>\n"),
+    "gemma3": ("<s>" + GEMMA_USER.format("Be brief.\n\nHi.") + GEMMA_MODEL,
+               "<s>" + GEMMA_USER.format("Hi.") + GEMMA_MODEL, "Hello.<end_of_turn>\n"),
+    "phi": ("<|system|>\nBe brief.<|end|>\n" + PHI, PHI, "Hello.<|end|>\n"),
+    "phi4": ("<|im_start|>system<|im_sep|>Be brief.<|im_end|>" + PHI4, PHI4, "Hello.<|im_end|>"),
+    "deepseek": ("<s>Be brief.\n\nUser: Hi.\n\nAssistant:Hello.</s>", "<s>User: Hi.\n\nAssistant:Hello.</s>",
+                 "Hello.</s>"),
+    "deepseek3": ("<s>Be brief.<｜User｜>Hi.<｜Assistant｜>Hello.</s>", "<s><｜User｜>Hi.<｜Assistant｜>Hello.</s>",
+                  "Hello.</s>"),
+    # no end-of-turn text: the eos token ends the conversation (and is what follows each assistant turn's content)
+    "glm4": ("[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi.<|assistant|>\nHello.",
+             "[gMASK]<sop><|user|>\nHi.<|assistant|>\nHello.", "\nHello.</s>"),
+    "yi": (CHATML_SYSTEM + CHATML, CHATML, "Hello.<|im_end|>\n"),
+    "baichuan2": ("Be brief.<reserved_106>Hi.<reserved_107>Hello.", "<reserved_106>Hi.<reserved_107>Hello.",
+                  "Hello.</s>"),
+    "intern2": ("<s>" + CHATML_SYSTEM + CHATML, "<s><|im_start|>system\n" + INTERN_DEFAULT + "<|im_end|>\n" + CHATML,
+                "Hello.<|im_end|>\n"),
+    "cohere": ("<s><|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>" + COHERE,
+               "<s>" + COHERE, "Hello.</s>"),
 }
 
 # glaive-like: one call, one observation, a final answer
@@ -124,16 +158,61 @@ def tokenizer():
 
 def rendered(tokenizer, template: ChatTemplate, messages, tools=None) -> tuple[str, list[str]]:
     input_ids, labels = template.encode(messages, tools=tools)
-    return tokenizer.decode(input_ids, skip_special_tokens=False), trained_spans(tokenizer, input_ids, labels)
+    if template.own or not FORMATS[template.name].efficient_eos:
+        spans = trained_spans(tokenizer, input_ids, labels)
+    else:  # the eos label of a turn's end sits on the next turn's first token
+        spans = [tokenizer.decode(run, skip_special_tokens=False) for run in label_runs(labels)]
+    return tokenizer.decode(input_ids, skip_special_tokens=False), spans
+
+
+def label_runs(labels: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = [[]]
+    for label in labels:
+        if label != IGNORE_INDEX:
+            runs[-1].append(label)
+        elif runs[-1]:
+            runs.append([])
+    return [run for run in runs if run]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_format_renders_as_llamafactory(tokenizer, name):
     with_system, without_system, trained = EXPECTED[name]
+    eos = "</s>" if FORMATS[name].efficient_eos else ""
     template = ChatTemplate(tokenizer, name)
     assert template.description == f"{name} (written out)"
-    assert rendered(tokenizer, template, SYSTEM + CHAT) == (with_system, [trained])
-    assert rendered(tokenizer, template, CHAT) == (without_system, [trained])
+    assert rendered(tokenizer, template, SYSTEM + CHAT) == (with_system + eos, [trained])
+    assert rendered(tokenizer, template, CHAT) == (without_system + eos, [trained])
+
+
+@pytest.mark.parametrize("name, second_user, turn", [("glm4", "<|user|>\nBye.", "\n{}</s>"),
+                                                     ("baichuan2", "<reserved_106>Bye.", "{}</s>")])
+def test_formats_without_an_end_of_turn_train_eos_after_every_assistant_turn(tokenizer, name, second_user, turn):
+    """LLaMA-Factory's efficient_eos: the label of the first token after an assistant turn is the eos token (the
+    turn ends there), and the eos token closes the conversation."""
+    two_rounds = CHAT + [{"role": "user", "content": "Bye."}, {"role": "assistant", "content": "Goodbye."}]
+    input_ids, labels = ChatTemplate(tokenizer, name).encode(two_rounds)
+    eos = tokenizer.eos_token_id
+    ends = [i for i, label in enumerate(labels) if label == eos]
+    assert len(ends) == 2 and ends[1] == len(input_ids) - 1 and input_ids[-1] == eos
+    assert tokenizer.decode(input_ids[ends[0]:], skip_special_tokens=False).startswith(second_user)
+    assert [tokenizer.decode(run, skip_special_tokens=False) for run in label_runs(labels)] == [
+        turn.format("Hello."), turn.format("Goodbye.")]
+
+
+def test_glm4_tools_and_calls_as_llamafactory_writes_them(tokenizer):
+    text, trained = rendered(tokenizer, ChatTemplate(tokenizer, "glm4"), TOOL_CHAT, TOOLS)
+    tools_text = ("你是一个名为 ChatGLM 的人工智能助手。你是基于智谱 AI 公司训练的语言模型 GLM-4 模型开发的，"
+                  "你的任务是针对用户的问题和要求提供适当的答复和支持。\n\n# 可用工具\n\n## get_weather\n\n"
+                  + json.dumps(TOOLS[0], indent=4, ensure_ascii=False) + "\n在调用上述函数时，请使用 Json 格式表示调用的参数。")
+    call = 'get_weather\n{"city": "Paris"}'
+    assert text == ("[gMASK]<sop><|system|>\n" + tools_text + "<|user|>\nWeather in Paris?<|assistant|>" + call
+                    + '<|observation|>\n{"temp": 20}<|assistant|>\nIt is 20.</s>')
+    assert trained == [call + "</s>", "\nIt is 20.</s>"]
+    parallel = copy.deepcopy(TOOL_CHAT)
+    parallel[1]["tool_calls"] *= 2
+    with pytest.raises(DataError, match="GLM-4 takes one tool call a turn"):
+        ChatTemplate(tokenizer, "glm4").encode(parallel, tools=TOOLS)
 
 
 def test_every_config_name_has_a_format():
@@ -214,7 +293,7 @@ def test_family_name_writes_the_format_out_otherwise(tokenizer, own, why):
 
 def test_chatml_and_unrelated_names_never_use_the_tokenizers_own(tokenizer):
     tok = with_template(tokenizer, QWEN25_TOOLS_TEMPLATE)
-    for name in ("chatml", "default", "empty", "alpaca"):
+    for name in ("chatml", "default", "empty", "alpaca", "deepseek", "glm4", "baichuan2", "intern2", "cohere"):
         assert ChatTemplate(tok, name).description == f"{name} (written out)"
 
 
@@ -243,4 +322,4 @@ def test_saved_template_serves_prompts_as_trained(tokenizer, name, tmp_path):
         prompt = served.apply_chat_template(served_messages, tools=served_tools, tokenize=False,
                                             add_generation_prompt=True)
         assert prompt == template.render_prompt(messages, tools=tools)
-    assert served.apply_chat_template(SYSTEM + CHAT, tokenize=False) == EXPECTED[name][0]
+    assert served.apply_chat_template(SYSTEM + CHAT, tokenize=False) == EXPECTED[name][0]  # eos: training only

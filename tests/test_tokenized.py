@@ -133,6 +133,9 @@ def test_cache_key_inputs(tokenizer, data_file):
     assert key != cache_key([spec], tokenizer, "auto", 64, False, max_samples=2)
     assert key != cache_key([spec, spec], tokenizer, "auto", 64, False)
     assert key != cache_key([spec], train_tokenizer(SENTENCES[:8], vocab_size=300), "auto", 64, False)
+    masked = {cache_key(*base, train_on_prompt=True), cache_key(*base, mask_history=True),
+              cache_key(*base, train_on_prompt=True, mask_history=True)}
+    assert len(masked) == 3 and key not in masked
     lf_alpaca = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
                  "tools": None}
     registered = DatasetSpec("d", [data_file], "alpaca", lf_alpaca, None, data_file.parent / "dataset_info.json")
@@ -212,6 +215,8 @@ class RecordingTemplate:
     """Stands in for ChatTemplate: remembers the tools each conversation came with; refuses any that has tools
     when `refuse_tools`, as a chat template without a tool format does."""
 
+    mask_history = False
+
     def __init__(self, tokenizer, refuse_tools: bool = False) -> None:
         self.inner, self.refuse_tools, self.tools = ChatTemplate(tokenizer), refuse_tools, []
 
@@ -270,3 +275,41 @@ def test_llamafactory_compat_files_tokenize(tokenizer, tmp_path, data_dir, n_rec
         text, trained = tokenizer.decode(ids), tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
         assert "get_forecast" in text and "Get the weather forecast for a city" in text
         assert "get_forecast" in trained and "Lisbon" in trained
+
+
+def test_labels_options_build_their_own_datasets(tokenizer, data_file, tmp_path):
+    plain = build(tokenizer, [data_file], tmp_path / "cache")
+    prompts = build(tokenizer, [data_file], tmp_path / "cache", train_on_prompt=True)
+    assert np.array_equal(prompts.input_ids, plain.input_ids) and np.array_equal(prompts.labels, prompts.input_ids)
+    assert (plain.labels == IGNORE_INDEX).any()
+    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
+
+
+def test_mask_history_keeps_the_end_of_a_long_conversation(tokenizer):
+    long = [*conversation("Hi.", "Paris."), *conversation("What is the capital of France? " * 8, "Lyon.")]
+    template = ChatTemplate(tokenizer, mask_history=True)
+    full_ids, full_labels = template.encode(long)
+    cutoff = len(full_ids) - 5  # the first turn no longer fits whole
+    kept = build_tokenized([long], template, cutoff, show_progress=False)
+    assert kept.stats["n_truncated"] == 1
+    ids, labels = kept[0]
+    assert list(ids) == full_ids[-cutoff:] and list(labels) == full_labels[-cutoff:]
+    assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "Lyon.<|im_end|>\n"
+    assert build_tokenized([long], ChatTemplate(tokenizer), cutoff, show_progress=False)[0][0].tolist() == \
+        full_ids[:cutoff]  # without mask_history the start is kept
+
+
+@pytest.mark.parametrize("key", ["train_on_prompt", "mask_history"])
+def test_label_keys_of_the_config_reach_the_data(tokenizer, tmp_path, key):
+    from meshtune.config import TrainConfig
+    from meshtune.data.pipeline import prepare_datasets
+
+    path = tmp_path / "two_rounds.json"
+    path.write_text(json.dumps([{"messages": [*conversation("Hi.", "Paris."), *conversation("Bye.", "Lyon.")]}]))
+    lines: list[str] = []
+    cfg = TrainConfig(model_name_or_path="m", dataset=[str(path)], output_dir=str(tmp_path / "out"), **{key: True})
+    train, _ = prepare_datasets(cfg, tokenizer, False, lines.append)
+    ids, labels = train[0]
+    trained = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
+    assert trained == (tokenizer.decode(ids) if key == "train_on_prompt" else "Lyon.<|im_end|>\n")
+    assert "trained on prompts too" in lines[0] if key == "train_on_prompt" else "only the last" in lines[0]

@@ -132,3 +132,17 @@ def test_bf16_gradient_reduction_stays_close_to_fp32_and_is_not_a_no_op(tmp_path
         assert losses[0] == reference[0], f"{what}: step 1 runs before any reduction"
         assert all(abs(a - b) / abs(b) < 2e-2 for a, b in zip(losses, reference)), f"{what}: {losses} vs {reference}"
         assert losses[1:] != reference[1:], f"{what}: identical to the fp32 reduction"
+
+
+@pytest.mark.slow
+def test_modules_trained_in_full_keep_the_losses_across_layouts(tmp_path, tiny_model_dir, tiny_dataset):
+    """additional_target: the embedding's and head's trainable copies are replicated (ddp, rank 0's broadcast) or
+    sharded (zero3) like any parameter, and the fused loss trains the head's copy the same on every layout."""
+    extra = {"additional_target": "embed_tokens,lm_head"}
+    layouts = [("ddp", 1, 4), ("ddp", 2, 2), ("zero3", 2, 2)]
+    train_all(tmp_path, tiny_model_dir, tiny_dataset, [("lora", p, n, a, extra) for p, n, a in layouts])
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "lora", "ddp", 1, 4, **extra)
+    assert reference != train_losses(tmp_path, tiny_model_dir, tiny_dataset, "lora", "ddp", 1, 4)
+    for parallel, nproc, accumulation in layouts[1:]:
+        losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "lora", parallel, nproc, accumulation, **extra)
+        assert_close(losses, reference, f"lora with additional_target {parallel} {nproc}x{accumulation}")

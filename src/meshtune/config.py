@@ -94,17 +94,21 @@ class TrainConfig(BaseModel):
     lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
     lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. q_proj,v_proj")
     adapter_name_or_path: str | None = MODEL(None, "a PEFT LoRA adapter directory to continue training (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's final/; a checkpoint-N becomes one with `meshtune export`): the run starts from its weights, with its r, alpha, dropout and target modules in place of lora_rank, lora_alpha, lora_dropout and lora_target, as LLaMA-Factory continues an adapter; lora and qlora")
+    additional_target: list[str] = MODEL([], "lora: modules trained in full beside the adapters (LLaMA-Factory's additional_target, PEFT's modules_to_save), e.g. embed_tokens,lm_head: a trainable fp32 copy of each, saved in the adapter; default none")
     gradient_checkpointing: bool | None = MODEL(None, "recompute activations in backward instead of storing them: less memory, more compute. Default: on GPUs, the run's largest step is measured before training and only the blocks it must are recomputed to fit memory_budget (none where the step fits; where even every block recomputed does not fit, the run stops at start with the measured need); on CPU none. true: recompute gradient_checkpointing_ratio of the blocks | false: never", scope=JOB)
     gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory; a value here turns recomputation on unless gradient_checkpointing is false) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU, with gradient_checkpointing true, every block", scope=JOB)
     memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) (1 or less), counted as torch allocates it (torch.cuda.max_memory_allocated, the speed table's peak GiB). Default 0.9 of the card", gt=0.0, scope=JOB)
     bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports it; CPU runs fp32")
+    fp16: bool = MODEL(False, "fp16 compute on GPUs without bf16 (V100, T4), as HF's fp16: autocast to fp16 with a dynamic loss scale (torch's GradScaler, its sharded one under zero2 / zero3 / hsdp: a step whose gradients overflow is skipped and the scale halves), fp32 master weights; FSDP2 then gathers fp32 parameters. CPU runs fp32")
 
     dataset: list[str] = DATA(description="training data: file(s), JSON list or JSONL, or names in dataset_dir/dataset_info.json (LLaMA-Factory's registry); comma-separated or a list")
     eval_dataset: list[str] | None = DATA(None, "held-out data file(s) or dataset_info.json names; otherwise val_size splits the training data")
     dataset_dir: str = DATA("data", "folder of LLaMA-Factory's dataset_info.json: a dataset entry that is no file is looked up there by name (its file_name, formatting, columns and tags)")
     max_samples: int | None = DATA(None, "use only the first N records of each dataset (as LLaMA-Factory); default: all", gt=0)
     dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA("auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
-    template: Literal["auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "default", "empty", "alpaca"] = DATA("auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, default, empty, alpaca (the tokenizer's own template when it is that family's, else the format written out as LLaMA-Factory renders it; final/ saves the one trained)")
+    template: Literal["auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "gemma", "gemma3", "phi", "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2", "cohere", "default", "empty", "alpaca"] = DATA("auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, phi4, deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (the tokenizer's own template when it is that family's, else the format written out as LLaMA-Factory renders it; final/ saves the one trained)")
+    train_on_prompt: bool = DATA(False, "also train on the prompt: system, user and tool turns and the assistant header (LLaMA-Factory's key); default: assistant turns only")
+    mask_history: bool = DATA(False, "train only the last assistant turn of each conversation, earlier ones are context; a conversation longer than cutoff_len keeps its end (LLaMA-Factory's key)")
     cutoff_len: int = DATA(2048, "samples are truncated to this many tokens", gt=1)
     val_size: float = DATA(0.0, "held-out part of the training data: a fraction (<1) or a count", ge=0.0)
     skip_invalid: bool = DATA(False, "skip malformed records (counted) instead of stopping at the first")
@@ -167,9 +171,11 @@ class TrainConfig(BaseModel):
     output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and final/ go; shared storage across nodes (checked at start)", scope=NODE)
     logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps; the ranks compare their step times then (a collective), so it is the same on every node", gt=0)
     per_device_eval_batch_size: int = OUTPUT(8, "samples per process per evaluation step", gt=0)
+    eval_strategy: Literal["steps", "epoch", "no"] = OUTPUT("steps", "with val_size or eval_dataset, when to evaluate: steps (every eval_steps, and at the end) | epoch (at the end of every epoch, and at the end) | no (only at the end)")
     eval_steps: int | None = OUTPUT(None, "evaluate every N steps (default: only at the end); needs val_size or eval_dataset", gt=0)
     save_final: bool = OUTPUT(True, "write the trained model (or LoRA adapter) to output_dir/final at the end; false for throughput runs and smoke tests, where only the metrics matter")
-    save_steps: int = OUTPUT(0, "write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
+    save_strategy: Literal["steps", "epoch", "no"] = OUTPUT("steps", "when to write sharded checkpoints: steps (every save_steps) | epoch (at the end of every epoch and at the last step; save_steps is not read) | no (none: only final/)")
+    save_steps: int = OUTPUT(0, "save_strategy steps: write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
     save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: all", gt=0)
     async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); turn on when saving stalls training")
     stop_grace_period: int = OUTPUT(60, "seconds a SIGTERM (what SLURM, Kubernetes and other schedulers send before preempting) leaves the job: every process finishes the step in progress and the next, a checkpoint is written if the last save's duration fits in what is left, and the job exits with 143 (128 + SIGTERM, retryable) to resume from there when relaunched. 0: stop after the step without saving. Give the scheduler at least this long between its SIGTERM and SIGKILL", ge=0)
@@ -229,6 +235,20 @@ class TrainConfig(BaseModel):
                              f"adapter_name_or_path: {parts[-1]}")
         return parts[0] if parts else None
 
+    @field_validator("additional_target", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        """`additional_target: null` (LLaMA-Factory's default) and an empty override mean none."""
+        return [] if value is None else value
+
+    @field_validator("save_strategy", "eval_strategy", mode="before")
+    @classmethod
+    def _strategy(cls, value: Any) -> Any:
+        """YAML 1.1 reads `no` as false; HF's names are compared without case."""
+        if value is False:
+            return "no"
+        return value.lower() if isinstance(value, str) else value
+
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
     def _resume_not_given(cls, value: Any) -> Any:
@@ -246,7 +266,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"'{text}' is not FIRST-LAST with 1 <= FIRST <= LAST (optimizer steps, e.g. 10-12)")
         return text
 
-    @field_validator("dataset", "eval_dataset", "lora_target", "resume_allow_changed", mode="before")
+    @field_validator("dataset", "eval_dataset", "lora_target", "additional_target", "resume_allow_changed",
+                     mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         """LLaMA-Factory writes lists as comma-separated strings: `lora_target: q_proj,v_proj`."""
@@ -279,6 +300,15 @@ class TrainConfig(BaseModel):
         if unknown:
             raise ValueError(f"resume_allow_changed: {', '.join(unknown)} is not a key of the run's math; those are "
                              f"{', '.join(self.keys_of(MATH))}")
+        if self.additional_target and self.finetuning_type != "lora":
+            raise ValueError(f"additional_target: {','.join(self.additional_target)} trains modules in full beside "
+                             f"LoRA's adapters; " + ("under full fine-tuning every module trains already: drop it"
+                             if self.finetuning_type == "full" else "Q-LoRA keeps the base frozen in 4-bit, and its "
+                             "embeddings and head are not copied to train in full: drop it, or use "
+                             "finetuning_type: lora"))
+        if self.fp16 and (self.bf16 or self.master_weights == "bf16"):
+            raise ValueError("fp16: true and " + ("bf16: true" if self.bf16 else "master_weights: bf16") + " ask for "
+                             "two compute precisions; keep fp16 on GPUs without bf16 (V100, T4), else bf16")
         if self.master_weights == "bf16" and self.finetuning_type != "full":
             raise ValueError(f"master_weights: bf16 is for full fine-tuning; {self.finetuning_type}'s adapters are "
                              f"small and train in fp32 (the frozen base is bf16 already): drop master_weights")

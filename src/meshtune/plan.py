@@ -61,6 +61,7 @@ class RunPlan:
     gc_interval: int             # 0: Python's automatic garbage collection
     weights_from_rank0: bool     # rank 0 reads the model files, the others receive its weights
     why: dict[str, str] = field(default_factory=dict)  # the reason for each setting meshtune chose
+    fp16: bool = False           # fp16 compute through autocast and a dynamic loss scale, fp32 master weights (GPUs)
 
     @property
     def load_dtype(self) -> torch.dtype:
@@ -72,7 +73,8 @@ class RunPlan:
         return self.bf16 and self.parallel == "ddp"
 
     def describe(self) -> str:
-        precision = ("bf16 compute, frozen base in bf16, fp32 adapters" if self.frozen_bf16 else
+        precision = ("fp16 compute (autocast), dynamic loss scale, fp32 master weights" if self.fp16 else
+                     "bf16 compute, frozen base in bf16, fp32 adapters" if self.frozen_bf16 else
                      "bf16 weights, gradients and AdamW moments, stochastic rounding" if self.bf16_weights else
                      "bf16 compute, fp32 master weights" if self.bf16 else "fp32")
         rows = [("parallel", self.parallel), ("precision", precision),
@@ -119,9 +121,13 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
                                 if env.device.type == "cuda" else None)
     parallel = choose_parallel(cfg, env, model_size, gpu_bytes, why)
-    bf16 = bf16_supported(env.device) if cfg.bf16 is None else cfg.bf16 and env.device.type == "cuda"
+    bf16 = not cfg.fp16 and (bf16_supported(env.device) if cfg.bf16 is None else
+                             cfg.bf16 and env.device.type == "cuda")
     if cfg.bf16 and env.device.type != "cuda":
         why["precision"] = "bf16 is ignored on CPU"
+    fp16 = cfg.fp16 and env.device.type == "cuda"  # fp16: true, for GPUs without bf16, in bf16's place
+    if cfg.fp16 and not fp16:
+        why["precision"] = "fp16 is ignored on CPU"
     # Q-LoRA's frozen base, NF4 apart, stays bf16 under FSDP2 too: its embeddings and head are a 72B model's largest
     # tensors left, and FSDP2 would only cast fp32 copies of them down to bf16 for every forward
     frozen_bf16 = bf16 and cfg.is_lora and (parallel == "ddp" or cfg.finetuning_type == "qlora")
@@ -174,7 +180,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
                    cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
-                   weights_from_rank0=weights_from_rank0, why=why)
+                   weights_from_rank0=weights_from_rank0, why=why, fp16=fp16)
 
 
 def memory_measurable(device: torch.device) -> bool:

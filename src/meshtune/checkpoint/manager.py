@@ -52,13 +52,15 @@ class CheckpointManager:
 
     def __init__(self, output_dir: Path, save_total_limit: int | None, async_save: bool, rank: int,
                  world_size: int, save_steps: int = 0):
-        """`save_steps`: `maybe_save` writes a checkpoint every that many steps and at the last one (0: never)."""
+        """`save_steps`: `maybe_save` writes a checkpoint every that many steps and at the last one (0: never);
+        `save_at` adds steps to save at (save_strategy: epoch, once the run's epochs are known)."""
         if save_total_limit is not None and save_total_limit < 1:
             raise CheckpointError(f"save_total_limit must be at least 1 (or unset to keep all), got {save_total_limit}")
         if world_size > 1 and not dist.is_initialized():
             raise CheckpointError("CheckpointManager with world_size > 1 needs an initialised process group")
         self.output_dir = Path(output_dir)
         self.save_steps = save_steps
+        self.save_steps_also: frozenset[int] = frozenset()
         self.save_total_limit = save_total_limit
         self.async_save = async_save
         self.rank = rank
@@ -70,9 +72,15 @@ class CheckpointManager:
         self.last_step: int | None = None  # the newest checkpoint this run published (or is publishing)
         self.last_save_s: float | None = None  # what this rank's newest published save cost: blocked + publishing
 
+    def save_at(self, steps: frozenset[int]) -> None:
+        """Also save after each of these optimizer steps (the ends of epochs), and at the last one."""
+        self.save_steps_also = steps
+
     def maybe_save(self, step: int, state: dict[str, Any], info: dict[str, Any], last: bool) -> bool:
-        """Save checkpoint `step` if it is due: every `save_steps` optimizer steps and at the last one."""
-        if not self.save_steps or (step % self.save_steps and not last):
+        """Save checkpoint `step` if it is due: every `save_steps` optimizer steps, at the steps of `save_at`, and
+        at the last one when either is set."""
+        periodic = bool(self.save_steps) and step % self.save_steps == 0
+        if not (periodic or step in self.save_steps_also or (last and (self.save_steps or self.save_steps_also))):
             return False
         self.save(step, state, info)
         return True

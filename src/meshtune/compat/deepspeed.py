@@ -113,9 +113,10 @@ def _zero(zero: dict[str, Any], name: str, take, out: Translation) -> None:
 def _precision(bf16: dict | None, fp16: dict | None, name: str, take, out: Translation) -> None:
     bf16_on = (bf16 or {}).get("enabled", "auto")
     fp16_on = (fp16 or {}).get("enabled", "auto")
-    if fp16_on is True:
-        out.problems.append(f"{name}: fp16.enabled true: meshtune computes in bf16 (or fp32), without fp16's loss "
-                            f"scaling; set fp16.enabled to \"auto\" or false, and bf16.enabled to true")
+    if fp16_on is True and bf16_on is True:
+        out.problems.append(f"{name}: bf16.enabled and fp16.enabled are both true; keep one")
+    if fp16_on in (True, False):
+        take("fp16", fp16_on, "fp16.enabled")  # its loss-scale settings are torch's GradScaler defaults here
     if bf16_on in (True, False):
         take("bf16", bf16_on, "bf16.enabled")
     for block, settings in (("bf16", bf16), ("fp16", fp16)):

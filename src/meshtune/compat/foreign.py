@@ -1,7 +1,8 @@
 """Keys of LLaMA-Factory YAMLs, HF TrainingArguments and Qwen's finetune.py that are not meshtune's own.
 
 Each such key is renamed to ours, ignored with the reason (listed in one warning), or refused with the reason when
-ignoring it would change what is trained. A key meshtune has under the same name never reaches this table.
+ignoring it would change what is trained. A key meshtune has under the same name never reaches this table. Methods
+meshtune does not have (GaLore, OFT, Ray, ...) are families of keys, each key named as its method's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-LF, HF, QWEN = "LLaMA-Factory's", "HF TrainingArguments'", "Qwen's finetune.py's"
+LF, HF, QWEN, AXOLOTL = "LLaMA-Factory's", "HF TrainingArguments'", "Qwen's finetune.py's", "Axolotl's"
 
 
 @dataclass
@@ -84,11 +85,8 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "lora_target_modules": (QWEN, renamed("lora_target")),
     "lora_bias": (QWEN, only({"none": {}}, "LoRA trains no bias terms in meshtune; set lora_bias none")),
     "lora_weight_path": (QWEN, lambda value: Outcome(values={"adapter_name_or_path": value} if value else {})),
-    "additional_target": (LF, only({None: {}}, "modules trained in full beside LoRA are not supported")),
     "use_rslora": (LF, only({False: {}}, "rank-stabilized LoRA scaling is not supported; meshtune scales by alpha / r")),
     "use_dora": (LF, only({False: {}}, "DoRA is not supported")),
-    "pissa_init": (LF, only({False: {}}, "PiSSA initialisation is not supported")),
-    "loraplus_lr_ratio": (LF, only({None: {}}, "LoRA+ learning rates are not supported")),
     "create_new_adapter": (LF, only({False: {}}, "a new adapter on top of merged ones is not supported; merge them "
                                                  "into the base (meshtune export ADAPTER --merge) and train on it")),
     "fix_vit": (QWEN, ignored("meshtune trains text models only", True, False)),
@@ -105,8 +103,6 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "dataloader_pin_memory": (HF, ignored("batches are always copied through pinned memory", True)),
     "dataloader_persistent_workers": (HF, ignored("there are no loader workers", False)),
     "neat_packing": (LF, only({True: {"packing": True}, False: {}}, "it takes true or false")),
-    "train_on_prompt": (LF, only({False: {}}, "meshtune trains assistant tokens only")),
-    "mask_history": (LF, only({False: {}}, "meshtune trains every assistant turn, not only the last")),
     "streaming": (LF, only({False: {}}, f"{CACHE}; streaming would change the order samples are drawn in")),
     "mix_strategy": (LF, only({"concat": {}}, "datasets are concatenated; interleaving is not supported")),
     "media_dir": (LF, ignored("meshtune trains text models only")),
@@ -120,15 +116,7 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "logging_strategy": (HF, only({"steps": {}}, "meshtune logs every logging_steps optimizer steps")),
     "logging_first_step": (HF, ignored("the first logged step is logging_steps", False)),
     "run_name": (HF, ignored("the run is named by its output_dir")),
-    "save_strategy": (HF, only({"steps": {}, "no": {"save_steps": 0}, False: {"save_steps": 0}},
-                               "checkpoints are written every save_steps optimizer steps; set save_steps to the steps "
-                               "of an epoch (run_plan.json has them) instead of save_strategy: epoch")),
-    "evaluation_strategy": (HF, only({"steps": {}, "no": {}, False: {}},
-                                     "evaluation runs every eval_steps optimizer steps; set eval_steps instead of "
-                                     "evaluation_strategy: epoch")),
-    "eval_strategy": (HF, only({"steps": {}, "no": {}, False: {}},  # YAML 1.1 reads no as false
-                               "evaluation runs every eval_steps optimizer steps; set eval_steps instead of "
-                               "eval_strategy: epoch")),
+    "evaluation_strategy": (HF, renamed("eval_strategy")),
     "save_only_model": (HF, ignored("checkpoints always keep the optimizer and data position, so a resume is exact",
                                     False)),
     "save_safetensors": (HF, ignored("final/ is always safetensors", True)),
@@ -147,8 +135,6 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
                                                   "(gradient_checkpointing, gradient_checkpointing_ratio)")),
     "load_best_model_at_end": (HF, only({False: {}}, "final/ holds the last step's model; pick an earlier "
                                                       "checkpoint-N yourself from metrics.jsonl's eval_loss")),
-    "fp16": (HF, only({False: {}}, "meshtune computes in bf16 (bf16: true) or fp32; fp16 with loss scaling is not "
-                                   "supported")),
     "tf32": (HF, ignored("meshtune sets matmul precision itself")),
     "flash_attn": (LF, ignored("meshtune picks the attention kernel itself (torch's flash and variable-length "
                                "kernels where the GPU has them)", "auto")),
@@ -163,7 +149,85 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "fsdp": (HF, lambda value: Outcome() if not value else Outcome(refused=SHARDING)),
     "fsdp_config": (HF, lambda value: Outcome() if not value else Outcome(refused=SHARDING)),
     "lr_scheduler_kwargs": (HF, only({None: {}}, "schedules take no extra arguments")),
+    "pure_bf16": (LF, only({False: {}}, "it trains bf16 weights without fp32 master weights; the nearest meshtune "
+                                        "has is master_weights: bf16 for full fine-tuning (bf16 weights, updates "
+                                        "rounded stochastically), which you can set instead")),
+    "disable_shuffling": (LF, only({False: {}}, "every epoch's order is a permutation drawn from the seed")),
+    "early_stopping_steps": (LF, only({None: {}}, "training runs all its steps and final/ holds the last one; pick "
+                                                  "an earlier checkpoint-N yourself from metrics.jsonl's eval_loss")),
+    "compute_accuracy": (LF, ignored("evaluation reports eval_loss, the exact token mean", False)),
+    "include_effective_tokens_per_second": (LF, ignored("metrics.jsonl always has tokens/s", False)),
+    "use_mca": (LF, ignored("meshtune trains through DDP or FSDP2, not Megatron Core", False)),
+    # Axolotl
+    "micro_batch_size": (AXOLOTL, renamed("per_device_train_batch_size")),  # Axolotl's batch per GPU per micro-step
 }
+
+METHODS = "meshtune trains LoRA, Q-LoRA or full with AdamW"
+
+
+@dataclass(frozen=True)
+class Family:
+    """The keys of one method of another tool that meshtune does not have, by name or prefix: each named as that
+    method's (never read as a look-alike key of ours). `switch` turns the method on and is refused when on (it
+    would change what is trained); the others are read only with the method on, so they are ignored."""
+    whose: str
+    setting: str                  # what its keys are: "a GaLore setting"
+    why: str                      # why meshtune has no such thing
+    prefixes: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    switch: str | None = None     # the key that turns the method on
+    method: str = ""              # what the switch turns on, for its refusal
+    read_with: str | None = None  # what the other keys need to be read, when not the switch
+
+    def handler(self, key: str) -> Handler:
+        if key == self.switch:
+            return only({False: {}, None: {}}, f"it turns on {self.method}: {self.why}")
+        needs = self.read_with or (f"{self.switch}: true" if self.switch else None)
+        return ignored(f"it is {self.setting}{f', read only with {needs}' if needs else ''}: {self.why}")
+
+
+FAMILIES = (
+    Family(LF, "a GaLore setting", METHODS, ("galore_",), switch="use_galore",
+           method="GaLore (low-rank projection of full fine-tuning's gradients)"),
+    Family(LF, "an APOLLO setting", METHODS, ("apollo_",), switch="use_apollo",
+           method="the APOLLO optimizer (low-rank scaling of full fine-tuning's updates)"),
+    Family(LF, "a BAdam setting", METHODS, ("badam_",), switch="use_badam",
+           method="the BAdam optimizer (full fine-tuning one block of layers at a time)"),
+    Family(LF, "an OFT setting", METHODS, ("oft_",), ("module_dropout",), read_with="finetuning_type: oft"),
+    Family(LF, "a freeze (partial-parameter) fine-tuning setting", METHODS,
+           keys=("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules"),
+           read_with="finetuning_type: freeze"),
+    Family(LF, "a multimodal setting", "meshtune trains text models only",
+           keys=("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "train_mm_proj_only")),
+    Family(LF, "a PiSSA setting", "meshtune's LoRA starts as peft's default (B zero, A Kaiming-uniform)",
+           ("pissa_",), switch="pissa_init", method="PiSSA initialisation"),
+    Family(LF, "a LoRA+ setting", "every trainable parameter has the one learning_rate", ("loraplus_",),
+           switch="loraplus_lr_ratio", method="LoRA+ (a larger learning rate for the B matrices)",
+           read_with="loraplus_lr_ratio set"),
+    Family(LF, "a DFT loss setting", "meshtune's loss is the mean cross-entropy over target tokens",
+           switch="use_dft_loss", method="the DFT loss (each token's loss weighted by the model's probability of it)"),
+    Family(LF, "a LLaMA Pro setting", METHODS, switch="use_llama_pro",
+           method="LLaMA Pro (training only blocks added to the model)"),
+    Family(LF, "an Adam-mini setting", METHODS, switch="use_adam_mini", method="the Adam-mini optimizer"),
+    Family(LF, "a Muon setting", METHODS, switch="use_muon", method="the Muon optimizer"),
+    Family(LF, "a Ray setting", "meshtune starts its processes with torchrun, not Ray: nproc_per_node processes on "
+                                "each of nnodes nodes", ("ray_",), ("resources_per_worker", "placement_strategy")),
+    Family(LF, "a SwanLab setting", "metrics go to output_dir/metrics.jsonl and loss.png", ("swanlab_",),
+           ("use_swanlab",)),
+    Family(LF, "a preference or RL training setting", "read only by stage: dpo, kto, ppo or rm, and meshtune trains "
+                                                      "sft", ("pref_", "dpo_", "kto_", "ppo_", "simpo_", "ref_model",
+                                                              "reward_model"), ("ld_alpha",)),
+)
+
+
+def foreign_handler(key: str) -> tuple[str, Handler] | None:
+    """(whose key it is, what meshtune does with its value) for a key of another tool; None for any other key."""
+    if key in FOREIGN:
+        return FOREIGN[key]
+    for family in FAMILIES:
+        if key in family.keys or key == family.switch or key.startswith(family.prefixes):
+            return family.whose, family.handler(key)
+    return None
 
 
 def translate_foreign(values: dict[str, Any], sources: dict[str, str], default_source: str
@@ -174,13 +238,13 @@ def translate_foreign(values: dict[str, Any], sources: dict[str, str], default_s
     origin: dict[str, str] = {}
     warnings, problems = [], []
     for key, value in values.items():
-        if key not in FOREIGN:
+        if foreign_handler(key) is None:
             out[key] = value
             origin.setdefault(key, key)
     for key, value in values.items():
-        if key not in FOREIGN:
+        if (foreign := foreign_handler(key)) is None:
             continue
-        whose, handle = FOREIGN[key]
+        whose, handle = foreign
         where = sources.get(key, default_source)
         outcome = handle(value)
         if outcome.refused is not None:

@@ -2,7 +2,8 @@
 `key=value` overrides, the DeepSpeed JSON any of them names and the LoRA settings of an adapter it continues,
 into one validated `TrainConfig`.
 
-Later sources win: YAML, then flags, then overrides. Every problem of all of them comes in one error, each line
+Later sources win: YAML, then flags, then overrides. A job in the keys of Qwen's finetune.py gets finetune.py's
+defaults where it leaves a key unset (compat/qwen.py). Every problem of all of them comes in one error, each line
 naming where its key was given; keys of other tools that meshtune ignores come back as warnings.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from meshtune.compat.adapter import adapter_settings
 from meshtune.compat.deepspeed import read_deepspeed, translate_deepspeed
 from meshtune.compat.foreign import translate_foreign
+from meshtune.compat.qwen import finetune_py_defaults
 from meshtune.config import TrainConfig, build_config, load_yaml, parse_overrides
 from meshtune.errors import ConfigError
 
@@ -22,7 +24,7 @@ COMMAND_LINE = "command line"
 # LLaMA-Factory's templates for models that read images, video or audio
 VISION_TEMPLATES = ("qwen2_vl", "qwen2_5_vl", "qwen2_omni", "qwen3_vl", "qwen3_vl_nothink", "qwen3_omni", "llava",
                     "llava_next", "llava_next_video", "paligemma", "mllama", "minicpm_v", "minicpm_o", "glm4v",
-                    "intern_vl", "kimi_vl", "pixtral", "video_llava", "llama4", "gemma3", "gemma3n")
+                    "intern_vl", "kimi_vl", "pixtral", "video_llava", "llama4", "gemma3n")
 
 
 @dataclass
@@ -48,7 +50,12 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         values.update(given)
         sources.update({key: COMMAND_LINE for key in given})
     deepspeed = values.pop("deepspeed", None)
-    values, warnings, problems = translate_foreign(values, sources, source)
+    qwen_defaults, qwen_note, problems = finetune_py_defaults(values, sources, source)
+    values, warnings, foreign_problems = translate_foreign(values, sources, source)
+    problems += foreign_problems
+    for key, value in qwen_defaults.items():
+        values.setdefault(key, value)
+    warnings += [qwen_note] if qwen_note else []
     vision = refuse_vision_template(values.get("template"), sources.get("template", source))
     if vision:
         problems += vision

@@ -74,16 +74,19 @@ class ChatTemplate:
     """A tokenizer plus the template that turns conversations into (input_ids, labels).
 
     `template`: "auto" uses the tokenizer's own chat template when it has one, else ChatML; "tokenizer" requires
-    the tokenizer's own; "chatml", "default", "empty" and "alpaca" are always written out; the model-family names
-    (qwen, qwen3, qwen3_nothink, llama3, llama2, mistral) use the tokenizer's own template when it is that family's
+    the tokenizer's own; formats without a family marker (chatml, default, empty, alpaca, deepseek, glm4, baichuan2,
+    intern2, cohere) are always written out; the model-family names (qwen, qwen3, qwen3_nothink, llama3, llama2,
+    mistral, gemma, gemma3, phi, phi4, deepseek3, yi) use the tokenizer's own template when it is that family's
     and renders plain and tool conversations prefix-stably, else the written-out format.
     `name` is the format ("tokenizer" for the tokenizer's own under auto/tokenizer), `own` whether the tokenizer's
     template renders, `description` both in words for the run log, `jinja` the template text in use.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "auto") -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "auto", *, train_on_prompt: bool = False,
+                 mask_history: bool = False) -> None:
         if template not in TEMPLATES:
             raise DataError(f"unknown template '{template}'; use one of {', '.join(TEMPLATES)}")
+        self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
         own = getattr(tokenizer, "chat_template", None)
         if template == "tokenizer" and not own:
             raise DataError(
@@ -107,6 +110,10 @@ class ChatTemplate:
                 return
         self.own, self.jinja, self._kwargs = False, template_jinja(self.name), {}
         self.description = f"{self.name} (written out)"
+        if train_on_prompt and FORMATS[self.name].efficient_eos:
+            raise DataError(f"train_on_prompt: true with template: {self.name}: its turns have no end-of-turn text and "
+                            f"the eos token that ends an assistant turn is the label of the next prompt's first token, "
+                            f"so prompts cannot be trained (LLaMA-Factory refuses it too); drop train_on_prompt")
 
     def _use_own(self, name: str, description: str) -> None:
         self.name, self.description, self.own, self.jinja = name, description, True, self.tokenizer.chat_template
@@ -160,7 +167,9 @@ class ChatTemplate:
 
         Trained: each assistant message's content or tool calls, its end-of-turn marker and whatever the template
         puts right after it. Not trained: system, user and tool turns and the assistant header (the generation
-        prompt).
+        prompt), unless `train_on_prompt`; with `mask_history` only the last assistant message trains. Formats
+        without an end-of-turn marker (glm4, baichuan2) train the eos token in its place, as LLaMA-Factory does: as
+        the label of the next turn's first token, and appended after the last turn.
         """
         self._check_tools(messages, tools)
         return self._encode(messages, tools)
@@ -169,22 +178,34 @@ class ChatTemplate:
         messages, tools = _hf_messages(messages), _hf_tools(tools)
         pieces: list[tuple[str, bool]] = []  # (text, trained)
         before = ""
+        last_answer = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
                 header = self._render(messages[:i], True, tools)
-                pieces.append((self._added(before, header), False))
+                pieces.append((self._added(before, header), self.train_on_prompt))
                 before = header
             after = self._render(messages[: i + 1], False, tools)
-            pieces.append((self._added(before, after), message["role"] == "assistant"))
+            answer = message["role"] == "assistant" and (not self.mask_history or i == last_answer)
+            pieces.append((self._added(before, after), answer or (message["role"] != "assistant" and
+                                                                  self.train_on_prompt)))
             before = after
         input_ids: list[int] = []
         labels: list[int] = []
+        eos = self.tokenizer.eos_token_id if not self.own and FORMATS[self.name].efficient_eos else None
+        after_trained = False
         for text, trained in pieces:
             if not text:
                 continue
             ids = self.tokenizer.encode(text, add_special_tokens=False, verbose=False)  # cutoff_len truncates later
             input_ids += ids
-            labels += ids if trained else [IGNORE_INDEX] * len(ids)
+            untrained = [IGNORE_INDEX] * len(ids)
+            if eos is not None and after_trained and not trained:  # the turn ends with eos, predicted here
+                untrained[0] = eos
+            labels += ids if trained else untrained
+            after_trained = trained
+        if eos is not None and after_trained:
+            input_ids.append(eos)
+            labels.append(eos)
         return input_ids, labels
 
     def _added(self, before: str, after: str) -> str:

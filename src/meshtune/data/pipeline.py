@@ -23,6 +23,7 @@ def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool):
     alike, as LLaMA-Factory does."""
     return load_or_build(resolve(entries, cfg.dataset_dir, cfg.dataset_format), tokenizer, template=cfg.template,
                          cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
+                         train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
                          cache_dir=cache_dir(cfg), show_progress=show_progress)
 
 
@@ -52,7 +53,9 @@ def examples(named: list[str] | None, count: int) -> str:
 
 def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Callable[[str], None]):
     """(train, eval or None). Every process may call this: one builds the cache, the others wait and read it."""
-    log(f"chat template: {ChatTemplate(tokenizer, cfg.template).description}")
+    trains = ", trained on prompts too" if cfg.train_on_prompt else ""
+    trains += ", only the last assistant turn trained" if cfg.mask_history else ""
+    log(f"chat template: {ChatTemplate(tokenizer, cfg.template).description}{trains}")
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
     for line in describe("train data", full.stats):
         log(line)

@@ -87,6 +87,15 @@ class GlobalBatchPlan:
             total += math.floor((num_epochs - whole) * self.steps_in_epoch(whole))
         return total
 
+    def epoch_ends(self, total_steps: int) -> frozenset[int]:
+        """The optimizer steps, counted from 1, that complete an epoch, up to `total_steps`."""
+        ends, done, epoch = [], 0, 0
+        while (steps := self.steps_in_epoch(epoch)) and done + steps <= total_steps:
+            done += steps
+            ends.append(done)
+            epoch += 1
+        return frozenset(ends)
+
     def position(self, global_step: int) -> tuple[int, int]:
         """(epoch, step within epoch) of the 0-based optimizer step `global_step`."""
         epoch = 0

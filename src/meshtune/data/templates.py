@@ -30,6 +30,9 @@ class Format:
     system_in_first_user: bool = False  # llama2 / mistral fold the system prompt into the first user turn
     empty_thought: bool = False  # qwen3: an assistant turn without reasoning gets an empty, trained <think></think>
     family_marker: str = ""  # text that marks a tokenizer's own template as this family's ("" = never use it)
+    # glm4, baichuan2 (LLaMA-Factory's efficient_eos): an assistant turn has no end marker of its own; the eos token
+    # is trained after each one (as the label of the next turn's first token) and appended to the conversation
+    efficient_eos: bool = False
 
 
 _CHATML = dict(
@@ -43,6 +46,17 @@ _QWEN = dict(
     observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
     tools="qwen",
     family_marker="<|im_start|>",
+)
+
+_GEMMA = dict(  # gemma, gemma3: the system prompt folded into the first user turn
+    prefix="{bos}",
+    system="{content}\n\n",
+    user="<start_of_turn>user\n{content}<end_of_turn>\n",
+    header="<start_of_turn>model\n",
+    assistant="{content}<end_of_turn>\n",
+    observation="<start_of_turn>tool\n{content}<end_of_turn>\n",
+    system_in_first_user=True,
+    family_marker="<start_of_turn>",
 )
 
 FORMATS: dict[str, Format] = {
@@ -85,6 +99,66 @@ FORMATS: dict[str, Format] = {
         assistant="{content}{eos}\n",
     ),
     "empty": Format(user="{content}", assistant="{content}"),
+    "gemma": Format(**_GEMMA),
+    "gemma3": Format(**_GEMMA),
+    "phi": Format(
+        system="<|system|>\n{content}<|end|>\n",
+        user="<|user|>\n{content}<|end|>\n",
+        header="<|assistant|>\n",
+        assistant="{content}<|end|>\n",
+        family_marker="<|end|>",
+    ),
+    "phi4": Format(
+        system="<|im_start|>system<|im_sep|>{content}<|im_end|>",
+        user="<|im_start|>user<|im_sep|>{content}<|im_end|>",
+        header="<|im_start|>assistant<|im_sep|>",
+        assistant="{content}<|im_end|>",
+        family_marker="<|im_sep|>",
+    ),
+    "deepseek": Format(
+        prefix="{bos}",
+        system="{content}\n\n",
+        user="User: {content}\n\n",
+        header="Assistant:",
+        assistant="{content}{eos}",
+    ),
+    "deepseek3": Format(
+        prefix="{bos}",
+        user="<｜User｜>{content}",
+        header="<｜Assistant｜>",
+        assistant="{content}{eos}",
+        family_marker="<｜Assistant｜>",
+    ),
+    "glm4": Format(
+        prefix="[gMASK]<sop>",
+        system="<|system|>\n{content}",
+        user="<|user|>\n{content}",
+        header="<|assistant|>",
+        assistant="\n{content}",
+        function="{content}",
+        observation="<|observation|>\n{content}",
+        tools="glm4",
+        efficient_eos=True,
+    ),
+    "yi": Format(**_CHATML, family_marker="<|im_start|>"),
+    # LLaMA-Factory dropped baichuan2 as obsolete; this is its last definition there
+    "baichuan2": Format(user="<reserved_106>{content}", header="<reserved_107>", assistant="{content}",
+                        efficient_eos=True),
+    "intern2": Format(
+        **_CHATML,
+        prefix="{bos}",
+        default_system="You are an AI assistant whose name is InternLM (书生·浦语).\n- InternLM (书生·浦语) is a "
+                       "conversational language model that is developed by Shanghai AI Laboratory (上海人工智能实验室). "
+                       "It is designed to be helpful, honest, and harmless.\n- InternLM (书生·浦语) can understand and "
+                       "communicate fluently in the language chosen by the user such as English and 中文.",
+    ),
+    "cohere": Format(
+        prefix="{bos}",
+        system="<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
+        user="<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
+        header="<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+        assistant="{content}{eos}",
+    ),
     "alpaca": Format(
         user="### Instruction:\n{content}\n\n",
         header="### Response:\n",
@@ -135,6 +209,19 @@ TOOL_FORMATS: dict[str, str] = {
         "{%- macro calls_text(calls) -%}{{- '[' -}}{%- for call in calls -%}" + _CALL,
         "{{- ('' if loop.first else ', ') + {'name': f.name, 'arguments': f.arguments} | tojson -}}",
         "{%- endfor -%}{{- ']' -}}{%- endmacro -%}",
+    ]),
+    "glm4": "\n".join([
+        "{%- macro tools_text(tools) -%}",
+        "{{- '你是一个名为 ChatGLM 的人工智能助手。你是基于智谱 AI 公司训练的语言模型 GLM-4 模型开发的，"
+        r"你的任务是针对用户的问题和要求提供适当的答复和支持。\n\n# 可用工具' -}}",
+        "{%- for tool in tools -%}" + _FUNCTION,
+        r"{{- '\n\n## ' ~ f.name ~ '\n\n' ~ f | tojson(indent=4) ~ '\n'"
+        " ~ '在调用上述函数时，请使用 Json 格式表示调用的参数。' -}}",
+        "{%- endfor -%}{%- endmacro -%}",
+        "{%- macro calls_text(calls) -%}{%- if calls | length > 1 -%}"
+        "{{- raise_exception('GLM-4 takes one tool call a turn, not parallel calls') -}}{%- endif -%}",
+        r"{%- for call in calls -%}" + _CALL + r"{{- f.name ~ '\n' ~ f.arguments | tojson -}}{%- endfor -%}",
+        "{%- endmacro -%}",
     ]),
     # LLaMA-Factory's generic format, for templates of models without a tool format of their own
     "default": "\n".join([

@@ -102,12 +102,14 @@ def build_tokenized(
         except DataError as e:
             raise DataError(f"{source}: {e}") from None
         cut = len(input_ids) > cutoff_len
-        labels_arr = np.asarray(labels[:cutoff_len], dtype=np.int32)
+        # mask_history trains the last turn: a long conversation keeps its end, as LLaMA-Factory keeps the last turns
+        kept = slice(-cutoff_len, None) if template.mask_history else slice(cutoff_len)
+        labels_arr = np.asarray(labels[kept], dtype=np.int32)
         if not (labels_arr != IGNORE_INDEX).any():  # dropped, not counted as truncated too
             dropped.append(source)
             continue
         n_truncated += cut
-        input_ids = input_ids[:cutoff_len]
+        input_ids = input_ids[kept]
         ids_parts.append(np.asarray(input_ids, dtype=np.int32))
         label_parts.append(labels_arr)
     if not ids_parts:
@@ -155,6 +157,8 @@ def cache_key(
     cutoff_len: int,
     skip_invalid: bool,
     max_samples: int | None = None,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
 ) -> str:
     """Hash of every input that determines the tokenized arrays; a change in any of them means a new cache.
     Each dataset counts by its files' bytes and how they are read (format, columns, tags), not by the
@@ -169,6 +173,8 @@ def cache_key(
         str(cutoff_len),
         str(bool(skip_invalid)),
         str(max_samples),
+        *(["train_on_prompt"] if train_on_prompt else []),  # only when set: caches of runs without them stay valid
+        *(["mask_history"] if mask_history else []),
     ):
         digest.update(part.encode())
         digest.update(b"\0")
@@ -186,16 +192,20 @@ def load_or_build(
     cache_dir: Path,
     show_progress: bool,
     max_samples: int | None = None,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
 ) -> TokenizedDataset:
     """Return the cached tokenized dataset, building it first if no process has yet. A plain path is one file
-    read with `fmt`; `max_samples` keeps the first N records of each dataset.
+    read with `fmt`; `max_samples` keeps the first N records of each dataset; `train_on_prompt` and `mask_history`
+    decide the labels (ChatTemplate).
 
     Safe to call from every rank of every node at once, with `cache_dir` local or on a shared filesystem
     that supports flock (NFSv4 does; Lustre needs the `flock` mount option).
     """
     cache_dir = Path(cache_dir)
     specs = [d if isinstance(d, DatasetSpec) else file_spec(d, fmt) for d in datasets]
-    key = cache_key(specs, tokenizer, template, cutoff_len, skip_invalid, max_samples)
+    masking = {"train_on_prompt": train_on_prompt, "mask_history": mask_history}
+    key = cache_key(specs, tokenizer, template, cutoff_len, skip_invalid, max_samples, **masking)
     final = cache_dir / key
     if (final / "meta.json").is_file():
         return TokenizedDataset.load(final)
@@ -209,15 +219,15 @@ def load_or_build(
                 print(f"waiting for another process to tokenize the dataset (lock: {lock_path})", flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "meta.json").is_file():  # the process we waited for may have built it
-            _build_into(final, specs, tokenizer, template, cutoff_len, skip_invalid, max_samples, show_progress)
+            _build_into(final, specs, ChatTemplate(tokenizer, template, **masking), cutoff_len, skip_invalid,
+                        max_samples, show_progress)
     return TokenizedDataset.load(final)
 
 
 def _build_into(
     final: Path,
     specs: list[DatasetSpec],
-    tokenizer: PreTrainedTokenizerBase,
-    template: str,
+    template: ChatTemplate,
     cutoff_len: int,
     skip_invalid: bool,
     max_samples: int | None,
@@ -229,7 +239,7 @@ def _build_into(
     tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     try:
         read = read_dataset(specs, skip_invalid=skip_invalid, max_samples=max_samples)
-        dataset = build_tokenized(read.conversations, ChatTemplate(tokenizer, template), cutoff_len, show_progress,
+        dataset = build_tokenized(read.conversations, template, cutoff_len, show_progress,
                                   sources=read.sources, skipped=read.skipped, tools=read.tools)
         dataset.save(tmp)
         os.rename(tmp, final)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,12 +16,14 @@ from meshtune.errors import MeshtuneError
 
 MODEL_PREFIX = "model_optim.model."  # where checkpoint/state.py keeps the model's (or the adapters') weights
 PEFT_PREFIX = "base_model.model."
+IN_FULL = "modules_to_save"  # peft's trainable copy of a module trained in full (additional_target)
 
 
 @dataclass
 class Adapters:
     """LoRA pairs by the base module they change: `{"model.layers.0.self_attn.q_proj": (A, B)}`, with the scale
-    alpha / r that multiplies B @ A, and the base model folder they were trained on."""
+    alpha / r that multiplies B @ A, and the base model folder they were trained on; `modules`: the weights of the
+    modules trained in full beside them (additional_target), by the base's weight names (`lm_head.weight`)."""
 
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
     scale: float
@@ -29,6 +31,7 @@ class Adapters:
     alpha: float
     dropout: float
     base_model: str
+    modules: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def read_adapters(source: Path) -> Adapters:
@@ -50,9 +53,17 @@ def adapters_from_peft_dir(folder: Path) -> Adapters:
         raise MeshtuneError(f"{weights} not found: the adapter directory is incomplete; export it again from a "
                             f"checkpoint-N of the run")
     tensors = load_file(str(weights))
-    return _paired({key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}, config["r"],
-                   float(config["lora_alpha"]), float(config.get("lora_dropout", 0.0)),
+    in_full = set(config.get("modules_to_save") or ())  # peft writes their weights under the base's names
+    named = {(_full_module_key(key) if key.rsplit(".", 2)[-2] in in_full else key): value
+             for key, value in ((key.removeprefix(PEFT_PREFIX), value) for key, value in tensors.items())}
+    return _paired(named, config["r"], float(config["lora_alpha"]), float(config.get("lora_dropout", 0.0)),
                    config.get("base_model_name_or_path") or "", str(weights))
+
+
+def _full_module_key(key: str) -> str:
+    """`lm_head.weight` as `_paired` reads a weight trained in full: `lm_head.modules_to_save.weight`."""
+    module, name = key.rsplit(".", 1)
+    return f"{module}.{IN_FULL}.{name}"
 
 
 def adapters_from_checkpoint(checkpoint: Path) -> Adapters:
@@ -98,15 +109,18 @@ def load_tensors(checkpoint: Path, sizes: dict) -> dict[str, torch.Tensor]:
 def _paired(named: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float, base_model: str,
             where: str) -> Adapters:
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    modules: dict[str, torch.Tensor] = {}
     for key, value in named.items():
-        if key.endswith(".lora_A.weight"):
+        if f".{IN_FULL}." in key:
+            modules[key.replace(f".{IN_FULL}.", ".")] = value
+        elif key.endswith(".lora_A.weight"):
             module = key.removesuffix(".lora_A.weight")
             if f"{module}.lora_B.weight" not in named:
                 raise MeshtuneError(f"{where}: {module} has lora_A but no lora_B")
             pairs[module] = (value, named[f"{module}.lora_B.weight"])
         elif not key.endswith(".lora_B.weight"):
-            raise MeshtuneError(f"{where}: '{key}' is not a LoRA weight of a linear layer (lora_A / lora_B); "
-                                f"merging embeddings or other trained modules is not supported")
+            raise MeshtuneError(f"{where}: '{key}' is neither a LoRA weight of a linear layer (lora_A / lora_B) nor "
+                                f"the weight of a module trained in full (additional_target)")
     if not pairs:
         raise MeshtuneError(f"{where} holds no LoRA weights")
-    return Adapters(pairs, alpha / rank, rank, alpha, dropout, base_model)
+    return Adapters(pairs, alpha / rank, rank, alpha, dropout, base_model, modules)

@@ -77,10 +77,13 @@ def export_full_checkpoint(checkpoint: Path, output: Path, dtype: torch.dtype, b
     return len(weight_map)
 
 
-def write_model_config(base: Path, output: Path, dtype: torch.dtype) -> None:
-    """The base's config.json with the exported dtype, and its generation config."""
+def write_model_config(base: Path, output: Path, dtype: torch.dtype, untie: bool = False) -> None:
+    """The base's config.json with the exported dtype (and, with `untie`, an output head of its own: it trained
+    apart from the embedding), and its generation config."""
     config = json.loads((base / "config.json").read_text())
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    if untie:
+        config["tie_word_embeddings"] = False
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if (base / "generation_config.json").is_file():
         shutil.copy(base / "generation_config.json", output / "generation_config.json")

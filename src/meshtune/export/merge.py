@@ -25,6 +25,8 @@ from meshtune.export.full_weights import (DTYPES, base_dtype, export_full_checkp
                                           is_full_checkpoint, write_model_config)
 from meshtune.model.export import export_kind
 
+HEAD = "lm_head.weight"  # the output head's weight in transformers' causal LM files
+
 
 def source_of(path: Path) -> Path:
     """An output_dir means its final/ (else its newest complete checkpoint); anything else is taken as given."""
@@ -70,7 +72,8 @@ def export(source: Path, output: Path, merge: bool, dtype: str | None, force: bo
     if not merge:
         write_adapter_dir(adapters, output)
         copy_tokenizer(source, base, output)
-        return f"PEFT adapter ({len(adapters.pairs)} LoRA layers, r={adapters.rank}) in {output}"
+        in_full = f", {len(adapters.modules)} modules trained in full" if adapters.modules else ""
+        return f"PEFT adapter ({len(adapters.pairs)} LoRA layers, r={adapters.rank}{in_full}) in {output}"
     merged = merge_into(adapters, base, output, DTYPES[dtype])
     copy_tokenizer(source, base, output)
     return f"merged model ({merged} layers changed, {dtype}) in {output}"
@@ -79,23 +82,32 @@ def export(source: Path, output: Path, merge: bool, dtype: str | None, force: bo
 def write_adapter_dir(adapters: Adapters, output: Path) -> None:
     from peft import LoraConfig
 
+    in_full = sorted({key.rsplit(".", 2)[-2] for key in adapters.modules})  # peft's modules_to_save: last names
     config = LoraConfig(r=adapters.rank, lora_alpha=adapters.alpha, lora_dropout=adapters.dropout,
                         target_modules=sorted(adapters.pairs), task_type="CAUSAL_LM", bias="none",
-                        base_model_name_or_path=adapters.base_model)
+                        base_model_name_or_path=adapters.base_model, modules_to_save=in_full or None)
     config.save_pretrained(str(output))
     tensors = {f"{PEFT_PREFIX}{module}.lora_{part}.weight": tensor.contiguous()
                for module, (a, b) in adapters.pairs.items() for part, tensor in (("A", a), ("B", b))}
+    tensors.update({f"{PEFT_PREFIX}{key}": tensor.contiguous() for key, tensor in adapters.modules.items()})
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def merge_into(adapters: Adapters, base: Path, output: Path, dtype: torch.dtype) -> int:
-    """W + alpha / r * B @ A (in fp32) for every adapted linear layer, file by file; returns the layers changed."""
+    """W + alpha / r * B @ A (in fp32) for every adapted linear layer, and the trained weights of the modules
+    trained in full in place of the base's, file by file; returns the layers changed."""
     index = base / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        ["model.safetensors"]
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
     pending = {f"{module}.weight": pair for module, pair in adapters.pairs.items()}
+    replaced = dict(adapters.modules)
+    config = json.loads((base / "config.json").read_text())
+    # no head of its own in the files: it is the embedding (tied); trained apart from it (its own copy, or the
+    # embedding alone), it is written and the two untied
+    untie = bool(replaced) and HEAD not in stored_keys(base, files)
+    head: torch.Tensor | None = replaced.pop(HEAD, None) if untie else None
     total = 0
-    for name in tqdm(files, desc="merging", unit="file"):
+    for n, name in enumerate(tqdm(files, desc="merging", unit="file")):
         path = base / name
         if not path.is_file():
             raise MeshtuneError(f"{path} not found: the base model folder is incomplete")
@@ -103,21 +115,40 @@ def merge_into(adapters: Adapters, base: Path, output: Path, dtype: torch.dtype)
         with safe_open(str(path), framework="pt") as reader:
             for key in reader.keys():
                 weight = reader.get_tensor(key)
+                if key in replaced:
+                    if untie and head is None and weight.shape == (config.get("vocab_size"), config.get("hidden_size")):
+                        head = weight  # the embedding trained alone: the head keeps the base's
+                    weight = replaced.pop(key)
                 if key in pending:
                     a, b = pending.pop(key)
                     weight = weight.float() + adapters.scale * (b.float() @ a.float())
                 tensors[key] = weight.to(dtype) if weight.is_floating_point() else weight
                 total += tensors[key].numel() * tensors[key].itemsize
+        if n == len(files) - 1 and head is not None:
+            tensors[HEAD] = head.to(dtype)
+            total += tensors[HEAD].numel() * tensors[HEAD].itemsize
+            if weight_map is not None:
+                weight_map[HEAD] = name
         save_file(tensors, str(output / name), metadata={"format": "pt"})
-    if pending:
-        raise MeshtuneError(f"the base model in {base} has no weight for {len(pending)} adapted layers (e.g. "
-                            f"{next(iter(pending))}); pass --base-model with the model the adapters were trained on")
-    if index.is_file():  # the base's, with the size of the weights in the exported dtype
+    if pending or replaced:
+        missing = [*pending, *replaced]
+        raise MeshtuneError(f"the base model in {base} has no weight for {len(missing)} trained layers (e.g. "
+                            f"{missing[0]}); pass --base-model with the model the adapters were trained on")
+    if weight_map is not None:  # the base's index, with the head where it was added and the exported size
         listing = json.loads(index.read_text())
         listing["metadata"] = {**listing.get("metadata", {}), "total_size": total}
-        (output / index.name).write_text(json.dumps(listing, indent=2) + "\n")
-    write_model_config(base, output, dtype)
-    return len(adapters.pairs)
+        (output / index.name).write_text(json.dumps({**listing, "weight_map": weight_map}, indent=2) + "\n")
+    write_model_config(base, output, dtype, untie=head is not None)
+    return len(adapters.pairs) + len(adapters.modules)
+
+
+def stored_keys(base: Path, files: list[str]) -> set[str]:
+    keys: set[str] = set()
+    for name in files:
+        if (base / name).is_file():
+            with safe_open(str(base / name), framework="pt") as reader:
+                keys.update(reader.keys())
+    return keys
 
 
 def copy_tokenizer(source: Path, base: Path, output: Path) -> None:

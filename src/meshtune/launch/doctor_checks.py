@@ -3,6 +3,7 @@ cell per node (✔ / ✘ / !) and the fixes below it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,12 +190,15 @@ def output_row(cfg, facts: list[dict]) -> Row:
 
 def checkpoint_bytes(cfg) -> int:
     """Checkpoints kept (save_total_limit, else every save) for full fine-tuning: fp32 weights and two AdamW
-    moments a parameter, from the model's safetensors size (bf16: 2 bytes a parameter). LoRA's are small."""
+    moments a parameter, from the model's safetensors size (bf16: 2 bytes a parameter). LoRA's are small. With
+    save_strategy epoch, one save an epoch."""
     per_param = CHECKPOINT_BYTES_PER_PARAM.get(cfg.finetuning_type, 0)
-    if not per_param or not cfg.save_steps:
+    by_steps = cfg.save_strategy == "steps" and cfg.save_steps
+    if not per_param or not (by_steps or cfg.save_strategy == "epoch"):
         return 0
     weights = sum(p.stat().st_size for p in Path(cfg.model_name_or_path).expanduser().glob("*.safetensors"))
-    saves = cfg.save_total_limit or max(1, (cfg.max_steps or 1000) // cfg.save_steps)
+    every_save = max(1, (cfg.max_steps or 1000) // cfg.save_steps) if by_steps else math.ceil(cfg.num_train_epochs)
+    saves = cfg.save_total_limit or every_save
     return int(weights / 2 * per_param * saves)
 
 

@@ -127,8 +127,12 @@ class LossHead(torch.nn.Linear):
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The head that computes the logits: the model's own, or with additional_target naming it, its trainable copy
+    (peft's ModulesToSaveWrapper runs that copy), so the fused loss reads and trains the copy's weight."""
     base = getattr(model, "get_base_model", lambda: model)()
-    return base.get_output_embeddings()
+    head = base.get_output_embeddings()
+    copies = getattr(head, "modules_to_save", None)
+    return copies[head.active_adapters[0]] if isinstance(copies, torch.nn.ModuleDict) else head
 
 
 def install_loss_head(model: torch.nn.Module, compiled: bool = False) -> bool:

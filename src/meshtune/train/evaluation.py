@@ -11,18 +11,20 @@ from meshtune.distributed import DistEnv, all_reduce_sum
 
 
 class Evaluator:
-    """Decides when to evaluate (`due`) and runs it (`run`): every `eval_steps` optimizer steps and at the last one,
-    when there is held-out data. Collective: every rank calls both at the same steps."""
+    """Decides when to evaluate (`due`) and runs it (`run`): every `eval_steps` optimizer steps, after each step of
+    `also_at` (the ends of epochs) and at the last one, when there is held-out data. Collective: every rank calls
+    both at the same steps."""
 
     def __init__(self, dataset, batch_size: int, eval_steps: int | None, total_steps: int, env: DistEnv,
-                 collate: Callable[[list[list[int]]], Batch], loss: Callable[[Batch], torch.Tensor]):
+                 collate: Callable[[list[list[int]]], Batch], loss: Callable[[Batch], torch.Tensor],
+                 also_at: frozenset[int] = frozenset()):
         self.dataset, self.batch_size, self.eval_steps, self.total_steps = dataset, batch_size, eval_steps, total_steps
-        self.env, self.collate, self.loss = env, collate, loss
+        self.env, self.collate, self.loss, self.also_at = env, collate, loss, also_at
 
     def due(self, step: int) -> bool:
         if self.dataset is None:
             return False
-        return step == self.total_steps or bool(self.eval_steps and step % self.eval_steps == 0)
+        return step == self.total_steps or bool(self.eval_steps and step % self.eval_steps == 0) or step in self.also_at
 
     @torch.no_grad()
     def run(self, model: torch.nn.Module) -> float:

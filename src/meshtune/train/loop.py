@@ -44,6 +44,7 @@ from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.hang_watchdog import HangWatchdog, enable_flight_recorder
+from meshtune.train.loss_scale import LossScaler
 from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.optimizer import build_optimizer, clip_gradients
@@ -88,7 +89,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     seed_everything(cfg.seed)
     shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
-                                    save_steps=cfg.save_steps if shared else 0)
+                                    save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0)
     resume_path, manifest, notes = checkpoints.find_resume(cfg.resume_from_checkpoint if shared else "none",
                                                            cfg.math(), cfg.resume_allow_changed)
     for note in notes:
@@ -103,6 +104,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main, log=log)
     batches, total_steps = plan_steps(cfg, train_data, env.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
+    by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
+    epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
+    if shared and cfg.save_strategy == "epoch":
+        checkpoints.save_at(epoch_ends)
     built = build_model(cfg, plan, env, log)
     model = built.model
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
@@ -114,6 +119,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     if resume_path:
         checkpoints.load(resume_path, state)
         log(f"resumed from {resume_path} at step {trainer['step']} of {total_steps}")
+    scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, trainer)  # fp16's loss scale; else no-op
     log(f"{cfg.finetuning_type} on {env.world_size} process(es): {total_steps} steps x global batch "
         f"{batches.global_batch}{' packed rows' if cfg.packing else ''}; trainable parameters "
         f"{sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,}")
@@ -123,7 +129,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
 
     pad_id = tokenizer.pad_token_id
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing, padding_free=plan.padding_free)
-    loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=built.fused_loss)
+    loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=built.fused_loss,
+                      autocast_fp16=plan.fp16)
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
@@ -131,9 +138,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                               cfg.gpu_memory_limit, env.device))
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
-    evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size, cfg.eval_steps, total_steps, env,
+    evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
+                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, env,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free),
-                          loss_of)
+                          loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, trainer["step"], plan.compile)
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
@@ -159,14 +167,15 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
             for m, batch in enumerate(micro):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction):
                     loss = loss_of(batch.to(env.device))
-                    (loss * env.world_size / targets).backward()
+                    scaler.scale(loss * env.world_size / targets).backward()
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
+            scaler.unscale(optimizer)
             grad_norm = clip_gradients(params, cfg.max_grad_norm)
             lr = float(optimizer.param_groups[0]["lr"])  # the rate this step used (a tensor in torchao's AdamW)
-            optimizer.step()
-            scheduler.step()
+            if scaler.step(optimizer):  # fp16: not after an overflow
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
             done, last = step + 1, step + 1 == total_steps
@@ -237,9 +246,11 @@ def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: 
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
-                 fused_loss: bool) -> torch.Tensor:
-    """Summed token loss of one micro-batch; with `fused_loss` the model's head computes it (model/loss_head.py)."""
-    with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+                 fused_loss: bool, autocast_fp16: bool = False) -> torch.Tensor:
+    """Summed token loss of one micro-batch; with `fused_loss` the model's head computes it (model/loss_head.py).
+    fp16 computes through autocast in every mode (FSDP2 then keeps and gathers fp32 parameters)."""
+    dtype = torch.float16 if autocast_fp16 else torch.bfloat16
+    with torch.autocast(env.device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
         if fused_loss:
             with targets_for(unwrap(model), batch.target_positions, batch.target_ids):
                 return model(**batch.model_inputs(), use_cache=False).logits
