@@ -93,6 +93,7 @@ def job_config(args, work: Path, job: str, mode: str, out_dir: Path, model_dir: 
         preflight=False)  # the link is measured once, by the doctor, before the jobs
     if mode != "auto":
         values["parallel"] = mode
+    values.update(args.set)
     config.write_text(yaml.safe_dump(values))
     return config
 
@@ -218,10 +219,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--logging-steps", type=int, default=WARMUP, choices=[1, WARMUP])
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every layout once, alternating")
     p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false", help="skip the doctor's link test")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a meshtune config key for every run (values as YAML), e.g. --set grad_reduce_dtype=bf16")
     p.add_argument("--job-timeout", type=int, default=420)
     p.add_argument("--work", default="/tmp/meshtune-two-node-speed")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
+    try:
+        args.set = dict((key.strip(), yaml.safe_load(value)) for key, value in (item.split("=", 1) for item in args.set))
+    except ValueError:
+        p.error(f"--set takes KEY=VALUE, not {args.set}")
     for name, values, allowed in (("--jobs", args.jobs, JOBS), ("--layouts", args.layouts, LAYOUTS),
                                   ("--links", args.links, LINKS)):
         unknown = [v for v in values.split(",") if v not in allowed]
