@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from meshtune.checkpoint.manifest import (COMPLETE, FINAL_KIND, MANIFEST, CheckpointError, delete_sealed,
-                                          files_in, fsync_dir, hash_file, read_manifest, write_manifest)
+from meshtune.checkpoint.manifest import (COMPLETE, FINAL_KIND, CheckpointError, delete_sealed, files_in, fsync_dir,
+                                          hash_file, read_manifest, write_manifest)
+from meshtune.checkpoint.resume import size_problems
 from meshtune.distributed import broadcast_from_rank0
 
 FINAL = "final"
@@ -34,8 +36,7 @@ def publish_final(output_dir: Path, info: dict[str, Any], rank: int, write: Call
         try:
             staged = _staging(output_dir)
             write(staged)
-            write_manifest(staged, {**info, "kind": FINAL_KIND},
-                           {name: hash_file(staged / name, fsync=True) for name in sorted(files_in(staged))})
+            write_manifest(staged, {**info, "kind": FINAL_KIND}, hashes(staged))
             _swap_in(staged, final)
         except Exception as error:  # every rank waits for this outcome
             shutil.rmtree(output_dir / STAGING, ignore_errors=True)
@@ -53,17 +54,17 @@ def final_problems(path: Path) -> list[str]:
     if not (path / COMPLETE).is_file():
         return [f"no {COMPLETE} marker (being written, interrupted, or written before final/ was sealed)"]
     try:
-        listed = read_manifest(path)["files"]
+        return size_problems(path, read_manifest(path))
     except CheckpointError as error:
         return [str(error)]
-    problems = []
-    for name, expected in sorted(listed.items()):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{name} missing")
-        elif file.stat().st_size != expected.get("size"):
-            problems.append(f"{name} is {file.stat().st_size} bytes, {MANIFEST} says {expected.get('size')}")
-    return problems
+
+
+def hashes(directory: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under `directory`, each flushed to disk; the files in parallel threads
+    (hashlib releases the GIL), as a large model's final/ is several files of gigabytes."""
+    names = sorted(files_in(directory))
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(names, pool.map(lambda name: hash_file(directory / name, fsync=True), names)))
 
 
 def _staging(output_dir: Path) -> Path:
