@@ -428,3 +428,63 @@ def test_fsdp2_checkpoint_reshards_between_one_and_two_ranks(tmp_path):
         assert trainer == {"step": 2} and state["rng"].restored and draws() == expected["draws"]
     finally:
         dist.destroy_process_group()
+
+
+def two_rank_saves(rank: int, world_size: int, workdir: Path) -> None:
+    model, optimizer, scheduler = setup(3, fsdp=True)
+    manager = CheckpointManager(workdir / "out", None, False, rank, world_size)
+    for step in (1, 2):
+        train_step(model, optimizer, scheduler, step)
+        manager.save(step, training_state(model, optimizer, scheduler, {"step": step}, rank, False),
+                     {**INFO, "step": step, "world_size": world_size})
+    manager.close()
+
+
+def two_rank_resume_selection(rank: int, world_size: int, workdir: Path) -> None:
+    """Each rank records which files it hashed (and their bytes) while the ranks select the resume point."""
+    from meshtune.checkpoint import manifest
+
+    hashed, real = [], manifest.hash_file
+
+    def counting(path: Path, fsync: bool = False) -> dict:
+        digest = real(path, fsync)
+        hashed.append((path.parent.name, path.name, digest["size"]))
+        return digest
+
+    manifest.hash_file = counting
+    selected = CheckpointManager(workdir / "out", None, False, rank, world_size).select_resume("auto")
+    (workdir / f"selected-{rank}.json").write_text(json.dumps({"path": str(selected[0]),
+                                                               "skipped": [[str(p), r] for p, r in selected[1]],
+                                                               "hashed": hashed}))
+
+
+def test_resume_verification_is_split_across_ranks_and_a_byte_only_rank_1_reads_still_moves_it_aside(tmp_path):
+    from meshtune.checkpoint.manifest import share
+
+    run_ranks(two_rank_saves, 2, tmp_path)
+    newest = tmp_path / "out" / "checkpoint-2"
+    listed = json.loads((newest / "manifest.json").read_text())["files"]
+    rank1_files = share(listed, 2)[1]
+    assert rank1_files and set(rank1_files).isdisjoint(share(listed, 2)[0])
+    damaged = max(rank1_files, key=lambda name: listed[name]["size"])
+    data = bytearray((newest / damaged).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (newest / damaged).write_bytes(data)
+
+    run_ranks(two_rank_resume_selection, 2, tmp_path)
+    results = [json.loads((tmp_path / f"selected-{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:  # every rank got the same answer: the previous checkpoint, the damaged one set aside
+        assert result["path"] == str(tmp_path / "out" / "checkpoint-1")
+        assert result["skipped"] == [[str(newest), f"checksum mismatch in {damaged}; moved aside to "
+                                                   f"checkpoint-2.damaged"]]
+    assert (tmp_path / "out" / "checkpoint-2.damaged" / damaged).is_file()
+    for checkpoint in ("checkpoint-2", "checkpoint-1"):
+        files = {"checkpoint-2": listed,
+                 "checkpoint-1": json.loads((tmp_path / "out" / "checkpoint-1" / "manifest.json").read_text())["files"]}
+        total = sum(entry["size"] for entry in files[checkpoint].values())
+        per_rank = [{name: size for directory, name, size in result["hashed"] if directory == checkpoint}
+                    for result in results]
+        assert set(per_rank[0]).isdisjoint(per_rank[1]), per_rank  # each file hashed once
+        assert set(per_rank[0]) | set(per_rank[1]) == set(files[checkpoint])  # and every file hashed
+        assert all(0 < sum(part.values()) < total for part in per_rank), per_rank
+    assert damaged in {name for directory, name, _ in results[1]["hashed"] if directory == "checkpoint-2"}

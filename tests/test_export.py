@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import base_config
+from meshtune.checkpoint import CheckpointError, verify
 from meshtune.config import build_config
 from meshtune.data.chat_template import render_chatml
+from meshtune.errors import MeshtuneError
 from meshtune.model.export import export_kind, verify_export
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
@@ -51,6 +54,7 @@ def test_final_dir_reloads_with_the_trained_logits(tmp_path, tiny_model_dir, tin
 
     kind = "PEFT adapter" if method == "lora" else "Hugging Face model"
     assert verify_export(final) == [] and export_kind(final) == kind
+    assert verify(final) == [] and (final / "COMPLETE").is_file()  # sealed, and loadable as it is (above)
     weights = next(final.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-10])
     assert verify_export(final) == [f"{weights.name} is truncated: {weights.stat().st_size:,} bytes, its header "
@@ -89,3 +93,70 @@ def test_ckpt_verify_knows_a_final_export_from_a_checkpoint(tmp_path, tiny_model
     (final / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{x")
     result = run_cli_here(["ckpt", "verify", str(final)], capfd)
     assert result.returncode == 1 and "model.safetensors is not a readable safetensors file" in result.stdout
+
+
+def dies_midway(model, weights, tokenizer, directory, chat_template):
+    """The final save of a process killed after the weights, before the tokenizer."""
+    unwrap(model).save_pretrained(str(directory), state_dict=weights, safe_serialization=True)
+    raise OSError("killed while writing")
+
+
+def test_final_appears_only_complete_and_export_falls_back_to_the_newest_checkpoint(tmp_path, tiny_model_dir,
+                                                                                      tiny_dataset, monkeypatch,
+                                                                                      capfd):
+    import meshtune.train.loop as loop
+    from conftest import run_cli_here
+    from meshtune.export.merge import export
+
+    out = tmp_path / "out"
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, out, max_steps=4, save_steps=2))
+    real = loop.save_final
+    monkeypatch.setattr(loop, "save_final", dies_midway)
+    with pytest.raises(CheckpointError, match=r"writing the trained model failed, so .*final was not written: "
+                                              r"killed while writing"):
+        run(cfg)
+    assert not (out / "final").exists() and not (out / "final.tmp").exists()
+
+    notes = []
+    (out / "final.tmp").mkdir()  # what a writer killed outright leaves
+    (out / "final.tmp" / "adapter_model.safetensors").write_bytes(b"half")
+    export(out, tmp_path / "e1", merge=False, dtype=None, force=False, note=notes.append)
+    assert notes == [f"meshtune: {out} has no final/: exporting checkpoint-4, the newest complete checkpoint"]
+    (out / "final").mkdir()  # a final/ written in place and cut short: weights and README, no config, no marker
+    (out / "final" / "README.md").write_text("x")
+    shutil.copy(out / "final.tmp" / "adapter_model.safetensors", out / "final")
+    export(out, tmp_path / "e2", merge=False, dtype=None, force=False, note=notes.append)
+    assert notes[1].startswith(f"meshtune: {out / 'final'} is incomplete (no COMPLETE marker") and \
+        notes[1].endswith("exporting checkpoint-4, the newest complete checkpoint")
+    shutil.rmtree(out / "final")
+
+    monkeypatch.setattr(loop, "save_final", real)
+    assert run(cfg).final_dir == out / "final"  # the rerun resumes at step 4 and writes final/ again
+    assert verify(out / "final") == [] and not (out / "final.tmp").exists()
+    result = run_cli_here(["ckpt", "verify", str(out / "final")], capfd)
+    assert result.returncode == 0 and "a final export (PEFT adapter), not a checkpoint: valid (COMPLETE, every " \
+        "file's size and sha256 match manifest.json" in result.stdout
+    notes.clear()
+    assert f"in {tmp_path / 'e3'}" in export(out, tmp_path / "e3", merge=False, dtype=None, force=False,
+                                             note=notes.append)
+    assert notes == []  # final/ itself
+
+    first = (out / "final").stat().st_ino
+    monkeypatch.setattr(loop, "save_final", dies_midway)
+    with pytest.raises(CheckpointError, match=r"so .*final keeps the previous run's model"):
+        run(cfg)
+    assert (out / "final").stat().st_ino == first and verify(out / "final") == []
+    monkeypatch.setattr(loop, "save_final", real)
+    run(cfg)
+    assert (out / "final").stat().st_ino != first and verify(out / "final") == []
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("final")) == ["final"]
+
+    weights = out / "final" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(data)
+    result = run_cli_here(["ckpt", "verify", str(out / "final")], capfd)
+    assert result.returncode == 1 and "INVALID" in result.stdout
+    assert "  - checksum mismatch in adapter_model.safetensors" in result.stdout
+    with pytest.raises(MeshtuneError, match="does not verify .checksum mismatch in adapter_model.safetensors"):
+        export(out, tmp_path / "e4", merge=False, dtype=None, force=False)

@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     listing = ckpt_commands.add_parser("list", help="checkpoints in OUTPUT_DIR with their state, newest last")
     listing.add_argument("output_dir")
-    checking = ckpt_commands.add_parser("verify", help="check COMPLETE, manifest, sizes and sha256 of every file; "
-                                                       "exit code 0 = valid, 1 = not")
+    checking = ckpt_commands.add_parser("verify", help="check COMPLETE, manifest, sizes and sha256 of every file of "
+                                                       "a checkpoint-N or of final/; exit code 0 = valid, 1 = not")
     checking.add_argument("checkpoint")
     for sub in (ckpt, listing, checking):
         sub.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -156,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a training output's LoRA (or Q-LoRA) adapters where serving stacks load them: as a PEFT "
                     "adapter directory, or with --merge folded into the base model's original weights (read from "
                     "its safetensors files, file by file: any size merges in the memory of one file) as a Hugging "
-                    "Face model directory that transformers and vLLM load. SOURCE is a run's output_dir (its final/, "
-                    "else its newest complete checkpoint), final/ itself, or any checkpoint-N (sharded by any "
-                    "number of ranks). A full fine-tuning checkpoint-N exports as a Hugging Face model directory. "
-                    "The tokenizer and the chat template trained with are written too.")
+                    "Face model directory that transformers and vLLM load. SOURCE is a run's output_dir (its final/ "
+                    "when complete, else its newest complete checkpoint, said in one line), final/ itself, or any "
+                    "checkpoint-N (sharded by any number of ranks). A full fine-tuning checkpoint-N exports as a "
+                    "Hugging Face model directory. The tokenizer and the chat template trained with are written too.")
     export.add_argument("source", help="output_dir, output_dir/final or output_dir/checkpoint-N")
     export.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
     export.add_argument("--merge", action="store_true", help="merge the adapters into the base model's weights")
@@ -307,6 +307,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
+    from meshtune.checkpoint.manifest import MANIFEST
     from meshtune.model.export import export_kind, verify_export
 
     if args.ckpt_command == "list":
@@ -314,10 +315,14 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             raise MeshtuneError(f"{args.output_dir} is not a directory")
         print(format_listing(Path(args.output_dir)))
         return 0
-    kind = export_kind(Path(args.checkpoint)) if not (Path(args.checkpoint) / "COMPLETE").exists() else None
+    path = Path(args.checkpoint)
+    kind = export_kind(path)
     if kind:  # output_dir/final: a model to load, not a checkpoint to resume
-        problems = verify_export(Path(args.checkpoint))
-        state = "INVALID" if problems else "valid (every weights file matches its header; tokenizer present)"
+        sealed = (path / MANIFEST).is_file()  # meshtune's final save seals final/; other model dirs are not
+        problems = (verify(path) if sealed else []) + verify_export(path)
+        checked = ("COMPLETE, every file's size and sha256 match manifest.json, " if sealed else
+                   "no manifest.json, so no checksums to compare; ")
+        state = "INVALID" if problems else f"valid ({checked}every weights file matches its header; tokenizer present)"
         print(f"{args.checkpoint}: a final export ({kind}), not a checkpoint: {state}")
         for problem in problems:
             print(f"  - {problem}")

@@ -9,6 +9,8 @@ Set MESHTUNE_FAULT to one or more comma-separated faults:
 - `stop:STEP:RANK`: the rank stops itself with SIGSTOP after that step (a hung process, for the hang watchdog), once
   per job: a marker in the temporary directory, named by the job's run id, keeps it from firing again after the
   restart (a node whose agent restarts for another node's failure keeps its attempt count at 0).
+- `nan:STEP:RANK`: that rank's loss, and so its gradients, is NaN in optimizer step STEP, in every attempt (what a
+  bad sample or an overflow does).
 `save`, `raise` and `stop` fire in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so the restarted job can show
 that it recovers. Unset, it costs one dictionary lookup per call.
 """
@@ -61,3 +63,10 @@ def after_step(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if f"raise-always:{step}:{rank}" in faults or (_first_attempt() and f"raise:{step}:{rank}" in faults):
         raise RuntimeError(f"meshtune fault injection: rank {rank} fails after step {step}")
+
+
+def nan_loss(loss, step: int, rank: int):
+    """`nan:STEP:RANK`: the micro-batch loss `loss` (a tensor) of that step on that rank times NaN."""
+    if f"nan:{step}:{rank}" in _faults():
+        return loss * float("nan")
+    return loss

@@ -25,7 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, fsync_dir, hash_file, read_manifest, write_manifest
+from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, delete_sealed, file_problems, fsync_dir,
+                                          hash_file, read_manifest, share, verify, write_manifest)
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume, set_aside
 from meshtune.checkpoint.state import RNGState
 from meshtune.config import math_hash
@@ -76,12 +77,15 @@ class CheckpointManager:
         """Also save after each of these optimizer steps (the ends of epochs), and at the last one."""
         self.save_steps_also = steps
 
-    def maybe_save(self, step: int, state: dict[str, Any], info: dict[str, Any], last: bool) -> bool:
+    def maybe_save(self, step: int, state: dict[str, Any], info: dict[str, Any], last: bool,
+                   before: Callable[[], None] = lambda: None) -> bool:
         """Save checkpoint `step` if it is due: every `save_steps` optimizer steps, at the steps of `save_at`, and
-        at the last one when either is set."""
+        at the last one when either is set. `before` runs first when one is due (the loop's check that the steps so
+        far were finite: it may raise instead)."""
         periodic = bool(self.save_steps) and step % self.save_steps == 0
         if not (periodic or step in self.save_steps_also or (last and (self.save_steps or self.save_steps_also))):
             return False
+        before()
         self.save(step, state, info)
         return True
 
@@ -141,18 +145,50 @@ class CheckpointManager:
                 self._group = None
 
     def select_resume(self, resume: str) -> tuple[Path | None, list[tuple[Path, str]]]:
-        """`select_resume` run by rank 0 only (one rank reads the checksums), its answer given to every rank."""
+        """`select_resume` decided by rank 0 (it lists the checkpoints, judges them and moves damaged ones aside),
+        each candidate's files hashed by every rank, a share each (`_verify_together`); the answer given to every
+        rank."""
         answer: Any = None
         if self.rank == 0:
             try:
-                path, skipped = select_resume(self.output_dir, resume)
+                path, skipped = select_resume(self.output_dir, resume, check=self._verify_together)
                 answer = path, [self._aside(skip, reason) for skip, reason in skipped]
             except (CheckpointError, OSError) as error:  # every rank waits for this answer
                 answer = str(error)
+            finally:
+                self._broadcast(None)  # no further candidate: the other ranks leave `_hash_shares`
+        else:
+            self._hash_shares()
         answer = self._broadcast(answer)
         if isinstance(answer, str):
             raise CheckpointError(answer)
         return answer
+
+    def _verify_together(self, path: Path) -> list[str]:
+        """Rank 0: `verify(path)`, with the listed files dealt across the ranks (`share`), each hashing its own at
+        the same time; rank 0 gathers what they found and checks the rest (marker, manifest, unlisted files, DCP's
+        index)."""
+        if not self._distributed:
+            return verify(path)
+
+        def check_files(listed: dict[str, dict[str, Any]]) -> dict[str, str]:
+            self._broadcast((str(path), listed))  # the manifest rank 0 read: every rank deals the same shares
+            found = file_problems(path, listed, share(listed, self.world_size)[0])
+            for theirs in self._gather(found)[1:]:
+                found.update(theirs)
+            return found
+
+        return verify(path, check_files)
+
+    def _hash_shares(self) -> None:
+        """The other ranks: check their share of each candidate rank 0 names, until it names none."""
+        while (candidate := self._broadcast(None)) is not None:
+            path, listed = candidate
+            try:
+                found = file_problems(Path(path), listed, share(listed, self.world_size)[self.rank])
+            except Exception as exc:  # reported through rank 0, so no rank is left waiting at the gather
+                found = {f"rank {self.rank}": f"rank {self.rank} could not check its files: {exc}"}
+            self._gather(found)
 
     @staticmethod
     def _aside(path: Path, reason: str) -> tuple[Path, str]:
@@ -248,7 +284,7 @@ class CheckpointManager:
             write_manifest(pending.tmp, pending.info, files)
             final = checkpoint_dir(self.output_dir, pending.step)
             if final.exists():  # an earlier save of this step, from before resuming at an older checkpoint
-                _delete(final)
+                delete_sealed(final)
             os.rename(pending.tmp, final)
             fsync_dir(self.output_dir)
         except Exception as exc:  # every rank is waiting for this outcome
@@ -270,7 +306,7 @@ class CheckpointManager:
             doomed += complete[:-self.save_total_limit]
         for checkpoint in doomed:
             try:
-                _delete(checkpoint.path)
+                delete_sealed(checkpoint.path)
             except OSError as error:
                 warnings.warn(f"could not delete old checkpoint {checkpoint.path}: {error}", stacklevel=2)
 
@@ -299,9 +335,3 @@ def human_bytes(n: float) -> str:
             return f"{n:,.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
     return f"{n:,.1f} TiB"
-
-
-def _delete(path: Path) -> None:
-    """COMPLETE goes first: a deletion cut short leaves a directory that is never resumed from."""
-    (path / COMPLETE).unlink(missing_ok=True)
-    shutil.rmtree(path)

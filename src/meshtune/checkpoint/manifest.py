@@ -2,7 +2,9 @@
 sha256) and the `COMPLETE` marker, both written after every rank's DCP shards are on disk.
 
 `verify` is what resume and `meshtune ckpt verify` rely on: a shard that was truncated, flipped or never copied
-(node-local disks) is named before DCP fails on it mid-load.
+(node-local disks) is named before DCP fails on it mid-load. Reading every byte is what costs: a resume splits the
+files across its ranks (`share`), each rank hashing its part at once, so the check takes the time of 1 / N of it.
+`final/` carries the same manifest and marker (checkpoint/final.py), with `"kind": "final"` and no DCP files.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 DCP_METADATA = ".metadata"
 NO_COMPLETE = "no COMPLETE marker (interrupted while saving)"
+FINAL_KIND = "final"  # the manifest's "kind" in final/: a model directory, no DCP index to check
 BLOCK = 1 << 20
 
 
@@ -67,6 +72,12 @@ def write_manifest(directory: Path, info: dict[str, Any], files: dict[str, dict[
     fsync_dir(directory)
 
 
+def delete_sealed(path: Path) -> None:
+    """Delete a published directory, COMPLETE first: a deletion cut short leaves one nobody trusts."""
+    (path / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(path)
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
@@ -77,32 +88,67 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(path: Path) -> list[str]:
-    """Problems that make `path` unsafe to resume from; an empty list means it is valid.
+def share(listed: dict[str, dict[str, Any]], world_size: int) -> list[list[str]]:
+    """The manifest's files dealt to `world_size` ranks, largest first, each to the rank with the fewest bytes so far:
+    every file is hashed once and the ranks hash about the same number of bytes. Every rank computes the same deal
+    from the same manifest. (Hashing the files each rank's load will read instead would hash files several ranks
+    read, DDP's model for one, several times, and leave unread ones, such as the random streams of ranks the job
+    no longer has, unchecked.)"""
+    loads = [0] * world_size
+    dealt: list[list[str]] = [[] for _ in range(world_size)]
+    for name in sorted(listed, key=lambda name: (-int(listed[name].get("size") or 0), name)):
+        lightest = min(range(world_size), key=lambda rank: (loads[rank], rank))
+        dealt[lightest].append(name)
+        loads[lightest] += int(listed[name].get("size") or 0)
+    return dealt
+
+
+def file_problems(path: Path, listed: dict[str, dict[str, Any]], names: Iterable[str]) -> dict[str, str]:
+    """The problem of each of `names` (files the manifest lists) that is missing, unreadable, of another size or of
+    another sha256, by file name."""
+    found = {}
+    for name in names:
+        file, expected = path / name, listed[name]
+        try:
+            if not file.is_file():
+                found[name] = f"missing file {name}"
+            elif (size := file.stat().st_size) != expected.get("size"):
+                found[name] = f"size mismatch in {name}: {size} bytes, manifest says {expected.get('size')}"
+            elif hash_file(file)["sha256"] != expected.get("sha256"):
+                found[name] = f"checksum mismatch in {name}"
+        except OSError as error:
+            found[name] = f"unreadable file {name}: {error}"
+    return found
+
+
+def files_in(path: Path) -> set[str]:
+    """Every file under `path`, by its path relative to it."""
+    return {file.relative_to(path).as_posix() for file in path.rglob("*") if file.is_file()}
+
+
+def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[str, str]] | None = None
+           ) -> list[str]:
+    """Problems that make `path` unsafe to resume from (or, for final/, to load); an empty list means it is valid.
 
     Checks the marker, the manifest, every listed file's size and sha256, files the manifest does not list
     (a shard from another save mixed in), and that every file DCP's `.metadata` points to is present.
+    `check_files(listed)` checks the listed files (`file_problems`); by default this process reads them all.
     """
     path = Path(path)
     if not path.is_dir():
         return [f"not a directory: {path}"]
     problems = [] if (path / COMPLETE).is_file() else [NO_COMPLETE]
     try:
-        listed = read_manifest(path)["files"]
+        manifest = read_manifest(path)
     except CheckpointError as error:
         return problems + [str(error)]
-    present = {p.name for p in path.iterdir()} - {MANIFEST, COMPLETE}
-    for name in sorted(listed):
-        if name not in present:
-            problems.append(f"missing file {name}")
-            continue
-        expected = listed[name]
-        size = (path / name).stat().st_size
-        if size != expected.get("size"):
-            problems.append(f"size mismatch in {name}: {size} bytes, manifest says {expected.get('size')}")
-        elif hash_file(path / name)["sha256"] != expected.get("sha256"):
-            problems.append(f"checksum mismatch in {name}")
+    listed = manifest["files"]
+    found = check_files(listed) if check_files else file_problems(path, listed, listed)
+    problems += [found[name] for name in sorted(found)]
+    present = files_in(path) - {MANIFEST, COMPLETE}
     problems += [f"unlisted file {name}" for name in sorted(present - set(listed))]
+    if manifest.get("kind") == FINAL_KIND:
+        return problems
     if DCP_METADATA not in listed:
         problems.append(f"the manifest lists no DCP {DCP_METADATA} file")
     elif not problems:

@@ -9,6 +9,7 @@ verification is never resumed from, overwritten or deleted: a resume from an old
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,17 +56,19 @@ def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: (c.step, not c.is_tmp))
 
 
-def select_resume(output_dir: Path, resume: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+def select_resume(output_dir: Path, resume: str, check: Callable[[Path], list[str]] = verify
+                  ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The checkpoint to resume from and the newer ones passed over, each with its reason.
 
     `resume`: "auto" (newest that is complete and verifies; None if there is none), "none", or a checkpoint path
-    (it must verify, else CheckpointError naming its problems).
+    (it must verify, else CheckpointError naming its problems). `check` verifies a candidate (a resume on several
+    ranks passes one that splits the reading across them).
     """
     if resume == "none":
         return None, []
     if resume != "auto":
         path = Path(resume)
-        problems = verify(path)
+        problems = check(path)
         if problems:
             raise CheckpointError(f"cannot resume from {path}: {'; '.join(problems)}. "
                                   f"Pick another checkpoint (meshtune ckpt list {path.parent}) or resume: auto")
@@ -75,7 +78,7 @@ def select_resume(output_dir: Path, resume: str) -> tuple[Path | None, list[tupl
         if not candidate.complete:
             skipped.append((candidate.path, candidate.status))
             continue
-        problems = verify(candidate.path)
+        problems = check(candidate.path)
         if not problems:
             return candidate.path, skipped
         skipped.append((candidate.path, "; ".join(problems)))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from meshtune.checkpoint.manifest import read_manifest, verify
+from meshtune.checkpoint.manifest import MANIFEST, read_manifest, verify
 from meshtune.errors import MeshtuneError
 
 MODEL_PREFIX = "model_optim.model."  # where checkpoint/state.py keeps the model's (or the adapters') weights
@@ -44,6 +44,12 @@ def read_adapters(source: Path) -> Adapters:
 
 
 def adapters_from_peft_dir(folder: Path) -> Adapters:
+    """A PEFT adapter directory; one meshtune sealed (final/: manifest.json) is verified first, its checksums read."""
+    if (folder / MANIFEST).is_file():
+        problems = verify(folder)
+        if problems:
+            raise MeshtuneError(f"{folder} does not verify ({'; '.join(problems[:3])}); export one of the run's "
+                                f"checkpoints instead (`meshtune ckpt list OUTPUT_DIR` shows which are valid)")
     config = json.loads((folder / "adapter_config.json").read_text())
     for key, supported in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
         if config.get(key, supported) != supported:

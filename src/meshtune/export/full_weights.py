@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from meshtune.checkpoint.manifest import read_manifest
+from meshtune.checkpoint.manifest import FINAL_KIND, read_manifest
 from meshtune.errors import MeshtuneError
 from meshtune.export.adapters import load_tensors, model_tensors
 
@@ -23,8 +23,11 @@ CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def is_full_checkpoint(path: Path) -> bool:
-    return (path / "COMPLETE").is_file() and \
-        (read_manifest(path).get("config") or {}).get("finetuning_type") == "full"
+    """A complete checkpoint-N of full fine-tuning (final/ carries a manifest too, of kind "final": not one)."""
+    if not (path / "COMPLETE").is_file():
+        return False
+    manifest = read_manifest(path)
+    return manifest.get("kind") != FINAL_KIND and (manifest.get("config") or {}).get("finetuning_type") == "full"
 
 
 def base_dtype(base: Path) -> str:

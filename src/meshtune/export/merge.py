@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,16 +29,27 @@ from meshtune.model.export import export_kind
 HEAD = "lm_head.weight"  # the output head's weight in transformers' causal LM files
 
 
-def source_of(path: Path) -> Path:
-    """An output_dir means its final/ (else its newest complete checkpoint); anything else is taken as given."""
+def source_of(path: Path, note: Callable[[str], None] = print) -> Path:
+    """An output_dir means its final/ when that is complete, else its newest complete checkpoint (`note` says so in
+    one line); anything else is taken as given."""
+    from meshtune.checkpoint import final_problems
     from meshtune.checkpoint.resume import list_checkpoints
 
     if not path.is_dir():
         raise MeshtuneError(f"{path} does not exist; give a run's output_dir, its final/ or a checkpoint-N")
-    if (path / "final").is_dir():
-        return path / "final"
-    complete = [info.path for info in sorted(list_checkpoints(path), key=lambda info: info.step) if info.complete]
-    return complete[-1] if complete else path
+    final = path / "final"
+    problems = final_problems(final) if final.is_dir() else []
+    if final.is_dir() and not problems:
+        return final
+    complete = [info.path for info in list_checkpoints(path) if info.complete]
+    if not complete:
+        if problems:
+            raise MeshtuneError(f"{final} is not a complete final export ({'; '.join(problems)}) and {path} holds no "
+                                f"complete checkpoint; to export that final/ as it is, give {final} itself")
+        return path
+    why = f"{final} is incomplete ({'; '.join(problems)})" if problems else f"{path} has no final/"
+    note(f"meshtune: {why}: exporting {complete[-1].name}, the newest complete checkpoint")
+    return complete[-1]
 
 
 def prepare_output(output: Path, force: bool) -> None:
@@ -49,9 +61,10 @@ def prepare_output(output: Path, force: bool) -> None:
 
 
 def export(source: Path, output: Path, merge: bool, dtype: str | None, force: bool,
-           base_model: str | None = None) -> str:
-    """Write the export; returns a one-line description of what was written. `dtype` None: the base model's own."""
-    source = source_of(source)
+           base_model: str | None = None, note: Callable[[str], None] = print) -> str:
+    """Write the export; returns a one-line description of what was written. `dtype` None: the base model's own.
+    `note` gets the line that says an output_dir's final/ was passed over for a checkpoint."""
+    source = source_of(source, note)
     if is_full_checkpoint(source):
         base = full_checkpoint_base(source, base_model)
         dtype = dtype or base_dtype(base)

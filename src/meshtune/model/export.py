@@ -1,6 +1,7 @@
 """The final save: a PEFT adapter directory (LoRA) or a safetensors model directory (full), plus the tokenizer.
 
-Sharded parameters (FSDP2) are gathered to full tensors first; only rank 0 writes.
+Sharded parameters (FSDP2) are gathered to full tensors first; only rank 0 writes, into the directory
+checkpoint/final.py then seals and publishes as `final/`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from meshtune.distributed import DistEnv, barrier
 from meshtune.model.loading import TOKENIZER_FILES, safetensors_problem
 from meshtune.model.parallel import unwrap
 
@@ -22,22 +22,17 @@ def gather_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str,
     return get_model_state_dict(model, options=options)
 
 
-def save_final(model: torch.nn.Module, tokenizer, out_dir: Path, is_lora: bool, env: DistEnv,
-               chat_template: str | None = None) -> Path:
-    """`chat_template`: the template training rendered with, saved with the tokenizer when it is not the
-    tokenizer's own, so `apply_chat_template` on the trained model renders prompts as they were trained."""
-    state = gather_state_dict(model, trainable_only=is_lora)
-    if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        inner = unwrap(model)
-        # peft filters the adapter weights out of `state` and writes adapter_config.json + safetensors;
-        # transformers writes config.json + (sharded) safetensors with an index for large models
-        inner.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
-        if chat_template is not None:
-            tokenizer.chat_template = chat_template
-        tokenizer.save_pretrained(str(out_dir))
-    barrier()
-    return out_dir
+def save_final(model: torch.nn.Module, state: dict[str, torch.Tensor], tokenizer, directory: Path,
+               chat_template: str | None = None) -> None:
+    """Rank 0: the model's `state` (from `gather_state_dict`) and the tokenizer into `directory`. `chat_template`:
+    the template training rendered with, saved with the tokenizer when it is not the tokenizer's own, so
+    `apply_chat_template` on the trained model renders prompts as they were trained."""
+    # peft filters the adapter weights out of `state` and writes adapter_config.json + safetensors;
+    # transformers writes config.json + (sharded) safetensors with an index for large models
+    unwrap(model).save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(directory))
 
 
 def export_kind(path: Path) -> str | None:

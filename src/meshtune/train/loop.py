@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshtune.checkpoint import CheckpointManager, training_state
+from meshtune.checkpoint import CheckpointManager, publish_final, training_state
 from meshtune.config import TrainConfig
 from meshtune.cpu_affinity import apply_cpu_affinity
 from meshtune.data.chat_template import serving_chat_template
@@ -34,7 +34,7 @@ from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distribu
 from meshtune import faults
 from meshtune.hardware import limit_gpu_memory, measure_peak_flops
 from meshtune.model.build import build_model
-from meshtune.model.export import save_final
+from meshtune.model.export import gather_state_dict, save_final
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
@@ -47,6 +47,7 @@ from meshtune.train.hang_watchdog import HangWatchdog, enable_flight_recorder
 from meshtune.train.loss_scale import LossScaler
 from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
+from meshtune.train.nonfinite import NonFiniteSteps, sample_ids
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
@@ -148,6 +149,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=trainer["step"])
+    nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places, sample_ids(batches, train_data),
+                               trainer.setdefault("nonfinite_skipped", []), checkpoints.close, log)
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
@@ -166,7 +169,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction):
-                    loss = loss_of(batch.to(env.device))
+                    loss = faults.nan_loss(loss_of(batch.to(env.device)), step + 1, env.rank)
                     scaler.scale(loss * env.world_size / targets).backward()
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
@@ -174,32 +177,39 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
             scaler.unscale(optimizer)
             grad_norm = clip_gradients(params, cfg.max_grad_norm)
             lr = float(optimizer.param_groups[0]["lr"])  # the rate this step used (a tensor in torchao's AdamW)
-            if scaler.step(optimizer):  # fp16: not after an overflow
+            # fp16: gradients that overflow are the loss scale's to skip (and the scale lowers), not a fault
+            checked_norm = torch.zeros_like(loss_sum) if plan.fp16 else grad_norm
+            updated = nonfinite.update_allowed(step + 1, loss_sum, checked_norm)  # stop: marks kept on the device
+            if updated and scaler.step(optimizer):  # fp16: not after an overflow
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 
             done, last = step + 1, step + 1 == total_steps
             faults.after_step(done, env.rank)
             watch.at(done, "summing the step's loss (all-reduce)")
-            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum)) / targets, tokens, flops)
+            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum)) / targets, tokens, flops, counted=updated)
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
-            if record:  # the ranks compare their step times (one small all-gather)
+            if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
                 watch.at(done, "comparing step times (all-gather)")
+                nonfinite.check()
                 fields, warning = times.interval()
                 record.update(fields)
                 metrics.note(warning)
+                if skipped := nonfinite.skipped_since_record():
+                    record["nonfinite_skipped"] = skipped
             if evaluator.due(done):
                 with watch.paused(f"step {done}: evaluation"):
                     record = {"step": done, **record, "eval_loss": evaluator.run(model)}
             metrics.after_step(done, record)
             trainer.update(step=done, epoch=epoch)
             with watch.paused(f"step {done}: checkpoint"):
-                checkpoints.maybe_save(done, state, {**run_info, "epoch": epoch}, last=last)
+                checkpoints.maybe_save(done, state, {**run_info, "epoch": epoch}, last=last, before=nonfinite.check)
             collection.after_step(done)
             profiler.end(done, last=last)
             watch.step_done()
     profiler.close()
+    nonfinite.check()  # nothing after a non-finite step is saved: no checkpoint, no final/
     if stopped_by:
         save_before_stopping(checkpoints, cfg, env, stop, trainer, state, run_info, shared, total_steps, log)
     checkpoints.close()
@@ -210,7 +220,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
 
     final_dir = None
     if cfg.save_final:
-        final_dir = save_final(model, tokenizer, output_dir / "final", cfg.is_lora, env, chat_template)
+        weights = gather_state_dict(model, trainable_only=cfg.is_lora)  # a collective: full tensors on rank 0
+        final_dir = publish_final(output_dir, {**run_info, "step": trainer["step"], "epoch": trainer.get("epoch", 0)},
+                                  env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template))
     if env.is_main:
         plot_losses(metrics.records, output_dir / "loss.png")
         log(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))

@@ -4,6 +4,7 @@ progress bar, metrics.jsonl, loss.png and a closing summary."""
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -43,9 +44,11 @@ class StepMeter:
     def _reset(self) -> None:
         self.started, self.tokens, self.flops, self.losses = time.perf_counter(), 0, 0.0, []
 
-    def add(self, loss: torch.Tensor, tokens: torch.Tensor, flops: torch.Tensor) -> None:
-        """One step: its loss per target token, and its token and FLOP counts summed over all ranks."""
-        self.losses.append(loss)
+    def add(self, loss: torch.Tensor, tokens: torch.Tensor, flops: torch.Tensor, counted: bool = True) -> None:
+        """One step: its loss per target token, and its token and FLOP counts summed over all ranks. The loss of a
+        step not `counted` (skipped for a non-finite loss) stays out of the interval's mean."""
+        if counted:
+            self.losses.append(loss)
         self.tokens += tokens
         self.flops += flops
 
@@ -56,8 +59,10 @@ class StepMeter:
         tokens = int(self.tokens)
         seconds = max(time.perf_counter() - self.started, 1e-9)
         flops_per_gpu = float(self.flops) / seconds / self.env.world_size  # FLOP/s
-        record = {"step": step, "epoch": round(epoch, 4), "loss": torch.stack(self.losses).mean().item(),
-                  "grad_norm": float(grad_norm), "lr": lr, "tokens": tokens,
+        norm = float(grad_norm)
+        record = {"step": step, "epoch": round(epoch, 4),
+                  **({"loss": torch.stack(self.losses).mean().item()} if self.losses else {}),
+                  "grad_norm": norm if math.isfinite(norm) else None, "lr": lr, "tokens": tokens,
                   "tokens_per_s": round(tokens / seconds, 1), "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
                   "peak_mem_gib": round(peak_memory_gib(self.env.device), 3)}
         if self.env.device.type == "cuda":  # the caching allocator freed everything and retried: fragmentation
