@@ -55,7 +55,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import kill_tree  # noqa: E402
 from trace_summary import summarize_files as summarize_traces  # noqa: E402
-from workspace import WARMUP, build_model_dir, prepare_workspace, timed_records, workspace_samples  # noqa: E402
+from workspace import (WARMUP, build_model_dir, prepare_workspace, timed_records, timing_problem,  # noqa: E402
+                       workspace_samples)
 
 from meshtune.hardware import measure_peak_flops  # noqa: E402
 from meshtune.model.flops import FlopCounter  # noqa: E402
@@ -379,11 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--peer {args.peer}: no such file (or --no-peer)")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: at least 1")
-    if args.steps <= args.warmup:
-        p.error(f"--steps {args.steps}: more than the {args.warmup} warm-up steps, or nothing is timed")
-    if args.warmup % args.logging_steps:
-        p.error(f"--warmup {args.warmup}: a multiple of --logging-steps {args.logging_steps}, so no timed interval "
-                f"holds a warm-up step")
+    if wrong := timing_problem(args.steps, args.warmup, args.logging_steps):
+        p.error(wrong)
     return args
 
 

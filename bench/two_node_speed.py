@@ -44,7 +44,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_two_agents import fresh, free_port, kill_node, problem, start_node  # noqa: E402
-from workspace import WARMUP, prepare_workspace, timed_records  # noqa: E402
+from workspace import WARMUP, prepare_workspace, timed_records, timing_problem  # noqa: E402
 
 JOBS = {"full-1.5b": ("1.5b", "full", 8), "lora-1.5b": ("1.5b", "lora", 8), "full-7b": ("7b", "full", 4),
         "lora-7b": ("7b", "lora", 4), "lora-tiny": ("tiny", "lora", 2)}  # size, method, batch a GPU; tiny: CPU
@@ -234,11 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [v for v in values.split(",") if v not in allowed]
         if unknown:
             p.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
-    if args.steps <= args.warmup:
-        p.error(f"--steps {args.steps}: more than the {args.warmup} warm-up steps, or nothing is timed")
-    if args.warmup % args.logging_steps:
-        p.error(f"--warmup {args.warmup}: a multiple of --logging-steps {args.logging_steps}, so no timed interval "
-                f"holds a warm-up step")
+    if wrong := timing_problem(args.steps, args.warmup, args.logging_steps):
+        p.error(wrong)
     for job in args.jobs.split(","):
         try:
             accumulation_for(args.global_batch, JOBS[job][2], 2 * args.gpus_per_node)

@@ -95,6 +95,16 @@ def workspace_samples(model_dir: Path, n_samples: int, minlen: int, maxlen: int)
     return peer_samples(vocab, n_samples, minlen, maxlen)
 
 
+def timing_problem(steps: int, warmup: int, logging_steps: int) -> str | None:
+    """Why a run of `steps` would time nothing, or time a warm-up step (the bench scripts' --steps, --warmup and
+    --logging-steps); None when they fit."""
+    if steps <= warmup:
+        return f"--steps {steps}: more than the {warmup} warm-up steps, or nothing is timed"
+    if warmup % logging_steps:
+        return f"--warmup {warmup}: a multiple of --logging-steps {logging_steps}, so no timed interval holds a warm-up step"
+    return None
+
+
 def timed_records(records: list[dict], warmup: int = WARMUP) -> tuple[list[dict], float]:
     """metrics.jsonl records after the warm-up steps (logging_steps dividing `warmup`), and the seconds they took."""
     timed = [r for r in records if r["step"] > warmup and "tokens" in r]

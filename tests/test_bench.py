@@ -80,7 +80,9 @@ def test_speed_table_runs_meshtune_both_peers_and_lists_rows_it_cannot_run(table
 
     merge([str(out / "speed.json"), str(out / "speed.json")], tmp_path)
     assert len(json.loads((tmp_path / "speed.json").read_text())["results"]) == 8
-    assert (tmp_path / "speed.md").read_text().count("| lora-tiny | default | meshtune |") == 2
+    merged = [line for line in (tmp_path / "speed.md").read_text().splitlines()
+              if line.startswith("| lora-tiny | default | meshtune |")]
+    assert len(merged) == 1 and ", 2 runs) |" in merged[0], merged  # one figure: the median of both runs
 
 
 @pytest.mark.timeout(300)

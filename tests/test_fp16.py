@@ -168,7 +168,7 @@ def test_the_loop_trains_in_fp16_with_the_scaler_and_checkpoints_its_scale(tmp_p
     # initial scale 2**16. Both ranks skip it (neither moves, so the later steps run on agreeing weights), and the
     # schedule waits: each step's learning rate is the one the reference used after as many steps taken
     records = read_metrics(tmp_path / "zero2")
-    skipped = [r["step"] for r in records if r["grad_norm"] == float("inf")]
+    skipped = [r["step"] for r in records if r["grad_norm"] is None]  # an overflowed norm is written as null
     assert skipped == [1] and records[0]["loss"] == pytest.approx(reference[0], rel=1e-3)
     reference_lr = [r["lr"] for r in read_metrics(tmp_path / "fp32")]
     assert [r["lr"] for r in records] == [reference_lr[r["step"] - 1 - sum(s < r["step"] for s in skipped)]
