@@ -111,3 +111,22 @@ def test_zero3_gathers_every_unit_again_for_backward_but_the_last_and_the_root(t
     (tmp_path / "task.json").write_text(json.dumps({"model": str(five_block_model)}))
     run_ranks(regather_job, 2, tmp_path)
     assert json.loads((tmp_path / "rank1.json").read_text()) == {"forward": 6, "backward": 4}
+
+
+def ddp_buckets_job(rank: int, world_size: int, workdir: Path) -> None:
+    task = json.loads((workdir / "task.json").read_text())
+    env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"))
+    model = wrap_model(load_model(task["model"]), "ddp", env, bf16=False, bucket_cap_mb=task["cap"])
+    ids = torch.arange(24).reshape(2, 12) % 50 + 3
+    model(input_ids=ids, labels=ids).loss.backward()
+    # a bucket view is a view of the bucket's flat buffer; a gradient of its own has no base tensor
+    in_buckets = all(p.grad._base is not None for p in model.parameters() if p.grad is not None)
+    (workdir / f"rank{rank}.json").write_text(json.dumps({"cap": model.bucket_bytes_cap, "views": in_buckets}))
+
+
+def test_ddp_buckets_take_bucket_cap_mb_and_hold_the_gradients_themselves(tmp_path, five_block_model):
+    """ddp_bucket_cap_mb reaches DDP, and every gradient is a view of its bucket (no copy into the buckets, no
+    second gradient buffer)."""
+    (tmp_path / "task.json").write_text(json.dumps({"model": str(five_block_model), "cap": 50}))
+    run_ranks(ddp_buckets_job, 2, tmp_path)
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"cap": 50 * 2**20, "views": True}
