@@ -93,8 +93,8 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, er
     c10d = cfg.rdzv_backend == "c10d"  # an etcd rendezvous holds no store of node 0 to watch or lose
     watching = JoinWatch(settings, errors, cfg.rdzv_timeout) if settings.multi_node and c10d else None
     nproc = settings.nproc_per_node
-    all_done = lambda: stopped_workers(errors) + finished_workers(errors) >= nproc  # noqa: E731
-    channel = JobChannel(settings, errors, all_done, use_store=settings.multi_node and c10d)
+    workers_done = lambda: stopped_workers(errors) + finished_workers(errors) >= nproc  # noqa: E731
+    channel = JobChannel(settings, errors, workers_done, use_store=settings.multi_node and c10d)
     _launched.set()
     with watching or contextlib.nullcontext(), channel:
         ended = run_torchrun(torchrun_command(settings, argv, cfg), nproc, env, show_agent_tracebacks=debug,
