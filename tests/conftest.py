@@ -56,8 +56,8 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 # Modules that start the most training processes, longest first: under pytest-xdist (`--dist loadfile`, as in
 # pyproject.toml) each worker takes whole modules, and the long ones started first let the workers end together.
-LONGEST_MODULES_FIRST = ("test_faults.py", "test_topology.py", "test_bench.py", "test_qlora.py", "test_demo.py",
-                         "test_slurm.py", "test_fast_path.py", "test_doctor.py", "test_restarts.py")
+LONGEST_MODULES_FIRST = ("test_faults.py", "test_node_exits.py", "test_topology.py", "test_bench.py", "test_qlora.py",
+                         "test_demo.py", "test_slurm.py", "test_fast_path.py", "test_doctor.py", "test_restarts.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -122,6 +122,23 @@ def test_a_wrong_port_or_a_missing_master_fails_within_the_timeout_naming_the_no
     assert "a MASTER_PORT that differs between nodes" in out1
 
 
+@pytest.mark.slow
+def test_a_wrong_port_is_named_on_its_node_soon_after_the_default_timeout(config):
+    """The node with the wrong MASTER_PORT alone, the doctor's default --timeout (30 s): its start-up (imports on
+    2 busy cores) plus the timeout, not TCPStore's second attempt after a backoff (about 70 s in all)."""
+    started = time.monotonic()
+    port = free_port()  # nothing listens there
+    process = subprocess.run([sys.executable, "-m", "meshtune", "doctor", str(config)], capture_output=True,
+                             text=True, timeout=120,
+                             env=clean_env(NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                           NPROC_PER_NODE="1", OMP_NUM_THREADS="1"))
+    took = time.monotonic() - started
+    out = process.stdout + process.stderr
+    assert process.returncode == 1 and f"node 1 could not reach node 0 at 127.0.0.1:{port} within 30 s" in out, out
+    assert "a MASTER_PORT that differs between nodes" in out and "TCPStore" not in out, out
+    assert 30 <= took < 60, (took, out)
+
+
 def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure():
     from meshtune.launch.doctor_checks import FAIL, WARN, joined_row
 

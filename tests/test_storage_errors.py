@@ -3,8 +3,10 @@ starts; a disk that fills during a save leaves the checkpoint unpublished and th
 
 from __future__ import annotations
 
+import errno
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +95,32 @@ def test_output_dir_turning_read_only_mid_run_stops_at_once_naming_the_cause(tmp
     assert process.returncode == 1, out[-3000:]
     assert "the file system is read-only" in out.strip().splitlines()[-1] and "a restart cannot fix" in out, out[-3000:]
     assert "Restarting" not in out and stopped_in < 30, (stopped_in, out[-3000:])
+
+
+def test_a_save_failing_on_several_ranks_is_named_in_one_line_with_its_ranks():
+    """DCP's CheckpointException holds every failing rank's traceback: the message names each error once."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from meshtune.checkpoint.manager import one_line
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    failure = CheckpointException("save failed", {0: (RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                                                   "unexpected pos 704 vs 598\nmore"), None),
+                                                  1: (full, None), 3: (full, None)})
+    assert "Traceback" in str(failure)
+    assert one_line(failure) == ("OSError: [Errno 28] No space left on device (ranks 1, 3); RuntimeError: [enforce "
+                                 "fail at inline_container.cc:672] . unexpected pos 704 vs 598 (rank 0)")
+
+
+def test_a_lock_that_cannot_be_removed_never_hides_the_runs_own_error(tmp_path, monkeypatch):
+    from meshtune.launch.output_lock import LOCK, OutputLock
+
+    said = []
+    with pytest.raises(RuntimeError, match="the run's own error"):
+        with OutputLock(tmp_path, "run-1", log=said.append):
+            def read_only(self, missing_ok=False):
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+            monkeypatch.setattr(Path, "unlink", read_only)
+            raise RuntimeError("the run's own error")
+    assert (tmp_path / LOCK).exists() and "cannot remove" in said[-1] and "Read-only file system" in said[-1]

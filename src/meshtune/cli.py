@@ -11,8 +11,9 @@ from pathlib import Path
 
 from meshtune import __version__
 from meshtune.errors import MeshtuneError, lasting_storage_error
-from meshtune.launch.supervise import (launch_training, mark_worker_started, repeated_failure, report_to_launcher,
-                                       stop_restarts, worker_label)
+from meshtune.launch.supervise import (launch_training, leave_launcher, lost_peers, mark_worker_started,
+                                       ran_torchrun, repeated_failure, report_to_launcher, stop_restarts,
+                                       worker_label)
 
 
 TRAIN_HELP = """\
@@ -415,6 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_libraries()
     mark_worker_started()
+    code = run_command(args)
+    if ran_torchrun():  # a node's launcher: nothing is left to do but the interpreter's slow teardown
+        leave_launcher(code)
+    return code
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The command, its errors printed once without a trace (--debug raises them)."""
     try:
         try:
             return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export,
@@ -423,13 +432,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         except Exception as exc:
             lasting = None if args.debug else restart_cannot_fix(exc)
+            if lasting is None and not args.debug and lost_peers(exc):
+                return 1  # said in one line; torchrun restarts the workers
             if lasting is None:
                 raise  # a crash another attempt may not meet: torchrun restarts the workers
             raise lasting from exc
     except MeshtuneError as exc:
         if args.debug:
             raise
-        reported = report_to_launcher(str(exc))  # the launcher prints it once, last
+        reported = report_to_launcher(str(exc))  # the launcher prints it once, last, and tells the other nodes
         label = worker_label()
         if label is not None and not reported:  # under the user's own torchrun one worker per node speaks
             print(f"meshtune: error{label}: {exc}", file=sys.stderr)

@@ -6,6 +6,8 @@ Set MESHTUNE_FAULT to one or more comma-separated faults:
 - `raise-always:STEP:RANK`: the same in every attempt (an error no restart fixes);
 - `slow:SECONDS`: every rank sleeps that long after each step, so a test can act on a run in progress;
   `slow:SECONDS:RANK`: that rank alone (a straggler);
+- `storage:STEP:RANK`: after that step the rank meets the error a write gives on storage remounted read-only (in
+  every attempt, as the storage stays so);
 - `stop:STEP:RANK`: the rank stops itself with SIGSTOP after that step (a hung process, for the hang watchdog), once
   per job: a marker in the temporary directory, named by the job's run id, keeps it from firing again after the
   restart (a node whose agent restarts for another node's failure keeps its attempt count at 0).
@@ -17,6 +19,7 @@ that it recovers. Unset, it costs one dictionary lookup per call.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import tempfile
@@ -49,7 +52,7 @@ def maybe_die(point: str, step: int, rank: int) -> None:
 
 
 def after_step(step: int, rank: int) -> None:
-    """The faults that act after an optimizer step: `raise`, `raise-always`, `slow`, `stop`."""
+    """The faults that act after an optimizer step: `raise`, `raise-always`, `storage`, `slow`, `stop`."""
     faults = _faults()
     if not faults:
         return
@@ -61,6 +64,8 @@ def after_step(step: int, rank: int) -> None:
     if f"stop:{step}:{rank}" in faults and _once(f"stop-{step}-{rank}"):
         print(f"meshtune fault injection: stopping rank {rank} (SIGSTOP) after step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+    if f"storage:{step}:{rank}" in faults:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
     if f"raise-always:{step}:{rank}" in faults or (_first_attempt() and f"raise:{step}:{rank}" in faults):
         raise RuntimeError(f"meshtune fault injection: rank {rank} fails after step {step}")
 

@@ -15,3 +15,6 @@ def torchrun_worker(environ: Mapping[str, str] = os.environ) -> bool:
 # Where torchrun workers leave word for the meshtune process that started torchrun (their error, that they
 # started, that they stopped for a signal) and where it leaves its stop request for them.
 ERROR_DIR = "MESHTUNE_ERROR_DIR"
+
+# The pid of the meshtune process that started torchrun: its workers stop when it is gone (launch/parent_watch.py).
+LAUNCHER_PID = "MESHTUNE_LAUNCHER_PID"

@@ -248,7 +248,7 @@ class CheckpointManager:
         except CheckpointException as error:
             raise CheckpointError(f"cannot load {path} (was it saved by another model or finetuning type? "
                                   f"its manifest: world_size {manifest.get('world_size', '?')}, parallel "
-                                  f"{manifest.get('parallel', '?')}): {error}") from error
+                                  f"{manifest.get('parallel', '?')}): {one_line(error)}") from error
         state.update(request)  # dcp.load replaces plain (non-Stateful) values in the dict it was given
         return manifest
 
@@ -265,7 +265,7 @@ class CheckpointManager:
                  else "no earlier checkpoint exists to resume from")
         advice = "; free space or lower save_total_limit" if full else ""
         return (f"writing {tmp} failed ({space} on that storage{advice}); it is not published and {keeps}: "
-                f"{error}")
+                f"{one_line(error)}")
 
     def _publish(self, pending: _Pending, reports: list[tuple[str | None, dict[str, Any]]]) -> str | None:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns what went wrong, or None."""
@@ -335,3 +335,16 @@ def human_bytes(n: float) -> str:
             return f"{n:,.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
     return f"{n:,.1f} TiB"
+
+
+def one_line(error: BaseException) -> str:
+    """A write error in one line: DCP's CheckpointException carries every failing rank's traceback, which would
+    bury the cause under dozens of lines; each distinct error is named once, with its ranks (--debug shows all)."""
+    if not isinstance(error, CheckpointException):
+        return str(error)
+    ranks: dict[str, list[int]] = {}
+    for rank, (exc, _trace) in sorted(error.failures.items()):
+        ranks.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0], []).append(rank)
+    # storage errors first: the others (a torn zip file) are what they left behind
+    named = sorted(ranks.items(), key=lambda item: not item[0].startswith("OSError"))
+    return "; ".join(f"{text} (rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))})" for text, on in named)

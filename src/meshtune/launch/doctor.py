@@ -26,6 +26,7 @@ from meshtune.launch.doctor_checks import FAIL, OK, evaluate, render
 from meshtune.launch.joining import join_key
 from meshtune.launch.node_facts import collect_facts
 from meshtune.launch.nodes import NodeSettings, node_range
+from meshtune.launch.reachability import RendezvousError, wait_for_master
 
 DOCTOR_KEY = "meshtune-doctor"  # set by node 0 as it opens the store: a store without it is not the doctor's
 MARK_WAIT_S = 3.0        # how long a node looks for that mark before deciding the port holds another store
@@ -89,8 +90,16 @@ def run_doctor(cfg, settings: NodeSettings, timeout_s: float = 30.0, out=print, 
     expected = node_range(settings.nnodes)[1]
     if settings.master_port is None or expected == 1:
         return run_alone(cfg, settings, out, bandwidth)
+    started = time.monotonic()
+    if settings.node_rank != 0:
+        # a plain connect first: TCPStore's own connect gives up only after a second full timeout (and a backoff
+        # of up to as long) in between, which doubled the wait on a wrong MASTER_PORT
+        try:
+            wait_for_master(settings, timeout_s, poll_s=0.5)
+        except RendezvousError as exc:
+            return unreachable(settings, timeout_s, exc.last_error, out)
     try:
-        store = DoctorStore(settings, timeout_s)
+        store = DoctorStore(settings, max(timeout_s - (time.monotonic() - started), MARK_WAIT_S))
     except Exception as exc:  # noqa: BLE001 - bind or connect failures come as several exception types
         return unreachable(settings, timeout_s, exc, out)
     try:

@@ -69,14 +69,12 @@ class JoinWatch:
 
     def _connect(self):
         """A client of the rendezvous store, with this node's rank left in it; None while it does not answer."""
-        import torch.distributed as dist
-
+        store = connect(self.settings)
         try:
-            store = dist.TCPStore(self.settings.master_addr, self.settings.master_port, is_master=False,
-                                  timeout=timedelta(seconds=5), wait_for_workers=False)
-            store.set(join_key(self.settings.run_id, self.settings.node_rank), socket.gethostname())
+            if store is not None:
+                store.set(join_key(self.settings.run_id, self.settings.node_rank), socket.gethostname())
             return store
-        except Exception:  # not up yet: node 0's agent starts it
+        except Exception:  # gone again
             return None
 
     def describe(self, waited_s: float) -> str:
@@ -89,3 +87,26 @@ class JoinWatch:
                 if self.settings.min_nodes != self.settings.max_nodes else str(self.settings.max_nodes))
         return (f"rendezvous: {len(self.joined)} of {need} nodes joined (node ranks {joined}); waiting for node "
                 f"ranks {missing} ({waited_s:.0f} s of rdzv_timeout={self.rdzv_timeout:g} s)")
+
+
+def connect_possible(settings: NodeSettings) -> bool:
+    """node 0's MASTER_PORT accepts a connection."""
+    try:
+        socket.create_connection((settings.master_addr, settings.master_port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def connect(settings: NodeSettings):
+    """A client of the rendezvous store, or None while it does not answer. A plain connect first: TCPStore's own
+    failing connect logs a C++ traceback on every try."""
+    import torch.distributed as dist
+
+    if not connect_possible(settings):
+        return None
+    try:
+        return dist.TCPStore(settings.master_addr, settings.master_port, is_master=False,
+                             timeout=timedelta(seconds=5), wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - gone between the two connects
+        return None

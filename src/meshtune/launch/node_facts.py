@@ -91,9 +91,17 @@ def file_sha256(path: Path, cache: dict) -> str:
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     if key not in cache:
-        with path.open("rb") as f:
-            cache[key] = hashlib.file_digest(f, "sha256").hexdigest()
+        cache[key] = sha256_of(path)
     return cache[key]
+
+
+def sha256_of(path: Path, block: int = 1 << 20) -> str:
+    """sha256 of a file read in 1 MiB blocks: constant memory, and Python 3.10 has no hashlib.file_digest."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checksum_of(files: list[Path], base: Path) -> str:

@@ -58,8 +58,13 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        if self._read() == self.mine:
+        if self._read() != self.mine:
+            return
+        try:
             self.path.unlink(missing_ok=True)
+        except OSError as error:  # read-only or gone storage: the run's own error says so; never hide it
+            self.log(f"warning: cannot remove {self.path} ({error.strerror}); the next launch takes it over, its "
+                     f"process being gone")
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

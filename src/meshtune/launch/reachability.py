@@ -17,7 +17,11 @@ CAUSES = ("likely causes: a firewall or security group blocking the port; a wron
 
 
 class RendezvousError(MeshtuneError):
-    """This node cannot meet the others."""
+    """This node cannot meet the others. `last_error`: the last connection error, when one was met."""
+
+    def __init__(self, message: str, last_error: str | None = None):
+        super().__init__(message)
+        self.last_error = last_error
 
 
 def check_port_free(settings: NodeSettings) -> None:
@@ -69,7 +73,8 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float, failure: str, caus
         except OSError as exc:
             last_error = exc.strerror or str(exc)
         if time.monotonic() >= deadline:
-            raise RendezvousError(f"{failure} within rdzv_timeout={timeout_s:g} s ({last_error}); {causes}")
+            raise RendezvousError(f"{failure} within rdzv_timeout={timeout_s:g} s ({last_error}); {causes}",
+                                  last_error)
         time.sleep(poll_s)
 
 

@@ -12,10 +12,11 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from meshtune.errors import ConfigError, MeshtuneError
-from meshtune.worker_env import ERROR_DIR, torchrun_worker
+from meshtune.worker_env import ERROR_DIR, LAUNCHER_PID, torchrun_worker
 
 # how gloo and NCCL report that another rank died: a consequence, never the cause of a repeated failure
 PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "remote process exit",
@@ -40,9 +41,12 @@ def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
 
 def train_here(cfg) -> int:
     """Train in this process: the only one, or a torchrun worker (which never returns: see leave_worker)."""
+    from meshtune.launch.parent_watch import watch_parents
     from meshtune.train.loop import run
     from meshtune.train.preemption import exit_code, mark_stopped
 
+    if torchrun_worker():
+        watch_parents()
     result = run(cfg)
     code = exit_code(result.stopped_by) if result.stopped_by else 0
     if torchrun_worker():
@@ -50,6 +54,8 @@ def train_here(cfg) -> int:
         if result.stopped_by and mark_stopped(os.environ.get(ERROR_DIR), int(os.environ.get("RANK", "0")),
                                               result.stopped_by):
             code = 0
+        if not result.stopped_by:
+            mark_worker_finished()
         leave_worker(code)
     return code
 
@@ -67,7 +73,7 @@ def run_node(cfg, settings, argv: list[str], debug: bool, rejoining: bool = Fals
     if settings.multi_node:
         check_rendezvous(settings, cfg)
     with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
-        env = {**launch_env(settings, cfg.stop_grace_period), ERROR_DIR: errors}
+        env = {**launch_env(settings, cfg.stop_grace_period), ERROR_DIR: errors, LAUNCHER_PID: str(os.getpid())}
         rejoins = 0
         while (code := run_torchrun_once(cfg, settings, argv, debug, env, Path(errors))) is None:
             rejoins += 1
@@ -77,34 +83,43 @@ def run_node(cfg, settings, argv: list[str], debug: bool, rejoining: bool = Fals
 
 def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, errors: Path) -> int | None:
     """One torchrun of this node. Returns the exit code, None when node 0's rendezvous store was lost (rejoin),
-    or raises the error that ended it, named."""
+    or raises the error that ended it, named: this node's worker's, or another node's (launch/job_channel.py)."""
     from meshtune.launch import run_torchrun, torchrun_command
+    from meshtune.launch.job_channel import JobChannel
     from meshtune.launch.joining import JoinWatch
     from meshtune.launch.reachability import rendezvous_failure
     from meshtune.train.preemption import STOP_FILE, exit_code, stopped_signal, stopped_workers
 
     c10d = cfg.rdzv_backend == "c10d"  # an etcd rendezvous holds no store of node 0 to watch or lose
     watching = JoinWatch(settings, errors, cfg.rdzv_timeout) if settings.multi_node and c10d else None
-    with watching or contextlib.nullcontext():
-        ended = run_torchrun(torchrun_command(settings, argv, cfg), settings.nproc_per_node, env,
-                             show_agent_tracebacks=debug, stop_file=errors / STOP_FILE,
-                             stop_wait_s=cfg.stop_grace_period + 30,
-                             workers_stopped=lambda: stopped_workers(errors) >= settings.nproc_per_node)
+    nproc = settings.nproc_per_node
+    workers_done = lambda: stopped_workers(errors) + finished_workers(errors) >= nproc  # noqa: E731
+    channel = JobChannel(settings, errors, workers_done, use_store=settings.multi_node and c10d)
+    _launched.set()
+    with watching or contextlib.nullcontext(), channel:
+        ended = run_torchrun(torchrun_command(settings, argv, cfg), nproc, env, show_agent_tracebacks=debug,
+                             stop_file=errors / STOP_FILE, stop_wait_s=cfg.stop_grace_period + 30, channel=channel)
     reported = sorted(errors.glob("rank-*.txt"))
     if ended.code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
         raise MeshtuneError(reported[0].read_text())
+    if channel.cause is not None:
+        raise MeshtuneError(channel.cause)
     if stopped := stopped_signal(errors) or (ended.signal if ended.signal == signal.SIGTERM else None):
         print(f"meshtune: stopped by {signal.Signals(stopped).name} (exit code {exit_code(stopped)}); run the same "
               f"command again to resume", flush=True)
         return exit_code(stopped)
     if ended.signal == signal.SIGINT:
         return 130
-    if ended.code == 0:
+    if ended.code == 0 or finished_workers(errors) >= nproc:  # torchrun ended after its workers finished
         return 0
     if ended.store_lost and c10d and settings.node_rank != 0:
         return None
     if settings.multi_node and not any(errors.glob("started-*")):
         raise rendezvous_failure(settings, cfg.rdzv_timeout, watching.joined if watching else None)
+    if ended.code < 0 and not ended.signal:
+        raise MeshtuneError(f"this node's torchrun agent was killed ({signal.Signals(-ended.code).name}) and its "
+                            f"workers stopped with it; the other nodes wait for this node to come back (up to "
+                            f"rdzv_timeout={cfg.rdzv_timeout} s): run the same command again on this node")
     raise MeshtuneError(f"training failed in a worker process (exit code {ended.code}); its error is above")
 
 
@@ -138,6 +153,20 @@ def output_lock(output_dir: str, settings):
         return OutputLock(output_dir, settings.run_id, same_job_takes_over=settings.multi_node)
     check_not_held_by_another_job(output_dir, settings.run_id)
     return contextlib.nullcontext()
+
+
+_launched = threading.Event()  # this process started torchrun: it is a node's launcher
+
+
+def ran_torchrun() -> bool:
+    return _launched.is_set()
+
+
+def leave_launcher(code: int) -> None:
+    """End a node's launcher without interpreter finalisation: the teardown of torch, transformers and the data
+    stack it imported took 3 to 8 s on 2 busy cores, after every file and lock of the run was closed and the last
+    line printed."""
+    leave_worker(code)
 
 
 def leave_worker(code: int = 0) -> None:
@@ -256,11 +285,30 @@ def repeated_failure(exc: Exception) -> MeshtuneError | None:
 
 def report_to_launcher(message: str) -> bool:
     """Hand a worker's error to the meshtune process that started torchrun, which prints it once, as the last
-    line; False when no such process listens (the user's own torchrun), and the worker prints it itself."""
+    line; False when no such process listens (the user's own torchrun), and the worker prints it itself. Returns
+    once the launcher has passed it on to the other nodes (launch/job_channel.py): until this worker stops its
+    agent, the store that carries it (node 0's agent hosts it) is still there."""
+    from meshtune.launch.job_channel import await_told
+
     directory = os.environ.get(ERROR_DIR)
     if not (directory and os.path.isdir(directory)):
         return False
     Path(directory, f"rank-{int(os.environ.get('RANK', '0')):06d}.txt").write_text(message)
+    await_told(directory)
+    return True
+
+
+def lost_peers(exc: Exception) -> bool:
+    """A torchrun worker's collective failed because another rank died or stopped: its traceback says nothing of
+    the cause (that rank's own output, or its launcher, does), so one line stands for it here (--debug shows it).
+    True when said."""
+    error = f"{type(exc).__name__}: {exc}"
+    words = next((words for words in PEER_FAILED if words in error), None)
+    if not torchrun_worker() or words is None:
+        return False
+    print(f"meshtune: rank {os.environ.get('RANK', '?')} (node {os.environ.get('MESHTUNE_NODE_RANK', '?')}): a "
+          f"collective failed because another rank died or stopped ({words}); --debug shows the traceback",
+          file=sys.stderr, flush=True)
     return True
 
 
@@ -269,3 +317,17 @@ def mark_worker_started() -> None:
     directory = os.environ.get(ERROR_DIR)
     if directory and os.path.isdir(directory):
         Path(directory, f"started-{os.environ.get('RANK', '0')}").touch()
+
+
+FINISHED = "finished"  # left in the launcher's error directory by every worker whose run ended (not stopped early)
+
+
+def mark_worker_finished() -> None:
+    """This worker's run ended: its launcher need not leave torchrun waiting in its exit barrier for long."""
+    directory = os.environ.get(ERROR_DIR)
+    if directory and os.path.isdir(directory):
+        Path(directory, f"{FINISHED}-{os.environ.get('RANK', '0')}").touch()
+
+
+def finished_workers(errors: Path) -> int:
+    return sum(1 for _ in errors.glob(f"{FINISHED}-*"))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -74,15 +74,17 @@ def launch_env(settings: NodeSettings, stop_grace_period: int = 60) -> dict[str,
 
 def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None,
                  show_agent_tracebacks: bool = False, stop_file: Path | None = None,
-                 stop_wait_s: float = 90, workers_stopped: Callable[[], bool] | None = None) -> TorchrunExit:
+                 stop_wait_s: float = 90, channel=None) -> TorchrunExit:
     """Run torchrun in the foreground and say how it ended.
 
     Ctrl-C reaches torchrun at once. A first SIGTERM, given `stop_file`, is left there for the workers instead:
     they finish their step, save and exit 0, while torchrun told to stop would leave its rendezvous at once and
     signal the workers itself. It is passed on to torchrun only if torchrun still runs `stop_wait_s` later; a
-    second one is passed on at once. Once `workers_stopped()` (every worker of this node stopped for a signal and
-    exited), torchrun gets AGENT_EXIT_S to follow: a node whose agent was signalled too never reaches torchrun's
-    exit barrier, where the others' agents would wait 300 s. Its stderr passes through `AgentTracebackFilter`:
+    second one is passed on at once. `channel` (launch/job_channel.py) says when this node's workers are all done
+    (finished, or stopped for a signal): torchrun then gets AGENT_GRACE_S to follow once every node's are, else
+    AGENT_EXIT_S, and is killed after (a node whose agent was signalled never reaches torchrun's exit barrier, where
+    the others' agents would wait 300 s); and when another node's worker ended the job, torchrun and this node's
+    workers are ended at once. Its stderr passes through `AgentTracebackFilter`:
     when torchrun is told to stop (a worker's named error ends the attempts, or the user's Ctrl-C) or loses node
     0's store, its own Python traceback says nothing a user can act on."""
     env = {**os.environ, **(extra_env or {})}
@@ -106,7 +108,7 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _wait(process, workers_stopped)
+        code = _wait(process, channel)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -121,23 +123,51 @@ class TorchrunExit:
     store_lost: bool  # the agent lost its connection to the rendezvous store (node 0's agent died)
 
 
-AGENT_EXIT_S = 10  # after this node's workers stopped for a signal, the most torchrun may take to follow
+AGENT_EXIT_S = 10  # after this node's workers are done, the most torchrun may take to follow
+AGENT_GRACE_S = 1  # the same once every node's workers are done: no agent waits for another any more
 
 
-def _wait(process: subprocess.Popen, workers_stopped: Callable[[], bool] | None) -> int:
-    stopped_since = None
+def _wait(process: subprocess.Popen, channel) -> int:
+    done_since = None
     while True:
         try:
-            return process.wait(timeout=1)
+            return process.wait(timeout=0.25)
         except subprocess.TimeoutExpired:
-            if workers_stopped is None or not workers_stopped():
-                continue
-        stopped_since = stopped_since or time.monotonic()
-        if time.monotonic() - stopped_since > AGENT_EXIT_S:
-            # the agent blocks inside the store's C++ barrier, where Python never runs its SIGTERM handler; its
-            # workers are gone, so nothing is lost by killing it
+            pass
+        if channel is None:
+            continue
+        if channel.cause is not None:  # another node's worker ended the job: nothing here is worth waiting for
+            kill_tree(process.pid)
+            return process.wait()
+        if not channel.workers_done():
+            continue
+        done_since = done_since or time.monotonic()
+        waited = time.monotonic() - done_since
+        if waited > AGENT_EXIT_S or (waited > AGENT_GRACE_S and channel.all_done()):
+            # the agent waits in the exit barrier, inside the store's C++ code, where Python never runs its SIGTERM
+            # handler; its workers are gone, so nothing is lost by killing it (nor its interpreter's slow teardown)
             process.kill()
             return process.wait()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (torchrun starts each worker in a session of its own). The tree is
+    listed first: a killed parent's children are re-parented and no longer found from it."""
+    from meshtune.launch.parent_watch import parent_of
+
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (parent := parent_of(int(entry.name))) is not None:
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for victim in tree:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class AgentTracebackFilter:

@@ -1,0 +1,134 @@
+"""What the launchers of a job tell each other while their torchruns run, through the rendezvous store on
+MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of its own, as launch/joining.py does).
+
+- A worker's MeshtuneError ends the job: restarts cannot fix it (a read-only or full output_dir, a bad config).
+  Its launcher posts the message while the worker waits (`await_told`) before stopping its agent, so the store is
+  still there to carry it; every other launcher, reading it, ends its own torchrun and the node's workers, and
+  stops with those words. Without it, the others saw only their peers and the store vanish: node 0 stopped for a
+  read-only output_dir looked dead, and node 1 waited rdzv_timeout for it to come back.
+- A node's workers all done (finished, or stopped for a signal): once every node's are, no agent needs another,
+  and each launcher ends its torchrun at once instead of leaving it in torchrun's exit barrier, which waits up to
+  300 s for an agent that was signalled (it leaves without reaching the barrier) or killed.
+
+On one node, and with an etcd rendezvous (no store on MASTER_PORT), there is nobody to tell: a report is
+acknowledged at once.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+from meshtune.launch.joining import connect, join_key
+from meshtune.launch.nodes import NodeSettings
+
+TOLD = "told"  # left in the error directory once the other nodes have a worker's error (or nobody is there)
+POLL_S = 0.25
+READ_WAIT_S = 5.0  # how long a launcher waits for the other nodes to read its node's error before the worker goes
+
+
+def error_key(run_id: str) -> str:
+    return f"meshtune/{run_id}/error"
+
+
+def known_key(run_id: str) -> str:
+    """A counter: the launchers that know of a posted error (the one that posted it included)."""
+    return f"meshtune/{run_id}/error/known"
+
+
+def done_key(run_id: str) -> str:
+    """A counter: the nodes whose workers are all done."""
+    return f"meshtune/{run_id}/done"
+
+
+class JobChannel:
+    """`with JobChannel(settings, errors, workers_done, use_store) as channel:` around this node's torchrun.
+
+    `cause`: another node's error that ended the job, once read (the launcher then ends its torchrun);
+    `all_done()`: every node's workers are done."""
+
+    def __init__(self, settings: NodeSettings, errors: Path, workers_done, use_store: bool):
+        self.settings, self.errors, self.workers_done, self.use_store = settings, errors, workers_done, use_store
+        self.cause: str | None = None
+        self._posted = self._done_posted = False
+        self._nodes_done = 0
+        self._nodes = settings.min_nodes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshtune-job-channel", daemon=True)
+
+    def __enter__(self) -> JobChannel:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)  # at most a connect attempt (5 s) and a post's wait for readers
+
+    def all_done(self) -> bool:
+        if self.settings.max_nodes == 1:  # no other agent to wait for in the exit barrier
+            return self.workers_done()
+        return self._done_posted and self._nodes_done >= self._nodes
+
+    def _run(self) -> None:
+        store = None
+        # nothing more to learn once the job ended for every node (polling a store about to close only logs noise)
+        while not self._stop.wait(POLL_S) and not self.all_done() and self.cause is None:
+            if self.use_store and store is None:
+                store = connect(self.settings)
+            try:
+                self._tell_error(store)
+                if store is not None:
+                    self._exchange(store)
+            except Exception:  # noqa: BLE001 - the store went away (node 0 ended): torchrun's end says the rest
+                store = None
+
+    def _tell_error(self, store) -> None:
+        """This node's worker reported an error: post it (once) and wait for the others to read it, then let the
+        worker go on to stop its agent."""
+        reports = sorted(self.errors.glob("rank-*.txt"))
+        if not reports or self._posted:
+            return
+        self._posted = True
+        try:
+            if store is not None:
+                run_id = self.settings.run_id
+                store.set(error_key(run_id), json.dumps({"node": self.settings.node_rank,
+                                                         "host": socket.gethostname(),
+                                                         "message": reports[0].read_text()}))
+                known = store.add(known_key(run_id), 1)
+                deadline = time.monotonic() + READ_WAIT_S
+                while known < self._joined(store) and time.monotonic() < deadline:
+                    time.sleep(POLL_S / 2)
+                    known = store.add(known_key(run_id), 0)
+        finally:
+            (self.errors / TOLD).touch()
+
+    def _exchange(self, store) -> None:
+        run_id = self.settings.run_id
+        if not self._posted and self.cause is None and store.check([error_key(run_id)]):
+            posted = json.loads(store.get(error_key(run_id)))
+            store.add(known_key(run_id), 1)
+            self.cause = (f"node {posted['node']} ({posted['host']}) stopped the job, and this node with it: "
+                          f"{posted['message']}")
+        if not self._done_posted and self.workers_done():
+            store.add(done_key(run_id), 1)
+            self._done_posted = True
+        if self._done_posted:
+            self._nodes = self._joined(store)
+            self._nodes_done = store.add(done_key(run_id), 0)
+
+    def _joined(self, store) -> int:
+        """The nodes in the job: those whose launcher left its rank in the store (launch/joining.py)."""
+        joined = sum(store.check([join_key(self.settings.run_id, rank)]) for rank in range(self.settings.max_nodes))
+        return max(joined, self.settings.min_nodes)
+
+
+def await_told(errors: str | Path, timeout_s: float = READ_WAIT_S + 10) -> None:
+    """In a worker that reported an error: wait until its launcher has told the other nodes, so that the store on
+    MASTER_PORT (which this worker's agent hosts on node 0) is still there to carry it."""
+    deadline = time.monotonic() + timeout_s
+    while not Path(errors, TOLD).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)

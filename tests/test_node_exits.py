@@ -1,0 +1,374 @@
+"""How a node ends, and what the others learn of it: a storage error on one node ends every node with its words;
+SIGTERM ends every node within seconds of the checkpoint it leads to; a node's workers do not outlive its
+launcher, and the other nodes never wait past a short bound in torchrun's exit barrier.
+
+The parts first, in this process (the store between launchers, the workers' watch over their parents, torchrun's
+end); then two agents of one process each on 127.0.0.1, as tests/test_faults.py runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from conftest import kill_tree, read_metrics
+from processes import descendants
+from test_faults import Cluster, Node, free_port, job_config
+
+# ---- the parts
+
+
+def settings(rank: int, port: int, nnodes: str = "2"):
+    from meshtune.launch.nodes import NodeSettings
+
+    return NodeSettings(nnodes=nnodes, node_rank=rank, master_addr="127.0.0.1", master_port=port, nproc_per_node=1,
+                        run_id="job-1", source={})
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def two_launchers(tmp_path: Path, done: dict[int, bool]):
+    """node 0's rendezvous store (both launchers' ranks left in it) and a JobChannel per node."""
+    import torch.distributed as dist
+
+    from meshtune.launch.job_channel import JobChannel
+    from meshtune.launch.joining import join_key
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    for rank in (0, 1):
+        store.set(join_key("job-1", rank), "host")
+        (tmp_path / f"node{rank}").mkdir()
+    channels = [JobChannel(settings(rank, port), tmp_path / f"node{rank}", lambda rank=rank: done[rank], True)
+                for rank in (0, 1)]
+    return store, channels
+
+
+def test_a_workers_error_reaches_the_other_nodes_before_its_worker_stops_its_agent(tmp_path):
+    """Node 1's worker reports an error: its launcher posts it in the store and lets the worker go (TOLD) once
+    node 0's launcher has read it, which names node 1 and the error."""
+    from meshtune.launch.job_channel import TOLD
+
+    store, channels = two_launchers(tmp_path, {0: False, 1: False})
+    with channels[0], channels[1]:
+        (tmp_path / "node1" / "rank-000001.txt").write_text("output_dir: the file system is read-only")
+        assert wait_until(lambda: (tmp_path / "node1" / TOLD).exists())
+        host = json.loads(store.get("meshtune/job-1/error"))["host"]
+        assert channels[0].cause == (f"node 1 ({host}) stopped the job, and this node with it: output_dir: the file "
+                                     f"system is read-only")
+        assert store.add("meshtune/job-1/error/known", 0) == 2  # both knew before the worker went on
+        assert channels[1].cause is None and not (tmp_path / "node0" / TOLD).exists()
+
+
+def test_each_launcher_learns_when_every_nodes_workers_are_done(tmp_path):
+    done = {0: False, 1: False}
+    _store, channels = two_launchers(tmp_path, done)
+    with channels[0], channels[1]:
+        done[0] = True
+        time.sleep(1)
+        assert not channels[0].all_done() and not channels[1].all_done()
+        done[1] = True
+        assert wait_until(lambda: channels[0].all_done() and channels[1].all_done(), 5)
+
+
+def test_a_report_with_nobody_to_tell_is_acknowledged_at_once(tmp_path):
+    from meshtune.launch.job_channel import TOLD, JobChannel, await_told
+
+    with JobChannel(settings(0, free_port(), nnodes="1"), tmp_path, lambda: False, use_store=False):
+        (tmp_path / "rank-000000.txt").write_text("a config error")
+        started = time.monotonic()
+        await_told(tmp_path)
+    assert (tmp_path / TOLD).exists() and time.monotonic() - started < 2
+
+
+WORKER = """
+import time
+from meshtune.launch.parent_watch import watch_parents
+watch_parents(poll_s=0.1)
+time.sleep(60)
+"""
+AGENT = """
+import subprocess, sys, time
+print(subprocess.Popen([sys.executable, "-c", sys.argv[1]]).pid, flush=True)
+time.sleep(60)
+"""
+LAUNCHER = """
+import os, subprocess, sys, time
+os.environ["MESHTUNE_LAUNCHER_PID"] = str(os.getpid())
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(60)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie (one nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("killed", ["launcher", "agent"])
+def test_a_worker_stops_with_its_agent_or_launcher(killed):
+    """launcher -> agent -> worker, as meshtune -> torchrun -> worker: SIGKILL to the launcher alone (left a zombie:
+    its parent, this test, does not reap it yet) or to the agent alone, and the worker is gone within two seconds,
+    the agent with it."""
+    from meshtune.launch.parent_watch import parent_of
+
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, AGENT, WORKER], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(launcher.stdout.readline())
+        agent = parent_of(worker)
+        assert agent is not None and parent_of(agent) == launcher.pid
+        time.sleep(0.5)  # the worker's watch started (it imports nothing heavy)
+        assert alive(worker) and alive(agent)
+        os.kill(launcher.pid if killed == "launcher" else agent, signal.SIGKILL)
+        assert wait_until(lambda: not alive(worker), 3), f"the worker outlived the {killed}"
+        assert wait_until(lambda: not alive(agent), 3), f"the agent outlived the {killed}"
+    finally:
+        kill_tree(launcher.pid)
+        launcher.wait()
+
+
+class FakeChannel:
+    def __init__(self, workers_done=False, all_done=False, cause=None):
+        self._workers_done, self._all_done, self.cause = workers_done, all_done, cause
+
+    def workers_done(self) -> bool:
+        return self._workers_done
+
+    def all_done(self) -> bool:
+        return self._all_done
+
+
+# a torchrun that never leaves its exit barrier, its workers gone; and one with a worker still training
+STUCK_AGENT = [sys.executable, "-c", "import time; time.sleep(60)"]
+AGENT_AND_WORKER = [sys.executable, "-c", "import subprocess, sys, time\n"
+                    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)"]
+
+
+@pytest.mark.parametrize("every_node_done, bound", [(True, 3.0), (False, 14.0)])
+def test_torchrun_stuck_in_its_exit_barrier_is_ended_soon_after_the_workers(every_node_done, bound):
+    """This node's workers are done: torchrun gets AGENT_GRACE_S once every node's are, else AGENT_EXIT_S."""
+    from meshtune.launch.torchrun import AGENT_EXIT_S, run_torchrun
+
+    started = time.monotonic()
+    ended = run_torchrun(STUCK_AGENT, 1, channel=FakeChannel(workers_done=True, all_done=every_node_done))
+    took = time.monotonic() - started
+    assert ended.code == -signal.SIGKILL
+    assert took < bound and (every_node_done or took > AGENT_EXIT_S), took
+
+
+def test_another_nodes_error_ends_torchrun_and_its_workers_at_once():
+    from meshtune.launch.torchrun import run_torchrun
+
+    started = time.monotonic()
+    channel = FakeChannel()
+    process_tree: list[int] = []
+
+    def cause_after_a_while():
+        time.sleep(1.5)
+        process_tree.extend(descendants(os.getpid()))
+        channel.cause = "node 0 (host) stopped the job, and this node with it: the storage is full"
+
+    import threading
+
+    threading.Thread(target=cause_after_a_while, daemon=True).start()
+    ended = run_torchrun(AGENT_AND_WORKER, 1, channel=channel)
+    assert ended.code == -signal.SIGKILL and time.monotonic() - started < 5
+    assert len(process_tree) == 2 and wait_until(lambda: not any(alive(pid) for pid in process_tree), 3)
+
+
+# ---- two nodes of one process each on 127.0.0.1
+
+STEPS = 40  # with slow:0.3, about 0.5 s a step: the job runs long after any test's action
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.cleanup()
+
+
+def start_pair(cluster: Cluster, config: Path, fault: str = "slow:0.3", port: int | None = None) -> list[Node]:
+    port = port or free_port()
+    env = {"NPROC_PER_NODE": "1", "MESHTUNE_FAULT": fault}
+    nodes = [cluster.start(0, config, port, env=env)]
+    time.sleep(1)
+    return nodes + [cluster.start(1, config, port, env=env)]
+
+
+def wait_for_step(output: Path, step: int, nodes: list[Node], timeout: float = 240) -> float:
+    """When metrics.jsonl first held `step` steps (monotonic time)."""
+    deadline = time.monotonic() + timeout
+    while not ((output / "metrics.jsonl").exists() and len(read_metrics(output)) >= step):
+        for node in nodes:
+            assert node.process.poll() is None, node.output()[-3000:]
+        assert time.monotonic() < deadline, "the job never reached the step"
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def last_line(node: Node) -> str:
+    return node.output().strip().splitlines()[-1]
+
+
+def check_every_node_named_the_cause(nodes: list[Node], cause: str) -> None:
+    """One node stopped for its own error; the other names that node and the error; both on their last line, with
+    no worker's traceback."""
+    lines = [last_line(node) for node in nodes]
+    for node, line in zip(nodes, lines):
+        assert node.process.returncode == 1 and line.startswith("meshtune: error: ") and cause in line, line
+        assert "Traceback" not in node.output(), node.output()[-4000:]
+    told = [line for line in lines if "stopped the job, and this node with it" in line]
+    assert len(told) == 1, lines
+    failed = lines.index(next(line for line in lines if line not in told))
+    assert f"node {failed} (" in told[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_storage_error_on_one_node_ends_every_node_naming_it(cluster, tmp_path, tiny_model_dir, tiny_dataset, rank):
+    """Global rank `rank` meets a read-only output_dir after step 7 (fault injection; the node hosting the rendezvous
+    store, or the other): both nodes end within 30 s, each with the cause as its last line, and node 0's launcher
+    leaves no lock behind."""
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, max_steps=STEPS,
+                        rdzv_timeout=120)
+    nodes = start_pair(cluster, config, fault=f"slow:0.3,storage:7:{rank}")
+    near_the_fault = wait_for_step(output, 6, nodes)
+    for node in nodes:
+        node.wait(120)
+    assert time.monotonic() - near_the_fault < 30, [node.output()[-2000:] for node in nodes]
+    check_every_node_named_the_cause(nodes, "the file system is read-only")
+    assert "a restart cannot fix this" in last_line(nodes[0])
+    assert not (output / ".meshtune-lock").exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_ends_every_node_naming_it_in_one_line(cluster, tmp_path, tiny_model_dir,
+                                                                          tiny_dataset):
+    """A real full disk (a 1.1 MB tmpfs as output_dir; root only): the second checkpoint does not fit. Every rank's
+    DCP write fails; each node says so in one line, not under every rank's traceback."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100k", "tmpfs",
+                                                        str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        output = disk / "out"
+        config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, max_steps=STEPS, save_steps=2,
+                            save_total_limit=1, rdzv_timeout=120)
+        nodes = start_pair(cluster, config)
+        near_the_fault = wait_for_step(output, 3, nodes)
+        for node in nodes:
+            node.wait(120)
+        assert time.monotonic() - near_the_fault < 30, [node.output()[-2000:] for node in nodes]
+        for node in nodes:
+            line = last_line(node)
+            assert node.process.returncode == 1 and "No space left on device" in line, node.output()[-4000:]
+            assert "free space or lower save_total_limit" in line and "checkpoint-2 stays the resume point" in line
+            assert "Traceback" not in node.output(), node.output()[-4000:]
+        assert not (output / ".meshtune-lock").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def published_after(output: Path, periodic: int, nodes: list[Node], timeout: float = 30) -> tuple[int, float]:
+    """The checkpoint written on the stop (the first complete one past `periodic`) and when it appeared."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [int(p.parent.name.split("-")[1]) for p in output.glob("checkpoint-*/COMPLETE")
+                 if not p.parent.name.endswith(".tmp")]
+        if any(step > periodic for step in found):
+            return max(found), time.monotonic()
+        assert time.monotonic() < deadline, [node.output()[-2000:] for node in nodes]
+        time.sleep(0.02)
+
+
+EXIT_AFTER_SAVE_S = 8  # a worker's exit (~1 s), the launchers learning that every node's workers are done (~1 s),
+# torchrun's grace (1 s): a few seconds on 2 busy cores; before, 13-15 s went to torchrun's exit barrier and the
+# interpreters' teardown
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+@pytest.mark.parametrize("signalled", ["node 0's launcher", "every process of node 1"])
+def test_sigterm_ends_every_node_within_seconds_of_its_checkpoint(cluster, tmp_path, tiny_model_dir, tiny_dataset,
+                                                                  signalled):
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, max_steps=STEPS)
+    nodes = start_pair(cluster, config)
+    wait_for_step(output, 5, nodes)
+    if signalled == "node 0's launcher":
+        nodes[0].process.send_signal(signal.SIGTERM)
+    else:
+        kill_tree(nodes[1].process.pid, signal.SIGTERM)
+    saved, published = published_after(output, 4, nodes)
+    for node in nodes:
+        assert node.wait(60) == 143, node.output()[-4000:]
+    assert time.monotonic() - published < EXIT_AFTER_SAVE_S, [node.output()[-2000:] for node in nodes]
+    assert saved in (6, 7) and "run the same command again to resume" in last_line(nodes[0])
+    assert not (output / "final").exists()
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_alone_takes_its_workers_along_and_the_job_recovers(cluster, tmp_path, tiny_model_dir,
+                                                                              tiny_dataset):
+    """SIGKILL to node 1's meshtune launcher alone (its torchrun and worker left running): they stop within
+    seconds; within 30 s node 0's worker has stopped and its torchrun waits for node 1 in the rendezvous, and node
+    1's relaunch resumes the job."""
+    output, port = tmp_path / "output", free_port()
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, max_steps=STEPS)
+    nodes = start_pair(cluster, config, port=port)
+    wait_for_step(output, 5, nodes)
+    orphans, node0 = descendants(nodes[1].process.pid), descendants(nodes[0].process.pid)
+    assert len(orphans) == 2 and len(node0) == 2, (orphans, node0)  # torchrun and its worker
+    killed = time.monotonic()
+    os.kill(nodes[1].process.pid, signal.SIGKILL)
+    assert wait_until(lambda: not any(alive(pid) for pid in orphans), 5), "node 1's processes outlived its launcher"
+    # node 0's worker failed on its lost peer; its torchrun stays, back in the rendezvous
+    assert wait_until(lambda: not alive(node0[1]), 30), nodes[0].output()[-3000:]
+    assert time.monotonic() - killed < 30 and alive(node0[0]) and nodes[0].process.poll() is None
+    text = nodes[0].output()
+    assert "Traceback" not in text and "a collective failed because another rank died or stopped" in text, text
+    relaunched = cluster.start(1, config, port, env={"NPROC_PER_NODE": "1"})
+    assert nodes[0].wait(240) == 0 and relaunched.wait(240) == 0, nodes[0].output()[-4000:]
+    assert "resumed from" in nodes[0].output() + relaunched.output()
+    assert (output / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_an_agent_killed_alone_takes_its_workers_along_and_its_launcher_says_so(cluster, tmp_path, tiny_model_dir,
+                                                                                tiny_dataset):
+    """SIGKILL to node 1's torchrun alone (the OOM killer's pick): its worker stops within seconds, node 1's
+    launcher names what happened, and within 30 s node 0's torchrun waits for node 1 in the rendezvous."""
+    output = tmp_path / "output"
+    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, max_steps=STEPS)
+    nodes = start_pair(cluster, config)
+    wait_for_step(output, 5, nodes)
+    (agent, worker), node0 = descendants(nodes[1].process.pid), descendants(nodes[0].process.pid)
+    killed = time.monotonic()
+    os.kill(agent, signal.SIGKILL)
+    assert wait_until(lambda: not alive(worker), 5), "node 1's worker outlived its torchrun"
+    assert nodes[1].wait(30) == 1
+    assert "this node's torchrun agent was killed (SIGKILL) and its workers stopped with it" in last_line(nodes[1])
+    assert wait_until(lambda: not alive(node0[1]), 30 - (time.monotonic() - killed)), nodes[0].output()[-3000:]
+    assert alive(node0[0]) and nodes[0].process.poll() is None, nodes[0].output()[-3000:]  # back in the rendezvous
