@@ -470,3 +470,143 @@ def test_trace_summary_splits_a_ranks_gpu_time_and_names_the_host_op_behind_each
     assert "| GPU idle (nothing running) | 0.0 | 3.0 |" in table and "FSDP::post_backward" in table
     with pytest.raises(ValueError, match="no GPU events"):
         summarize({"traceEvents": [x("cpu_op", "aten::mm", 0, 10)]}, gaps=5, min_gap_ms=1.0)
+
+
+@pytest.fixture(scope="module")
+def parity_run(tmp_path_factory):
+    """bench/parity_curves.py's CPU smoke run: meshtune on 2 gloo processes (zero3, padding-free, fused loss,
+    recomputation) and the HF Trainer replay, two seeds each, fp32."""
+    tmp = tmp_path_factory.mktemp("parity")
+    out = tmp / "out"
+    argv = [sys.executable, str(REPO / "bench" / "parity_curves.py"), "--size", "tiny", "--steps", "6", "--minlen",
+            "16", "--maxlen", "64", "--bs", "2", "--seeds", "3,4", "--work", str(tmp / "work"), "--out", str(out)]
+    proc = run(argv, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, argv
+
+
+@pytest.mark.timeout(420)
+def test_parity_curves_replay_meshtunes_batches_into_hf_trainer(parity_run):
+    """Both stacks train the same samples in each step, so in fp32 their losses agree to float rounding at every
+    step, far closer than the two seeds do; the report holds every curve and each comparison."""
+    out, _ = parity_run
+    summary = json.loads((out / "parity.json").read_text())
+    runs = summary["runs"]
+    assert sorted(runs) == ["hf-seed3", "hf-seed4", "meshtune-seed3", "meshtune-seed4"]
+    assert all(len(run["loss"]) == len(run["lr"]) == len(run["tokens"]) == 6 for run in runs.values()), runs
+    plan = runs["meshtune-seed3"]["plan"]
+    assert (plan["parallel"], plan["padding_free"], plan["fused_loss"], plan["gradient_accumulation_steps"]) == (
+        "zero3", True, True, 2)
+    assert runs["meshtune-seed3"]["recomputed"] == "1 of the blocks"
+    for seed in (3, 4):
+        ours, theirs = runs[f"meshtune-seed{seed}"]["loss"], runs[f"hf-seed{seed}"]["loss"]
+        assert ours == pytest.approx(theirs, rel=1e-4, abs=0), (seed, ours, theirs)
+        assert runs[f"meshtune-seed{seed}"]["tokens"] == runs[f"hf-seed{seed}"]["tokens"]
+    assert runs["meshtune-seed3"]["loss"] != pytest.approx(runs["meshtune-seed4"]["loss"], rel=1e-4, abs=0)
+    found = summary["report"]
+    assert [c["compared"] for c in found["stacks"] + found["noise"]] == [
+        "meshtune vs HF Trainer, seed 3", "meshtune vs HF Trainer, seed 4", "seed 3 vs seed 4, meshtune",
+        "seed 3 vs seed 4, HF Trainer"]
+    assert all(c["step_max"] < 1e-4 for c in found["stacks"]) and all(c["step_max"] > 1e-4 for c in found["noise"])
+    assert [(s["lr_max"], s["same_tokens"]) for s in found["schedule"]] == [(0.0, True), (0.0, True)]
+    assert found["verdict"]["within_noise"] is True
+    table = (out / "parity.md").read_text()
+    assert "| meshtune vs HF Trainer, seed 3 |" in table and "within run-to-run noise" in table
+    assert "| step | meshtune-seed3 | meshtune-seed4 | hf-seed3 | hf-seed4 |" in table
+    assert (out / "parity.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(200)
+def test_parity_curves_keep_the_runs_that_finished_with_the_same_settings(parity_run):
+    """A second invocation into the same --out runs nothing it finished before (the report is the same); one with
+    another setting finds none of them, and leaves them in place."""
+    out, argv = parity_run
+    files = sorted((out / "runs").iterdir())
+    before = [f.read_text() for f in files]
+    again = run([*argv, "--only", "hf"], timeout=150)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "(finished with these settings): meshtune-seed3, meshtune-seed4, hf-seed3, hf-seed4" in again.stdout
+    assert sorted((out / "runs").iterdir()) == files and [f.read_text() for f in files] == before
+    assert json.loads((out / "parity.json").read_text())["report"]["verdict"]["within_noise"] is True
+    other = run([*argv, "--lr", "1e-3", "--only", "meshtune", "--time-limit", "0"], timeout=150)
+    assert other.returncode == 0, other.stdout[-3000:] + other.stderr[-3000:]
+    assert "kept from" not in other.stdout
+    runs = json.loads((out / "parity.json").read_text())["runs"]
+    assert runs["meshtune-seed3"]["skipped"] == "time limit"
+    assert runs["hf-seed3"]["skipped"].startswith("no run with these settings in")
+    assert [f.read_text() for f in files] == before and len(list((out / "runs").iterdir())) == len(files) + 2
+
+
+def test_parity_report_lists_runs_that_did_not_finish_and_judges_what_did():
+    from parity_curves import render, report
+
+    def curve(start):
+        return dict(loss=[start - 0.01 * i for i in range(20)], lr=[1e-4] * 20, tokens=[100] * 20)
+
+    runs = {"meshtune-seed1": curve(5.0), "meshtune-seed2": curve(5.5), "hf-seed1": curve(5.001),
+            "hf-seed2": dict(error="timed out after 1200 s")}
+    found = report(runs, [1, 2])
+    assert [c["compared"] for c in found["stacks"] + found["noise"]] == [
+        "meshtune vs HF Trainer, seed 1", "seed 1 vs seed 2, meshtune"]
+    assert found["verdict"]["within_noise"] is True and found["verdict"]["stacks"] < 1e-3
+    assert found["noise"][0]["final"] == pytest.approx(0.5 / 5.105, rel=1e-6)  # last 10 steps: 4.855 and 5.355
+    summary = dict(device="NVIDIA H200", gpus=2, global_batch=32, meshtune_levers="parallel zero3",
+                   hf_settings="bf16 autocast", memory_note=None, meshtune_config=dict(warmup_steps=2), runs=runs,
+                   report=found, args=dict(size="0.5b", steps=20, minlen=64, maxlen=512, symbols=512, lr=3e-4, gpus=2))
+    table = render(summary)
+    assert "| hf-seed2 | not run: timed out after 1200 s |" in table
+    assert "NVIDIA H200 x 2; Qwen2.5 0.5b shape" in table and "within run-to-run noise" in table
+    runs["hf-seed1"] = curve(5.6)  # the stacks now differ more than the seeds
+    assert report(runs, [1, 2])["verdict"]["within_noise"] is False
+
+
+def test_parity_memory_budget_makes_the_fit_recompute_half_the_blocks():
+    """The budget is read from the memory fit's own log line, and the fit's own rule then keeps half the blocks."""
+    from parity_curves import budget_for_half
+
+    from meshtune.train.memory_fit import GIB, MemoryFit, blocks_to_keep
+
+    line = MemoryFit(blocks=24, kept=24, peak_all=6.3 * GIB, per_block=0.42 * GIB, budget=126 * GIB,
+                     tokens=4096).describe()
+    budget = budget_for_half(f"[ 60.2 s] {line}", 24)
+    assert budget is not None and budget > 1  # GiB, as memory_budget reads a value above 1
+    assert blocks_to_keep(6.3 * GIB, 0.42 * GIB, budget * GIB, 24) == 12
+    assert budget_for_half("gradient_checkpointing_ratio auto: nothing measured", 24) is None
+
+
+def test_parity_task_samples_are_a_walk_of_the_chain_then_its_copy():
+    from parity_curves import SUCCESSORS, task_samples
+
+    samples = task_samples(200, 16, 64, symbols=50)
+    assert all(16 <= len(s) <= 64 and len(s) % 2 == 1 for s in samples)
+    assert len({len(s) for s in samples}) > 10
+    follows: dict[int, set[int]] = {}
+    for s in samples:
+        m = len(s) // 2
+        assert s[m] == 50 and list(s[:m]) == list(s[m + 1:]) and max(s[:m]) < 50
+        for a, b in zip(s[:m - 1], s[1:m]):
+            follows.setdefault(int(a), set()).add(int(b))
+    assert max(len(v) for v in follows.values()) <= SUCCESSORS and len(follows) == 50
+    assert all((a == b).all() for a, b in zip(task_samples(200, 16, 64, 50), samples))  # from its own seed
+
+
+@pytest.mark.timeout(60)
+def test_parity_memory_probe_stops_the_run_and_its_workers_at_the_fit_line(tmp_path):
+    """The probe reads the memory fit's line and ends the run there: the launcher and every process below it
+    (torchrun's workers hold the GPUs) are gone when it returns."""
+    from parity_curves import FIT_LINE, run_until, running
+
+    script = ("import subprocess, sys, time\n"
+              "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+              "print('worker', worker.pid, flush=True)\n"
+              "print('auto: a step of the largest micro-batch (9 tokens) takes 6.30 GiB with every block recomputed, "
+              "and each block kept holds 0.42 GiB of activations', flush=True)\n"
+              "time.sleep(120)\n")
+    started = time.monotonic()
+    line, output = run_until([sys.executable, "-c", script], FIT_LINE, 50, ENV, tmp_path / "probe.log")
+    assert time.monotonic() - started < 30
+    assert line is not None and "6.30 GiB" in line and (tmp_path / "probe.log").read_text().startswith("worker")
+    worker = int(output.split()[1])
+    assert not running(worker) and running(os.getpid())
+    line, _ = run_until([sys.executable, "-c", "print('no fit here')"], FIT_LINE, 50, ENV, tmp_path / "none.log")
+    assert line is None
