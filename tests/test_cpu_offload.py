@@ -37,7 +37,8 @@ def config(**values):
 SEVEN_B = ModelSize(7_000_000_000, 230_000_000)
 
 
-def test_the_plan_says_what_goes_to_host_memory_and_how_much():
+def test_the_plan_says_what_goes_to_host_memory_and_how_much(monkeypatch):
+    monkeypatch.setattr("meshtune.plan.smallest_gpu_memory", lambda device, limit: 141e9)  # an H200, on a CPU host
     full = resolve(config(finetuning_type="full"), env(8, "cuda"), None, lambda: SEVEN_B)
     plain = resolve(config(finetuning_type="full", cpu_offload=False), env(8, "cuda"), None, lambda: SEVEN_B)
     assert full.cpu_offload and not plain.cpu_offload and "cpu_offload" not in plain.describe()
