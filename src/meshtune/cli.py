@@ -214,7 +214,7 @@ def load_training_config(args: argparse.Namespace):
     """The config and the `train` arguments every torchrun worker gets; warnings printed once per node."""
     import os
 
-    from meshtune.compat.loading import load_job_config
+    from meshtune.compat.job_config import load_job_config
     from meshtune.worker_env import ERROR_DIR, torchrun_worker
 
     if args.config is not None and "=" in args.config and not Path(args.config).is_file():
@@ -309,7 +309,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
     from meshtune.checkpoint.manifest import MANIFEST
-    from meshtune.model.export import export_kind, verify_export
+    from meshtune.model.final_weights import export_kind, verify_export
 
     if args.ckpt_command == "list":
         if not Path(args.output_dir).is_dir():
