@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import psutil
+
 from meshtune.launch.nodes import NodeSettings
 
 
@@ -153,20 +155,15 @@ def _wait(process: subprocess.Popen, channel) -> int:
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process below it (torchrun starts each worker in a session of its own). The tree is
     listed first: a killed parent's children are re-parented and no longer found from it."""
-    from meshtune.launch.parent_watch import parent_of
-
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (parent := parent_of(int(entry.name))) is not None:
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    for victim in tree:
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
         try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
+            process.kill()
+        except psutil.NoSuchProcess:
             pass
 
 
