@@ -291,6 +291,26 @@ def test_launch_help_explains_env_and_schedulers(capfd):
         assert expected in result.stdout
 
 
+def test_options_are_read_before_among_and_after_the_config_and_its_overrides():
+    from meshtune.cli import parse_args
+
+    for argv in (["train", "c.yaml", "seed=1", "--debug"], ["train", "c.yaml", "--debug", "seed=1"],
+                 ["train", "--debug", "c.yaml", "seed=1"], ["--debug", "train", "c.yaml", "seed=1"]):
+        args = parse_args(argv)
+        assert (args.command, args.config, args.overrides, args.debug) == ("train", "c.yaml", ["seed=1"], True), argv
+    assert not parse_args(["train", "c.yaml", "seed=1"]).debug
+    args = parse_args(["launch", "--scheduler", "slurm", "c.yaml", "--nodes", "2", "seed=1", "--use_lora",
+                       "--gpus-per-node=4", "max_steps=3"])
+    assert (args.scheduler, args.nodes, args.gpus_per_node) == ("slurm", 2, 4)
+    assert (args.config, args.overrides, args.flags, args.debug) == ("c.yaml", ["seed=1", "max_steps=3"],
+                                                                     {"use_lora": True}, False)
+    args = parse_args(["doctor", "c.yaml", "--timeout", "5", "seed=1", "--bandwidth"])
+    assert (args.timeout, args.bandwidth, args.overrides) == (5.0, True, ["seed=1"])
+    assert parse_args(["--debug", "ckpt", "verify", "out/checkpoint-2"]).debug
+    assert parse_args(["ckpt", "verify", "out/checkpoint-2", "--debug"]).debug
+    assert not parse_args(["ckpt", "list", "out"]).debug
+
+
 @pytest.mark.slow
 def test_two_agents_on_one_machine_train_as_two_nodes(tmp_path, tiny_model_dir, tiny_dataset):
     values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=3)
