@@ -19,7 +19,7 @@ from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.launch import (describe, detect_node_settings, expand_hostlist, launch_env, needs_torchrun,
                              node_range, torchrun_command, torchrun_worker)
-from meshtune.launch import nodes
+from meshtune.launch import nodes, torchrun
 
 BASE = {"model_name_or_path": "/models/x", "dataset": "train.jsonl", "output_dir": "runs/a"}
 TWO_NODES = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555"}
@@ -32,6 +32,12 @@ DETECTED_NAMES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PE
 def three_visible_gpus(monkeypatch):
     """The default process count must not depend on the machine running the tests."""
     monkeypatch.setattr(nodes, "default_nproc_per_node", lambda: 3)
+
+
+@pytest.fixture(autouse=True)
+def no_torchrun_numa_binding(monkeypatch):
+    """Nor the torchrun command on its GPUs and numactl (tests/test_cpu_affinity.py has the binding)."""
+    monkeypatch.setattr(torchrun, "torchrun_numa_binding", lambda mode, nproc: None)
 
 
 def cfg(**values):
