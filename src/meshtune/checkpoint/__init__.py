@@ -7,5 +7,5 @@ from meshtune.checkpoint.resume import CheckpointInfo, format_listing, list_chec
 from meshtune.checkpoint.state import ModelOptimizerState, RNGState, TrainerState, TrainingProgress, training_state
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "ModelOptimizerState", "RNGState",
-           "TrainerState", "TrainingProgress", "final_problems", "format_listing", "list_checkpoints", "publish_final", "read_manifest",
-           "select_resume", "training_state", "verify"]
+           "TrainerState", "TrainingProgress", "final_problems", "format_listing", "list_checkpoints", "publish_final",
+           "read_manifest", "select_resume", "training_state", "verify"]
