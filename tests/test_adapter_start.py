@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import base_config, read_metrics
-from meshtune.compat.loading import load_job_config
+from meshtune.compat.job_config import load_job_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError, ModelError
 from meshtune.model.loading import load_model

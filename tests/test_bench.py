@@ -594,7 +594,8 @@ def test_parity_task_samples_are_a_walk_of_the_chain_then_its_copy():
 def test_parity_memory_probe_stops_the_run_and_its_workers_at_the_fit_line(tmp_path):
     """The probe reads the memory fit's line and ends the run there: the launcher and every process below it
     (torchrun's workers hold the GPUs) are gone when it returns."""
-    from parity_curves import FIT_LINE, run_until, running
+    from parity_curves import FIT_LINE, run_until
+    from processes import alive
 
     script = ("import subprocess, sys, time\n"
               "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
@@ -607,6 +608,6 @@ def test_parity_memory_probe_stops_the_run_and_its_workers_at_the_fit_line(tmp_p
     assert time.monotonic() - started < 30
     assert line is not None and "6.30 GiB" in line and (tmp_path / "probe.log").read_text().startswith("worker")
     worker = int(output.split()[1])
-    assert not running(worker) and running(os.getpid())
+    assert not alive(worker) and alive(os.getpid())
     line, _ = run_until([sys.executable, "-c", "print('no fit here')"], FIT_LINE, 50, ENV, tmp_path / "none.log")
     assert line is None

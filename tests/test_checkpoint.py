@@ -23,8 +23,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from meshtune.checkpoint import (CheckpointError, CheckpointManager, format_listing, list_checkpoints,
-                                 select_resume, training_state, verify)
+from meshtune.checkpoint import (CheckpointError, CheckpointManager, TrainerState, TrainingProgress, format_listing,
+                                 list_checkpoints, select_resume, training_state, verify)
 
 INFO = {"epoch": 0, "world_size": 1, "parallel": "zero3", "config_hash": "abc"}
 RANKS_TIMEOUT_S = 90
@@ -55,7 +55,7 @@ class Tiny(nn.Module):
 
 
 def setup(seed: int, fsdp: bool = False, freeze_first_block: bool = False):
-    """Model, AdamW, LambdaLR and a trainer dict: the state the loop checkpoints."""
+    """Model, AdamW and LambdaLR: with the loop's TrainingProgress, the state the loop checkpoints."""
     model = Tiny(seed)
     if freeze_first_block:
         model.blocks[0].requires_grad_(False)
@@ -116,30 +116,30 @@ def save_steps(output_dir: Path, steps, limit=None) -> None:
     manager = CheckpointManager(output_dir, limit, False, 0, 1)
     for step in steps:
         train_step(model, optimizer, scheduler, step)
-        manager.save(step, training_state(model, optimizer, scheduler, {"step": step}, 0, False),
+        manager.save(step, training_state(model, optimizer, scheduler, TrainingProgress(step=step), 0, False),
                      {**INFO, "step": step})
     manager.close()
 
 
-def test_round_trip_restores_model_optimizer_scheduler_trainer_and_rng(tmp_path, world_of_one):
+def test_round_trip_restores_model_optimizer_scheduler_progress_and_rng(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0)
     train_step(model, optimizer, scheduler, 1)
-    trainer = {"step": 1, "epoch": 0, "consumed_samples": 8}
+    progress = TrainingProgress(step=1, epoch=0, nonfinite_skipped=[1], loss_scale={"scale": 8.0})
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(model, optimizer, scheduler, trainer, 0, False), INFO)
+    manager.save(1, training_state(model, optimizer, scheduler, progress, 0, False), INFO)
     saved, saved_scheduler, after_save = full_state(model, optimizer), scheduler.state_dict(), draws()
     manifest = json.loads((tmp_path / "checkpoint-1" / "manifest.json").read_text())
     assert manifest["step"] == 1 and manifest["config_hash"] == "abc"
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
 
     model, optimizer, scheduler = setup(5)
-    loaded_trainer: dict = {}
-    state = training_state(model, optimizer, scheduler, loaded_trainer, 0, False)
+    loaded_progress = TrainingProgress()
+    state = training_state(model, optimizer, scheduler, loaded_progress, 0, False)
     random.seed(99)
     assert manager.load(tmp_path / "checkpoint-1", state)["step"] == 1
     assert_same(full_state(model, optimizer), saved)
     assert scheduler.state_dict() == saved_scheduler and optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
-    assert loaded_trainer == trainer
+    assert loaded_progress == progress
     assert state["rng"].restored and draws() == after_save
 
 
@@ -148,12 +148,13 @@ def test_ddp_checkpoint_loads_into_a_bare_module(tmp_path, world_of_one):
     ddp = nn.parallel.DistributedDataParallel(model)
     train_step(ddp, optimizer, scheduler, 1)
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(ddp, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+    manager.save(1, training_state(ddp, optimizer, scheduler, TrainingProgress(step=1), 0, False), INFO)
     keys = FileSystemReader(str(tmp_path / "checkpoint-1")).read_metadata().state_dict_metadata
     assert "model_optim.model.head.weight" in keys  # no DDP "module." prefix: any wrapper can load it
 
     bare, bare_optimizer, bare_scheduler = setup(5)
-    manager.load(tmp_path / "checkpoint-1", training_state(bare, bare_optimizer, bare_scheduler, {}, 0, False))
+    state = training_state(bare, bare_optimizer, bare_scheduler, TrainingProgress(), 0, False)
+    manager.load(tmp_path / "checkpoint-1", state)
     assert_same(full_state(bare, bare_optimizer), full_state(model, optimizer))
 
 
@@ -163,10 +164,11 @@ def test_fsdp2_checkpoint_loads_into_a_bare_module(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0, fsdp=True)
     train_step(model, optimizer, scheduler, 1)
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+    manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, False), INFO)
 
     bare, bare_optimizer, bare_scheduler = setup(5)
-    manager.load(tmp_path / "checkpoint-1", training_state(bare, bare_optimizer, bare_scheduler, {}, 0, False))
+    state = training_state(bare, bare_optimizer, bare_scheduler, TrainingProgress(), 0, False)
+    manager.load(tmp_path / "checkpoint-1", state)
     assert_same(full_state(bare, bare_optimizer), full_state(model, optimizer))
 
 
@@ -281,27 +283,37 @@ def test_async_save_snapshots_state_and_wait_publishes(tmp_path, world_of_one):
     manager = CheckpointManager(tmp_path, None, True, 0, 1)
     train_step(model, optimizer, scheduler, 1)
     at_save = full_state(model, optimizer)
-    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), {**INFO, "step": 1})
+    manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, False),
+                 {**INFO, "step": 1})
     train_step(model, optimizer, scheduler, 2)  # training goes on while the save is in flight
     assert not (tmp_path / "checkpoint-1").exists()
-    manager.save(2, training_state(model, optimizer, scheduler, {"step": 2}, 0, False), {**INFO, "step": 2})
+    manager.save(2, training_state(model, optimizer, scheduler, TrainingProgress(step=2), 0, False),
+                 {**INFO, "step": 2})
     assert verify(tmp_path / "checkpoint-1") == []  # the next save published the previous one first
     manager.wait()
     assert verify(tmp_path / "checkpoint-2") == []
 
     model, optimizer, scheduler = setup(5)
-    trainer: dict = {}
-    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, trainer, 0, False))
+    progress = TrainingProgress()
+    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, progress, 0, False))
     assert_same(full_state(model, optimizer), at_save)
-    assert trainer == {"step": 1}
+    assert progress == TrainingProgress(step=1)
     manager.close()
+
+
+def test_progress_a_checkpoint_does_not_hold_starts_from_its_default():
+    """A checkpoint from before a counter existed resumes with that counter's default; one it does not know is
+    left out."""
+    progress = TrainingProgress(step=5, epoch=1, nonfinite_skipped=[2], loss_scale={"scale": 2.0})
+    TrainerState(progress).load_state_dict({"json": json.dumps({"step": 3, "epoch": 1, "consumed_samples": 8})})
+    assert progress == TrainingProgress(step=3, epoch=1)
 
 
 def test_trainable_only_saves_only_trainable_parameters(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0, freeze_first_block=True)
     train_step(model, optimizer, scheduler, 1)
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, True), INFO)
+    manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, True), INFO)
     saved = full_state(model, optimizer)
 
     keys = FileSystemReader(str(tmp_path / "checkpoint-1")).read_metadata().state_dict_metadata
@@ -314,7 +326,7 @@ def test_trainable_only_saves_only_trainable_parameters(tmp_path, world_of_one):
         for p in model.parameters():
             if p.requires_grad:
                 p.zero_()
-    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, {}, 0, True))
+    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, TrainingProgress(), 0, True))
     assert_same(full_state(model, optimizer), saved)
 
 
@@ -369,8 +381,8 @@ def run_ranks(job, world_size: int, workdir: Path, entry=None) -> None:
 def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     """Load the 1-rank checkpoint into FSDP2 on 2 ranks, async-save two checkpoints from 2 ranks, fail a third."""
     model, optimizer, scheduler = setup(1, fsdp=True)
-    trainer: dict = {}
-    state = training_state(model, optimizer, scheduler, trainer, rank, False)
+    progress = TrainingProgress()
+    state = training_state(model, optimizer, scheduler, progress, rank, False)
     manager = CheckpointManager(workdir / "two", 2, True, rank, world_size)
     if rank == 1:
         with pytest.warns(UserWarning, match="holds no random state for this rank"):
@@ -378,7 +390,7 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     else:
         manager.load(workdir / "one" / "checkpoint-1", state)
     loaded = full_state(model, optimizer)
-    assert trainer == {"step": 1}
+    assert progress == TrainingProgress(step=1)
     assert state["rng"].restored == (rank == 0)
     if rank == 0:
         assert_same(loaded, torch.load(workdir / "one.pt"))
@@ -387,7 +399,7 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     for step in (2, 3):
         train_step(model, optimizer, scheduler, step)
         reference = full_state(model, optimizer)
-        trainer["step"] = step
+        progress.step = step
         manager.save(step, state, {**INFO, "step": step, "world_size": world_size})
         if rank == 0:
             torch.save({"state": reference, "draws": draws()}, workdir / f"two-{step}.pt")
@@ -405,7 +417,7 @@ def test_fsdp2_checkpoint_reshards_between_one_and_two_ranks(tmp_path):
         model, optimizer, scheduler = setup(0, fsdp=True)
         train_step(model, optimizer, scheduler, 1)
         manager = CheckpointManager(tmp_path / "one", None, False, 0, 1)
-        manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+        manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, False), INFO)
         torch.save(full_state(model, optimizer), tmp_path / "one.pt")
     finally:
         dist.destroy_process_group()
@@ -420,12 +432,12 @@ def test_fsdp2_checkpoint_reshards_between_one_and_two_ranks(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model, optimizer, scheduler = setup(5, fsdp=True)
-        trainer: dict = {}
-        state = training_state(model, optimizer, scheduler, trainer, 0, False)
+        progress = TrainingProgress()
+        state = training_state(model, optimizer, scheduler, progress, 0, False)
         CheckpointManager(tmp_path / "two", None, False, 0, 1).load(tmp_path / "two" / "checkpoint-2", state)
         expected = torch.load(tmp_path / "two-2.pt")
         assert_same(full_state(model, optimizer), expected["state"])
-        assert trainer == {"step": 2} and state["rng"].restored and draws() == expected["draws"]
+        assert progress == TrainingProgress(step=2) and state["rng"].restored and draws() == expected["draws"]
     finally:
         dist.destroy_process_group()
 
@@ -435,7 +447,7 @@ def two_rank_saves(rank: int, world_size: int, workdir: Path) -> None:
     manager = CheckpointManager(workdir / "out", None, False, rank, world_size)
     for step in (1, 2):
         train_step(model, optimizer, scheduler, step)
-        manager.save(step, training_state(model, optimizer, scheduler, {"step": step}, rank, False),
+        manager.save(step, training_state(model, optimizer, scheduler, TrainingProgress(step=step), rank, False),
                      {**INFO, "step": step, "world_size": world_size})
     manager.close()
 

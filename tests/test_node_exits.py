@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_tree, read_metrics
-from processes import descendants
+from processes import alive, descendants
 from test_faults import Cluster, Node, free_port, job_config
 
 # ---- the parts
@@ -114,14 +114,6 @@ os.environ["MESHTUNE_LAUNCHER_PID"] = str(os.getpid())
 subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
 time.sleep(60)
 """
-
-
-def alive(pid: int) -> bool:
-    """Running: neither gone nor a zombie (one nobody reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("killed", ["launcher", "agent"])

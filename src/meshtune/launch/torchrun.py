@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import psutil
+
+from meshtune.cpu_affinity import torchrun_numa_binding
 from meshtune.launch.nodes import NodeSettings
 
 
@@ -21,10 +24,16 @@ def needs_torchrun(settings: NodeSettings) -> bool:
     return settings.multi_node or settings.nproc_per_node > 1
 
 
-def standalone_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
+def standalone_command(nproc: int, argv: list[str], max_restarts: int = 0,
+                       numa_binding: str | None = None) -> list[str]:
     """torchrun with a standalone (local, free-port) c10d rendezvous, re-entering `meshtune` in each worker."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts", str(max_restarts), "-m", "meshtune", *argv]
+            "--max-restarts", str(max_restarts), *numa_binding_option(numa_binding), "-m", "meshtune", *argv]
+
+
+def numa_binding_option(value: str | None) -> list[str]:
+    """torchrun pins its workers near their GPUs (cpu_affinity.py says when it does, and why)."""
+    return [f"--numa-binding={value}"] if value else []
 
 
 def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
@@ -38,8 +47,9 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     workers as MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
     `read_timeout` is the store connection's patience too: a node started before node 0 waits that long.
     """
+    numa_binding = torchrun_numa_binding(cfg.cpu_affinity, settings.nproc_per_node)
     if not settings.multi_node:
-        return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts)
+        return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts, numa_binding)
     host = f"[{settings.master_addr}]" if ":" in settings.master_addr else settings.master_addr  # IPv6
     timeouts = f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}"
     if cfg.rdzv_backend == "etcd-v2":  # the rendezvous lives in etcd: no node hosts it
@@ -54,6 +64,7 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
             "--rdzv-id", settings.run_id,
             "--max-restarts", str(cfg.max_restarts),
             *(["--local-addr", cfg.local_addr] if cfg.local_addr else []),
+            *numa_binding_option(numa_binding),
             "-m", "meshtune", *argv]
 
 
@@ -153,20 +164,15 @@ def _wait(process: subprocess.Popen, channel) -> int:
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process below it (torchrun starts each worker in a session of its own). The tree is
     listed first: a killed parent's children are re-parented and no longer found from it."""
-    from meshtune.launch.parent_watch import parent_of
-
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (parent := parent_of(int(entry.name))) is not None:
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    for victim in tree:
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
         try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
+            process.kill()
+        except psutil.NoSuchProcess:
             pass
 
 
