@@ -71,8 +71,9 @@ def zero3_job(rank: int, world_size: int, workdir: Path) -> None:
     train(build_config(json.loads((workdir / "task.json").read_text())))
 
 
+@pytest.mark.slow
 def test_two_ranks_under_zero3_continue_the_adapter_rank_0_read(first_run, tmp_path, tiny_model_dir, tiny_dataset):
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     values = continued(tiny_model_dir, tiny_dataset, tmp_path / "run", first_run / "final", parallel="zero3",
                        per_device_train_batch_size=1)

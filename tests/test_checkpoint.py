@@ -1,5 +1,5 @@
 """Checkpoints through real DCP and real process groups: a group of one in this process, and two gloo ranks
-started with torch.multiprocessing for FSDP2 resharding (2 ranks -> 1 and 1 -> 2) and async saves."""
+forked from a process with torch imported (tests/ranks.py) for FSDP2 resharding (2 ranks -> 1 and 1 -> 2) and async saves."""
 
 from __future__ import annotations
 
@@ -7,17 +7,13 @@ import json
 import os
 import random
 import shutil
-import socket
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -25,9 +21,9 @@ from torch.distributed.fsdp import fully_shard
 
 from meshtune.checkpoint import (CheckpointError, CheckpointManager, TrainerState, TrainingProgress, format_listing,
                                  list_checkpoints, select_resume, training_state, verify)
+from ranks import run_ranks
 
 INFO = {"epoch": 0, "world_size": 1, "parallel": "zero3", "config_hash": "abc"}
-RANKS_TIMEOUT_S = 90
 
 
 class Block(nn.Module):
@@ -332,52 +328,6 @@ def test_trainable_only_saves_only_trainable_parameters(tmp_path, world_of_one):
 
 # ---- two real ranks ----------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_entry(job, rank: int, world_size: int, port: int, workdir: Path) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
-        job(rank, world_size, workdir)
-        dist.destroy_process_group()
-    except BaseException:
-        (workdir / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    # Skip interpreter shutdown: FSDP2's DTensor caches keep the gloo group (and its worker threads) alive past
-    # destroy_process_group, and a worker freeing the last collective's tensors then needs the GIL while Python
-    # finalises: "terminate called without an active exception", about 1 run in 6 on torch 2.13.
-    os._exit(0)
-
-
-def run_ranks(job, world_size: int, workdir: Path, entry=None) -> None:
-    """Start `job` on `world_size` gloo ranks; fail with the ranks' tracebacks; never leave a process behind.
-    `entry(job, rank, world_size, port, workdir)` runs in each process (default: `rank_entry`, which forms the
-    group and calls `job`); it leaves its traceback in workdir/rank<R>.error."""
-    context = mp.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=entry or rank_entry, args=(job, rank, world_size, port, workdir))
-                 for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [process for process in processes if process.is_alive()]
-        for process in hung:
-            process.kill()
-            process.join()
-    errors = "\n".join(p.read_text() for p in sorted(workdir.glob("rank*.error")))
-    assert not hung, f"{len(hung)} rank(s) still running after {RANKS_TIMEOUT_S} s\n{errors}"
-    assert all(p.exitcode == 0 for p in processes), errors
-
-
 def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     """Load the 1-rank checkpoint into FSDP2 on 2 ranks, async-save two checkpoints from 2 ranks, fail a third."""
     model, optimizer, scheduler = setup(1, fsdp=True)
@@ -411,6 +361,7 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
         CheckpointManager(workdir / "two", 2, False, rank, world_size).save(4, state, {"unserialisable": object()})
 
 
+@pytest.mark.slow
 def test_fsdp2_checkpoint_reshards_between_one_and_two_ranks(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -470,6 +421,7 @@ def two_rank_resume_selection(rank: int, world_size: int, workdir: Path) -> None
                                                                "hashed": hashed}))
 
 
+@pytest.mark.slow
 def test_resume_verification_is_split_across_ranks_and_a_byte_only_rank_1_reads_still_moves_it_aside(tmp_path):
     from meshtune.checkpoint.manifest import share
 

@@ -62,6 +62,7 @@ def row(output: str, check: str) -> str:
     return next(line for line in output.splitlines() if line.startswith(check))
 
 
+@pytest.mark.slow
 def test_a_healthy_pair_of_nodes_passes_and_node_0_prints_one_table(config, tmp_path):
     started = time.monotonic()
     (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}],
@@ -80,6 +81,7 @@ def test_a_healthy_pair_of_nodes_passes_and_node_0_prints_one_table(config, tmp_
     assert not list((tmp_path / "output").glob(".meshtune-doctor-*"))  # node 0's token removed
 
 
+@pytest.mark.slow
 def test_each_fault_is_named_with_its_node(config, tmp_path, tiny_dataset):
     other_data = tmp_path / "other.jsonl"
     other_data.write_text(tiny_dataset.read_text().replace("the", "a"))
@@ -99,6 +101,7 @@ def test_each_fault_is_named_with_its_node(config, tmp_path, tiny_dataset):
     assert "fix: install the same versions on every node" in out1
 
 
+@pytest.mark.slow
 def test_duplicate_node_rank_and_nnodes_mismatch(config):
     results = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}, {"NODE_RANK": "1", "NNODES": "4"}])
     (code0, out0), _, (code2, out2) = results
@@ -109,6 +112,7 @@ def test_duplicate_node_rank_and_nnodes_mismatch(config):
     assert "✘ 4 nodes" in row(out0, "NNODES, MASTER_ADDR/PORT, processes") and "node 0 has nnodes=3" in out0
 
 
+@pytest.mark.slow
 def test_a_wrong_port_or_a_missing_master_fails_within_the_timeout_naming_the_node(config):
     started = time.monotonic()
     port = free_port()
@@ -149,6 +153,7 @@ def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure(
 
 
 
+@pytest.mark.slow
 def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves(config, tmp_path):
     started = time.monotonic()
     (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}],
@@ -226,6 +231,7 @@ def train_config(tmp_path, tiny_model_dir, tiny_dataset, **extra):
     return write_config(tmp_path, **values)
 
 
+@pytest.mark.slow
 def test_preflight_stops_the_launch_before_torchrun_naming_the_node_whose_data_differs(tmp_path, tiny_model_dir,
                                                                                      tiny_dataset):
     other_data = tmp_path / "other.jsonl"
@@ -245,6 +251,7 @@ def test_preflight_stops_the_launch_before_torchrun_naming_the_node_whose_data_d
     assert "rendezvous" not in out0 + out1 and not (tmp_path / "output" / "run_plan.json").exists()
 
 
+@pytest.mark.slow
 def test_preflight_names_a_node_that_never_joins_within_rdzv_timeout(tmp_path, tiny_model_dir, tiny_dataset):
     config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=6)
     started = time.monotonic()
@@ -256,6 +263,7 @@ def test_preflight_names_a_node_that_never_joins_within_rdzv_timeout(tmp_path, t
     assert "preflight: node rank(s) 1 never joined within rdzv_timeout=6 s" in last, last
 
 
+@pytest.mark.slow
 def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight_and_train(tmp_path, tiny_model_dir,
                                                                                            tiny_dataset):
     """Node 0 relaunched into its running job finds its own output_dir lock (same run id): it skips the preflight.

@@ -120,8 +120,9 @@ def sharded_job(rank: int, world_size: int, workdir) -> None:
     assert all(torch.equal(a, b.full_tensor()) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.slow
 def test_the_sharded_scaler_skips_on_every_rank_when_one_shard_overflows(tmp_path):
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     run_ranks(sharded_job, 2, tmp_path)
 
@@ -147,13 +148,14 @@ def fp16_zero2_job(rank: int, world_size: int, workdir) -> None:
     loop.train(build_config(json.loads((workdir / "task.json").read_text())))
 
 
+@pytest.mark.slow
 def test_the_loop_trains_in_fp16_with_the_scaler_and_checkpoints_its_scale(tmp_path, tiny_model_dir, tiny_dataset,
                                                                            monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from conftest import read_metrics
     from meshtune.train.loop import run
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "fp32", finetuning_type="full", learning_rate=1e-3,
                          max_steps=4, save_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=2)

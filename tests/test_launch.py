@@ -279,6 +279,7 @@ def test_describe_says_where_each_value_came_from():
 # through the real CLI
 
 
+@pytest.mark.slow
 def test_dry_run_prints_settings_and_the_command(tmp_path):
     path = write_config(tmp_path, model_name_or_path=str(tmp_path / "no-model"), dataset="no-data.jsonl",
                         nproc_per_node=1)
@@ -364,6 +365,7 @@ def test_cpu_process_counts_far_above_the_cores_are_refused_and_above_them_warne
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_a_named_error_in_the_workers_is_printed_once_without_torchruns_traceback(tmp_path, tiny_model_dir,
                                                                                  tiny_dataset):
     config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", nproc_per_node=2,

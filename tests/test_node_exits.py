@@ -116,6 +116,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", ["launcher", "agent"])
 def test_a_worker_stops_with_its_agent_or_launcher(killed):
     """launcher -> agent -> worker, as meshtune -> torchrun -> worker: SIGKILL to the launcher alone (left a zombie:
@@ -155,6 +156,7 @@ AGENT_AND_WORKER = [sys.executable, "-c", "import subprocess, sys, time\n"
                     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every_node_done, bound", [(True, 3.0), (False, 14.0)])
 def test_torchrun_stuck_in_its_exit_barrier_is_ended_soon_after_the_workers(every_node_done, bound):
     """This node's workers are done: torchrun gets AGENT_GRACE_S once every node's are, else AGENT_EXIT_S."""
@@ -167,6 +169,7 @@ def test_torchrun_stuck_in_its_exit_barrier_is_ended_soon_after_the_workers(ever
     assert took < bound and (every_node_done or took > AGENT_EXIT_S), took
 
 
+@pytest.mark.slow
 def test_another_nodes_error_ends_torchrun_and_its_workers_at_once():
     from meshtune.launch.torchrun import run_torchrun
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 
@@ -19,6 +21,7 @@ def oldest_python() -> str:
     return re.search(r'requires-python = ">=(\d+\.\d+)"', text).group(1)
 
 
+@pytest.mark.slow
 def test_no_api_newer_than_the_oldest_python_the_package_allows():
     vermin = shutil.which("vermin", path=str(Path(sys.executable).parent)) or shutil.which("vermin")
     assert vermin, "vermin is missing: pip install -e '.[dev]'"

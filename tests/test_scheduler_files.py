@@ -174,6 +174,7 @@ def test_a_malformed_pytorchjob_fails_the_schema(capsys, tmp_path):
 # ---- SLURM
 
 
+@pytest.mark.slow
 def test_the_slurm_script_requeues_signals_and_runs_one_launcher_per_node(capsys, tmp_path):
     config = small_config(tmp_path, stop_grace_period=30, master_port=29611)
     text = generate(capsys, "--scheduler", "slurm", str(config), "max_steps=100", "--nodes", "4", "--gpus-per-node",
@@ -236,6 +237,7 @@ for _ in $(seq 300); do sleep 0.1; done
 
 @pytest.mark.parametrize("signal_to_script, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)],
                          ids=["USR1-before-the-time-limit", "TERM-from-slurm"])
+@pytest.mark.slow
 def test_the_slurm_script_stops_the_training_before_the_time_limit_and_requeues(capsys, tmp_path, signal_to_script,
                                                                                 requeued):
     for name, text in SLURM_STAND_INS.items():
@@ -340,6 +342,7 @@ for _ in $(seq 300); do sleep 0.1; done
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["pbsdsh", "ssh"])
 def test_the_pbs_script_stops_every_node_when_one_fails(capsys, tmp_path, launcher):
     fake = stand_in(tmp_path, "fake-python", FAKE_PYTHON.format(failing=1))
@@ -356,6 +359,7 @@ def test_the_pbs_script_stops_every_node_when_one_fails(capsys, tmp_path, launch
     assert f"{launcher} " in log
 
 
+@pytest.mark.slow
 def test_the_pbs_script_stops_every_node_before_the_walltime(capsys, tmp_path):
     fake = stand_in(tmp_path, "fake-python", FAKE_PYTHON.format(failing="none"))
     config = small_config(tmp_path, output_dir=str(tmp_path / "out"), stop_grace_period=0)  # stops 60 s before
@@ -369,6 +373,7 @@ def test_the_pbs_script_stops_every_node_before_the_walltime(capsys, tmp_path):
     assert "node 0 stopped" in log and "node 1 stopped" in log
 
 
+@pytest.mark.slow
 def test_a_node_file_with_fewer_hosts_than_asked_stops_the_job(capsys, tmp_path):
     script = pbs_job(capsys, tmp_path, small_config(tmp_path, output_dir=str(tmp_path / "out")))
     (tmp_path / "nodefile").write_text("node-a\nnode-a\n")
