@@ -131,6 +131,7 @@ def test_a_main_thread_inside_torch_compile_is_not_hung():
     assert not seen_from_the_watchdog_thread()
 
 
+@pytest.mark.slow
 def test_a_silent_rank_is_killed_by_a_worker_of_the_same_attempt_and_nothing_else_is():
     """This test stands in for torchrun's agent: its children are workers of attempt 1 (the reporting rank 0, a
     silent rank 1, a reporting rank 2) and a rank 1 left from attempt 0. Rank 0 kills the silent rank 1 of its own
