@@ -196,7 +196,7 @@ def joining_line(settings: LaunchSettings, arrivals: dict, waited_s: float, time
 
 
 def node_in_rendezvous(store: DoctorStore, settings: LaunchSettings) -> int | None:
-    """A launcher in torchrun's rendezvous leaves its node rank in the store on MASTER_PORT (doctor/joining.py):
+    """A launcher in torchrun's rendezvous leaves its node rank in the store on MASTER_PORT (joining.py):
     found in the doctor's store, that node runs no doctor and will not come."""
     return next((rank for rank in range(settings.max_nodes) if store.has(join_key(settings.run_id, rank))), None)
 

@@ -80,7 +80,7 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float, failure: str, caus
 
 def rendezvous_failure(settings: LaunchSettings, timeout_s: int, joined: set[int] | None = None) -> RendezvousError:
     """torchrun gave up before any worker of this node started: the nodes never all met. `joined`: the node
-    ranks seen in the rendezvous store (doctor/joining.py), when it answered."""
+    ranks seen in the rendezvous store (joining.py), when it answered."""
     seen = ""
     if joined:
         missing = [rank for rank in range(settings.max_nodes) if rank not in joined]
