@@ -297,3 +297,17 @@ def test_checkpoint_space_counts_the_saves_of_each_save_strategy(tmp_path):
     assert per_save > 0
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="epoch")) == 3 * per_save
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="no")) == 0
+
+
+def test_the_launchers_node_settings_have_every_member_the_doctor_reads():
+    """The doctor names the launcher's NodeSettings by its shape (LaunchSettings), since the launcher imports the
+    doctor: a member renamed on one side only would show first on a multi-node launch."""
+    from meshtune.doctor.launch_settings import LaunchSettings
+    from meshtune.launch.nodes import NodeSettings
+
+    members = [name for name, value in vars(LaunchSettings).items() if isinstance(value, property)]
+    settings = NodeSettings(nnodes="1:2", node_rank=1, master_addr="node01", master_port=29500, nproc_per_node=8,
+                            run_id="job", source={})
+    assert {name: getattr(settings, name) for name in members} == {
+        "nnodes": "1:2", "node_rank": 1, "master_addr": "node01", "master_port": 29500, "nproc_per_node": 8,
+        "run_id": "job", "min_nodes": 1, "max_nodes": 2}
