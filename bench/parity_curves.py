@@ -67,7 +67,7 @@ from speed_table import Deadline, fresh, last_line, run_captured  # noqa: E402
 from workspace import SIZES, build_model_dir, write_cached_dataset  # noqa: E402
 
 from meshtune.config import build_config  # noqa: E402
-from meshtune.launch.node_facts import code_hash  # noqa: E402
+from meshtune.doctor.facts import code_hash  # noqa: E402
 from meshtune.train.memory_fit import HEADROOM  # noqa: E402
 
 SUCCESSORS = 4

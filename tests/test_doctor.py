@@ -144,7 +144,7 @@ def test_a_wrong_port_is_named_on_its_node_soon_after_the_default_timeout(config
 
 
 def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure():
-    from meshtune.launch.doctor_checks import FAIL, WARN, joined_row
+    from meshtune.doctor.checks import FAIL, WARN, joined_row
 
     facts = [{"node_rank": 0, "host": "a"}, {"node_rank": 1, "host": "b"}]
     assert joined_row(facts, 2, 4, 30).cells[0] == (WARN, "missing node rank(s) 2, 3")  # nnodes: 2:4
@@ -181,7 +181,7 @@ def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves
 
 
 def test_pairs_rounds_meet_every_pair_once_and_busbw_follows_nccl_tests():
-    from meshtune.launch.bandwidth import bus_bandwidth, pair_rounds
+    from meshtune.doctor.bandwidth import bus_bandwidth, pair_rounds
 
     for n in range(2, 9):
         rounds = pair_rounds(n)
@@ -194,7 +194,7 @@ def test_pairs_rounds_meet_every_pair_once_and_busbw_follows_nccl_tests():
 
 def test_the_traffic_of_a_step_follows_the_parallel_mode():
     from meshtune.config import build_config
-    from meshtune.launch.traffic import ModelFacts, collective_seconds, step_collectives, verdict
+    from meshtune.doctor.traffic import ModelFacts, collective_seconds, step_collectives, verdict
     from meshtune.plan import ModelSize
 
     model = ModelFacts(ModelSize(7_000_000_000, 200_000_000, 30), 7_000_000_000, 6_500_000_000, 30, 4096)
@@ -288,7 +288,7 @@ def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight
 def test_checkpoint_space_counts_the_saves_of_each_save_strategy(tmp_path):
     from types import SimpleNamespace
 
-    from meshtune.launch.doctor_checks import checkpoint_bytes
+    from meshtune.doctor.checks import checkpoint_bytes
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 2000)  # 1,000 bf16 parameters
     cfg = dict(model_name_or_path=str(tmp_path), finetuning_type="full", save_total_limit=None, max_steps=100,
@@ -297,3 +297,17 @@ def test_checkpoint_space_counts_the_saves_of_each_save_strategy(tmp_path):
     assert per_save > 0
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="epoch")) == 3 * per_save
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="no")) == 0
+
+
+def test_the_launchers_node_settings_have_every_member_the_doctor_reads():
+    """The doctor names the launcher's NodeSettings by its shape (LaunchSettings), since the launcher imports the
+    doctor: a member renamed on one side only would show first on a multi-node launch."""
+    from meshtune.doctor.launch_settings import LaunchSettings
+    from meshtune.launch.nodes import NodeSettings
+
+    members = [name for name, value in vars(LaunchSettings).items() if isinstance(value, property)]
+    settings = NodeSettings(nnodes="1:2", node_rank=1, master_addr="node01", master_port=29500, nproc_per_node=8,
+                            run_id="job", source={})
+    assert {name: getattr(settings, name) for name in members} == {
+        "nnodes": "1:2", "node_rank": 1, "master_addr": "node01", "master_port": 29500, "nproc_per_node": 8,
+        "run_id": "job", "min_nodes": 1, "max_nodes": 2}

@@ -1,5 +1,5 @@
-"""The package's layers point one way: cli -> demo -> launch -> train -> model / data / checkpoint -> plan ->
-config / distributed / hardware -> errors. Every import counts, also one inside a function (where a cycle hides)."""
+"""The package's layers point one way: cli -> demo -> launch -> doctor -> train -> model / data / checkpoint -> plan
+-> config / distributed / hardware -> errors. Every import counts, also one inside a function (where a cycle hides)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ LAYERS = [  # lowest first; a module imports from its own layer's package or fro
     ["meshtune.plan", "meshtune.compat"],
     ["meshtune.data", "meshtune.model", "meshtune.checkpoint"],
     ["meshtune.train", "meshtune.export"],
+    ["meshtune.doctor"],  # the launcher's preflight runs the doctor's checks: the doctor never imports the launcher
     ["meshtune.launch"],
     ["meshtune.demo"],
     ["meshtune.cli"],

@@ -48,7 +48,7 @@ def two_launchers(tmp_path: Path, done: dict[int, bool]):
     import torch.distributed as dist
 
     from meshtune.launch.job_channel import JobChannel
-    from meshtune.launch.joining import join_key
+    from meshtune.doctor.joining import join_key
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)

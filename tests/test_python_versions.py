@@ -33,7 +33,7 @@ def test_no_api_newer_than_the_oldest_python_the_package_allows():
 
 
 def test_file_checksums_are_streamed_in_blocks(tmp_path):
-    from meshtune.launch.node_facts import sha256_of
+    from meshtune.doctor.facts import sha256_of
 
     data = bytes(range(256)) * 5000  # 1.28 MB: several blocks of 300 kB, the last one short
     path = tmp_path / "weights.bin"

@@ -430,6 +430,20 @@ def test_an_unknown_scheduler_is_refused_with_the_choices(capsys):
     assert "invalid choice: 'lsf'" in stderr and "'slurm', 'pbs', 'k8s'" in stderr
 
 
+def test_a_value_a_template_names_but_was_not_given_stops_the_rendering():
+    """The job files' templates see only what their function gives them: a name left out is an error, not an empty
+    string in a script that a scheduler would run."""
+    import jinja2
+
+    from meshtune.launch.scheduler_files import JobRequest, render
+
+    job = JobRequest(scheduler="slurm", nodes=2, gpus_per_node=8, config=None, launch_args=[], workdir=Path("/w"),
+                     python="python", command_line="meshtune launch --scheduler slurm")
+    with pytest.raises(jinja2.UndefinedError, match="master_port"):
+        render("slurm.sh.j2", job=job, name="run", nodes="2 nodes", output_dir="/runs/a", launch_command="x",
+               stop_grace_period=30, warn_s=90)
+
+
 def test_launch_help_names_the_schedulers(capfd):
     result = run_cli_here(["launch", "--help"], capfd)
     assert result.returncode == 0

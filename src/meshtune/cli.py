@@ -306,7 +306,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
     from meshtune.launch import detect_node_settings
-    from meshtune.launch.doctor import run_doctor
+    from meshtune.doctor.meeting import run_doctor
 
     cfg, _ = load_training_config(args)
     code, report = run_doctor(cfg, detect_node_settings(cfg), args.timeout, bandwidth=args.bandwidth,

@@ -1,5 +1,5 @@
 """What the launchers of a job tell each other while their torchruns run, through the rendezvous store on
-MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of its own, as launch/joining.py does).
+MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of its own, as doctor/joining.py does).
 
 - A worker's MeshtuneError ends the job: restarts cannot fix it (a read-only or full output_dir, a bad config).
   Its launcher posts the message while the worker waits (`await_told`) before stopping its agent, so the store is
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshtune.launch.joining import connect, join_key
+from meshtune.doctor.joining import connect, join_key
 from meshtune.launch.nodes import NodeSettings
 
 TOLD = "told"  # left in the error directory once the other nodes have a worker's error (or nobody is there)
@@ -121,7 +121,7 @@ class JobChannel:
             self._nodes_done = store.add(done_key(run_id), 0)
 
     def _joined(self, store) -> int:
-        """The nodes in the job: those whose launcher left its rank in the store (launch/joining.py)."""
+        """The nodes in the job: those whose launcher left its rank in the store (doctor/joining.py)."""
         joined = sum(store.check([join_key(self.settings.run_id, rank)]) for rank in range(self.settings.max_nodes))
         return max(joined, self.settings.min_nodes)
 

@@ -86,8 +86,8 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, er
     or raises the error that ended it, named: this node's worker's, or another node's (launch/job_channel.py)."""
     from meshtune.launch import run_torchrun, torchrun_command
     from meshtune.launch.job_channel import JobChannel
-    from meshtune.launch.joining import JoinWatch
-    from meshtune.launch.reachability import rendezvous_failure
+    from meshtune.doctor.joining import JoinWatch
+    from meshtune.doctor.reachability import rendezvous_failure
     from meshtune.train.preemption import STOP_FILE, exit_code, stopped_signal, stopped_workers
 
     c10d = cfg.rdzv_backend == "c10d"  # an etcd rendezvous holds no store of node 0 to watch or lose
@@ -127,7 +127,7 @@ def rejoin_after_store_loss(settings, cfg, rejoins: int) -> None:
     """Node 0's launcher hosts the c10d rendezvous store: when it dies, this node's torchrun ends too. Wait for
     the relaunched node 0 to answer again before torchrun starts again to join its new rendezvous, as a restarted
     node would (the workers resume from the newest checkpoint). Each rejoin counts as one of max_restarts."""
-    from meshtune.launch.reachability import RendezvousError, wait_for_master
+    from meshtune.doctor.reachability import RendezvousError, wait_for_master
 
     where = f"{settings.master_addr}:{settings.master_port}"
     if rejoins > cfg.max_restarts:
@@ -181,7 +181,7 @@ def leave_worker(code: int = 0) -> None:
 def check_rendezvous(settings, cfg) -> None:
     """c10d: node 0's port is free; other nodes: node 0 answers within rdzv_timeout (else say why, not hang).
     etcd-v2: python-etcd is installed and every node reaches the etcd server."""
-    from meshtune.launch.reachability import reach_node0, wait_for_endpoint
+    from meshtune.doctor.reachability import reach_node0, wait_for_endpoint
 
     if cfg.rdzv_backend == "etcd-v2":
         host, port = etcd_endpoint(cfg)

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshtune.launch.bandwidth import duration_text, size_text
-from meshtune.launch.nodes import NodeSettings, node_range
+from meshtune.doctor.bandwidth import duration_text, size_text
+from meshtune.doctor.launch_settings import LaunchSettings
 
 OK, FAIL, WARN = "✔", "✘", "!"
 CLOCK_WARN_S, CLOCK_FAIL_S = 2.0, 60.0
@@ -32,7 +32,7 @@ class Row:
         return any(mark == FAIL for mark, _ in self.cells.values())
 
 
-def evaluate(cfg, settings: NodeSettings, arrivals: dict[int, dict], skew_of: dict[int, float], timeout_s: float,
+def evaluate(cfg, settings: LaunchSettings, arrivals: dict[int, dict], skew_of: dict[int, float], timeout_s: float,
              bandwidth: dict | None = None) -> dict:
     """The rows of the table from every node's facts, keyed by the order they joined in: which checks pass where.
     Columns go by node rank."""
@@ -42,7 +42,7 @@ def evaluate(cfg, settings: NodeSettings, arrivals: dict[int, dict], skew_of: di
     facts = [arrivals[i] for i in nodes]
     skews = [skew_of.get(i, 0.0) for i in nodes]
     reference = next((f for f in facts if f["node_rank"] == 0), facts[0])
-    rows = [joined_row(facts, *node_range(settings.nnodes), timeout_s), launch_row(facts, reference),
+    rows = [joined_row(facts, settings.min_nodes, settings.max_nodes, timeout_s), launch_row(facts, reference),
             config_row(facts, reference), accelerator_row(facts, reference), software_row(facts, reference),
             files_row("model files", "model", "model_name_or_path", facts, reference),
             files_row("dataset files", "dataset", "dataset", facts, reference),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtune.launch.bandwidth import duration_text, size_text
+from meshtune.doctor.bandwidth import duration_text, size_text
 from meshtune.plan import EACH, NF4_BYTES, SHARDED, ModelSize, gradient_reduction, parallel_for
 
 MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks.md)
