@@ -214,6 +214,7 @@ def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
             proc.wait()
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_its_timeout_keeps_its_log_with_the_time_of_each_line(tmp_path):
     from speed_table import run_captured
 
@@ -599,6 +600,7 @@ def test_parity_task_samples_are_a_walk_of_the_chain_then_its_copy():
     assert all((a == b).all() for a, b in zip(task_samples(200, 16, 64, 50), samples))  # from its own seed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_parity_memory_probe_stops_the_run_and_its_workers_at_the_fit_line(tmp_path):
     """The probe reads the memory fit's line and ends the run there: the launcher and every process below it

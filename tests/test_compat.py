@@ -193,6 +193,7 @@ EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
     "qwen3_lora_sft_ds3.yaml": ("zero3", "lora", False), "qwen3_lora_sft_otfq.yaml": ("auto", "qlora", False)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_path, monkeypatch, tiny_model_dir):
     """Unchanged but for the model path and output_dir (and max_steps to keep it short), from the root of a

@@ -43,6 +43,7 @@ def test_fast_path_gives_the_losses_of_the_plain_path(tmp_path, tiny_model_dir, 
     assert fast[-1]["tokens"] == plain[-1]["tokens"]  # both count real tokens only
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
 def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_dir, tiny_dataset):
     plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
@@ -52,6 +53,7 @@ def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_
     assert seconds[0] > 0 and seconds == sorted(seconds) and "compile_s" not in plain[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
 def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(monkeypatch, tmp_path, tiny_model_dir,
                                                                                tiny_dataset):
@@ -249,6 +251,7 @@ def test_metrics_carry_throughput(tmp_path, tiny_model_dir, tiny_dataset):
         assert "mfu" not in record  # no measured peak on a CPU: no made-up utilisation
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
 def test_compiled_blocks_under_ddp_are_not_split_at_bucket_boundaries(monkeypatch, tiny_model_dir):
     """Dynamo's DDPOptimizer would cut each block's graph at DDP's bucket boundaries and compile the pieces

@@ -189,6 +189,7 @@ def _worker(tokenizer_dir: str, data_file: str, cache_dir: str, marker_dir: str,
     (markers / f"done-{pid}").write_text(str(len(dataset)))
 
 
+@pytest.mark.slow
 def test_two_processes_build_once(tokenizer, data_file, tmp_path, capfd):
     tokenizer.save_pretrained(str(tmp_path / "tok"))
     markers = tmp_path / "markers"
