@@ -7,8 +7,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshtune.launch.bandwidth import duration_text, size_text
+from meshtune.launch.bandwidth import duration_text
 from meshtune.launch.nodes import NodeSettings, node_range
+from meshtune.units import byte_size
 
 OK, FAIL, WARN = "✔", "✘", "!"
 CLOCK_WARN_S, CLOCK_FAIL_S = 2.0, 60.0
@@ -268,9 +269,9 @@ def bandwidth_rows(bandwidth: dict, position_of: dict[int, int], facts: list[dic
         return rows
     largest, smallest = result["all_reduce"][-1], result["all_reduce"][0]
     for position in positions:
-        rows[0].mark(position, OK, f"{largest['busbw'] / 1e9:.3g} GB/s at {size_text(largest['bytes'])}, "
+        rows[0].mark(position, OK, f"{largest['busbw'] / 1e9:.3g} GB/s at {byte_size(largest['bytes'])}, "
                                    f"{result['backend']}")
-        rows[1].mark(position, OK, f"{duration_text(smallest['seconds'])} ({size_text(smallest['bytes'])} "
+        rows[1].mark(position, OK, f"{duration_text(smallest['seconds'])} ({byte_size(smallest['bytes'])} "
                                    f"all-reduce)")
     pair_row(rows[2], result["pairs"], positions, facts)
     verdict_row(rows[3], bandwidth.get("traffic") or {}, positions)
@@ -349,10 +350,10 @@ def render_bandwidth(bandwidth: dict, columns: list[dict]) -> list[str]:
     lines = [f"all-reduce over {result['ranks']} nodes, one process a node ({result['backend']}, "
              f"{result['device']}):", f"  {'size':>9} {'time':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in result["all_reduce"]:
-        lines.append(f"  {size_text(r['bytes']):>9} {duration_text(r['seconds']):>10} {r['algbw'] / 1e9:>11.3f} "
+        lines.append(f"  {byte_size(r['bytes']):>9} {duration_text(r['seconds']):>10} {r['algbw'] / 1e9:>11.3f} "
                      f"{r['busbw'] / 1e9:>11.3f}")
     if result["pairs"]:
-        each = size_text(result["pairs"][0]["bytes"])
+        each = byte_size(result["pairs"][0]["bytes"])
         scope = "every pair" if result["every_pair"] else f"{result['rounds']} rounds of pairs"
         lines.append(f"pairs ({scope}, {each} each way at once): " + ", ".join(
             f"node {ranks[p['a']]} <-> node {ranks[p['b']]} {p['bandwidth'] / 1e9:.3g} GB/s" for p in result["pairs"]))

@@ -17,8 +17,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch.distributed as dist
 
+from meshtune.checksums import dataset_checksum
 from meshtune.config import JOB, MATH, TrainConfig
-from meshtune.data.registry import data_checksum, resolve
+from meshtune.data.registry import resolve
 from meshtune.distributed import DistEnv
 from meshtune.errors import MeshtuneError
 
@@ -53,8 +54,8 @@ def local_facts(cfg: TrainConfig, env: DistEnv) -> dict:
     if env.is_local_main:  # hashing the data once per node is enough
         try:
             specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.dataset_format)
-            facts["dataset checksum"] = data_checksum(specs)[:16]
-        except MeshtuneError as exc:
+            facts["dataset checksum"] = dataset_checksum(specs)[:16]
+        except (MeshtuneError, OSError) as exc:
             facts["dataset checksum"] = f"unreadable ({exc})"
     return facts
 
@@ -96,8 +97,8 @@ def advice(key: str) -> str:
         return ("Run the same config and overrides on every node (only the keys of nodes and launch, output paths "
                 "and housekeeping may differ).")
     if key == "dataset checksum":
-        return ("The data files (or the dataset_info.json naming them) differ: put them on shared storage or copy the "
-                "same files to every node.")
+        return ("The data files differ, or the dataset_info.json entries naming them read them otherwise (formatting, "
+                "columns, tags): put them on shared storage or copy the same files to every node.")
     if key.endswith("version"):
         return "Install the same versions on every node (same image or lock file)."
     if key == "processes per node":
