@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshtune.launch.bandwidth import duration_text
 from meshtune.launch.nodes import NodeSettings, node_range
+from meshtune.train.agreement import Difference, differences
 from meshtune.units import byte_size
 
 OK, FAIL, WARN = "✔", "✘", "!"
@@ -102,19 +103,22 @@ def config_row(facts: list[dict], reference: dict) -> Row:
     """The keys training's agreement check compares (`shared_config`), with its words: each key that differs
     is named with every node's value."""
     row = Row("config (keys all nodes share)")
-    differing: dict[str, list[str]] = {}
+    found = compared(facts, reference, "config")
     for position, f in enumerate(facts):
-        keys = sorted(k for k, v in f["config"].items() if reference["config"].get(k) != v)
-        for key in keys:
-            differing.setdefault(key, []).append(f"node {f['node_rank']} ({f['host']}): {f['config'][key]}")
+        keys = [d.key for d in found if position in d.differing]
         if keys:
             row.mark(position, FAIL, f"differs: {', '.join(k.removeprefix('config key ') for k in keys)}")
         else:
             row.mark(position, OK, "same as node 0")
-    for key, values in differing.items():
-        row.fixes.append(f"{key} differs between nodes: {'; '.join(values)}; node 0 ({reference['host']}): "
-                         f"{reference['config'].get(key)}. Run the same config and overrides on every node")
+    row.fixes += [f"{difference}. Run the same config and overrides on every node" for difference in found]
     return row
+
+
+def compared(facts: list[dict], reference: dict, key: str) -> list[Difference]:
+    """The nodes' `key` facts that differ (`differences`, as training's agreement check finds them), against the
+    reference node's; `Difference.differing` holds column positions."""
+    labelled = [(f"node {f['node_rank']} ({f['host']})", f[key]) for f in facts]
+    return differences(labelled, reference=next(i for i, f in enumerate(facts) if f is reference))
 
 
 def accelerator_row(facts: list[dict], reference: dict) -> Row:
@@ -144,10 +148,10 @@ def accelerator_row(facts: list[dict], reference: dict) -> Row:
 
 def software_row(facts: list[dict], reference: dict) -> Row:
     row = Row("torch, transformers, peft, torchao, meshtune")
+    found = compared(facts, reference, "software")
     for position, f in enumerate(facts):
         soft = f["software"]
-        differing = [f"{k} {v} (node 0: {reference['software'].get(k)})" for k, v in soft.items()
-                     if reference["software"].get(k) != v]
+        differing = [f"{d.key} {soft[d.key]} (node 0: {d.reference})" for d in found if position in d.differing]
         if differing:
             row.mark(position, FAIL, "; ".join(differing), "install the same versions on every node (one image or "
                      "lock file); 'meshtune code' differs when the installed sources differ")
