@@ -152,6 +152,31 @@ def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure(
     assert not joined_row(facts, 2, 2, 30).failed
 
 
+def test_the_doctor_names_differing_keys_in_the_agreement_checks_words():
+    """The config and software rows compare through train/agreement.differences: the same sentence training's
+    agreement check prints, each node's cell naming what differs there."""
+    from meshtune.doctor.checks import FAIL, OK, config_row, software_row
+    from meshtune.train.agreement import find_disagreements
+
+    def node(rank, host, lr, torch_version):
+        return {"node_rank": rank, "host": host, "config": {"config key learning_rate": lr, "config key seed": "1"},
+                "software": {"torch": torch_version, "meshtune": "1.0"}}
+
+    facts = [node(0, "a", "0.0001", "2.13"), node(1, "b", "0.0002", "2.13"), node(2, "c", "0.0002", "2.11")]
+    row = config_row(facts, facts[0])
+    assert [row.cells[p] for p in range(3)] == [(OK, "same as node 0"), (FAIL, "differs: learning_rate"),
+                                                 (FAIL, "differs: learning_rate")]
+    sentence = "config key learning_rate differs between nodes: node 1 (b), node 2 (c): 0.0002; node 0 (a): 0.0001"
+    assert row.fixes == [f"{sentence}. Run the same config and overrides on every node"]
+    ranks = [{"rank": f["node_rank"], "local_rank": 0, "agent": f["node_rank"], **f, **f["config"]} for f in facts]
+    for facts_of_rank in ranks:
+        del facts_of_rank["config"], facts_of_rank["software"]
+    [problem] = find_disagreements(ranks)
+    assert problem.startswith(sentence + ". Run the same config")
+    software = software_row(facts, facts[0])
+    assert software.cells[2] == (FAIL, "torch 2.11 (node 0: 2.13)") and software.cells[1][0] == OK
+
+
 
 @pytest.mark.slow
 def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves(config, tmp_path):

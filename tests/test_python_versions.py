@@ -33,9 +33,9 @@ def test_no_api_newer_than_the_oldest_python_the_package_allows():
 
 
 def test_file_checksums_are_streamed_in_blocks(tmp_path):
-    from meshtune.doctor.facts import sha256_of
+    from meshtune.checksums import file_checksum
 
     data = bytes(range(256)) * 5000  # 1.28 MB: several blocks of 300 kB, the last one short
     path = tmp_path / "weights.bin"
     path.write_bytes(data)
-    assert sha256_of(path, block=300_000) == sha256_of(path) == hashlib.sha256(data).hexdigest()
+    assert file_checksum(path, block=300_000) == file_checksum(path) == (len(data), hashlib.sha256(data).hexdigest())

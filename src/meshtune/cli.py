@@ -227,7 +227,8 @@ def load_training_config(args: argparse.Namespace):
     import os
 
     from meshtune.compat.job_config import load_job_config
-    from meshtune.worker_env import ERROR_DIR, torchrun_worker
+    from meshtune.mailbox import Mailbox
+    from meshtune.worker_env import torchrun_worker
 
     if args.config is not None and "=" in args.config and not Path(args.config).is_file():
         args.overrides.insert(0, args.config)  # `meshtune train --flag v key=value`: no YAML given
@@ -237,7 +238,7 @@ def load_training_config(args: argparse.Namespace):
                             "(meshtune train --model_name_or_path DIR --data_path train.json ...)")
     loaded = load_job_config(args.config, args.overrides, args.flags)
     # meshtune's launcher speaks for its workers; under the user's own torchrun, global rank 0 does
-    if not torchrun_worker() or (ERROR_DIR not in os.environ and os.environ.get("RANK") == "0"):
+    if not torchrun_worker() or (Mailbox.of_launcher() is None and os.environ.get("RANK") == "0"):
         for line in loaded.warnings:
             print(f"meshtune: warning: {line}", file=sys.stderr)
     argv = ["train", *([args.config] if args.config else []), *args.overrides, *args.flag_tokens]

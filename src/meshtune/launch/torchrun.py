@@ -17,6 +17,7 @@ import psutil
 
 from meshtune.cpu_affinity import torchrun_numa_binding
 from meshtune.launch.nodes import NodeSettings
+from meshtune.mailbox import Mailbox
 
 
 def needs_torchrun(settings: NodeSettings) -> bool:
@@ -84,11 +85,11 @@ def launch_env(settings: NodeSettings, stop_grace_period: int = 60) -> dict[str,
 
 
 def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None,
-                 show_agent_tracebacks: bool = False, stop_file: Path | None = None,
+                 show_agent_tracebacks: bool = False, mailbox: Mailbox | None = None,
                  stop_wait_s: float = 90, channel=None) -> TorchrunExit:
     """Run torchrun in the foreground and say how it ended.
 
-    Ctrl-C reaches torchrun at once. A first SIGTERM, given `stop_file`, is left there for the workers instead:
+    Ctrl-C reaches torchrun at once. A first SIGTERM, given the workers' `mailbox`, is left there as a stop request:
     they finish their step, save and exit 0, while torchrun told to stop would leave its rendezvous at once and
     signal the workers itself. It is passed on to torchrun only if torchrun still runs `stop_wait_s` later; a
     second one is passed on at once. `channel` (launch/job_channel.py) says when this node's workers are all done
@@ -109,8 +110,8 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
 
     def forward(signum: int, _frame) -> None:
         received.append(signum)
-        if signum == signal.SIGTERM and stop_file is not None and received.count(signum) == 1:
-            stop_file.write_text(str(signum))
+        if signum == signal.SIGTERM and mailbox is not None and received.count(signum) == 1:
+            mailbox.request_stop(signum)
             overdue = threading.Timer(stop_wait_s, lambda: process.poll() is None and process.send_signal(signum))
             overdue.daemon = True
             overdue.start()

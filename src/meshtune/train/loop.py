@@ -9,7 +9,6 @@ change the math.
 from __future__ import annotations
 
 import gc
-import os
 import random
 import signal
 import time
@@ -33,6 +32,7 @@ from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
 from meshtune import faults
 from meshtune.hardware import limit_gpu_memory, measure_peak_flops
+from meshtune.mailbox import Mailbox
 from meshtune.model.build import build_model
 from meshtune.model.final_weights import gather_state_dict, save_final
 from meshtune.model.flops import FlopCounter
@@ -54,7 +54,6 @@ from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.stragglers import Place, StepTimes
-from meshtune.worker_env import ERROR_DIR
 
 
 @dataclass
@@ -76,7 +75,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         log(f"{pinned} (rank 0)")
     if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
         log(f"gpu_memory_limit: each process allocates at most {cfg.gpu_memory_limit:g} GiB of its GPU")
-    with StopRequest(log, os.environ.get(ERROR_DIR)) as stop:
+    with StopRequest(log, Mailbox.of_launcher()) as stop:
         return train_until_done_or_stopped(cfg, env, log, stop)
 
 
