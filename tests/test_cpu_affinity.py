@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from meshtune.config import build_config
 from meshtune.cpu_affinity import choose_cpus, cpu_list, gpu_numa_node, physical_cores, share
+
+AUTO = build_config({"model_name_or_path": "m", "dataset": "d"}).cpu_pinning  # cpu_affinity auto, as applied
 
 
 def fake_sys(root: Path, gpus: dict[str, int], nodes: dict[int, str], cores: int, threads: int = 2) -> Path:
@@ -47,7 +50,7 @@ def test_exclusive_gives_each_process_of_a_node_its_own_physical_cores(tmp_path)
     assert shares == [{0, 1, 8, 9}, {2, 3, 10, 11}, {4, 5, 12, 13}, {6, 7, 14, 15}]
     cpus, why = choose_cpus("exclusive", gpu_nodes, 3, allowed, root)
     assert cpus == shares[3] and "exclusive: 4 of the 8 CPUs of NUMA node 1, shared by 2" in why
-    cpus, why = choose_cpus("auto", gpu_nodes, 3, allowed, root)  # auto: the GPU's NUMA node
+    cpus, why = choose_cpus(AUTO, gpu_nodes, 3, allowed, root)  # auto: the GPU's NUMA node
     assert cpus == {4, 5, 6, 7, 12, 13, 14, 15} and "node" in why
     cpus, why = choose_cpus("node", gpu_nodes, 1, allowed, root)
     assert cpus == {0, 1, 2, 3, 8, 9, 10, 11} and "node" in why
@@ -59,8 +62,8 @@ def test_only_allowed_cpus_are_used_and_unknown_nodes_fall_back(tmp_path):
     assert share(physical_cores({1, 2, 3, 4, 5}, root), 0, 2) == {1, 2, 3}
     assert choose_cpus("exclusive", [0, 0], 1, {1, 2, 3, 4, 5}, root)[0] == {4, 5}
     # no NUMA node known: auto leaves the processes alone; exclusive splits the allowed CPUs between them
-    assert choose_cpus("auto", [None], 0, set(range(8)), root)[0] is None
-    assert choose_cpus("auto", [None, None], 1, set(range(8)), root)[0] is None
+    assert choose_cpus(AUTO, [None], 0, set(range(8)), root)[0] is None
+    assert choose_cpus(AUTO, [None, None], 1, set(range(8)), root)[0] is None
     assert choose_cpus("exclusive", [None, None], 1, set(range(8)), root)[0] == {4, 5, 6, 7}
     assert choose_cpus("none", [0, 0], 0, set(range(8)), root)[0] is None
     # more processes than cores: shared round-robin rather than none

@@ -133,7 +133,7 @@ def directory_checksum(directory: Path) -> dict:
 
 def dataset_checksum(cfg) -> dict:
     """The data files the config reads and the dataset_info.json naming them, hashed with the same cache."""
-    specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.dataset_format)
+    specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.named_format)
     files = [Path(p).resolve() for spec in specs for p in spec.files]
     files += [Path(p).resolve() for p in dict.fromkeys(spec.registry for spec in specs if spec.registry is not None)]
     return {"checksum": checksum_of(files, Path("/")), "files": len(files)}
