@@ -236,3 +236,17 @@ class AgentTracebackFilter:
     def _write(self, data: bytes) -> None:
         self.sink.write(data)
         self.sink.flush()
+        if data:
+            _workers_output["mid_line"] = not data.endswith(b"\n")
+
+
+# whether the workers' copied output stopped mid-line: a progress bar whose worker was stopped never ends its line
+_workers_output = {"mid_line": False}
+
+
+def end_workers_line() -> None:
+    """Start the launcher's next line on a line of its own, after whatever the workers left unfinished."""
+    if _workers_output["mid_line"]:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+        _workers_output["mid_line"] = False
