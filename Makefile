@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 # CPU build by default; a GPU user installs the CUDA build of torch into .venv first (see README).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install install-dev clean
+.PHONY: demo test test-fast install install-dev clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: install
 
 test: install-dev
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# the tests that start no process (no torchrun, no ranks, no subprocess): for local iteration
+test-fast: install-dev
+	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -62,12 +62,12 @@ import yaml
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "src"))
-from processes import descendants, kill_tree  # noqa: E402
+from processes import alive, descendants, kill_tree  # noqa: E402
 from speed_table import Deadline, fresh, last_line, run_captured  # noqa: E402
 from workspace import SIZES, build_model_dir, write_cached_dataset  # noqa: E402
 
 from meshtune.config import build_config  # noqa: E402
-from meshtune.launch.node_facts import code_hash  # noqa: E402
+from meshtune.doctor.facts import code_hash  # noqa: E402
 from meshtune.train.memory_fit import HEADROOM  # noqa: E402
 
 SUCCESSORS = 4
@@ -172,19 +172,11 @@ def run_until(cmd: list[str], pattern: re.Pattern, timeout: float, env: dict, lo
     kill_tree(proc.pid)
     proc.wait()
     for _ in range(300):
-        if not any(map(running, tree)):
+        if not any(map(alive, tree)):  # a zombie holds no memory any more
             break
         time.sleep(0.1)
     found = [line for line in lines if pattern.search(line)]
     return (found[0] if found else None), "".join(lines)
-
-
-def running(pid: int) -> bool:
-    """Whether a process still runs: a zombie (ended, not yet reaped) holds no memory any more."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def budget_for_half(line: str, blocks: int) -> float | None:

@@ -7,7 +7,7 @@ For N nodes of G GPUs each, every GPU keeping its batch and accumulation (the gl
 
 - compute: the one-node step, measured (bench/two_node_speed.py's one-node runs, or --compute-step-s). Traffic
   inside a node rides NVLink and is counted in it.
-- what crosses the nodes each optimizer step: meshtune.launch.traffic, the doctor's own estimate (ddp: the trainable
+- what crosses the nodes each optimizer step: meshtune.doctor.traffic, the doctor's own estimate (ddp: the trainable
   gradients' all-reduce; hsdp: the same between the replicas; zero2 / zero3: the weights' all-gathers every
   micro-step and the gradients' reduce-scatter), in the mode `parallel: auto` picks for that many nodes;
   seconds = bytes x 2(N-1)/N (all-reduce) or (N-1)/N (all-gather, reduce-scatter) / the link's bus bandwidth.
@@ -63,7 +63,7 @@ def model_facts(job: Job):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from meshtune.launch.traffic import ModelFacts
+    from meshtune.doctor.traffic import ModelFacts
     from meshtune.model.flops import FlopCounter
     from meshtune.model.loading import transformer_blocks
     from meshtune.model.lora import add_lora
@@ -85,7 +85,7 @@ def model_facts(job: Job):
 def step_seconds(job: Job, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
                  gpu_bytes: float) -> tuple[float, str, dict]:
     """The modelled optimizer step on `nodes` nodes, the mode auto picks there, and the parts of the step."""
-    from meshtune.launch.traffic import collective_seconds, parallel_mode, step_collectives
+    from meshtune.doctor.traffic import collective_seconds, parallel_mode, step_collectives
     from meshtune.plan import default_blocks_per_unit
 
     cfg = job_config(job, "auto")

@@ -99,8 +99,56 @@ def pytest_configure(config):
 def pytest_runtest_protocol(item, nextitem):
     """Around a test's setup, call and teardown (a module's fixtures, and the side jobs it waits for, included)."""
     lock = getattr(item.config, "worker_lock", None)
-    with lock.hold(item.get_closest_marker("alone") is not None) if lock else contextlib.nullcontext():
-        yield
+    RUNNING["item"] = item
+    try:
+        with lock.hold(item.get_closest_marker("alone") is not None) if lock else contextlib.nullcontext():
+            yield
+    finally:
+        RUNNING["item"] = None
+
+
+# `make test-fast` runs the tests not marked `slow`; a test that starts a process (a subprocess, a multiprocessing
+# rank, torchrun) must carry the marker, or the fast tier would pay for it. Starting one, in the test or in a fixture
+# it sets up, is recorded here and fails the test at its end, naming what it started.
+RUNNING: dict = {"item": None}
+
+
+def record_process_start(what: str) -> None:
+    item = RUNNING["item"]
+    if item is not None and item.get_closest_marker("slow") is None:
+        item.stash.setdefault(UNMARKED_STARTS, []).append(what)
+
+
+UNMARKED_STARTS = pytest.StashKey[list]()
+
+
+def watch_process_starts() -> None:
+    import multiprocessing.process
+
+    execute_child = subprocess.Popen._execute_child
+    start = multiprocessing.process.BaseProcess.start
+
+    def recorded_execute_child(self, args, *rest, **kwargs):
+        record_process_start(f"subprocess {args if isinstance(args, str) else ' '.join(map(str, args))[:120]}")
+        return execute_child(self, args, *rest, **kwargs)
+
+    def recorded_start(self):
+        record_process_start(f"multiprocessing {getattr(self, '_target', None)}")
+        return start(self)
+
+    subprocess.Popen._execute_child = recorded_execute_child
+    multiprocessing.process.BaseProcess.start = recorded_start
+
+
+watch_process_starts()
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_slow_tests(request):
+    yield
+    started = request.node.stash.get(UNMARKED_STARTS, [])
+    assert not started, (f"{request.node.nodeid} starts processes but is not marked slow "
+                         f"(@pytest.mark.slow): {started[:3]}")
 
 
 def write_config(directory: Path, **values) -> Path:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from processes import kill_tree
+from processes import alive, kill_tree
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")  # slurm-wlm would add slurmdbd and slurmrestd
 PROGRAMS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged")
@@ -325,21 +325,13 @@ def _kill_namespace_processes(namespace: str, timeout: float = 10) -> None:
     while time.monotonic() < deadline:
         listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=15)
         pids = {int(pid) for pid in listed.stdout.split()}
-        if not pids and not any(_alive(pid) for pid in killed):
+        if not pids and not any(alive(pid) for pid in killed):
             return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         killed |= pids
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    """Running, as opposed to gone or a zombie waiting to be reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _free_port() -> int:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import base_config, read_metrics
-from meshtune.compat.loading import load_job_config
+from meshtune.compat.job_config import load_job_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError, ModelError
 from meshtune.model.loading import load_model
@@ -71,8 +71,9 @@ def zero3_job(rank: int, world_size: int, workdir: Path) -> None:
     train(build_config(json.loads((workdir / "task.json").read_text())))
 
 
+@pytest.mark.slow
 def test_two_ranks_under_zero3_continue_the_adapter_rank_0_read(first_run, tmp_path, tiny_model_dir, tiny_dataset):
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     values = continued(tiny_model_dir, tiny_dataset, tmp_path / "run", first_run / "final", parallel="zero3",
                        per_device_train_batch_size=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshtune.train.agreement import find_disagreements
+from meshtune.train.agreement import differences, find_disagreements
 
 
 def facts(rank: int, agent: int, node_rank: int, host: str, **changes) -> dict:
@@ -40,3 +40,17 @@ def test_duplicate_node_rank_is_detected():
     nodes = [facts(0, 0, 1, "node-a"), facts(1, 0, 1, "node-a"), facts(2, 1, 1, "node-b"), facts(3, 1, 1, "node-b")]
     [problem] = find_disagreements(nodes)
     assert "NODE_RANK=1 is used by 2 nodes (node-a, node-b)" in problem
+
+
+def test_one_comparison_lists_each_value_with_its_nodes_the_reference_last():
+    """A node's processes count once, a node without a fact is not compared on it, positions name the nodes
+    whose value is not the reference node's."""
+    nodes = [("node 0 (a)", {"x": 1, "y": "same"}), ("node 0 (a)", {"x": 1}), ("node 1 (b)", {"x": 2, "y": "same"}),
+             ("node 2 (c)", {"x": 2, "z": 3})]
+    [found] = differences(nodes)
+    assert str(found) == "x differs between nodes: node 1 (b), node 2 (c): 2; node 0 (a): 1"
+    assert found.key == "x" and found.reference == "1" and found.differing == {2, 3}
+    [against_node_1] = differences(nodes, reference=2)
+    assert str(against_node_1) == "x differs between nodes: node 0 (a): 1; node 1 (b), node 2 (c): 2"
+    assert against_node_1.differing == {0, 1}
+    assert differences(nodes[:2]) == []

@@ -49,6 +49,7 @@ def table_run(tmp_path_factory):
     return out, work
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_speed_table_runs_meshtune_both_peers_and_lists_rows_it_cannot_run(table_run, tmp_path):
     out, work = table_run
@@ -85,6 +86,7 @@ def test_speed_table_runs_meshtune_both_peers_and_lists_rows_it_cannot_run(table
     assert len(merged) == 1 and ", 2 runs) |" in merged[0], merged  # one figure: the median of both runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_second_run_in_the_same_work_folder_trains_afresh(table_run, tmp_path):
     """The same row again in the first run's --work: its output folder is emptied first, so the run neither
@@ -179,6 +181,7 @@ def test_a_stream_passes_every_option_on_except_its_own():
     assert child_argv(argv, "a", Path("/w"), Path("/o"), time_limit=-5)[-2:] == ["--time-limit", "0"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_streams_stopped_early_still_merge_the_rows_that_finished(tmp_path):
     """Two variants of one row in one stream: SIGTERM twice once the first result is printed. The first row is in
@@ -264,6 +267,7 @@ def test_an_unknown_row_preset_or_peer_is_named_with_the_choices(monkeypatch, ca
     assert parse_peers("plain,liger", no_peer=True) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_node_speed_script_runs_both_layouts_in_rounds_on_cpu(tmp_path):
     """bench/two_node_speed.py end to end with the tiny job: two agents (one process each) as two nodes, then one
@@ -314,6 +318,7 @@ def test_two_node_speed_reads_nccl_transports_and_refuses_a_global_batch_it_cann
         accumulation_for(60, 8, 4)
 
 
+@pytest.mark.slow
 def test_two_node_report_gives_each_layouts_median_and_its_share_of_one_node_by_round():
     from two_node_speed import report
 
@@ -381,10 +386,11 @@ def test_a_second_sigterm_cannot_cut_the_merge():
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_collective_probe_prints_every_collective_and_size():
     """bench/allreduce_probe.py on two gloo ranks (on GPUs it runs on NCCL): one line per collective and size."""
-    from test_checkpoint import free_port
+    from ranks import free_port
 
     result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                   str(free_port()), str(REPO / "bench" / "allreduce_probe.py"), "--sizes-mb", "1,2",
@@ -410,6 +416,7 @@ def test_the_qlora_row_is_judged_against_our_lora_row():
     assert "0.75x lora-7b, 35% of its memory" in line, line
 
 
+@pytest.mark.slow
 def test_big_qlora_script_writes_a_sharded_random_model_and_reports_memory_and_speed(tmp_path):
     """The big-model Q-LoRA bench on CPU: a model whose block weights quantize, written shard by shard, trained
     by 2 processes under zero3; the report has every figure the docs record."""
@@ -485,6 +492,7 @@ def parity_run(tmp_path_factory):
     return out, argv
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_parity_curves_replay_meshtunes_batches_into_hf_trainer(parity_run):
     """Both stacks train the same samples in each step, so in fp32 their losses agree to float rounding at every
@@ -516,6 +524,7 @@ def test_parity_curves_replay_meshtunes_batches_into_hf_trainer(parity_run):
     assert (out / "parity.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_parity_curves_keep_the_runs_that_finished_with_the_same_settings(parity_run):
     """A second invocation into the same --out runs nothing it finished before (the report is the same); one with
@@ -594,7 +603,8 @@ def test_parity_task_samples_are_a_walk_of_the_chain_then_its_copy():
 def test_parity_memory_probe_stops_the_run_and_its_workers_at_the_fit_line(tmp_path):
     """The probe reads the memory fit's line and ends the run there: the launcher and every process below it
     (torchrun's workers hold the GPUs) are gone when it returns."""
-    from parity_curves import FIT_LINE, run_until, running
+    from parity_curves import FIT_LINE, run_until
+    from processes import alive
 
     script = ("import subprocess, sys, time\n"
               "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
@@ -607,6 +617,6 @@ def test_parity_memory_probe_stops_the_run_and_its_workers_at_the_fit_line(tmp_p
     assert time.monotonic() - started < 30
     assert line is not None and "6.30 GiB" in line and (tmp_path / "probe.log").read_text().startswith("worker")
     worker = int(output.split()[1])
-    assert not running(worker) and running(os.getpid())
+    assert not alive(worker) and alive(os.getpid())
     line, _ = run_until([sys.executable, "-c", "print('no fit here')"], FIT_LINE, 50, ENV, tmp_path / "none.log")
     assert line is None

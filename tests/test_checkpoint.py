@@ -1,5 +1,5 @@
 """Checkpoints through real DCP and real process groups: a group of one in this process, and two gloo ranks
-started with torch.multiprocessing for FSDP2 resharding (2 ranks -> 1 and 1 -> 2) and async saves."""
+forked from a process with torch imported (tests/ranks.py) for FSDP2 resharding (2 ranks -> 1 and 1 -> 2) and async saves."""
 
 from __future__ import annotations
 
@@ -7,29 +7,25 @@ import json
 import os
 import random
 import shutil
-import socket
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from meshtune.checkpoint import (CheckpointError, CheckpointManager, format_listing, list_checkpoints,
-                                 select_resume, training_state, verify)
+from meshtune.checkpoint import (CheckpointError, CheckpointManager, TrainerState, TrainingProgress, format_listing,
+                                 list_checkpoints, select_resume, training_state, verify)
 from meshtune.config import build_config
 from meshtune.plan import resume_request
+from ranks import run_ranks
 
 INFO = {"epoch": 0, "world_size": 1, "parallel": "zero3", "config_hash": "abc"}
-RANKS_TIMEOUT_S = 90
 
 
 def checkpoint_asked_for(resume: str) -> tuple[bool, Path | None]:
@@ -63,7 +59,7 @@ class Tiny(nn.Module):
 
 
 def setup(seed: int, fsdp: bool = False, freeze_first_block: bool = False):
-    """Model, AdamW, LambdaLR and a trainer dict: the state the loop checkpoints."""
+    """Model, AdamW and LambdaLR: with the loop's TrainingProgress, the state the loop checkpoints."""
     model = Tiny(seed)
     if freeze_first_block:
         model.blocks[0].requires_grad_(False)
@@ -124,30 +120,30 @@ def save_steps(output_dir: Path, steps, limit=None) -> None:
     manager = CheckpointManager(output_dir, limit, False, 0, 1)
     for step in steps:
         train_step(model, optimizer, scheduler, step)
-        manager.save(step, training_state(model, optimizer, scheduler, {"step": step}, 0, False),
+        manager.save(step, training_state(model, optimizer, scheduler, TrainingProgress(step=step), 0, False),
                      {**INFO, "step": step})
     manager.close()
 
 
-def test_round_trip_restores_model_optimizer_scheduler_trainer_and_rng(tmp_path, world_of_one):
+def test_round_trip_restores_model_optimizer_scheduler_progress_and_rng(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0)
     train_step(model, optimizer, scheduler, 1)
-    trainer = {"step": 1, "epoch": 0, "consumed_samples": 8}
+    progress = TrainingProgress(step=1, epoch=0, nonfinite_skipped=[1], loss_scale={"scale": 8.0})
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(model, optimizer, scheduler, trainer, 0, False), INFO)
+    manager.save(1, training_state(model, optimizer, scheduler, progress, 0, False), INFO)
     saved, saved_scheduler, after_save = full_state(model, optimizer), scheduler.state_dict(), draws()
     manifest = json.loads((tmp_path / "checkpoint-1" / "manifest.json").read_text())
     assert manifest["step"] == 1 and manifest["config_hash"] == "abc"
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
 
     model, optimizer, scheduler = setup(5)
-    loaded_trainer: dict = {}
-    state = training_state(model, optimizer, scheduler, loaded_trainer, 0, False)
+    loaded_progress = TrainingProgress()
+    state = training_state(model, optimizer, scheduler, loaded_progress, 0, False)
     random.seed(99)
     assert manager.load(tmp_path / "checkpoint-1", state)["step"] == 1
     assert_same(full_state(model, optimizer), saved)
     assert scheduler.state_dict() == saved_scheduler and optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
-    assert loaded_trainer == trainer
+    assert loaded_progress == progress
     assert state["rng"].restored and draws() == after_save
 
 
@@ -156,12 +152,13 @@ def test_ddp_checkpoint_loads_into_a_bare_module(tmp_path, world_of_one):
     ddp = nn.parallel.DistributedDataParallel(model)
     train_step(ddp, optimizer, scheduler, 1)
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(ddp, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+    manager.save(1, training_state(ddp, optimizer, scheduler, TrainingProgress(step=1), 0, False), INFO)
     keys = FileSystemReader(str(tmp_path / "checkpoint-1")).read_metadata().state_dict_metadata
     assert "model_optim.model.head.weight" in keys  # no DDP "module." prefix: any wrapper can load it
 
     bare, bare_optimizer, bare_scheduler = setup(5)
-    manager.load(tmp_path / "checkpoint-1", training_state(bare, bare_optimizer, bare_scheduler, {}, 0, False))
+    state = training_state(bare, bare_optimizer, bare_scheduler, TrainingProgress(), 0, False)
+    manager.load(tmp_path / "checkpoint-1", state)
     assert_same(full_state(bare, bare_optimizer), full_state(model, optimizer))
 
 
@@ -171,10 +168,11 @@ def test_fsdp2_checkpoint_loads_into_a_bare_module(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0, fsdp=True)
     train_step(model, optimizer, scheduler, 1)
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+    manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, False), INFO)
 
     bare, bare_optimizer, bare_scheduler = setup(5)
-    manager.load(tmp_path / "checkpoint-1", training_state(bare, bare_optimizer, bare_scheduler, {}, 0, False))
+    state = training_state(bare, bare_optimizer, bare_scheduler, TrainingProgress(), 0, False)
+    manager.load(tmp_path / "checkpoint-1", state)
     assert_same(full_state(bare, bare_optimizer), full_state(model, optimizer))
 
 
@@ -289,27 +287,37 @@ def test_async_save_snapshots_state_and_wait_publishes(tmp_path, world_of_one):
     manager = CheckpointManager(tmp_path, None, True, 0, 1)
     train_step(model, optimizer, scheduler, 1)
     at_save = full_state(model, optimizer)
-    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), {**INFO, "step": 1})
+    manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, False),
+                 {**INFO, "step": 1})
     train_step(model, optimizer, scheduler, 2)  # training goes on while the save is in flight
     assert not (tmp_path / "checkpoint-1").exists()
-    manager.save(2, training_state(model, optimizer, scheduler, {"step": 2}, 0, False), {**INFO, "step": 2})
+    manager.save(2, training_state(model, optimizer, scheduler, TrainingProgress(step=2), 0, False),
+                 {**INFO, "step": 2})
     assert verify(tmp_path / "checkpoint-1") == []  # the next save published the previous one first
     manager.wait()
     assert verify(tmp_path / "checkpoint-2") == []
 
     model, optimizer, scheduler = setup(5)
-    trainer: dict = {}
-    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, trainer, 0, False))
+    progress = TrainingProgress()
+    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, progress, 0, False))
     assert_same(full_state(model, optimizer), at_save)
-    assert trainer == {"step": 1}
+    assert progress == TrainingProgress(step=1)
     manager.close()
+
+
+def test_progress_a_checkpoint_does_not_hold_starts_from_its_default():
+    """A checkpoint from before a counter existed resumes with that counter's default; one it does not know is
+    left out."""
+    progress = TrainingProgress(step=5, epoch=1, nonfinite_skipped=[2], loss_scale={"scale": 2.0})
+    TrainerState(progress).load_state_dict({"json": json.dumps({"step": 3, "epoch": 1, "consumed_samples": 8})})
+    assert progress == TrainingProgress(step=3, epoch=1)
 
 
 def test_trainable_only_saves_only_trainable_parameters(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0, freeze_first_block=True)
     train_step(model, optimizer, scheduler, 1)
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, True), INFO)
+    manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, True), INFO)
     saved = full_state(model, optimizer)
 
     keys = FileSystemReader(str(tmp_path / "checkpoint-1")).read_metadata().state_dict_metadata
@@ -322,63 +330,17 @@ def test_trainable_only_saves_only_trainable_parameters(tmp_path, world_of_one):
         for p in model.parameters():
             if p.requires_grad:
                 p.zero_()
-    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, {}, 0, True))
+    manager.load(tmp_path / "checkpoint-1", training_state(model, optimizer, scheduler, TrainingProgress(), 0, True))
     assert_same(full_state(model, optimizer), saved)
 
 
 # ---- two real ranks ----------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rank_entry(job, rank: int, world_size: int, port: int, workdir: Path) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
-        job(rank, world_size, workdir)
-        dist.destroy_process_group()
-    except BaseException:
-        (workdir / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    # Skip interpreter shutdown: FSDP2's DTensor caches keep the gloo group (and its worker threads) alive past
-    # destroy_process_group, and a worker freeing the last collective's tensors then needs the GIL while Python
-    # finalises: "terminate called without an active exception", about 1 run in 6 on torch 2.13.
-    os._exit(0)
-
-
-def run_ranks(job, world_size: int, workdir: Path, entry=None) -> None:
-    """Start `job` on `world_size` gloo ranks; fail with the ranks' tracebacks; never leave a process behind.
-    `entry(job, rank, world_size, port, workdir)` runs in each process (default: `rank_entry`, which forms the
-    group and calls `job`); it leaves its traceback in workdir/rank<R>.error."""
-    context = mp.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=entry or rank_entry, args=(job, rank, world_size, port, workdir))
-                 for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    try:
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [process for process in processes if process.is_alive()]
-        for process in hung:
-            process.kill()
-            process.join()
-    errors = "\n".join(p.read_text() for p in sorted(workdir.glob("rank*.error")))
-    assert not hung, f"{len(hung)} rank(s) still running after {RANKS_TIMEOUT_S} s\n{errors}"
-    assert all(p.exitcode == 0 for p in processes), errors
-
-
 def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     """Load the 1-rank checkpoint into FSDP2 on 2 ranks, async-save two checkpoints from 2 ranks, fail a third."""
     model, optimizer, scheduler = setup(1, fsdp=True)
-    trainer: dict = {}
-    state = training_state(model, optimizer, scheduler, trainer, rank, False)
+    progress = TrainingProgress()
+    state = training_state(model, optimizer, scheduler, progress, rank, False)
     manager = CheckpointManager(workdir / "two", 2, True, rank, world_size)
     if rank == 1:
         with pytest.warns(UserWarning, match="holds no random state for this rank"):
@@ -386,7 +348,7 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     else:
         manager.load(workdir / "one" / "checkpoint-1", state)
     loaded = full_state(model, optimizer)
-    assert trainer == {"step": 1}
+    assert progress == TrainingProgress(step=1)
     assert state["rng"].restored == (rank == 0)
     if rank == 0:
         assert_same(loaded, torch.load(workdir / "one.pt"))
@@ -395,7 +357,7 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     for step in (2, 3):
         train_step(model, optimizer, scheduler, step)
         reference = full_state(model, optimizer)
-        trainer["step"] = step
+        progress.step = step
         manager.save(step, state, {**INFO, "step": step, "world_size": world_size})
         if rank == 0:
             torch.save({"state": reference, "draws": draws()}, workdir / f"two-{step}.pt")
@@ -407,13 +369,14 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
         CheckpointManager(workdir / "two", 2, False, rank, world_size).save(4, state, {"unserialisable": object()})
 
 
+@pytest.mark.slow
 def test_fsdp2_checkpoint_reshards_between_one_and_two_ranks(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model, optimizer, scheduler = setup(0, fsdp=True)
         train_step(model, optimizer, scheduler, 1)
         manager = CheckpointManager(tmp_path / "one", None, False, 0, 1)
-        manager.save(1, training_state(model, optimizer, scheduler, {"step": 1}, 0, False), INFO)
+        manager.save(1, training_state(model, optimizer, scheduler, TrainingProgress(step=1), 0, False), INFO)
         torch.save(full_state(model, optimizer), tmp_path / "one.pt")
     finally:
         dist.destroy_process_group()
@@ -428,12 +391,12 @@ def test_fsdp2_checkpoint_reshards_between_one_and_two_ranks(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model, optimizer, scheduler = setup(5, fsdp=True)
-        trainer: dict = {}
-        state = training_state(model, optimizer, scheduler, trainer, 0, False)
+        progress = TrainingProgress()
+        state = training_state(model, optimizer, scheduler, progress, 0, False)
         CheckpointManager(tmp_path / "two", None, False, 0, 1).load(tmp_path / "two" / "checkpoint-2", state)
         expected = torch.load(tmp_path / "two-2.pt")
         assert_same(full_state(model, optimizer), expected["state"])
-        assert trainer == {"step": 2} and state["rng"].restored and draws() == expected["draws"]
+        assert progress == TrainingProgress(step=2) and state["rng"].restored and draws() == expected["draws"]
     finally:
         dist.destroy_process_group()
 
@@ -443,7 +406,7 @@ def two_rank_saves(rank: int, world_size: int, workdir: Path) -> None:
     manager = CheckpointManager(workdir / "out", None, False, rank, world_size)
     for step in (1, 2):
         train_step(model, optimizer, scheduler, step)
-        manager.save(step, training_state(model, optimizer, scheduler, {"step": step}, rank, False),
+        manager.save(step, training_state(model, optimizer, scheduler, TrainingProgress(step=step), rank, False),
                      {**INFO, "step": step, "world_size": world_size})
     manager.close()
 
@@ -466,6 +429,7 @@ def two_rank_resume_selection(rank: int, world_size: int, workdir: Path) -> None
                                                                "hashed": hashed}))
 
 
+@pytest.mark.slow
 def test_resume_verification_is_split_across_ranks_and_a_byte_only_rank_1_reads_still_moves_it_aside(tmp_path):
     from meshtune.checkpoint.manifest import share
 

@@ -16,7 +16,7 @@ from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.plan import (ModelSize, default_blocks_per_unit, resolve, resume_request, sharding_for_full,
                            sharding_for_qlora)
-from meshtune.train.collection import StepGarbageCollection
+from meshtune.train.garbage_collection import StepGarbageCollection
 from meshtune.train.loop import run
 
 GIB = 2**30

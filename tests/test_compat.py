@@ -17,7 +17,7 @@ from conftest import read_metrics, run_cli_here
 from meshtune.compat.deepspeed import translate_deepspeed
 from meshtune.compat.flags import split_flags
 from meshtune.compat.foreign import FAMILIES, FOREIGN, foreign_handler
-from meshtune.compat.loading import load_job_config
+from meshtune.compat.job_config import load_job_config
 from meshtune.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compat"

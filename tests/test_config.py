@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import run_cli_here, write_config
-from meshtune.compat.loading import load_config
+from meshtune.compat.job_config import load_config
 from meshtune.config import JOB, MATH, NODE, TrainConfig, build_config, describe_keys, parse_overrides
 from meshtune.errors import ConfigError
 

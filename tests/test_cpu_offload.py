@@ -21,7 +21,7 @@ from meshtune.config import build_config
 from meshtune.model.parallel import offload_policy
 from meshtune.plan import ModelSize, resolve
 from meshtune.train.loop import train
-from test_checkpoint import run_ranks
+from ranks import run_ranks
 
 
 def env(world_size: int, device: str, local_world_size: int | None = None) -> SimpleNamespace:
@@ -79,6 +79,7 @@ def offload_job(rank: int, world_size: int, workdir: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo ranks train on the CPU; with CUDA, "
                     "tests/test_cuda_paths.py runs the offload on the GPU")
+@pytest.mark.slow
 def test_zero3_trains_the_same_with_and_without_offload_and_resumes_across_it(tmp_path, tiny_model_dir,
                                                                               tiny_dataset):
     def run(name: str, method: str = "full", **extra) -> dict:

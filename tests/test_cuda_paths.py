@@ -191,6 +191,7 @@ def test_cpu_offload_keeps_pinned_host_shards_and_trains_as_without_it(tmp_path,
         assert_same_curve(resumed.records, plain.records[2:])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cpu_offload_on_two_gpus_receives_rank_0s_weights_into_host_shards(tmp_path, tiny_model_dir, tiny_dataset):
     """Two processes through torchrun and NCCL: rank 1 builds the model empty and receives its shards of rank 0's

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtune.data.formats import convert, dataset_checksum, detect_format, load_records, read_dataset
+from meshtune.data.formats import convert, detect_format, load_records, read_dataset
 from meshtune.errors import DataError
 
 # LLaMA-Factory data files: our own small fixtures always, the real files too where ../shared/compat exists.
@@ -291,14 +291,6 @@ def test_no_usable_record(tmp_path):
     bad = write(tmp_path / "bad.jsonl", [{"instruction": "x", "output": ""}])
     with pytest.raises(DataError, match=r"no usable record in .*empty\.json, .*bad\.jsonl \(1 invalid skipped\)"):
         read_dataset([empty, bad], skip_invalid=True)
-
-
-def test_checksum_covers_content_and_order(tmp_path):
-    a, b = write(tmp_path / "a.json", ALPACA), write(tmp_path / "b.json", QWEN)
-    first = dataset_checksum([a, b])
-    assert first == dataset_checksum([a, b]) != dataset_checksum([b, a])
-    write(b, QWEN * 2)
-    assert dataset_checksum([a, b]) != first
 
 
 @pytest.mark.parametrize(

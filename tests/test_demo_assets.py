@@ -10,7 +10,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from meshtune.compat.loading import load_config
+from meshtune.compat.job_config import load_config
 from meshtune.demo.assets import build_tiny_model, generate_answers, heldout_examples, prepare, write_task_dataset
 from meshtune.demo.tokenizer import train_tokenizer
 

@@ -62,6 +62,7 @@ def row(output: str, check: str) -> str:
     return next(line for line in output.splitlines() if line.startswith(check))
 
 
+@pytest.mark.slow
 def test_a_healthy_pair_of_nodes_passes_and_node_0_prints_one_table(config, tmp_path):
     started = time.monotonic()
     (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}],
@@ -80,6 +81,7 @@ def test_a_healthy_pair_of_nodes_passes_and_node_0_prints_one_table(config, tmp_
     assert not list((tmp_path / "output").glob(".meshtune-doctor-*"))  # node 0's token removed
 
 
+@pytest.mark.slow
 def test_each_fault_is_named_with_its_node(config, tmp_path, tiny_dataset):
     other_data = tmp_path / "other.jsonl"
     other_data.write_text(tiny_dataset.read_text().replace("the", "a"))
@@ -99,6 +101,7 @@ def test_each_fault_is_named_with_its_node(config, tmp_path, tiny_dataset):
     assert "fix: install the same versions on every node" in out1
 
 
+@pytest.mark.slow
 def test_duplicate_node_rank_and_nnodes_mismatch(config):
     results = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}, {"NODE_RANK": "1", "NNODES": "4"}])
     (code0, out0), _, (code2, out2) = results
@@ -109,6 +112,7 @@ def test_duplicate_node_rank_and_nnodes_mismatch(config):
     assert "✘ 4 nodes" in row(out0, "NNODES, MASTER_ADDR/PORT, processes") and "node 0 has nnodes=3" in out0
 
 
+@pytest.mark.slow
 def test_a_wrong_port_or_a_missing_master_fails_within_the_timeout_naming_the_node(config):
     started = time.monotonic()
     port = free_port()
@@ -140,7 +144,7 @@ def test_a_wrong_port_is_named_on_its_node_soon_after_the_default_timeout(config
 
 
 def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure():
-    from meshtune.launch.doctor_checks import FAIL, WARN, joined_row
+    from meshtune.doctor.checks import FAIL, WARN, joined_row
 
     facts = [{"node_rank": 0, "host": "a"}, {"node_rank": 1, "host": "b"}]
     assert joined_row(facts, 2, 4, 30).cells[0] == (WARN, "missing node rank(s) 2, 3")  # nnodes: 2:4
@@ -148,7 +152,33 @@ def test_an_elastic_job_missing_nodes_above_its_minimum_is_a_note_not_a_failure(
     assert not joined_row(facts, 2, 2, 30).failed
 
 
+def test_the_doctor_names_differing_keys_in_the_agreement_checks_words():
+    """The config and software rows compare through train/agreement.differences: the same sentence training's
+    agreement check prints, each node's cell naming what differs there."""
+    from meshtune.doctor.checks import FAIL, OK, config_row, software_row
+    from meshtune.train.agreement import find_disagreements
 
+    def node(rank, host, lr, torch_version):
+        return {"node_rank": rank, "host": host, "config": {"config key learning_rate": lr, "config key seed": "1"},
+                "software": {"torch": torch_version, "meshtune": "1.0"}}
+
+    facts = [node(0, "a", "0.0001", "2.13"), node(1, "b", "0.0002", "2.13"), node(2, "c", "0.0002", "2.11")]
+    row = config_row(facts, facts[0])
+    assert [row.cells[p] for p in range(3)] == [(OK, "same as node 0"), (FAIL, "differs: learning_rate"),
+                                                 (FAIL, "differs: learning_rate")]
+    sentence = "config key learning_rate differs between nodes: node 1 (b), node 2 (c): 0.0002; node 0 (a): 0.0001"
+    assert row.fixes == [f"{sentence}. Run the same config and overrides on every node"]
+    ranks = [{"rank": f["node_rank"], "local_rank": 0, "agent": f["node_rank"], **f, **f["config"]} for f in facts]
+    for facts_of_rank in ranks:
+        del facts_of_rank["config"], facts_of_rank["software"]
+    [problem] = find_disagreements(ranks)
+    assert problem.startswith(sentence + ". Run the same config")
+    software = software_row(facts, facts[0])
+    assert software.cells[2] == (FAIL, "torch 2.11 (node 0: 2.13)") and software.cells[1][0] == OK
+
+
+
+@pytest.mark.slow
 def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves(config, tmp_path):
     started = time.monotonic()
     (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}],
@@ -176,7 +206,7 @@ def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves
 
 
 def test_pairs_rounds_meet_every_pair_once_and_busbw_follows_nccl_tests():
-    from meshtune.launch.bandwidth import bus_bandwidth, pair_rounds
+    from meshtune.doctor.bandwidth import bus_bandwidth, pair_rounds
 
     for n in range(2, 9):
         rounds = pair_rounds(n)
@@ -189,7 +219,7 @@ def test_pairs_rounds_meet_every_pair_once_and_busbw_follows_nccl_tests():
 
 def test_the_traffic_of_a_step_follows_the_parallel_mode():
     from meshtune.config import build_config
-    from meshtune.launch.traffic import ModelFacts, collective_seconds, step_collectives, verdict
+    from meshtune.doctor.traffic import ModelFacts, collective_seconds, step_collectives, verdict
     from meshtune.plan import ModelSize
 
     model = ModelFacts(ModelSize(7_000_000_000, 200_000_000, 30), 7_000_000_000, 6_500_000_000, 30, 4096)
@@ -226,6 +256,7 @@ def train_config(tmp_path, tiny_model_dir, tiny_dataset, **extra):
     return write_config(tmp_path, **values)
 
 
+@pytest.mark.slow
 def test_preflight_stops_the_launch_before_torchrun_naming_the_node_whose_data_differs(tmp_path, tiny_model_dir,
                                                                                      tiny_dataset):
     other_data = tmp_path / "other.jsonl"
@@ -245,6 +276,7 @@ def test_preflight_stops_the_launch_before_torchrun_naming_the_node_whose_data_d
     assert "rendezvous" not in out0 + out1 and not (tmp_path / "output" / "run_plan.json").exists()
 
 
+@pytest.mark.slow
 def test_preflight_names_a_node_that_never_joins_within_rdzv_timeout(tmp_path, tiny_model_dir, tiny_dataset):
     config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=6)
     started = time.monotonic()
@@ -256,6 +288,7 @@ def test_preflight_names_a_node_that_never_joins_within_rdzv_timeout(tmp_path, t
     assert "preflight: node rank(s) 1 never joined within rdzv_timeout=6 s" in last, last
 
 
+@pytest.mark.slow
 def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight_and_train(tmp_path, tiny_model_dir,
                                                                                            tiny_dataset):
     """Node 0 relaunched into its running job finds its own output_dir lock (same run id): it skips the preflight.
@@ -280,7 +313,7 @@ def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight
 def test_checkpoint_space_counts_the_saves_of_each_save_strategy(tmp_path):
     from types import SimpleNamespace
 
-    from meshtune.launch.doctor_checks import checkpoint_bytes
+    from meshtune.doctor.checks import checkpoint_bytes
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 2000)  # 1,000 bf16 parameters
     cfg = dict(model_name_or_path=str(tmp_path), finetuning_type="full", save_total_limit=None, max_steps=100,
@@ -289,3 +322,17 @@ def test_checkpoint_space_counts_the_saves_of_each_save_strategy(tmp_path):
     assert per_save > 0
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="epoch")) == 3 * per_save
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="no")) == 0
+
+
+def test_the_launchers_node_settings_have_every_member_the_doctor_reads():
+    """The doctor names the launcher's NodeSettings by its shape (LaunchSettings), since the launcher imports the
+    doctor: a member renamed on one side only would show first on a multi-node launch."""
+    from meshtune.doctor.launch_settings import LaunchSettings
+    from meshtune.launch.nodes import NodeSettings
+
+    members = [name for name, value in vars(LaunchSettings).items() if isinstance(value, property)]
+    settings = NodeSettings(nnodes="1:2", node_rank=1, master_addr="node01", master_port=29500, nproc_per_node=8,
+                            run_id="job", source={})
+    assert {name: getattr(settings, name) for name in members} == {
+        "nnodes": "1:2", "node_rank": 1, "master_addr": "node01", "master_port": 29500, "nproc_per_node": 8,
+        "run_id": "job", "min_nodes": 1, "max_nodes": 2}

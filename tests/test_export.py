@@ -15,7 +15,7 @@ from meshtune.checkpoint import CheckpointError, verify
 from meshtune.config import build_config
 from meshtune.data.chat_template import render_chatml
 from meshtune.errors import MeshtuneError
-from meshtune.model.export import export_kind, verify_export
+from meshtune.model.final_weights import export_kind, verify_export
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
 

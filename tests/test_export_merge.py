@@ -103,9 +103,10 @@ def zero3_job(rank: int, world_size: int, workdir) -> None:
     train(build_config(json.loads((workdir / "task.json").read_text())))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_two_ranks_wrote_under_zero3_exports_the_adapters_of_final(tmp_path, tiny_model_dir,
                                                                                 tiny_dataset):
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "run", max_steps=2, save_steps=2,
                          parallel="zero3", learning_rate=5e-2)
@@ -117,9 +118,10 @@ def test_a_checkpoint_two_ranks_wrote_under_zero3_exports_the_adapters_of_final(
     assert exported.keys() == final.keys() and all(torch.equal(exported[key], final[key]) for key in final)
 
 
+@pytest.mark.slow
 def test_a_full_checkpoint_four_ranks_wrote_under_zero3_exports_a_model_equal_to_final(tmp_path, tiny_model_dir,
                                                                                        tiny_dataset):
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "run", max_steps=2, save_steps=2,
                          finetuning_type="full", parallel="zero3", per_device_train_batch_size=1,

@@ -3,6 +3,10 @@
 
 On CPU/gloo with one thread per process the runs are bit-exact, so "resumes exactly" is checked with ==: the
 losses after a recovery and the sha256 of the final weights equal the uninterrupted run's.
+
+The tests share that uninterrupted run (the module-scoped `baseline`) and jobs started beside it or beside a later
+test (`SideJobs`). Only file order, pytest's own, puts a side job's start before the test that reads its result, and
+that is for speed: each such test runs its job itself when run alone.
 """
 
 from __future__ import annotations
@@ -104,8 +108,8 @@ class SideJobs:
     waits) leave idle: each is a job of its own (own ports, output_dir and processes) with nothing timed against
     its training steps (no kill, signal or straggler measure), nor in the job it runs beside. Each scenario's test
     takes the result, and starts the job itself when run alone. A test that starts side jobs waits for them
-    before it ends, so none runs beside the step-timed tests (b, h, i), which are marked `alone`: under pytest-xdist
-    no other module's test runs beside them either."""
+    before it ends, so none runs beside the step-timed tests (the hang watchdog's and the SIGTERM ones), which are
+    marked `alone`: under pytest-xdist no other module's test runs beside them either."""
 
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=2)
@@ -151,9 +155,9 @@ def losses(output_dir: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset, side_jobs):
-    """a. An uninterrupted 2-node run: the losses of every step and the hash of the final weights. Alongside it, a
-    lone node 0 waits out its rendezvous timeout (test_f), and the same job runs across two network namespaces
-    (test_two_hosts)."""
+    """An uninterrupted 2-node run: the losses of every step and the hash of the final weights. Alongside it, a
+    lone node 0 waits out its rendezvous timeout (a node that never joins), and the same job runs across two network
+    namespaces (two hosts)."""
     side_jobs.start("never joins", lambda: never_joining_node(tmp_path_factory, tiny_model_dir, tiny_dataset))
     side_jobs.start("two hosts", lambda: two_hosts_job(tmp_path_factory, tiny_model_dir, tiny_dataset))
     root = tmp_path_factory.mktemp("baseline")
@@ -172,7 +176,7 @@ def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset, side_jobs):
     return {"output": output, "losses": losses(output), "hash": final_hash(output), "root": root}
 
 
-def test_a_baseline_checkpoints_are_complete_and_verified(baseline, capfd):
+def test_the_uninterrupted_runs_checkpoints_are_complete_and_verified(baseline, capfd):
     steps = sorted(int(p.name.split("-")[1]) for p in baseline["output"].glob("checkpoint-*"))
     assert steps == list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
     result = run_cli_here(["ckpt", "verify", str(baseline["output"] / f"checkpoint-{STEPS}")], capfd)
@@ -205,14 +209,14 @@ def kill_a_node_and_relaunch_it(cluster: Cluster, config: Path, output: Path, ba
     return port, survivor.output()
 
 
-def test_b_killed_node_restarts_and_the_job_ends_as_if_nothing_happened(cluster, tmp_path, baseline,
-                                                                         tiny_model_dir, tiny_dataset):
+def test_killed_node_1_relaunched_rejoins_and_the_job_ends_as_if_nothing_happened(cluster, tmp_path, baseline,
+                                                                                   tiny_model_dir, tiny_dataset):
     output = tmp_path / "output"
     config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output)
     kill_a_node_and_relaunch_it(cluster, config, output, baseline, victim=1)
 
 
-def test_b_killed_node_0_alone_relaunched_rejoins_the_survivors_and_the_job_ends_as_if_nothing_happened(
+def test_killed_node_0_relaunched_alone_rejoins_the_survivors_and_the_job_ends_as_if_nothing_happened(
         cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset):
     """Node 0 hosts the rendezvous store: with it gone, node 1's launcher waits for it to come back and rejoins."""
     output = tmp_path / "output"
@@ -222,7 +226,7 @@ def test_b_killed_node_0_alone_relaunched_rejoins_the_survivors_and_the_job_ends
 
 
 @pytest.mark.alone
-def test_b_a_stopped_rank_is_caught_by_the_hang_watchdog_and_the_job_recovers_by_itself_while_a_straggler_is_named(
+def test_stopped_rank_is_caught_by_the_hang_watchdog_and_the_job_recovers_by_itself_while_a_straggler_is_named(
         cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset):
     """Rank 3 sleeps after every step (a straggler); rank 1 stops itself with SIGSTOP after step 9 (a hung process).
     The other ranks report their stacks within the hang timeout, the summary names rank 1 as silent, they exit, and
@@ -283,7 +287,7 @@ def etcd_server(tmp_path):
         log.close()
 
 
-def test_b_with_an_etcd_rendezvous_a_killed_node_0_relaunched_alone_completes_recovery(
+def test_with_an_etcd_rendezvous_a_killed_node_0_relaunched_alone_completes_recovery(
         cluster, tmp_path, etcd_server, baseline, tiny_model_dir, tiny_dataset):
     """The rendezvous outlives node 0 in etcd: node 1's torchrun restarts its workers into a new round, which the
     relaunched node 0 joins, as after any other node's death."""
@@ -293,9 +297,9 @@ def test_b_with_an_etcd_rendezvous_a_killed_node_0_relaunched_alone_completes_re
     kill_a_node_and_relaunch_it(cluster, config, output, baseline, victim=0)
 
 
-def test_c_rank_killed_while_saving_never_publishes_that_checkpoint(cluster, tmp_path, baseline, side_jobs,
-                                                                    tmp_path_factory, tiny_model_dir, tiny_dataset):
-    """With test_d's and test_e's resumes alongside (side jobs)."""
+def test_rank_killed_while_saving_never_publishes_that_checkpoint(cluster, tmp_path, baseline, side_jobs,
+                                                                  tmp_path_factory, tiny_model_dir, tiny_dataset):
+    """With the resumes from a flipped byte and on another world size alongside (side jobs)."""
     side_jobs.start("flipped byte", lambda: flipped_byte_resume(tmp_path_factory, baseline, tiny_model_dir,
                                                                 tiny_dataset))
     side_jobs.start("world size", lambda: resume_on_another_world_size(tmp_path_factory, baseline, tiny_model_dir,
@@ -336,8 +340,8 @@ def flipped_byte_resume(tmp_path_factory, baseline, model_dir: Path, dataset: Pa
         c.cleanup()
 
 
-def test_d_flipped_byte_fails_verify_and_resume_falls_back(side_jobs, tmp_path_factory, baseline, tiny_model_dir,
-                                                           tiny_dataset):
+def test_flipped_byte_fails_verify_and_resume_falls_back(side_jobs, tmp_path_factory, baseline, tiny_model_dir,
+                                                         tiny_dataset):
     run = side_jobs.result("flipped byte", lambda: flipped_byte_resume(tmp_path_factory, baseline, tiny_model_dir,
                                                                        tiny_dataset))
     assert run["verify"].returncode == 1 and "__1_0.distcp" in run["verify"].stdout, run["verify"].stdout
@@ -361,7 +365,8 @@ def resume_on_another_world_size(tmp_path_factory, baseline, model_dir: Path, da
     return {"result": result, "output": output}
 
 
-def test_e_resume_on_another_world_size(side_jobs, tmp_path_factory, baseline, tiny_model_dir, tiny_dataset):
+def test_resume_on_another_world_size_keeps_the_losses(side_jobs, tmp_path_factory, baseline, tiny_model_dir,
+                                                        tiny_dataset):
     """Saved by 2 nodes x 2 processes, resumed on 1 node x 2 (accumulation 1 -> 2 keeps the global batch)."""
     run = side_jobs.result("world size", lambda: resume_on_another_world_size(tmp_path_factory, baseline,
                                                                               tiny_model_dir, tiny_dataset))
@@ -374,7 +379,7 @@ def test_e_resume_on_another_world_size(side_jobs, tmp_path_factory, baseline, t
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {a} vs {b}"
 
 
-def test_f_unreachable_master_fails_within_the_timeout_and_says_why(cluster, tmp_path, tiny_model_dir, tiny_dataset):
+def test_unreachable_master_fails_within_the_timeout_and_says_why(cluster, tmp_path, tiny_model_dir, tiny_dataset):
     config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output", rdzv_timeout=5)
     port = free_port()  # nobody listens there: a wrong MASTER_PORT, or node 0 never started
     started = time.monotonic()
@@ -400,10 +405,10 @@ def never_joining_node(tmp_path_factory, model_dir: Path, dataset: Path) -> dict
         c.cleanup()
 
 
-def test_f_a_node_that_never_joins_is_named_while_waiting_and_in_the_error(side_jobs, tmp_path_factory,
-                                                                           tiny_model_dir, tiny_dataset):
+def test_node_that_never_joins_is_named_while_waiting_and_in_the_error(side_jobs, tmp_path_factory,
+                                                                       tiny_model_dir, tiny_dataset):
     """torchrun's rendezvous diagnosis, as without the preflight (preflight: false; test_doctor has the
-    preflight's own). Runs alongside the baseline (a side job)."""
+    preflight's own). Runs alongside the uninterrupted run (a side job)."""
     run = side_jobs.result("never joins", lambda: never_joining_node(tmp_path_factory, tiny_model_dir, tiny_dataset))
     text = run["text"]
     assert run["code"] == 1, text[-3000:]
@@ -413,7 +418,7 @@ def test_f_a_node_that_never_joins_is_named_while_waiting_and_in_the_error(side_
     assert run["seconds"] < 80
 
 
-def test_g_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model_dir, tiny_dataset):
+def test_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model_dir, tiny_dataset):
     config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output")
     port = free_port()
     node0 = cluster.start(0, config, port)
@@ -467,18 +472,18 @@ def stop_and_resume(cluster: Cluster, tmp_path: Path, baseline, model_dir: Path,
 
 
 @pytest.mark.alone
-def test_h_sigterm_to_node_0_launcher_saves_and_a_relaunch_resumes_exactly(cluster, tmp_path, baseline,
-                                                                           tiny_model_dir, tiny_dataset):
+def test_sigterm_to_node_0s_launcher_saves_and_a_relaunch_resumes_exactly(cluster, tmp_path, baseline,
+                                                                          tiny_model_dir, tiny_dataset):
     """Kubernetes signals only the container's first process: node 0's meshtune launcher."""
     stop_and_resume(cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset,
                     lambda nodes: nodes[0].process.send_signal(signal.SIGTERM))
 
 
 @pytest.mark.alone
-def test_i_sigterm_to_every_process_of_node_1_stops_both_nodes_after_a_checkpoint(cluster, tmp_path, baseline,
-                                                                                  tiny_model_dir, tiny_dataset):
+def test_sigterm_to_every_process_of_node_1_stops_both_nodes_after_a_checkpoint(cluster, tmp_path, baseline,
+                                                                                tiny_model_dir, tiny_dataset):
     """SLURM signals every process of the job step: launcher, torchrun and workers of node 1 at once. (The
-    relaunch from the checkpoint written is the same as in test_h, which checks it.)"""
+    relaunch from the checkpoint written is the same as after node 0's SIGTERM, whose test checks it.)"""
     stop_and_resume(cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset,
                     lambda nodes: kill_tree(nodes[1].process.pid, signal.SIGTERM), relaunch=False)
 

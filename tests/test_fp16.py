@@ -16,8 +16,9 @@ from conftest import base_config
 from meshtune.compat.deepspeed import translate_deepspeed
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
+from meshtune.checkpoint import TrainingProgress
 from meshtune.plan import resolve
-from meshtune.train.loss_scale import STATE_KEY, LossScaler
+from meshtune.train.loss_scale import LossScaler
 
 
 def config(**values):
@@ -62,15 +63,15 @@ def tiny(seed: int = 0) -> torch.nn.Module:
 def test_the_scaler_unscales_before_clipping_and_skips_overflowed_steps():
     scaled, plain = tiny(), tiny()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (scaled, plain)]
-    trainer: dict = {}
-    scaler = LossScaler(True, False, torch.device("cpu"), trainer)
+    progress = TrainingProgress()
+    scaler = LossScaler(True, False, torch.device("cpu"), progress)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     scaler.scale(scaled(x).pow(2).sum()).backward()
     plain(x).pow(2).sum().backward()
     assert not torch.allclose(scaled[0].weight.grad, plain[0].weight.grad)  # scaled by 2**16
     scaler.unscale(optimizers[0])
     assert torch.allclose(scaled[0].weight.grad, plain[0].weight.grad)
-    assert scaler.step(optimizers[0]) and trainer[STATE_KEY]["scale"] == 2.0 ** 16
+    assert scaler.step(optimizers[0]) and progress.loss_scale["scale"] == 2.0 ** 16
     optimizers[1].step()
     assert all(torch.allclose(a, b) for a, b in zip(scaled.parameters(), plain.parameters()))
 
@@ -80,10 +81,11 @@ def test_the_scaler_unscales_before_clipping_and_skips_overflowed_steps():
     scaler.unscale(optimizers[0])
     assert not scaler.step(optimizers[0])  # skipped: the parameters stay, the scale halves
     assert all(torch.equal(a, b) for a, b in zip(before, scaled.parameters()))
-    assert trainer[STATE_KEY]["scale"] == 2.0 ** 15
-    resumed = LossScaler(True, False, torch.device("cpu"), json.loads(json.dumps(trainer)))  # as checkpoints keep it
+    assert progress.loss_scale["scale"] == 2.0 ** 15
+    kept = TrainingProgress(**json.loads(json.dumps(dataclasses.asdict(progress))))  # as checkpoints keep it
+    resumed = LossScaler(True, False, torch.device("cpu"), kept)
     assert resumed._scaler.get_scale() == 2.0 ** 15
-    off = LossScaler(False, False, torch.device("cpu"), {})
+    off = LossScaler(False, False, torch.device("cpu"), TrainingProgress())
     loss = plain(x).sum()
     assert off.scale(loss) is loss and off.step(optimizers[1])
 
@@ -100,7 +102,7 @@ def sharded_job(rank: int, world_size: int, workdir) -> None:
     fully_shard(reference)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    scaler = LossScaler(True, True, torch.device("cpu"), {})
+    scaler = LossScaler(True, True, torch.device("cpu"), TrainingProgress())
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     scaler.scale(model(x).pow(2).sum()).backward()
     scaler.unscale(optimizer)
@@ -118,8 +120,9 @@ def sharded_job(rank: int, world_size: int, workdir) -> None:
     assert all(torch.equal(a, b.full_tensor()) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.slow
 def test_the_sharded_scaler_skips_on_every_rank_when_one_shard_overflows(tmp_path):
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     run_ranks(sharded_job, 2, tmp_path)
 
@@ -145,13 +148,14 @@ def fp16_zero2_job(rank: int, world_size: int, workdir) -> None:
     loop.train(build_config(json.loads((workdir / "task.json").read_text())))
 
 
+@pytest.mark.slow
 def test_the_loop_trains_in_fp16_with_the_scaler_and_checkpoints_its_scale(tmp_path, tiny_model_dir, tiny_dataset,
                                                                            monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from conftest import read_metrics
     from meshtune.train.loop import run
-    from test_checkpoint import run_ranks
+    from ranks import run_ranks
 
     values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "fp32", finetuning_type="full", learning_rate=1e-3,
                          max_steps=4, save_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=2)
@@ -176,4 +180,4 @@ def test_the_loop_trains_in_fp16_with_the_scaler_and_checkpoints_its_scale(tmp_p
     saved = {"trainer": {"json": ""}}
     with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):
         dcp.load(saved, checkpoint_id=str(tmp_path / "fp16" / "checkpoint-4"), no_dist=True)
-    assert json.loads(saved["trainer"]["json"])[STATE_KEY]["scale"] == 2.0 ** 16
+    assert json.loads(saved["trainer"]["json"])["loss_scale"]["scale"] == 2.0 ** 16

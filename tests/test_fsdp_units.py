@@ -17,7 +17,7 @@ from meshtune.distributed import DistEnv
 from meshtune.model.loading import load_model, model_size
 from meshtune.model.parallel import fsdp_units, wrap_model
 from meshtune.plan import default_blocks_per_unit
-from test_checkpoint import run_ranks
+from ranks import run_ranks
 from test_rank0_weights import one_step
 
 
@@ -67,6 +67,7 @@ def test_blocks_are_grouped_in_order_and_the_last_unit_takes_the_rest():
     assert fsdp_units(list("abc"), 8) == [["a", "b", "c"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel,prefetch", [("zero3", 0), ("zero2", 1)])
 def test_grouped_units_gather_once_per_unit_and_train_the_same(tmp_path, five_block_model, parallel, prefetch):
     one = run_units(tmp_path, five_block_model, parallel, 1, prefetch)
@@ -105,6 +106,7 @@ def regather_job(rank: int, world_size: int, workdir: Path) -> None:
     (workdir / f"rank{rank}.json").write_text(json.dumps({"forward": forward, "backward": len(gathers) - forward}))
 
 
+@pytest.mark.slow
 def test_zero3_gathers_every_unit_again_for_backward_but_the_last_and_the_root(tmp_path, five_block_model):
     """Backward begins with the head (the root) and the last block: freeing them after forward would only gather
     them again at once, so they stay whole; the other four blocks are gathered again."""
@@ -124,6 +126,7 @@ def ddp_buckets_job(rank: int, world_size: int, workdir: Path) -> None:
     (workdir / f"rank{rank}.json").write_text(json.dumps({"cap": model.bucket_bytes_cap, "views": in_buckets}))
 
 
+@pytest.mark.slow
 def test_ddp_buckets_take_bucket_cap_mb_and_hold_the_gradients_themselves(tmp_path, five_block_model):
     """ddp_bucket_cap_mb reaches DDP, and every gradient is a view of its bucket (no copy into the buckets, no
     second gradient buffer)."""

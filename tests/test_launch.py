@@ -19,7 +19,7 @@ from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.launch import (describe, detect_node_settings, expand_hostlist, launch_env, needs_torchrun,
                              node_range, torchrun_command, torchrun_worker)
-from meshtune.launch import nodes
+from meshtune.launch import nodes, torchrun
 
 BASE = {"model_name_or_path": "/models/x", "dataset": "train.jsonl", "output_dir": "runs/a"}
 TWO_NODES = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555"}
@@ -32,6 +32,12 @@ DETECTED_NAMES = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PE
 def three_visible_gpus(monkeypatch):
     """The default process count must not depend on the machine running the tests."""
     monkeypatch.setattr(nodes, "default_nproc_per_node", lambda: 3)
+
+
+@pytest.fixture(autouse=True)
+def no_torchrun_numa_binding(monkeypatch):
+    """Nor the torchrun command on its GPUs and numactl (tests/test_cpu_affinity.py has the binding)."""
+    monkeypatch.setattr(torchrun, "torchrun_numa_binding", lambda mode, nproc: None)
 
 
 def cfg(**values):
@@ -273,6 +279,7 @@ def test_describe_says_where_each_value_came_from():
 # through the real CLI
 
 
+@pytest.mark.slow
 def test_dry_run_prints_settings_and_the_command(tmp_path):
     path = write_config(tmp_path, model_name_or_path=str(tmp_path / "no-model"), dataset="no-data.jsonl",
                         nproc_per_node=1)
@@ -289,6 +296,26 @@ def test_launch_help_explains_env_and_schedulers(capfd):
     for expected in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "SLURM_JOB_NODELIST",
                      "PBS_NODEFILE", "PET_NNODES", "--dry-run"):
         assert expected in result.stdout
+
+
+def test_options_are_read_before_among_and_after_the_config_and_its_overrides():
+    from meshtune.cli import parse_args
+
+    for argv in (["train", "c.yaml", "seed=1", "--debug"], ["train", "c.yaml", "--debug", "seed=1"],
+                 ["train", "--debug", "c.yaml", "seed=1"], ["--debug", "train", "c.yaml", "seed=1"]):
+        args = parse_args(argv)
+        assert (args.command, args.config, args.overrides, args.debug) == ("train", "c.yaml", ["seed=1"], True), argv
+    assert not parse_args(["train", "c.yaml", "seed=1"]).debug
+    args = parse_args(["launch", "--scheduler", "slurm", "c.yaml", "--nodes", "2", "seed=1", "--use_lora",
+                       "--gpus-per-node=4", "max_steps=3"])
+    assert (args.scheduler, args.nodes, args.gpus_per_node) == ("slurm", 2, 4)
+    assert (args.config, args.overrides, args.flags, args.debug) == ("c.yaml", ["seed=1", "max_steps=3"],
+                                                                     {"use_lora": True}, False)
+    args = parse_args(["doctor", "c.yaml", "--timeout", "5", "seed=1", "--bandwidth"])
+    assert (args.timeout, args.bandwidth, args.overrides) == (5.0, True, ["seed=1"])
+    assert parse_args(["--debug", "ckpt", "verify", "out/checkpoint-2"]).debug
+    assert parse_args(["ckpt", "verify", "out/checkpoint-2", "--debug"]).debug
+    assert not parse_args(["ckpt", "list", "out"]).debug
 
 
 @pytest.mark.slow
@@ -338,6 +365,7 @@ def test_cpu_process_counts_far_above_the_cores_are_refused_and_above_them_warne
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_a_named_error_in_the_workers_is_printed_once_without_torchruns_traceback(tmp_path, tiny_model_dir,
                                                                                  tiny_dataset):
     config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", nproc_per_node=2,
@@ -383,3 +411,19 @@ def test_the_agent_filter_drops_a_chained_store_loss_traceback_and_notes_it():
     kept = AgentTracebackFilter(sink)
     kept.copy(stream)
     assert sink.getvalue() == b"meshtune: a line after it\n" and kept.store_lost
+
+
+def test_the_launchers_last_line_starts_on_a_line_of_its_own_after_a_cut_progress_bar(capsys):
+    """A worker stopped mid-step leaves its progress bar without a newline; the launcher's error or stop line must
+    not be glued to it (tests and users read the last line)."""
+    import io
+
+    from meshtune.launch.torchrun import AgentTracebackFilter, end_workers_line
+
+    sink = io.BytesIO()
+    AgentTracebackFilter(sink).copy(io.BytesIO(b"loading\ntrain:  15%|##  | 6/40 [00:05<00:28]\r"))
+    end_workers_line()
+    assert capsys.readouterr().err == "\n"
+    AgentTracebackFilter(sink).copy(io.BytesIO(b"train: done\n"))
+    end_workers_line()
+    assert capsys.readouterr().err == ""

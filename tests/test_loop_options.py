@@ -121,7 +121,7 @@ def test_save_and_eval_strategy_epoch_act_at_the_end_of_every_epoch(tmp_path, ti
 
 
 def test_strategy_keys_read_as_hf_writes_them():
-    from meshtune.compat.loading import load_job_config
+    from meshtune.compat.job_config import load_job_config
 
     values = ["model_name_or_path=m", "dataset=d.json"]
     cfg = load_job_config(None, values + ["save_strategy=no", "evaluation_strategy=EPOCH"]).config

@@ -11,11 +11,12 @@ import shutil
 import pytest
 import torch
 
-from conftest import base_config, read_metrics, run_cli, write_config
+from conftest import base_config, read_metrics, write_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
+from ranks import run_meshtune_ranks
 from meshtune.train.bf16_adamw import StochasticBf16AdamW
 from meshtune.train.bf16_adamw_reference import mix32, random_16bit, round_to_bf16_stochastically, step_key
 
@@ -105,6 +106,7 @@ def test_stochastic_rounding_rounds_up_with_the_probability_of_the_dropped_fract
     assert torch.equal(negative, -rounded)  # away from zero, the same draws
 
 
+@pytest.mark.slow
 def test_bf16_master_weights_step_fsdp2_shards_and_track_one_process(tmp_path, tiny_model_dir, tiny_dataset):
     """zero3 on 2 processes: the optimizer updates each rank's local shards (DTensor) and keys each shard's random
     bits by its own element index, so the losses track the one-process run within bf16 rounding, not exactly."""
@@ -115,7 +117,7 @@ def test_bf16_master_weights_step_fsdp2_shards_and_track_one_process(tmp_path, t
     out = tmp_path / "zero3"
     config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, out, parallel="zero3",
                                                   nproc_per_node=2, gradient_accumulation_steps=2, **common))
-    result, _ = run_cli(["train", str(config)])
+    result = run_meshtune_ranks(["train", str(config)], 2, tmp_path / "ranks")
     assert result.returncode == 0, result.stdout[-3000:]
     sharded = [r["loss"] for r in read_metrics(out) if "loss" in r]
     assert sharded == pytest.approx([r["loss"] for r in one.records], rel=2e-2)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import base_config
-from test_checkpoint import run_ranks
+from ranks import run_ranks
 
 
 def rank_main(job: tuple, rank: int, world_size: int, port: int, out: Path) -> None:
@@ -69,6 +69,7 @@ def rank_main(job: tuple, rank: int, world_size: int, port: int, out: Path) -> N
     os._exit(0)  # as the checkpoint tests: no interpreter teardown with gloo threads alive
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,parallel", [("full", "zero2"), ("lora", "ddp")])
 def test_every_rank_recomputes_the_blocks_the_largest_rank_needs(tmp_path, tiny_model_dir, tiny_dataset, method,
                                                                  parallel):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_tree, read_metrics
-from processes import descendants
+from processes import alive, descendants
 from test_faults import Cluster, Node, free_port, job_config
 
 # ---- the parts
@@ -48,14 +48,15 @@ def two_launchers(tmp_path: Path, done: dict[int, bool]):
     import torch.distributed as dist
 
     from meshtune.launch.job_channel import JobChannel
-    from meshtune.launch.joining import join_key
+    from meshtune.doctor.joining import join_key
+    from meshtune.mailbox import Mailbox
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
     for rank in (0, 1):
         store.set(join_key("job-1", rank), "host")
         (tmp_path / f"node{rank}").mkdir()
-    channels = [JobChannel(settings(rank, port), tmp_path / f"node{rank}", lambda rank=rank: done[rank], True)
+    channels = [JobChannel(settings(rank, port), Mailbox(tmp_path / f"node{rank}"), lambda rank=rank: done[rank], True)
                 for rank in (0, 1)]
     return store, channels
 
@@ -63,11 +64,11 @@ def two_launchers(tmp_path: Path, done: dict[int, bool]):
 def test_a_workers_error_reaches_the_other_nodes_before_its_worker_stops_its_agent(tmp_path):
     """Node 1's worker reports an error: its launcher posts it in the store and lets the worker go (TOLD) once
     node 0's launcher has read it, which names node 1 and the error."""
-    from meshtune.launch.job_channel import TOLD
+    from meshtune.mailbox import TOLD, Mailbox
 
     store, channels = two_launchers(tmp_path, {0: False, 1: False})
     with channels[0], channels[1]:
-        (tmp_path / "node1" / "rank-000001.txt").write_text("output_dir: the file system is read-only")
+        Mailbox(tmp_path / "node1").report_error(1, "output_dir: the file system is read-only")
         assert wait_until(lambda: (tmp_path / "node1" / TOLD).exists())
         host = json.loads(store.get("meshtune/job-1/error"))["host"]
         assert channels[0].cause == (f"node 1 ({host}) stopped the job, and this node with it: output_dir: the file "
@@ -88,12 +89,14 @@ def test_each_launcher_learns_when_every_nodes_workers_are_done(tmp_path):
 
 
 def test_a_report_with_nobody_to_tell_is_acknowledged_at_once(tmp_path):
-    from meshtune.launch.job_channel import TOLD, JobChannel, await_told
+    from meshtune.launch.job_channel import JobChannel, await_told
+    from meshtune.mailbox import TOLD, Mailbox
 
-    with JobChannel(settings(0, free_port(), nnodes="1"), tmp_path, lambda: False, use_store=False):
-        (tmp_path / "rank-000000.txt").write_text("a config error")
+    mailbox = Mailbox(tmp_path)
+    with JobChannel(settings(0, free_port(), nnodes="1"), mailbox, lambda: False, use_store=False):
+        mailbox.report_error(0, "a config error")
         started = time.monotonic()
-        await_told(tmp_path)
+        await_told(mailbox)
     assert (tmp_path / TOLD).exists() and time.monotonic() - started < 2
 
 
@@ -116,14 +119,7 @@ time.sleep(60)
 """
 
 
-def alive(pid: int) -> bool:
-    """Running: neither gone nor a zombie (one nobody reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", ["launcher", "agent"])
 def test_a_worker_stops_with_its_agent_or_launcher(killed):
     """launcher -> agent -> worker, as meshtune -> torchrun -> worker: SIGKILL to the launcher alone (left a zombie:
@@ -163,6 +159,7 @@ AGENT_AND_WORKER = [sys.executable, "-c", "import subprocess, sys, time\n"
                     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every_node_done, bound", [(True, 3.0), (False, 14.0)])
 def test_torchrun_stuck_in_its_exit_barrier_is_ended_soon_after_the_workers(every_node_done, bound):
     """This node's workers are done: torchrun gets AGENT_GRACE_S once every node's are, else AGENT_EXIT_S."""
@@ -175,6 +172,7 @@ def test_torchrun_stuck_in_its_exit_barrier_is_ended_soon_after_the_workers(ever
     assert took < bound and (every_node_done or took > AGENT_EXIT_S), took
 
 
+@pytest.mark.slow
 def test_another_nodes_error_ends_torchrun_and_its_workers_at_once():
     from meshtune.launch.torchrun import run_torchrun
 

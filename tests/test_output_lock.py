@@ -31,6 +31,7 @@ def sleeper():
     kill_tree(process.pid)
 
 
+@pytest.mark.slow
 def test_a_live_holder_on_this_host_is_refused_by_name_and_a_dead_one_taken_over(tmp_path, sleeper):
     leave_lock(tmp_path, pid=sleeper.pid)
     with pytest.raises(StorageError, match=rf"in use by another meshtune job: run run-a on .* \(pid {sleeper.pid}\)"):

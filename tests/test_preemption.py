@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import base_config, kill_tree, read_metrics, run_cli, run_cli_here, write_config
+from meshtune.mailbox import Mailbox
 from meshtune.train.preemption import StopRequest, exit_code
 
 
@@ -31,9 +32,9 @@ def test_the_save_is_skipped_when_the_grace_period_cannot_hold_it():
 
 
 def test_a_stop_file_left_by_the_launcher_counts_as_a_signal(tmp_path):
-    stop = StopRequest(error_dir=str(tmp_path))
+    stop = StopRequest(mailbox=Mailbox(tmp_path))
     assert stop.vote == 0.0
-    (tmp_path / "stop-requested").write_text("15")
+    Mailbox(tmp_path).request_stop(signal.SIGTERM)  # as the launcher's SIGTERM handler leaves it
     assert stop.vote == 1.0 and stop.signum == signal.SIGTERM
     stop.tally(torch.tensor(1.0, dtype=torch.float64))
     assert stop.due() == signal.SIGTERM and stop.due() == 0  # each tally is read once

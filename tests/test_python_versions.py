@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 
@@ -19,6 +21,7 @@ def oldest_python() -> str:
     return re.search(r'requires-python = ">=(\d+\.\d+)"', text).group(1)
 
 
+@pytest.mark.slow
 def test_no_api_newer_than_the_oldest_python_the_package_allows():
     vermin = shutil.which("vermin", path=str(Path(sys.executable).parent)) or shutil.which("vermin")
     assert vermin, "vermin is missing: pip install -e '.[dev]'"
@@ -30,9 +33,9 @@ def test_no_api_newer_than_the_oldest_python_the_package_allows():
 
 
 def test_file_checksums_are_streamed_in_blocks(tmp_path):
-    from meshtune.launch.node_facts import sha256_of
+    from meshtune.checksums import file_checksum
 
     data = bytes(range(256)) * 5000  # 1.28 MB: several blocks of 300 kB, the last one short
     path = tmp_path / "weights.bin"
     path.write_bytes(data)
-    assert sha256_of(path, block=300_000) == sha256_of(path) == hashlib.sha256(data).hexdigest()
+    assert file_checksum(path, block=300_000) == file_checksum(path) == (len(data), hashlib.sha256(data).hexdigest())

@@ -29,6 +29,7 @@ from meshtune.model.loading import load_model, transformer_blocks
 from meshtune.model.parallel import unwrap
 from meshtune.model.qlora import nf4_quantizer, quantize_block
 from meshtune.train.loop import run
+from ranks import run_meshtune_ranks
 
 LINEARS_PER_BLOCK = 7  # q, k, v, o, gate, up, down
 
@@ -177,8 +178,8 @@ def layout_run(tmp_path_factory, capfd, model_dir, dataset, parallel, nproc, acc
         config = str(write_config(out, **values))
         if nproc == 1:  # `meshtune train` trains in its own process, which may as well be this one: no start-up
             result = run_cli_here(["train", config], capfd)
-        else:
-            result, _ = run_cli(["train", config], timeout=300)
+        else:  # the ranks torchrun would start, forked from a process that has imported the training code
+            result = run_meshtune_ranks(["train", config], nproc, out / "ranks", timeout=300)
         assert result.returncode == 0, result.stdout[-4000:]
         records = read_metrics(out / "output")
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5]

@@ -17,7 +17,7 @@ from meshtune.errors import ModelError
 from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.parallel import wrap_model
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
-from test_checkpoint import run_ranks
+from ranks import run_ranks
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,7 @@ def one_step(model: torch.nn.Module) -> None:
             param -= 0.5 * param.grad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "zero3"])
 def test_the_other_rank_ends_with_rank_0s_weights_and_buffers_and_trains_the_same(tmp_path, tied_model_dir,
                                                                                      parallel):
@@ -83,6 +84,7 @@ def test_the_other_rank_ends_with_rank_0s_weights_and_buffers_and_trains_the_sam
             assert torch.allclose(values[f"trained:{name}"], tensor, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.slow
 def test_a_different_empty_model_stops_every_rank_naming_the_tensor(tmp_path, tied_model_dir):
     (tmp_path / "task.json").write_text(json.dumps({"model": str(tied_model_dir), "parallel": "ddp",
                                                     "dtype": "bfloat16"}))

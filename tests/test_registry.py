@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from meshtune.config import TrainConfig
-from meshtune.data.formats import dataset_checksum, read_dataset
+from meshtune.checksums import dataset_checksum
+from meshtune.data.formats import file_spec, read_dataset
 from meshtune.data.pipeline import prepare_datasets
-from meshtune.data.registry import data_checksum, resolve
+from meshtune.data.registry import resolve
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
 
@@ -301,15 +302,20 @@ def test_invalid_dataset_info(tmp_path, text, problem):
 
 def test_only_named_entries_need_dataset_info(tmp_path):
     """A broken dataset_info.json does not matter while every entry is a path, and the checksum then is the
-    files' alone; with a name it covers the dataset_info.json too."""
+    file's read in the default way; with a name it covers how the entry reads its file (columns), not the rest
+    of the dataset_info.json."""
     (tmp_path / "dataset_info.json").write_text("{broken")
     path = FIXTURE_COMPAT / "identity.json"
-    assert data_checksum(resolve([str(path)], tmp_path)) == dataset_checksum([path])
+    assert dataset_checksum(resolve([str(path)], tmp_path)) == dataset_checksum([file_spec(path)])
     data_dir = shutil.copytree(FIXTURE_COMPAT, tmp_path / "data")
-    first = data_checksum(resolve(["identity", str(path)], data_dir))
+    first = dataset_checksum(resolve(["identity", str(path)], data_dir))
     info = data_dir / "dataset_info.json"
     info.write_text(info.read_text().replace('"alpaca_en_demo.json"', '"alpaca_en_demo.json" '))
-    assert data_checksum(resolve(["identity", str(path)], data_dir)) != first
+    assert dataset_checksum(resolve(["identity", str(path)], data_dir)) == first  # another entry, spaces
+    entries = json.loads(info.read_text())
+    entries["identity"]["columns"] = {"prompt": "instruction", "response": "output"}  # no query column
+    info.write_text(json.dumps(entries))
+    assert dataset_checksum(resolve(["identity", str(path)], data_dir)) != first
 
 
 def test_prepare_datasets_resolves_names_and_cuts_train_and_eval(tmp_path):

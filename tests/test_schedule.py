@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainingArguments
 
-from meshtune.checkpoint import CheckpointManager, training_state
+from meshtune.checkpoint import CheckpointManager, TrainingProgress, training_state
 from meshtune.config import TrainConfig
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 
@@ -86,9 +86,9 @@ def test_a_checkpoint_taken_in_the_warmup_resumes_the_same_rates(tmp_path, world
         optimizer.step()
         scheduler.step()
     manager = CheckpointManager(tmp_path, None, False, 0, 1)
-    manager.save(2, training_state(model, optimizer, scheduler, {"step": 2}, 0, False),
+    manager.save(2, training_state(model, optimizer, scheduler, TrainingProgress(step=2), 0, False),
                  {"epoch": 0, "world_size": 1, "parallel": "ddp", "config_hash": "abc"})
     manager.close()
     model, optimizer, scheduler = fresh()
-    manager.load(tmp_path / "checkpoint-2", training_state(model, optimizer, scheduler, {}, 0, False))
+    manager.load(tmp_path / "checkpoint-2", training_state(model, optimizer, scheduler, TrainingProgress(), 0, False))
     assert rates(kind, scheduler=scheduler, optimizer=optimizer) == pytest.approx(EXPECTED[kind][2:], abs=1e-12)

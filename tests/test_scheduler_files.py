@@ -174,6 +174,7 @@ def test_a_malformed_pytorchjob_fails_the_schema(capsys, tmp_path):
 # ---- SLURM
 
 
+@pytest.mark.slow
 def test_the_slurm_script_requeues_signals_and_runs_one_launcher_per_node(capsys, tmp_path):
     config = small_config(tmp_path, stop_grace_period=30, master_port=29611)
     text = generate(capsys, "--scheduler", "slurm", str(config), "max_steps=100", "--nodes", "4", "--gpus-per-node",
@@ -236,6 +237,7 @@ for _ in $(seq 300); do sleep 0.1; done
 
 @pytest.mark.parametrize("signal_to_script, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)],
                          ids=["USR1-before-the-time-limit", "TERM-from-slurm"])
+@pytest.mark.slow
 def test_the_slurm_script_stops_the_training_before_the_time_limit_and_requeues(capsys, tmp_path, signal_to_script,
                                                                                 requeued):
     for name, text in SLURM_STAND_INS.items():
@@ -340,6 +342,7 @@ for _ in $(seq 300); do sleep 0.1; done
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["pbsdsh", "ssh"])
 def test_the_pbs_script_stops_every_node_when_one_fails(capsys, tmp_path, launcher):
     fake = stand_in(tmp_path, "fake-python", FAKE_PYTHON.format(failing=1))
@@ -356,6 +359,7 @@ def test_the_pbs_script_stops_every_node_when_one_fails(capsys, tmp_path, launch
     assert f"{launcher} " in log
 
 
+@pytest.mark.slow
 def test_the_pbs_script_stops_every_node_before_the_walltime(capsys, tmp_path):
     fake = stand_in(tmp_path, "fake-python", FAKE_PYTHON.format(failing="none"))
     config = small_config(tmp_path, output_dir=str(tmp_path / "out"), stop_grace_period=0)  # stops 60 s before
@@ -369,6 +373,7 @@ def test_the_pbs_script_stops_every_node_before_the_walltime(capsys, tmp_path):
     assert "node 0 stopped" in log and "node 1 stopped" in log
 
 
+@pytest.mark.slow
 def test_a_node_file_with_fewer_hosts_than_asked_stops_the_job(capsys, tmp_path):
     script = pbs_job(capsys, tmp_path, small_config(tmp_path, output_dir=str(tmp_path / "out")))
     (tmp_path / "nodefile").write_text("node-a\nnode-a\n")
@@ -423,6 +428,20 @@ def test_an_unknown_scheduler_is_refused_with_the_choices(capsys):
     stderr = capsys.readouterr().err
     assert stopped.value.code == 2
     assert "invalid choice: 'lsf'" in stderr and "'slurm', 'pbs', 'k8s'" in stderr
+
+
+def test_a_value_a_template_names_but_was_not_given_stops_the_rendering():
+    """The job files' templates see only what their function gives them: a name left out is an error, not an empty
+    string in a script that a scheduler would run."""
+    import jinja2
+
+    from meshtune.launch.scheduler_files import JobRequest, render
+
+    job = JobRequest(scheduler="slurm", nodes=2, gpus_per_node=8, config=None, launch_args=[], workdir=Path("/w"),
+                     python="python", command_line="meshtune launch --scheduler slurm")
+    with pytest.raises(jinja2.UndefinedError, match="master_port"):
+        render("slurm.sh.j2", job=job, name="run", nodes="2 nodes", output_dir="/runs/a", launch_command="x",
+               stop_grace_period=30, warn_s=90)
 
 
 def test_launch_help_names_the_schedulers(capfd):

@@ -52,6 +52,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_publishes_nothing_and_keeps_the_previous_resume_point(tmp_path, small_disk,
                                                                                         tiny_model_dir, tiny_dataset):
     output = small_disk / "out"
@@ -66,6 +67,7 @@ def test_a_full_disk_during_a_save_publishes_nothing_and_keeps_the_previous_resu
     assert select_resume(output, None)[0] == output / "checkpoint-2"
 
 
+@pytest.mark.slow
 def test_output_dir_turning_read_only_mid_run_stops_at_once_naming_the_cause(tmp_path, small_disk, tiny_model_dir,
                                                                               tiny_dataset):
     """A read-only, full or forbidden output_dir fails every restart the same way: the job stops without restarts,

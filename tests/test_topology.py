@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import base_config, read_metrics, run_cli, write_config
+from conftest import base_config, read_metrics, write_config
 from meshtune.cli import main
+from ranks import run_workers
 
 # (parallel, nproc_per_node, gradient_accumulation_steps, extra keys) against ddp 1x4 (one process, no wrapper):
 # global batch 8 in each. What a layout exercises: 1x4 FSDP2 on a one-process mesh with accumulation; 2x2 the
@@ -91,9 +92,9 @@ def _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumul
     config = str(write_config(out, **values))
     if nproc == 1:  # `meshtune train` trains in its own process, which may as well be this one: no start-up
         assert main(["train", config]) == 0
-    else:
-        result, _ = run_cli(["train", config], timeout=300)
-        assert result.returncode == 0, result.stdout[-4000:]
+    else:  # the ranks torchrun would start, forked from a process that has imported the training code
+        codes, output = run_workers(["train", config], nproc, out / "ranks", timeout=300)
+        assert codes == [0] * nproc, output[-6000:]
     records = read_metrics(out / "output")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     return [r["loss"] for r in records] + [records[-1]["eval_loss"]]

@@ -1,9 +1,12 @@
-"""The hang watchdog's timeout rules and the straggler warning's streaks, without processes (the two-node job that
-stops a rank and slows another is in test_faults.py)."""
+"""The hang watchdog's timeout rules and the straggler warning's streaks, without a job (the two-node job that
+stops a rank and slows another is in test_faults.py), and which local processes it kills for a silent rank."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 from meshtune.distributed import DistEnv
 from meshtune.train.hang_watchdog import HangWatchdog
 from meshtune.train.stragglers import Place, StepTimes
+from processes import alive, kill_tree
 
 ENV = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=2, device=torch.device("cpu"))
 PLACES = [Place(0, "a"), Place(0, "a"), Place(1, "b"), Place(1, "b")]
@@ -125,3 +129,29 @@ def test_a_main_thread_inside_torch_compile_is_not_hung():
     assert torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(2)).tolist() == [3.0, 3.0]
     assert during == [True]
     assert not seen_from_the_watchdog_thread()
+
+
+@pytest.mark.slow
+def test_a_silent_rank_is_killed_by_a_worker_of_the_same_attempt_and_nothing_else_is():
+    """This test stands in for torchrun's agent: its children are workers of attempt 1 (the reporting rank 0, a
+    silent rank 1, a reporting rank 2) and a rank 1 left from attempt 0. Rank 0 kills the silent rank 1 of its own
+    attempt only."""
+    run_id = f"watch-test-{os.getpid()}"
+
+    def worker(rank: int, attempt: int, code: str = "import time; time.sleep(60)") -> subprocess.Popen:
+        env = {**os.environ, "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(attempt),
+               "RANK": str(rank)}
+        return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+
+    silent, reporting, earlier = worker(1, 1), worker(2, 1), worker(1, 0)
+    try:
+        rank0 = worker(0, 1, "from meshtune.train.hang_watchdog import kill_silent_local_workers as kill\n"
+                             "print(kill({1, 3}))")
+        killed, _ = rank0.communicate(timeout=60)
+        assert killed.strip() == str([(1, silent.pid)])
+        assert silent.wait(timeout=10) == -9
+        assert alive(reporting.pid) and alive(earlier.pid)
+    finally:
+        for process in (silent, reporting, earlier):
+            kill_tree(process.pid)
+            process.wait()

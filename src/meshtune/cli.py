@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshtune import __version__
 from meshtune.errors import MeshtuneError, lasting_storage_error
+from meshtune.launch.torchrun import end_workers_line
 from meshtune.launch.supervise import (launch_training, leave_launcher, lost_peers, mark_worker_started,
                                        ran_torchrun, repeated_failure, report_to_launcher, stop_restarts,
                                        worker_label)
@@ -103,35 +104,48 @@ def key_scopes() -> str:
                          width=116) + "\n\nconfig keys (default, meaning):\n"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def debug_option() -> argparse.ArgumentParser:
+    """`--debug` for each command: without a default of its own, so a command does not undo `meshtune --debug
+    COMMAND` (meshtune's own `--debug` gives the default)."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    return options
+
+
+def job_arguments() -> argparse.ArgumentParser:
+    """The config and its overrides, as `train`, `launch` and `doctor` take them."""
+    arguments = argparse.ArgumentParser(add_help=False)
+    arguments.add_argument("config", nargs="?",
+                           help="YAML config file (meshtune's or LLaMA-Factory's); optional with --key value flags")
+    arguments.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
+    return arguments
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """meshtune's parser and each command's own."""
     from meshtune.config import describe_keys
 
+    debug, job = debug_option(), job_arguments()
     parser = argparse.ArgumentParser(prog="meshtune", description="Fine-tune LLMs on one GPU, one node or many.")
     parser.add_argument("--version", action="version", version=f"meshtune {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="fine-tune from a YAML config", description=TRAIN_HELP + key_scopes() + describe_keys(),
+    train = commands.add_parser("train", help="fine-tune from a YAML config", parents=[job, debug],
+                                description=TRAIN_HELP + key_scopes() + describe_keys(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("config", nargs="?", help="YAML config file (meshtune's or LLaMA-Factory's); optional with --key value flags")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
-    train.add_argument("--debug", action="store_true", help="show full tracebacks")
     train.epilog = "--key value: any config key, or a flag of Qwen's finetune.py / HF TrainingArguments, in any order with key=value overrides"
 
-    launch = commands.add_parser("launch", help="run this node's part of a one- or many-node job",
+    launch = commands.add_parser("launch", help="run this node's part of a one- or many-node job", parents=[job, debug],
                                  description=LAUNCH_HELP, epilog=LAUNCH_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    launch.add_argument("config", nargs="?", help="YAML config file (meshtune's or LLaMA-Factory's); optional with --key value flags")
-    launch.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys")
     launch.add_argument("--dry-run", action="store_true",
                         help="print this node's settings and the exact command, start nothing")
-    launch.add_argument("--debug", action="store_true", help="show full tracebacks")
     add_scheduler_options(launch)
 
     doctor = commands.add_parser("doctor", help="check every node before a multi-node run (run it on each node)",
-                                 description=DOCTOR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    doctor.add_argument("config", nargs="?", help="the YAML config training will use")
-    doctor.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, as for train")
+                                 parents=[job, debug], description=DOCTOR_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     doctor.add_argument("--timeout", type=float, default=30.0,
                         help="seconds to wait for the other nodes (default 30): a node that has not joined by then "
                              "is named in the table")
@@ -139,21 +153,21 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--bandwidth", action="store_true",
                         help="also measure the link between the nodes (all-reduce and each pair; under 60 s on "
                              "healthy nodes) and judge it against what this config moves each step")
-    doctor.add_argument("--debug", action="store_true", help="show full tracebacks")
 
-    ckpt = commands.add_parser("ckpt", help="list or verify checkpoints",
+    ckpt = commands.add_parser("ckpt", help="list or verify checkpoints", parents=[debug],
                                description="Inspect the sharded checkpoints in an output_dir.")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
-    listing = ckpt_commands.add_parser("list", help="checkpoints in OUTPUT_DIR with their state, newest last")
+    listing = ckpt_commands.add_parser("list", help="checkpoints in OUTPUT_DIR with their state, newest last",
+                                       parents=[debug])
     listing.add_argument("output_dir")
     checking = ckpt_commands.add_parser("verify", help="check COMPLETE, manifest, sizes and sha256 of every file of "
-                                                       "a checkpoint-N or of final/; exit code 0 = valid, 1 = not")
+                                                       "a checkpoint-N or of final/; exit code 0 = valid, 1 = not",
+                                        parents=[debug])
     checking.add_argument("checkpoint")
-    for sub in (ckpt, listing, checking):
-        sub.add_argument("--debug", action="store_true", help="show full tracebacks")
 
     export = commands.add_parser(
         "export", help="a run as a PEFT adapter, a merged model, or (full fine-tuning) a model directory",
+        parents=[debug],
         description="Write a training output's LoRA (or Q-LoRA) adapters where serving stacks load them: as a PEFT "
                     "adapter directory, or with --merge folded into the base model's original weights (read from "
                     "its safetensors files, file by file: any size merges in the memory of one file) as a Hugging "
@@ -170,15 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--base-model", metavar="DIR",
                         help="the base model folder (default: the one the run trained from)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --output")
-    export.add_argument("--debug", action="store_true", help="show full tracebacks")
 
     demo = commands.add_parser("demo", help="the embedded default: a tiny model learns a task with LoRA on 2 processes",
+                               parents=[debug],
                                description="Build a tiny model, tokenizer and dataset locally (no download), "
                                            "fine-tune with LoRA on 2 CPU processes and show answers before and after.")
     demo.add_argument("--prepare", metavar="DIR", help="only write the model, tokenizer, data and config.yaml into DIR")
     demo.add_argument("--dir", metavar="DIR", default="demo_run", help="where the demo works (default: ./demo_run)")
-    demo.add_argument("--debug", action="store_true", help="show full tracebacks")
-    return parser
+    return parser, commands.choices
 
 
 SCHEDULER_OPTIONS = ("--scheduler", "--nodes", "--gpus-per-node", "--cpus-per-node", "--time", "--job-name",
@@ -214,8 +227,9 @@ def load_training_config(args: argparse.Namespace):
     """The config and the `train` arguments every torchrun worker gets; warnings printed once per node."""
     import os
 
-    from meshtune.compat.loading import load_job_config
-    from meshtune.worker_env import ERROR_DIR, torchrun_worker
+    from meshtune.compat.job_config import load_job_config
+    from meshtune.mailbox import Mailbox
+    from meshtune.worker_env import torchrun_worker
 
     if args.config is not None and "=" in args.config and not Path(args.config).is_file():
         args.overrides.insert(0, args.config)  # `meshtune train --flag v key=value`: no YAML given
@@ -225,7 +239,7 @@ def load_training_config(args: argparse.Namespace):
                             "(meshtune train --model_name_or_path DIR --data_path train.json ...)")
     loaded = load_job_config(args.config, args.overrides, args.flags)
     # meshtune's launcher speaks for its workers; under the user's own torchrun, global rank 0 does
-    if not torchrun_worker() or (ERROR_DIR not in os.environ and os.environ.get("RANK") == "0"):
+    if not torchrun_worker() or (Mailbox.of_launcher() is None and os.environ.get("RANK") == "0"):
         for line in loaded.warnings:
             print(f"meshtune: warning: {line}", file=sys.stderr)
     argv = ["train", *([args.config] if args.config else []), *args.overrides, *args.flag_tokens]
@@ -294,7 +308,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
     from meshtune.launch import detect_node_settings
-    from meshtune.launch.doctor import run_doctor
+    from meshtune.doctor.meeting import run_doctor
 
     cfg, _ = load_training_config(args)
     code, report = run_doctor(cfg, detect_node_settings(cfg), args.timeout, bandwidth=args.bandwidth,
@@ -309,7 +323,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
     from meshtune.checkpoint.manifest import MANIFEST
-    from meshtune.model.export import export_kind, verify_export
+    from meshtune.model.final_weights import export_kind, verify_export
 
     if args.ckpt_command == "list":
         if not Path(args.output_dir).is_dir():
@@ -374,42 +388,35 @@ def restart_cannot_fix(exc: Exception) -> MeshtuneError | None:
     return repeated
 
 
-def options_first(tokens: list[str], with_value: set[str]) -> list[str]:
-    """The command's options (with their values) before the config and its overrides: argparse reads the positionals
-    in one stretch, so `cfg.yaml --nodes 2 lr=1e-4` would leave lr=1e-4 unread."""
-    options, positionals = [], []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token.startswith("-") and token != "--":
-            takes_value = token in with_value and i + 1 < len(tokens)
-            options += tokens[i:i + 1 + takes_value]
-            i += 1 + takes_value
-        else:
-            positionals.append(token)
-            i += 1
-    return options + positionals
+# commands whose own options may stand before, among or after the config and its overrides
+INTERMIXED = ("train", "launch", "doctor")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """`train` and `launch` take `--key value` flags besides their own options; those are set apart first."""
+    """`train`, `launch` and `doctor` take `--key value` flags besides their own options; those are set apart first,
+    and the command's own options are read wherever they stand (argparse's intermixed parsing)."""
     from meshtune.compat.flags import split_flags
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = build_parser()
     command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
     flags, flag_tokens = {}, []
-    given = list(argv)
-    if command is not None and argv[command] in ("train", "launch", "doctor"):
-        own = {"--debug", "--dry-run", "--help", "-h"} | ({"--timeout", "--json", "--bandwidth"}
-                                                         if argv[command] == "doctor" else set())
-        own |= set(SCHEDULER_OPTIONS) if argv[command] == "launch" else set()
-        rest, flags, flag_tokens = split_flags(argv[command + 1:], own)
-        alone = {"--debug", "--dry-run", "--help", "-h", "--bandwidth"}  # options that take no value
-        argv = argv[:command + 1] + options_first(rest, own - alone)
-    args = build_parser().parse_args(argv)
+    if command is not None and argv[command] in INTERMIXED:
+        own = commands[argv[command]]
+        rest, flags, flag_tokens = split_flags(argv[command + 1:], option_strings(own))
+        args = parser.parse_args(argv[:command + 1])  # meshtune's own options and the command
+        # by the command's parser: intermixed parsing refuses a parser with subcommands
+        vars(args).update(vars(own.parse_intermixed_args(rest)))
+    else:
+        args = parser.parse_args(argv)
     args.flags, args.flag_tokens = flags, flag_tokens
-    args.command_line = shlex.join(["meshtune", *given])
+    args.command_line = shlex.join(["meshtune", *argv])
     return args
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option `parser` declares (argparse has no public listing of them)."""
+    return set(parser._option_string_actions)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,6 +450,7 @@ def run_command(args: argparse.Namespace) -> int:
         reported = report_to_launcher(str(exc))  # the launcher prints it once, last, and tells the other nodes
         label = worker_label()
         if label is not None and not reported:  # under the user's own torchrun one worker per node speaks
+            end_workers_line()
             print(f"meshtune: error{label}: {exc}", file=sys.stderr)
         stop_restarts()  # the same error would end every attempt
         return 1

@@ -12,9 +12,5 @@ def torchrun_worker(environ: Mapping[str, str] = os.environ) -> bool:
     return "LOCAL_RANK" in environ or "TORCHELASTIC_RUN_ID" in environ
 
 
-# Where torchrun workers leave word for the meshtune process that started torchrun (their error, that they
-# started, that they stopped for a signal) and where it leaves its stop request for them.
-ERROR_DIR = "MESHTUNE_ERROR_DIR"
-
 # The pid of the meshtune process that started torchrun: its workers stop when it is gone (launch/parent_watch.py).
 LAUNCHER_PID = "MESHTUNE_LAUNCHER_PID"

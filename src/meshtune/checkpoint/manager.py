@@ -31,6 +31,7 @@ from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_
 from meshtune.checkpoint.state import RNGState
 from meshtune.config import math_hash
 from meshtune.faults import maybe_die
+from meshtune.units import byte_size
 
 
 @dataclass
@@ -256,7 +257,7 @@ class CheckpointManager:
         """What a failed write tells the user: the path, the space left there, and what still stands."""
         try:
             usage = shutil.disk_usage(self.output_dir)
-            space = f"{human_bytes(usage.free)} free of {human_bytes(usage.total)}"
+            space = f"{byte_size(usage.free)} free of {byte_size(usage.total)}"
         except OSError:
             space = "free space unknown"
         full = "No space left" in str(error) or "Disk quota exceeded" in str(error)
@@ -327,14 +328,6 @@ class CheckpointManager:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:,.1f} TiB"
 
 
 def one_line(error: BaseException) -> str:

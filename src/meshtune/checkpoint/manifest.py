@@ -9,7 +9,6 @@ files across its ranks (`share`), each rank hashing its part at once, so the che
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 
+from meshtune.checksums import file_checksum
 from meshtune.errors import MeshtuneError
 
 MANIFEST = "manifest.json"
@@ -26,7 +26,6 @@ COMPLETE = "COMPLETE"
 DCP_METADATA = ".metadata"
 NO_COMPLETE = "no COMPLETE marker (interrupted while saving)"
 FINAL_KIND = "final"  # the manifest's "kind" in final/: a model directory, no DCP index to check
-BLOCK = 1 << 20
 
 
 class CheckpointError(MeshtuneError):
@@ -34,19 +33,9 @@ class CheckpointError(MeshtuneError):
 
 
 def hash_file(path: Path, fsync: bool = False) -> dict[str, Any]:
-    """Size and sha256, streamed in 1 MiB blocks so a 10 GB shard costs no memory.
-
-    `fsync` flushes the file on the way: the rank that wrote a shard hashes it, so the flush costs no extra open.
-    """
-    digest = hashlib.sha256()
-    size = 0
-    with path.open("rb") as f:
-        while block := f.read(BLOCK):
-            digest.update(block)
-            size += len(block)
-        if fsync:
-            os.fsync(f.fileno())
-    return {"size": size, "sha256": digest.hexdigest()}
+    """A file's entry in the manifest: size and sha256 (checksums.file_checksum, streamed, `fsync` on the way)."""
+    size, sha256 = file_checksum(path, fsync=fsync)
+    return {"size": size, "sha256": sha256}
 
 
 def fsync_dir(path: Path) -> None:

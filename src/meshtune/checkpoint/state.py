@@ -4,7 +4,7 @@ Keys in the checkpoint (DCP flattens nested dicts with dots):
   model_optim.model.*   model (or, trainable_only, adapter) weights: sharded DTensors under FSDP2, plain otherwise
   model_optim.optim.*   optimizer state keyed by parameter name, so it follows the weights across world sizes
   scheduler.*           the LR scheduler's own state_dict
-  trainer.json          the loop's counters (step, epoch, consumed samples, ...) as one JSON string
+  trainer.json          the loop's counters (`TrainingProgress`) as one JSON string
   rng.rank_{r}          rank r's random streams, one opaque blob per rank
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,16 @@ class ModelOptimizerState(Stateful):
                        optim_state_dict=state_dict["optim"], options=options)
 
 
+@dataclass
+class TrainingProgress:
+    """The loop's counters, kept by every checkpoint: a resumed run goes on from them."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # the epoch of the last step done
+    nonfinite_skipped: list[int] = field(default_factory=list)  # steps not applied for a non-finite loss or gradient
+    loss_scale: dict[str, Any] | None = None  # fp16's dynamic loss scale (GradScaler's state), None without fp16
+
+
 class TrainerState(Stateful):
     """The loop's counters, stored as one JSON string.
 
@@ -57,19 +68,21 @@ class TrainerState(Stateful):
     know them in advance. Values must be the same on every rank (DCP keeps one rank's copy).
     """
 
-    def __init__(self, values: dict[str, Any]):
-        self.values = values
+    def __init__(self, progress: TrainingProgress):
+        self.progress = progress
 
     def state_dict(self) -> dict[str, Any]:
         try:
-            return {"json": json.dumps(self.values, sort_keys=True)}
+            return {"json": json.dumps(asdict(self.progress), sort_keys=True)}
         except TypeError as error:
             message = f"the trainer state must be JSON (numbers, strings, lists, dicts): {error}"
             raise CheckpointError(message) from error
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.values.clear()
-        self.values.update(json.loads(state_dict["json"]))
+        saved = json.loads(state_dict["json"])
+        fresh = TrainingProgress()  # a counter the checkpoint does not hold starts from its default
+        for counter in fields(TrainingProgress):
+            setattr(self.progress, counter.name, saved.get(counter.name, getattr(fresh, counter.name)))
 
 
 def capture_rng() -> dict[str, Any]:
@@ -112,10 +125,10 @@ class RNGState(Stateful):
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                   trainer: dict[str, Any], rank: int, trainable_only: bool) -> dict[str, Any]:
+                   progress: TrainingProgress, rank: int, trainable_only: bool) -> dict[str, Any]:
     """The state dict the loop hands to `CheckpointManager.save` and `.load`.
 
-    `trainer` is updated in place on load; `state["rng"].restored` tells whether this rank got its streams back.
+    `progress` is updated in place on load; `state["rng"].restored` tells whether this rank got its streams back.
     """
     return {"model_optim": ModelOptimizerState(model, optimizer, trainable_only), "scheduler": scheduler,
-            "trainer": TrainerState(trainer), "rng": RNGState(rank)}
+            "trainer": TrainerState(progress), "rng": RNGState(rank)}

@@ -8,7 +8,6 @@ is one converter here and nothing else.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +71,7 @@ class DatasetSpec:
         return f"dataset '{self.name}' of {self.registry}, formatting {fmt}"
 
     def identity(self) -> str:
-        """Everything but the files' bytes that decides the conversations, for the tokenized cache key."""
+        """Everything but the files' bytes that decides the conversations (checksums.dataset_checksum)."""
         return json.dumps({"fmt": self.fmt, "columns": self.columns, "tags": self.tags}, sort_keys=True)
 
 
@@ -401,14 +400,3 @@ def _convert_file(records: list[tuple[Any, str]], path: Path, spec: DatasetSpec,
         read.tools.append(tools)
         read.sources.append(f"{path}: {where}")
 
-
-def dataset_checksum(paths: list[Path]) -> str:
-    """sha256 of the files' bytes in order, so every node can check it trains on the same data."""
-    digest = hashlib.sha256()
-    for path in paths:
-        if not Path(path).is_file():
-            raise DataError(f"{path}: dataset file not found; check the dataset paths in your config")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()

@@ -12,7 +12,7 @@ import difflib
 import json
 from pathlib import Path
 
-from meshtune.data.formats import EXTENSIONS, LF_COLUMNS, LF_TAGS, DatasetSpec, dataset_checksum
+from meshtune.data.formats import EXTENSIONS, LF_COLUMNS, LF_TAGS, DatasetSpec
 from meshtune.errors import DataError
 
 INFO_FILE = "dataset_info.json"
@@ -32,13 +32,6 @@ def resolve(entries: list[str], dataset_dir: str | Path, fmt: str | None = None)
     info = _read_info(dataset_dir, named[0]) if named else {}
     return [_path_spec(entry, fmt) if Path(entry).exists() else _named_spec(entry, info, dataset_dir)
             for entry in entries]
-
-
-def data_checksum(specs: list[DatasetSpec]) -> str:
-    """sha256 of every file the specs read and of the dataset_info.json that defined them, so every node can check
-    that it trains on the same data read the same way."""
-    registries = dict.fromkeys(spec.registry for spec in specs if spec.registry is not None)
-    return dataset_checksum([path for spec in specs for path in spec.files] + list(registries))
 
 
 def _path_spec(entry: str, fmt: str | None) -> DatasetSpec:

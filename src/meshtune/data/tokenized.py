@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
+from meshtune.checksums import dataset_checksum
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
-from meshtune.data.formats import DatasetSpec, dataset_checksum, file_spec, read_dataset
+from meshtune.data.formats import DatasetSpec, file_spec, read_dataset
 from meshtune.errors import DataError
 
 if TYPE_CHECKING:
@@ -161,12 +162,12 @@ def cache_key(
     mask_history: bool = False,
 ) -> str:
     """Hash of every input that determines the tokenized arrays; a change in any of them means a new cache.
-    Each dataset counts by its files' bytes and how they are read (format, columns, tags), not by the
-    dataset_info.json around it, so editing another entry there keeps the cache."""
+    The datasets count by the checksum the nodes compare: their files' bytes and how they are read (format,
+    columns, tags), not the dataset_info.json around them, so editing another entry there keeps the cache."""
     digest = hashlib.sha256()
     for part in (
         f"v{FORMAT_VERSION}",
-        *(spec.identity() + "".join(dataset_checksum([path]) for path in spec.files) for spec in datasets),
+        dataset_checksum(datasets),
         _tokenizer_identity(tokenizer),
         template_name or "",  # None: the tokenizer's own, else ChatML
         ChatTemplate(tokenizer, template_name).jinja or "",  # the format itself: a changed built-in one re-tokenizes

@@ -10,7 +10,7 @@ import json
 import time
 from pathlib import Path
 
-from meshtune.compat.loading import load_config
+from meshtune.compat.job_config import load_config
 from meshtune.demo.assets import prepare
 from meshtune.demo.dataset import heldout_examples
 from meshtune.demo.model import generate_answers

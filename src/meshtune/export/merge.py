@@ -24,7 +24,7 @@ from meshtune.errors import MeshtuneError
 from meshtune.export.adapters import PEFT_PREFIX, Adapters, read_adapters
 from meshtune.export.full_weights import (DTYPES, base_dtype, export_full_checkpoint, full_checkpoint_base,
                                           is_full_checkpoint, write_model_config)
-from meshtune.model.export import export_kind
+from meshtune.model.final_weights import export_kind
 
 HEAD = "lm_head.weight"  # the output head's weight in transformers' causal LM files
 

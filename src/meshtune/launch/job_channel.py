@@ -1,5 +1,5 @@
 """What the launchers of a job tell each other while their torchruns run, through the rendezvous store on
-MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of its own, as launch/joining.py does).
+MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of its own, as doctor/joining.py does).
 
 - A worker's MeshtuneError ends the job: restarts cannot fix it (a read-only or full output_dir, a bad config).
   Its launcher posts the message while the worker waits (`await_told`) before stopping its agent, so the store is
@@ -20,12 +20,11 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
-from meshtune.launch.joining import connect, join_key
+from meshtune.doctor.joining import connect, join_key
 from meshtune.launch.nodes import NodeSettings
+from meshtune.mailbox import Mailbox
 
-TOLD = "told"  # left in the error directory once the other nodes have a worker's error (or nobody is there)
 POLL_S = 0.25
 READ_WAIT_S = 5.0  # how long a launcher waits for the other nodes to read its node's error before the worker goes
 
@@ -45,13 +44,13 @@ def done_key(run_id: str) -> str:
 
 
 class JobChannel:
-    """`with JobChannel(settings, errors, workers_done, use_store) as channel:` around this node's torchrun.
+    """`with JobChannel(settings, mailbox, workers_done, use_store) as channel:` around this node's torchrun.
 
     `cause`: another node's error that ended the job, once read (the launcher then ends its torchrun);
     `all_done()`: every node's workers are done."""
 
-    def __init__(self, settings: NodeSettings, errors: Path, workers_done, use_store: bool):
-        self.settings, self.errors, self.workers_done, self.use_store = settings, errors, workers_done, use_store
+    def __init__(self, settings: NodeSettings, mailbox: Mailbox, workers_done, use_store: bool):
+        self.settings, self.mailbox, self.workers_done, self.use_store = settings, mailbox, workers_done, use_store
         self.cause: str | None = None
         self._posted = self._done_posted = False
         self._nodes_done = 0
@@ -88,8 +87,8 @@ class JobChannel:
     def _tell_error(self, store) -> None:
         """This node's worker reported an error: post it (once) and wait for the others to read it, then let the
         worker go on to stop its agent."""
-        reports = sorted(self.errors.glob("rank-*.txt"))
-        if not reports or self._posted:
+        message = self.mailbox.first_error()
+        if message is None or self._posted:
             return
         self._posted = True
         try:
@@ -97,14 +96,14 @@ class JobChannel:
                 run_id = self.settings.run_id
                 store.set(error_key(run_id), json.dumps({"node": self.settings.node_rank,
                                                          "host": socket.gethostname(),
-                                                         "message": reports[0].read_text()}))
+                                                         "message": message}))
                 known = store.add(known_key(run_id), 1)
                 deadline = time.monotonic() + READ_WAIT_S
                 while known < self._joined(store) and time.monotonic() < deadline:
                     time.sleep(POLL_S / 2)
                     known = store.add(known_key(run_id), 0)
         finally:
-            (self.errors / TOLD).touch()
+            self.mailbox.mark_told()  # the worker waiting in await_told goes on
 
     def _exchange(self, store) -> None:
         run_id = self.settings.run_id
@@ -121,14 +120,14 @@ class JobChannel:
             self._nodes_done = store.add(done_key(run_id), 0)
 
     def _joined(self, store) -> int:
-        """The nodes in the job: those whose launcher left its rank in the store (launch/joining.py)."""
+        """The nodes in the job: those whose launcher left its rank in the store (doctor/joining.py)."""
         joined = sum(store.check([join_key(self.settings.run_id, rank)]) for rank in range(self.settings.max_nodes))
         return max(joined, self.settings.min_nodes)
 
 
-def await_told(errors: str | Path, timeout_s: float = READ_WAIT_S + 10) -> None:
+def await_told(mailbox: Mailbox, timeout_s: float = READ_WAIT_S + 10) -> None:
     """In a worker that reported an error: wait until its launcher has told the other nodes, so that the store on
     MASTER_PORT (which this worker's agent hosts on node 0) is still there to carry it."""
     deadline = time.monotonic() + timeout_s
-    while not Path(errors, TOLD).exists() and time.monotonic() < deadline:
+    while not mailbox.told() and time.monotonic() < deadline:
         time.sleep(0.05)

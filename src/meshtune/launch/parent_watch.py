@@ -15,7 +15,8 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
+
+import psutil
 
 from meshtune.worker_env import LAUNCHER_PID
 
@@ -60,9 +61,8 @@ def orphaned(agent: int, launcher: int | None) -> str | None:
 
 
 def parent_of(pid: int) -> int | None:
-    """The parent of `pid` from /proc (Linux); None where it cannot be read."""
+    """The parent of `pid`; None where it is gone."""
     try:
-        # the command name may hold spaces and ')': the fields after the last ')' are fixed
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None

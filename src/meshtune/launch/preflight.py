@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 
+from meshtune.doctor.bandwidth import duration_text
+from meshtune.doctor.checks import FAIL, OK
+from meshtune.doctor.meeting import run_doctor
+from meshtune.doctor.reachability import reach_node0
 from meshtune.errors import MeshtuneError
-from meshtune.launch.doctor import run_doctor
-from meshtune.launch.doctor_checks import FAIL, OK
-from meshtune.launch.bandwidth import duration_text
 from meshtune.launch.nodes import NodeSettings
-from meshtune.launch.reachability import reach_node0
 
 
 class PreflightError(MeshtuneError):

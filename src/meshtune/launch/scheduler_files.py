@@ -5,20 +5,27 @@ it reads the scheduler's variables for the node count and rank (launch/nodes.py)
 SIGTERM and saves a checkpoint within `stop_grace_period` (train/preemption.py), and resumes from `output_dir` when
 started again. So a file only fixes what no scheduler gives (the rendezvous port), turns the scheduler's warning
 before a time limit or preemption into that SIGTERM in time, and makes the job run again after it. No torch import.
+
+The files' text is in launch/templates/ (jinja2); this module checks the request and works out the values.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from meshtune.errors import ConfigError
 from meshtune.launch.nodes import node_range
+
+if TYPE_CHECKING:
+    import jinja2
 
 SCHEDULERS = ("slurm", "pbs", "k8s")
 DEFAULT_MASTER_PORT = 29500
@@ -185,217 +192,43 @@ def output_dir(job: JobRequest, cfg) -> Path:
     return job.workdir / cfg.output_dir  # an absolute output_dir stays as it is
 
 
-# ---- SLURM
+# ---- the files: their text in launch/templates/, their values from here
+
+
+def render(template: str, **values) -> str:
+    """A job file from its template in launch/templates/; a value the template names but was not given is an error."""
+    return templates().get_template(template).render(**values)
+
+
+@functools.cache
+def templates() -> jinja2.Environment:
+    import jinja2  # here, not at the top: every `meshtune` command imports this module to build its options
+
+    environment = jinja2.Environment(
+        loader=jinja2.PackageLoader("meshtune.launch", "templates"), undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+        comment_start_string="{##", comment_end_string="##}")  # bash's ${#array[@]} is no template comment
+    environment.filters["shell"] = lambda value: shlex.quote(str(value))
+    environment.filters["json"] = json.dumps
+    return environment
 
 
 def slurm_script(job: JobRequest, cfg) -> str:
-    name, warn = job_name(job, cfg), stop_warning_s(cfg)
-    directives = [
-        f"#SBATCH --job-name={name}",
-        f"#SBATCH --nodes={job.nodes}",
-        "# one meshtune launcher per node: it starts the node's processes itself (torchrun)",
-        "#SBATCH --ntasks-per-node=1",
-        *([f"#SBATCH --gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
-        *([f"#SBATCH --cpus-per-task={job.cpus_per_node}"] if job.cpus_per_node else []),
-        *([f"#SBATCH --time={job.time}"] if job.time else []),
-        *([f"#SBATCH --partition={job.partition}"] if job.partition else []),
-        *([f"#SBATCH --account={job.account}"] if job.account else []),
-        "# a requeued job (preemption, a failed node, scontrol requeue, the time limit below) runs this script again",
-        "#SBATCH --requeue",
-        f"# {warn} s before the time limit, SLURM sends USR1 to this script alone: it stops the training, which saves",
-        f"# a checkpoint within stop_grace_period ({cfg.stop_grace_period} s), and requeues the job",
-        f"#SBATCH --signal=B:USR1@{warn}",
-        "# one log for every run of the job: a requeued run appends to it",
-        f"#SBATCH --output={name}-%j.out",
-        "#SBATCH --open-mode=append",
-    ]
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            *([f"--cpus-per-task={job.cpus_per_node}"] if job.cpus_per_node else [])]
-    return f"""#!/bin/bash
-# meshtune on SLURM: {describe_nodes(job)}.
-# Written by: {job.command_line}
-# Submit with: sbatch THIS_FILE. meshtune resumes from the newest checkpoint in {output_dir(job, cfg)}
-# whenever the job runs again.
-{chr(10).join(directives)}
-
-set -u
-# relative paths in the config and its overrides are read from here
-cd {shlex.quote(str(job.workdir))} || exit 1
-
-# node 0: the first host of the job, as SLURM orders them (meshtune would take the same from SLURM_JOB_NODELIST)
-export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-# SLURM gives no port: this one on every node
-export MASTER_PORT={master_port(cfg)}
-# each task's node count, rank and processes come from SLURM_JOB_NUM_NODES, SLURM_NODEID and SLURM_GPUS_ON_NODE
-# (or nproc_per_node in the config); the run id is slurm-$SLURM_JOB_ID, the same after a requeue
-echo "meshtune: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, run ${{SLURM_RESTART_COUNT:-0}} (0: the first)"
-
-time_up=0
-stop_before_time_limit() {{
-  time_up=1
-  echo "meshtune: the time limit is near: stopping the training at a step boundary, then requeueing"
-  # SIGTERM to the job's steps, never to srun (srun turns a SIGTERM into SIGKILL of its tasks) or this script
-  scancel --signal=TERM "$SLURM_JOB_ID"
-}}
-trap stop_before_time_limit USR1
-# scancel, scontrol requeue and preemption send SIGTERM to every process of the job and SIGKILL KillWait seconds
-# later (scontrol show config): meshtune saves a checkpoint on the way out when KillWait leaves stop_grace_period
-# for it, else the next run resumes from the last periodic one (save_steps). To stop with a checkpoint and requeue
-# whatever KillWait is, use `scancel --batch --signal=USR1 JOBID`; to stop with one and end, `scancel --signal=TERM JOBID`.
-trap 'echo "meshtune: SLURM is ending this run (scancel, requeue, preemption or the time limit)"' TERM
-
-# in the background, so that the traps run while it trains; a node that fails stops the others
-{shlex.join(srun)} {launch_command(job)} &
-srun_pid=$!
-wait "$srun_pid"
-while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done  # a trapped signal ends `wait` early
-wait "$srun_pid"
-status=$?
-
-# 143 (128 + SIGTERM): meshtune stopped for the signal, a rerun resumes. 0: the training ended first. 1: an error no
-# rerun can fix. Any other code (a node's launcher killed after another stopped) is retried as well.
-if [ "$time_up" = 1 ] && [ "$status" -ne 0 ] && [ "$status" -ne 1 ]; then
-  echo "meshtune: requeueing job $SLURM_JOB_ID (exit code $status): the next run resumes from the newest checkpoint"
-  scontrol requeue "$SLURM_JOB_ID"
-fi
-exit "$status"
-"""
-
-
-# ---- PBS
+    return render("slurm.sh.j2", job=job, name=job_name(job, cfg), nodes=describe_nodes(job),
+                  output_dir=output_dir(job, cfg), master_port=master_port(cfg), launch_command=launch_command(job),
+                  stop_grace_period=cfg.stop_grace_period, warn_s=stop_warning_s(cfg))
 
 
 def pbs_script(job: JobRequest, cfg) -> str:
-    name = job_name(job, cfg)
+    # one chunk per node: its CPUs and GPUs, and one MPI process so that PBS_NODEFILE names each host once
     chunk = ":".join([str(job.nodes), *([f"ncpus={job.cpus_per_node}"] if job.cpus_per_node else []),
                       *([f"ngpus={job.gpus_per_node}"] if job.gpus_per_node else []), "mpiprocs=1"])
-    directives = [
-        f"#PBS -N {name[:15]}",
-        "# one chunk per node, each on its own host; mpiprocs=1 lists each host once in PBS_NODEFILE",
-        f"#PBS -l select={chunk}",
-        "#PBS -l place=scatter",
-        *([f"#PBS -l walltime={hms(walltime_seconds(job.time))}"] if job.time else []),
-        *([f"#PBS -q {job.queue}"] if job.queue else []),
-        *([f"#PBS -A {job.account}"] if job.account else []),
-        "# rerunnable: a requeued job (preemption, qrerun, a failed node) runs this script again and meshtune resumes",
-        "#PBS -r y",
-        "#PBS -j oe",
-    ]
-    status_dir = output_dir(job, cfg) / ".meshtune-pbs"
-    walltime_stop = walltime_cleanup = ""
-    if job.time:
-        warn = stop_warning_s(cfg)
-        walltime_stop = f"""
-# {warn} s before the walltime, stop every node: meshtune stops at a step boundary and saves a checkpoint (at the
-# walltime itself PBS leaves only the queue's kill_delay). The job then ends with 143: qsub this file again to resume.
-( sleep {walltime_seconds(job.time) - warn}; kill -USR1 $$ ) &
-timer=$!
-trap 'stopping=1; echo "meshtune: the walltime is near: stopping every node"; stop_nodes' USR1
-"""
-        walltime_cleanup = 'kill "$timer" 2>/dev/null\n'
-    return f"""#!/bin/bash
-# meshtune on PBS: {describe_nodes(job)}, one meshtune launcher per node.
-# Written by: {job.command_line}
-# Submit with: qsub THIS_FILE. meshtune resumes from the newest checkpoint in {output_dir(job, cfg)}
-# whenever the job runs again.
-{chr(10).join(directives)}
-
-set -u
-cd {shlex.quote(str(job.workdir))} || exit 1
-# how each node's launcher starts: pbsdsh (PBS's task manager, which also stops it when the job ends), or ssh
-# (qsub -v MESHTUNE_PBS_LAUNCHER=ssh THIS_FILE)
-launcher="${{MESHTUNE_PBS_LAUNCHER:-pbsdsh}}"
-
-# the job's hosts in first-seen order (PBS_NODEFILE repeats a host once per slot); node 0 is the first. slots[i] is
-# the line of host i's first entry, counted from 0: the node index pbsdsh -n takes
-declare -A seen=()
-hosts=() slots=() line=0
-while read -r host; do
-  [ -n "$host" ] || continue
-  if [ -z "${{seen[$host]:-}}" ]; then seen[$host]=1; hosts+=("$host"); slots+=("$line"); fi
-  line=$((line + 1))
-done < "$PBS_NODEFILE"
-nnodes=${{#hosts[@]}}
-if [ "$nnodes" -ne {job.nodes} ]; then
-  echo "meshtune: PBS_NODEFILE lists $nnodes host(s) (${{hosts[*]}}), the job asked for {job.nodes}: keep" \\
-       "place=scatter so that every chunk gets a host of its own" >&2
-  exit 1
-fi
-echo "meshtune: job $PBS_JOBID on ${{hosts[*]}} (node 0: ${{hosts[0]}}), started through $launcher"
-
-# each node's launcher pid and exit status, on output_dir's storage, which every node sees
-status_dir={shlex.quote(str(status_dir))}/"$PBS_JOBID"
-rm -rf "$status_dir" && mkdir -p "$status_dir" || exit 1
-
-# What runs on each node. pbsdsh and ssh pass on no environment and start in the home directory, so the node gets
-# everything as arguments: its rank, the node count, node 0's host, the status directory.
-cat > "$status_dir/node.sh" <<'NODE'
-rank=$1 status_dir=$4
-cd {shlex.quote(str(job.workdir))} || exit 1
-export NODE_RANK="$1" NNODES="$2" MASTER_ADDR="$3" MASTER_PORT={master_port(cfg)}
-# the node file may exist on node 0 only, and the four settings above are all meshtune needs
-unset PBS_NODEFILE
-echo $$ > "$status_dir/node-$rank.pid"
-{launch_command(job)} &
-pid=$!
-# stopping this node (the job ends, another node failed) is a SIGTERM to meshtune: it stops at a step boundary and
-# saves a checkpoint if stop_grace_period ({cfg.stop_grace_period} s) allows
-trap 'kill -TERM "$pid" 2>/dev/null' TERM HUP INT
-wait "$pid"
-while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
-wait "$pid"
-code=$?
-echo "$code" > "$status_dir/node-$rank.exit"  # pbsdsh does not pass the exit status on
-exit "$code"
-NODE
-
-run_on() {{  # run_on RANK COMMAND [ARGS...]: run it on that node
-  if [ "$launcher" = ssh ]; then
-    ssh -o BatchMode=yes "${{hosts[$1]}}" "$(printf '%q ' "${{@:2}}")" < /dev/null
-  else
-    pbsdsh -n "${{slots[$1]}}" -- "${{@:2}}"
-  fi
-}}
-
-declare -A pids=()  # node rank -> the local pid of its pbsdsh or ssh
-stop_nodes() {{  # SIGTERM to every node still running
-  for rank in "${{!pids[@]}}"; do
-    if [ ! -e "$status_dir/node-$rank.exit" ] && [ -s "$status_dir/node-$rank.pid" ]; then
-      run_on "$rank" /bin/kill -TERM "$(cat "$status_dir/node-$rank.pid")"
-    fi
-  done
-}}
-stopping=0
-# qdel, the walltime and preemption send SIGTERM to this script and to every PBS task (pbsdsh's); ssh's are not
-# PBS's, so they are told here. PBS kills what is left after the queue's kill_delay.
-trap 'stopping=1; echo "meshtune: PBS is ending this run"; [ "$launcher" = ssh ] && stop_nodes' TERM
-
-for rank in "${{!hosts[@]}}"; do
-  run_on "$rank" /bin/bash "$status_dir/node.sh" "$rank" "$nnodes" "${{hosts[0]}}" "$status_dir" &
-  pids[$rank]=$!
-done
-{walltime_stop}
-# wait for every node; the first that fails stops the others, and its exit code is the job's
-failed=0
-while [ "${{#pids[@]}}" -gt 0 ]; do
-  for rank in "${{!pids[@]}}"; do
-    kill -0 "${{pids[$rank]}}" 2>/dev/null && continue
-    wait "${{pids[$rank]}}"
-    code=$?
-    [ -s "$status_dir/node-$rank.exit" ] && code=$(cat "$status_dir/node-$rank.exit")
-    unset "pids[$rank]"
-    echo "meshtune: node $rank (${{hosts[$rank]}}) exited with code $code"
-    if [ "$code" -ne 0 ] && [ "$failed" -eq 0 ]; then
-      failed=$code
-      [ "$stopping" = 1 ] || {{ echo "meshtune: node $rank failed: stopping the other nodes"; stop_nodes; }}
-    fi
-  done
-  [ "${{#pids[@]}}" -gt 0 ] && sleep 1
-done
-{walltime_cleanup}rm -rf "$status_dir"
-rmdir "${{status_dir%/*}}" 2>/dev/null
-exit "$failed"
-"""
+    seconds = walltime_seconds(job.time) if job.time else None
+    return render("pbs.sh.j2", job=job, name=job_name(job, cfg), nodes=describe_nodes(job),
+                  output_dir=output_dir(job, cfg), master_port=master_port(cfg), launch_command=launch_command(job),
+                  stop_grace_period=cfg.stop_grace_period, warn_s=stop_warning_s(cfg), chunk=chunk,
+                  status_dir=output_dir(job, cfg) / ".meshtune-pbs", walltime=hms(seconds) if seconds else None,
+                  stop_after_s=seconds - stop_warning_s(cfg) if seconds else None)
 
 
 # ---- Kubernetes: a Kubeflow PyTorchJob (training-operator, kubeflow.org/v1)
@@ -418,84 +251,19 @@ def pytorchjob_manifest(job: JobRequest, cfg) -> str:
     config_path = f"{CONFIG_MOUNT}/{config_key}" if job.config else None
     command = [*([job.python, "-m", "meshtune"] if job.python else ["meshtune"]), "launch",
                *([config_path] if config_path else []), *job.launch_args]
-    metadata = {"name": name, **({"namespace": job.namespace} if job.namespace else {})}
-    documents = []
-    if job.config:
-        config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**metadata, "name": f"{name}-config"},
-                      "data": {config_key: job.config.read_text()}}
-        documents.append("# the config, as every pod reads it at " + config_path + "\n"
-                         + yaml.dump(config_map, Dumper=_LiteralDumper, sort_keys=False, width=120))
-    nproc = cfg.nproc_per_node or job.gpus_per_node or 1
-    elastic = ""
-    if job.elastic:
-        low, high = elastic_range(job.elastic)
-        elastic = f"""
-  # any number of pods from {low} to {high} forms the job (PET_NNODES={low}:{high}, meshtune's elastic nnodes); set the
-  # Worker replicas between {low - 1} and {high - 1}. The rendezvous stays on the Master's service (PET_MASTER_ADDR).
-  elasticPolicy:
-    minReplicas: {low}
-    maxReplicas: {high}"""
+    config_map = None
+    if job.config:  # dumped, not templated: the config's own text, quoted as YAML needs
+        metadata = {"name": f"{name}-config", **({"namespace": job.namespace} if job.namespace else {})}
+        config_map = yaml.dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
+                                "data": {config_key: job.config.read_text()}},
+                               Dumper=_LiteralDumper, sort_keys=False, width=120)
     replicas = [("Master", 1, "node 0: its service name is MASTER_ADDR, and it hosts the rendezvous")]
     if job.nodes > 1:
         replicas.append(("Worker", job.nodes - 1, "node 1" if job.nodes == 2 else f"nodes 1 to {job.nodes - 1}"))
-    specs = "".join(f"""
-    {kind}:
-      # {what}
-      replicas: {count}
-      # exit 143 (stopped by SIGTERM, after saving) and other codes above 127 restart the pod, which resumes;
-      # exit 1 (an error meshtune named, which a restart meets again) ends the job
-      restartPolicy: ExitCode
-      template:
-{_pod_template(job, cfg, name, command)}""" for kind, count, what in replicas)
-    documents.append(f"""# meshtune on Kubernetes (Kubeflow training-operator): {describe_nodes(job)}, one pod per node.
-# Written by: {job.command_line}
-# Create with: kubectl apply -f THIS_FILE (PersistentVolumeClaim {job.pvc} must exist, ReadWriteMany).
-# meshtune resumes from the newest checkpoint in {cfg.output_dir} whenever a pod starts again.
-apiVersion: kubeflow.org/v1
-kind: PyTorchJob
-metadata:
-  name: {json.dumps(name)}{f'''
-  namespace: {json.dumps(job.namespace)}''' if job.namespace else ''}
-spec:
-  # processes per pod (PET_NPROC_PER_NODE); nproc_per_node in the config, if set, wins
-  nprocPerNode: "{nproc}"{elastic}
-  pytorchReplicaSpecs:{specs}
-""")
-    return "---\n".join(documents)
-
-
-def _pod_template(job: JobRequest, cfg, name: str, command: list[str]) -> str:
     limits = {**({"nvidia.com/gpu": job.gpus_per_node} if job.gpus_per_node else {}),
               **({"cpu": job.cpus_per_node} if job.cpus_per_node else {})}
-    resources = "".join(f"\n                  {key}: {value}" for key, value in limits.items())
-    config_mount = f"""
-                - {{name: config, mountPath: {CONFIG_MOUNT}, readOnly: true}}""" if job.config else ""
-    config_volume = f"""
-            - {{name: config, configMap: {{name: {json.dumps(name + '-config')}}}}}""" if job.config else ""
-    return f"""        spec:
-          # SIGTERM (deletion, preemption) reaches meshtune, which stops at a step boundary and saves within
-          # stop_grace_period ({cfg.stop_grace_period} s); torchrun gives its processes 30 s more
-          terminationGracePeriodSeconds: {cfg.stop_grace_period + 60}
-          containers:
-            # the operator sets MASTER_ADDR, MASTER_PORT and PET_NODE_RANK in the container named pytorch
-            - name: pytorch
-              image: {json.dumps(job.image)}
-              command: {json.dumps(command)}
-              env:
-                # NCCL and gloo talk over the pod network's interface (change it for a secondary network)
-                - {{name: NCCL_SOCKET_IFNAME, value: eth0}}
-                - {{name: GLOO_SOCKET_IFNAME, value: eth0}}
-                - {{name: NCCL_DEBUG, value: WARN}}
-              ports:
-                # MASTER_PORT: the Master's rendezvous port
-                - {{name: pytorchjob-port, containerPort: {master_port(cfg)}}}{f'''
-              resources:
-                limits:{resources}''' if limits else ""}
-              volumeMounts:{config_mount}
-                - {{name: output, mountPath: {json.dumps(cfg.output_dir)}}}
-                - {{name: shm, mountPath: /dev/shm}}
-          volumes:{config_volume}
-            # output_dir: the checkpoints every pod writes into and resumes from (ReadWriteMany)
-            - {{name: output, persistentVolumeClaim: {{claimName: {json.dumps(job.pvc)}}}}}
-            # torch's processes share memory through /dev/shm, 64 MiB by default in a container
-            - {{name: shm, emptyDir: {{medium: Memory}}}}"""
+    return render("pytorchjob.yaml.j2", job=job, name=name, nodes=describe_nodes(job), output_dir=cfg.output_dir,
+                  config_map=config_map, config_path=config_path, config_mount=CONFIG_MOUNT, command=command,
+                  nproc=cfg.nproc_per_node or job.gpus_per_node or 1, replicas=replicas, limits=limits,
+                  elastic=elastic_range(job.elastic) if job.elastic else None, master_port=master_port(cfg),
+                  stop_grace_period=cfg.stop_grace_period)

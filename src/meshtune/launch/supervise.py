@@ -1,8 +1,8 @@
 """This node's side of a launch: train in this process, or start torchrun and stand between it and the user.
 
 The launching process tokenizes once and checks the rendezvous before torchrun starts. Its workers leave their
-MeshtuneError in a directory it reads (`MESHTUNE_ERROR_DIR`), so the user's last line is the worker's own words;
-a worker that meets one stops its agent, since restarts cannot fix a bad config.
+MeshtuneError in its mailbox (mailbox.py), so the user's last line is the worker's own words; a worker that meets
+one stops its agent, since restarts cannot fix a bad config.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ import contextlib
 import os
 import signal
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
 from meshtune.errors import ConfigError, MeshtuneError
-from meshtune.worker_env import ERROR_DIR, LAUNCHER_PID, torchrun_worker
+from meshtune.mailbox import Mailbox
+from meshtune.worker_env import LAUNCHER_PID, torchrun_worker
 
 # how gloo and NCCL report that another rank died: a consequence, never the cause of a repeated failure
 PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "remote process exit",
@@ -43,19 +42,20 @@ def train_here(cfg) -> int:
     """Train in this process: the only one, or a torchrun worker (which never returns: see leave_worker)."""
     from meshtune.launch.parent_watch import watch_parents
     from meshtune.train.loop import run
-    from meshtune.train.preemption import exit_code, mark_stopped
+    from meshtune.train.preemption import exit_code
 
     if torchrun_worker():
         watch_parents()
     result = run(cfg)
     code = exit_code(result.stopped_by) if result.stopped_by else 0
     if torchrun_worker():
-        # a worker that stopped for a signal exits 0, or torchrun would restart it; the launcher reports the signal
-        if result.stopped_by and mark_stopped(os.environ.get(ERROR_DIR), int(os.environ.get("RANK", "0")),
-                                              result.stopped_by):
+        mailbox, rank = Mailbox.of_launcher(), int(os.environ.get("RANK", "0"))
+        if mailbox is not None and result.stopped_by:
+            # a worker that stopped for a signal exits 0, or torchrun would restart it; the launcher reports it
+            mailbox.mark_stopped(rank, result.stopped_by)
             code = 0
-        if not result.stopped_by:
-            mark_worker_finished()
+        elif mailbox is not None:  # its launcher need not leave torchrun waiting in its exit barrier for long
+            mailbox.mark_finished(rank)
         leave_worker(code)
     return code
 
@@ -72,49 +72,52 @@ def run_node(cfg, settings, argv: list[str], debug: bool, rejoining: bool = Fals
     prepare_data_once(cfg, settings.max_processes)
     if settings.multi_node:
         check_rendezvous(settings, cfg)
-    with tempfile.TemporaryDirectory(prefix="meshtune-errors-") as errors:
-        env = {**launch_env(settings, cfg.stop_grace_period), ERROR_DIR: errors, LAUNCHER_PID: str(os.getpid())}
+    with Mailbox.created() as mailbox:
+        env = {**launch_env(settings, cfg.stop_grace_period), **mailbox.environment(),
+               LAUNCHER_PID: str(os.getpid())}
         rejoins = 0
-        while (code := run_torchrun_once(cfg, settings, argv, debug, env, Path(errors))) is None:
+        while (code := run_torchrun_once(cfg, settings, argv, debug, env, mailbox)) is None:
             rejoins += 1
             rejoin_after_store_loss(settings, cfg, rejoins)
         return code
 
 
-def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, errors: Path) -> int | None:
+def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, mailbox: Mailbox) -> int | None:
     """One torchrun of this node. Returns the exit code, None when node 0's rendezvous store was lost (rejoin),
     or raises the error that ended it, named: this node's worker's, or another node's (launch/job_channel.py)."""
     from meshtune.launch import run_torchrun, torchrun_command
+    from meshtune.launch.torchrun import end_workers_line
     from meshtune.launch.job_channel import JobChannel
-    from meshtune.launch.joining import JoinWatch
-    from meshtune.launch.reachability import rendezvous_failure
-    from meshtune.train.preemption import STOP_FILE, exit_code, stopped_signal, stopped_workers
+    from meshtune.doctor.joining import JoinWatch
+    from meshtune.doctor.reachability import rendezvous_failure
+    from meshtune.train.preemption import exit_code
 
     c10d = cfg.rdzv_backend == "c10d"  # an etcd rendezvous holds no store of node 0 to watch or lose
-    watching = JoinWatch(settings, errors, cfg.rdzv_timeout) if settings.multi_node and c10d else None
+    watching = JoinWatch(settings, mailbox, cfg.rdzv_timeout) if settings.multi_node and c10d else None
     nproc = settings.nproc_per_node
-    workers_done = lambda: stopped_workers(errors) + finished_workers(errors) >= nproc  # noqa: E731
-    channel = JobChannel(settings, errors, workers_done, use_store=settings.multi_node and c10d)
+    workers_done = lambda: mailbox.stopped_workers() + mailbox.finished_workers() >= nproc  # noqa: E731
+    channel = JobChannel(settings, mailbox, workers_done, use_store=settings.multi_node and c10d)
     _launched.set()
     with watching or contextlib.nullcontext(), channel:
         ended = run_torchrun(torchrun_command(settings, argv, cfg), nproc, env, show_agent_tracebacks=debug,
-                             stop_file=errors / STOP_FILE, stop_wait_s=cfg.stop_grace_period + 30, channel=channel)
-    reported = sorted(errors.glob("rank-*.txt"))
-    if ended.code != 0 and reported:  # a worker's own words, last, under torchrun's traceback
-        raise MeshtuneError(reported[0].read_text())
+                             mailbox=mailbox, stop_wait_s=cfg.stop_grace_period + 30, channel=channel)
+    reported = mailbox.first_error()
+    if ended.code != 0 and reported is not None:  # a worker's own words, last, under torchrun's traceback
+        raise MeshtuneError(reported)
     if channel.cause is not None:
         raise MeshtuneError(channel.cause)
-    if stopped := stopped_signal(errors) or (ended.signal if ended.signal == signal.SIGTERM else None):
+    if stopped := mailbox.stopped_signal() or (ended.signal if ended.signal == signal.SIGTERM else None):
+        end_workers_line()
         print(f"meshtune: stopped by {signal.Signals(stopped).name} (exit code {exit_code(stopped)}); run the same "
               f"command again to resume", flush=True)
         return exit_code(stopped)
     if ended.signal == signal.SIGINT:
         return 130
-    if ended.code == 0 or finished_workers(errors) >= nproc:  # torchrun ended after its workers finished
+    if ended.code == 0 or mailbox.finished_workers() >= nproc:  # torchrun ended after its workers finished
         return 0
     if ended.store_lost and c10d and settings.node_rank != 0:
         return None
-    if settings.multi_node and not any(errors.glob("started-*")):
+    if settings.multi_node and not mailbox.any_started():
         raise rendezvous_failure(settings, cfg.rdzv_timeout, watching.joined if watching else None)
     if ended.code < 0 and not ended.signal:
         raise MeshtuneError(f"this node's torchrun agent was killed ({signal.Signals(-ended.code).name}) and its "
@@ -127,7 +130,7 @@ def rejoin_after_store_loss(settings, cfg, rejoins: int) -> None:
     """Node 0's launcher hosts the c10d rendezvous store: when it dies, this node's torchrun ends too. Wait for
     the relaunched node 0 to answer again before torchrun starts again to join its new rendezvous, as a restarted
     node would (the workers resume from the newest checkpoint). Each rejoin counts as one of max_restarts."""
-    from meshtune.launch.reachability import RendezvousError, wait_for_master
+    from meshtune.doctor.reachability import RendezvousError, wait_for_master
 
     where = f"{settings.master_addr}:{settings.master_port}"
     if rejoins > cfg.max_restarts:
@@ -181,7 +184,7 @@ def leave_worker(code: int = 0) -> None:
 def check_rendezvous(settings, cfg) -> None:
     """c10d: node 0's port is free; other nodes: node 0 answers within rdzv_timeout (else say why, not hang).
     etcd-v2: python-etcd is installed and every node reaches the etcd server."""
-    from meshtune.launch.reachability import reach_node0, wait_for_endpoint
+    from meshtune.doctor.reachability import reach_node0, wait_for_endpoint
 
     if cfg.rdzv_backend == "etcd-v2":
         host, port = etcd_endpoint(cfg)
@@ -264,19 +267,17 @@ def stop_restarts() -> None:
 
 
 def repeated_failure(exc: Exception) -> MeshtuneError | None:
-    """A torchrun worker's crash, remembered across attempts in the launcher's error directory: when this rank
-    failed with the same error in an earlier attempt, another restart would too, and this says so; None on a
-    first failure (or outside a meshtune-started torchrun), which torchrun then restarts."""
-    directory = os.environ.get(ERROR_DIR)
-    if not (directory and os.path.isdir(directory) and "TORCHELASTIC_RUN_ID" in os.environ):
+    """A torchrun worker's crash, remembered across attempts in the launcher's mailbox: when this rank failed
+    with the same error in an earlier attempt, another restart would too, and this says so; None on a first
+    failure (or outside a meshtune-started torchrun), which torchrun then restarts."""
+    mailbox = Mailbox.of_launcher()
+    if mailbox is None or "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     error = f"{type(exc).__name__}: {exc}"
     if any(words in error for words in PEER_FAILED):  # another rank's crash, seen from here: not this rank's cause
         return None
     rank, attempt = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    earlier = [int(p.stem.rsplit("attempt", 1)[1]) for p in Path(directory).glob(f"failure-rank{rank}-attempt*.log")
-               if p.read_text() == error]
-    Path(directory, f"failure-rank{rank}-attempt{attempt}.log").write_text(error)
+    earlier = mailbox.record_failure(rank, attempt, error)
     if not earlier:
         return None
     return MeshtuneError(f"rank {rank} failed the same way in attempts {min(earlier) + 1} and {attempt + 1}, so "
@@ -290,11 +291,11 @@ def report_to_launcher(message: str) -> bool:
     agent, the store that carries it (node 0's agent hosts it) is still there."""
     from meshtune.launch.job_channel import await_told
 
-    directory = os.environ.get(ERROR_DIR)
-    if not (directory and os.path.isdir(directory)):
+    mailbox = Mailbox.of_launcher()
+    if mailbox is None:
         return False
-    Path(directory, f"rank-{int(os.environ.get('RANK', '0')):06d}.txt").write_text(message)
-    await_told(directory)
+    mailbox.report_error(int(os.environ.get("RANK", "0")), message)
+    await_told(mailbox)
     return True
 
 
@@ -314,20 +315,5 @@ def lost_peers(exc: Exception) -> bool:
 
 def mark_worker_started() -> None:
     """A worker got past the rendezvous: the launcher then knows a failure was not a rendezvous timeout."""
-    directory = os.environ.get(ERROR_DIR)
-    if directory and os.path.isdir(directory):
-        Path(directory, f"started-{os.environ.get('RANK', '0')}").touch()
-
-
-FINISHED = "finished"  # left in the launcher's error directory by every worker whose run ended (not stopped early)
-
-
-def mark_worker_finished() -> None:
-    """This worker's run ended: its launcher need not leave torchrun waiting in its exit barrier for long."""
-    directory = os.environ.get(ERROR_DIR)
-    if directory and os.path.isdir(directory):
-        Path(directory, f"{FINISHED}-{os.environ.get('RANK', '0')}").touch()
-
-
-def finished_workers(errors: Path) -> int:
-    return sum(1 for _ in errors.glob(f"{FINISHED}-*"))
+    if (mailbox := Mailbox.of_launcher()) is not None:
+        mailbox.mark_started(int(os.environ.get("RANK", "0")))

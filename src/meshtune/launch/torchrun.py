@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import psutil
+
+from meshtune.cpu_affinity import torchrun_numa_binding
 from meshtune.launch.nodes import NodeSettings
+from meshtune.mailbox import Mailbox
 
 
 def needs_torchrun(settings: NodeSettings) -> bool:
@@ -21,10 +25,16 @@ def needs_torchrun(settings: NodeSettings) -> bool:
     return settings.multi_node or settings.nproc_per_node > 1
 
 
-def standalone_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
+def standalone_command(nproc: int, argv: list[str], max_restarts: int = 0,
+                       numa_binding: str | None = None) -> list[str]:
     """torchrun with a standalone (local, free-port) c10d rendezvous, re-entering `meshtune` in each worker."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts", str(max_restarts), "-m", "meshtune", *argv]
+            "--max-restarts", str(max_restarts), *numa_binding_option(numa_binding), "-m", "meshtune", *argv]
+
+
+def numa_binding_option(value: str | None) -> list[str]:
+    """torchrun pins its workers near their GPUs (cpu_affinity.py says when it does, and why)."""
+    return [f"--numa-binding={value}"] if value else []
 
 
 def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
@@ -38,8 +48,9 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     workers as MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
     `read_timeout` is the store connection's patience too: a node started before node 0 waits that long.
     """
+    numa_binding = torchrun_numa_binding(cfg.cpu_pinning, settings.nproc_per_node)
     if not settings.multi_node:
-        return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts)
+        return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts, numa_binding)
     host = f"[{settings.master_addr}]" if ":" in settings.master_addr else settings.master_addr  # IPv6
     timeouts = f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}"
     if cfg.rdzv_backend == "etcd-v2":  # the rendezvous lives in etcd: no node hosts it
@@ -54,6 +65,7 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
             "--rdzv-id", settings.run_id,
             "--max-restarts", str(cfg.max_restarts),
             *(["--local-addr", cfg.local_addr] if cfg.local_addr else []),
+            *numa_binding_option(numa_binding),
             "-m", "meshtune", *argv]
 
 
@@ -73,11 +85,11 @@ def launch_env(settings: NodeSettings, stop_grace_period: int = 60) -> dict[str,
 
 
 def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | None = None,
-                 show_agent_tracebacks: bool = False, stop_file: Path | None = None,
+                 show_agent_tracebacks: bool = False, mailbox: Mailbox | None = None,
                  stop_wait_s: float = 90, channel=None) -> TorchrunExit:
     """Run torchrun in the foreground and say how it ended.
 
-    Ctrl-C reaches torchrun at once. A first SIGTERM, given `stop_file`, is left there for the workers instead:
+    Ctrl-C reaches torchrun at once. A first SIGTERM, given the workers' `mailbox`, is left there as a stop request:
     they finish their step, save and exit 0, while torchrun told to stop would leave its rendezvous at once and
     signal the workers itself. It is passed on to torchrun only if torchrun still runs `stop_wait_s` later; a
     second one is passed on at once. `channel` (launch/job_channel.py) says when this node's workers are all done
@@ -98,8 +110,8 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
 
     def forward(signum: int, _frame) -> None:
         received.append(signum)
-        if signum == signal.SIGTERM and stop_file is not None and received.count(signum) == 1:
-            stop_file.write_text(str(signum))
+        if signum == signal.SIGTERM and mailbox is not None and received.count(signum) == 1:
+            mailbox.request_stop(signum)
             overdue = threading.Timer(stop_wait_s, lambda: process.poll() is None and process.send_signal(signum))
             overdue.daemon = True
             overdue.start()
@@ -153,20 +165,15 @@ def _wait(process: subprocess.Popen, channel) -> int:
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process below it (torchrun starts each worker in a session of its own). The tree is
     listed first: a killed parent's children are re-parented and no longer found from it."""
-    from meshtune.launch.parent_watch import parent_of
-
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (parent := parent_of(int(entry.name))) is not None:
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    for victim in tree:
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
         try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
+            process.kill()
+        except psutil.NoSuchProcess:
             pass
 
 
@@ -229,3 +236,17 @@ class AgentTracebackFilter:
     def _write(self, data: bytes) -> None:
         self.sink.write(data)
         self.sink.flush()
+        if data:
+            _workers_output["mid_line"] = not data.endswith(b"\n")
+
+
+# whether the workers' copied output stopped mid-line: a progress bar whose worker was stopped never ends its line
+_workers_output = {"mid_line": False}
+
+
+def end_workers_line() -> None:
+    """Start the launcher's next line on a line of its own, after whatever the workers left unfinished."""
+    if _workers_output["mid_line"]:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+        _workers_output["mid_line"] = False

@@ -20,6 +20,7 @@ from meshtune.model.loading import transformer_blocks
 from meshtune.model.lora import initial_adapter_weight
 from meshtune.model.qlora import nf4_bytes, quantize_block
 from meshtune.model.weight_files import WeightFiles, file_key
+from meshtune.units import byte_size
 
 
 class BlockLoader:
@@ -114,19 +115,12 @@ class BlockLoader:
             return ("warning: qlora quantized no weight: no block linear layer holds whole NF4 scale groups (64 x "
                     "256 values); this trains as plain LoRA")
         kept = sum(nf4_bytes(getattr(p, "_local_tensor", p)) for p in model.parameters() if is_nf4(p))
-        share = f"; this process keeps {in_units(kept)} of them (1/{self.shards})" if self.shards > 1 else ""
+        share = f"; this process keeps {byte_size(kept)} of them (1/{self.shards})" if self.shards > 1 else ""
         peak = (f", GPU peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
                 if self.device.type == "cuda" else "")
         return (f"qlora: {count} frozen linear weights of the transformer blocks in 4-bit NF4 (torchao), "
-                f"{in_units(before)} -> {in_units(after)}{share}; read block by block and quantized in "
+                f"{byte_size(before)} -> {byte_size(after)}{share}; read block by block and quantized in "
                 f"{time.perf_counter() - self.started:.1f} s{peak}")
-
-
-def in_units(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if size >= scale:
-            return f"{size / scale:,.1f} {unit}"
-    return f"{size / 2**10:,.0f} KiB"
 
 
 def qualified(prefix: str, name: str) -> str:

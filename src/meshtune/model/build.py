@@ -12,7 +12,6 @@ from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
 from meshtune.model.attention import use_varlen
 from meshtune.model.block_loading import BlockLoader
-from meshtune.model.checkpointing import enable_checkpointing
 from meshtune.model.compile import compile_blocks
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import load_model, model_skeleton
@@ -20,6 +19,7 @@ from meshtune.model.lora import add_lora, set_adapter, starting_adapter
 from meshtune.model.loss_head import install_loss_head, output_head
 from meshtune.model.parallel import wrap_model
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
+from meshtune.model.recompute import enable_checkpointing
 from meshtune.plan import MEASURE, RunPlan
 
 

@@ -13,16 +13,20 @@ import json
 import os
 import socket
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import torch.distributed as dist
 
+from meshtune.checksums import dataset_checksum
 from meshtune.config import JOB, MATH, TrainConfig
-from meshtune.data.registry import data_checksum, resolve
+from meshtune.data.registry import resolve
 from meshtune.distributed import DistEnv
 from meshtune.errors import MeshtuneError
 
 PACKAGES = ("meshtune", "torch", "transformers", "peft")
+PROCESS_KEYS = ("rank", "local_rank", "host", "agent", "node_rank")  # whose facts they are: not compared
 
 
 class AgreementError(MeshtuneError):
@@ -53,8 +57,8 @@ def local_facts(cfg: TrainConfig, env: DistEnv) -> dict:
     if env.is_local_main:  # hashing the data once per node is enough
         try:
             specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.named_format)
-            facts["dataset checksum"] = data_checksum(specs)[:16]
-        except MeshtuneError as exc:
+            facts["dataset checksum"] = dataset_checksum(specs)[:16]
+        except (MeshtuneError, OSError) as exc:
             facts["dataset checksum"] = f"unreadable ({exc})"
     return facts
 
@@ -79,16 +83,45 @@ def find_disagreements(all_facts: list[dict]) -> list[str]:
             hosts = ", ".join(sorted({nodes_of_agent[a]["host"] for a in agents}))
             problems.append(f"NODE_RANK={node_rank} is used by {len(agents)} nodes ({hosts}); give each node its "
                             f"own NODE_RANK from 0 to NNODES-1")
-    keys = [k for k in all_facts[0] if k not in ("rank", "local_rank", "host", "agent", "node_rank")]
-    for key in keys:
-        values: dict[str, set[str]] = defaultdict(set)
-        for facts in all_facts:
-            if key in facts:
-                values[str(facts[key])].add(f"node {facts['node_rank']} ({facts['host']})")
-        if len(values) > 1:
-            listing = "; ".join(f"{', '.join(sorted(nodes))}: {value}" for value, nodes in sorted(values.items()))
-            problems.append(f"{key} differs between nodes: {listing}. {advice(key)}")
+    by_node = [(f"node {facts['node_rank']} ({facts['host']})",
+                {key: value for key, value in facts.items() if key not in PROCESS_KEYS}) for facts in all_facts]
+    problems += [f"{difference}. {advice(difference.key)}" for difference in differences(by_node)]
     return problems
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A fact the nodes do not share: each value with the nodes that hold it, the reference node's value last."""
+
+    key: str
+    holders: dict[str, list[str]]  # value -> the labels of the nodes holding it
+    reference: str  # the reference node's value
+    differing: frozenset[int]  # the positions, among the nodes given, of those whose value is not the reference
+
+    def __str__(self) -> str:
+        listing = "; ".join(f"{', '.join(nodes)}: {value}" for value, nodes in self.holders.items())
+        return f"{self.key} differs between nodes: {listing}"
+
+
+def differences(nodes: Sequence[tuple[str, Mapping[str, object]]], reference: int = 0) -> list[Difference]:
+    """What the nodes do not share, from each node's label ("node 1 (host-b)") and facts, against the node at
+    `reference` (node 0): by key, in the order the facts name them, the values that differ from the reference's
+    listed first. Values compare as text. A node without a key is not compared on it (a fact only one process of
+    a node computes); entries of one label (a node's processes) count as one node."""
+    found = []
+    for key in dict.fromkeys(key for _, facts in nodes for key in facts):
+        holders: dict[str, list[str]] = {}
+        for label, facts in nodes:
+            if key in facts and label not in (labels := holders.setdefault(str(facts[key]), [])):
+                labels.append(label)
+        if len(holders) < 2:
+            continue
+        own = nodes[reference][1]
+        value = str(own[key]) if key in own else next(iter(holders))
+        holders[value] = holders.pop(value)
+        found.append(Difference(key, holders, value, frozenset(
+            i for i, (_, facts) in enumerate(nodes) if key in facts and str(facts[key]) != value)))
+    return found
 
 
 def advice(key: str) -> str:
@@ -96,8 +129,8 @@ def advice(key: str) -> str:
         return ("Run the same config and overrides on every node (only the keys of nodes and launch, output paths "
                 "and housekeeping may differ).")
     if key == "dataset checksum":
-        return ("The data files (or the dataset_info.json naming them) differ: put them on shared storage or copy the "
-                "same files to every node.")
+        return ("The data files differ, or the dataset_info.json entries naming them read them otherwise (formatting, "
+                "columns, tags): put them on shared storage or copy the same files to every node.")
     if key.endswith("version"):
         return "Install the same versions on every node (same image or lock file)."
     if key == "processes per node":

@@ -20,16 +20,17 @@ import faulthandler
 import json
 import os
 import pickle
-import signal
 import statistics
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -244,31 +245,37 @@ class HangWatchdog:
 
 
 def kill_silent_local_workers(silent: set[int]) -> list[tuple[int, int]]:
-    """SIGKILL the ranks in `silent` that are workers of this node's torchrun agent (same parent, run id and
-    attempt, found through /proc); returns (rank, pid) of each. A rank that did not report is stopped or stuck
-    outside Python: torchrun's SIGTERM cannot end it (a stopped process keeps it pending; a stuck one never runs
-    meshtune's SIGTERM handler), and torchrun waits a fixed 30 s before its SIGKILL when it restarts the workers,
-    30 s added to every recovery. Other nodes' silent ranks are left to their own agents. Not on Linux: none."""
-    run_id, attempt = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if not silent or run_id is None or not Path("/proc").is_dir():
+    """SIGKILL the ranks in `silent` that are workers of this node's torchrun agent (its other children of the same
+    run id and attempt); returns (rank, pid) of each. A rank that did not report is stopped or stuck outside Python:
+    torchrun's SIGTERM cannot end it (a stopped process keeps it pending; a stuck one never runs meshtune's SIGTERM
+    handler), and torchrun waits a fixed 30 s before its SIGKILL when it restarts the workers, 30 s added to every
+    recovery. Other nodes' silent ranks are left to their own agents."""
+    attempt = torchrun_attempt(os.environ)
+    if not silent or attempt[0] is None:
         return []
-    parent, killed = os.getppid(), []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    try:
+        siblings = [process for process in psutil.Process().parent().children() if process.pid != os.getpid()]
+    except (psutil.Error, AttributeError):  # the agent is gone (no parent)
+        return []
+    killed = []
+    for sibling in siblings:
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != parent:
+            environ = sibling.environ()
+            if torchrun_attempt(environ) != attempt:
+                continue  # not a worker of this attempt
+            rank = environ.get("RANK", "")
+            if not rank.isdigit() or int(rank) not in silent:
                 continue
-            environ = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
-            if (environ.get("TORCHELASTIC_RUN_ID") != run_id or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != attempt
-                    or not environ.get("RANK", "").isdigit() or int(environ["RANK"]) not in silent):
-                continue
-            os.kill(int(entry.name), signal.SIGKILL)
-            killed.append((int(environ["RANK"]), int(entry.name)))
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            sibling.kill()
+            killed.append((int(rank), sibling.pid))
+        except psutil.Error:  # gone meanwhile, or not ours to read
             continue
     return sorted(killed)
+
+
+def torchrun_attempt(environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The run id and restart count torchrun gave a worker."""
+    return environ.get("TORCHELASTIC_RUN_ID"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def above_progress_bar(text: str) -> None:

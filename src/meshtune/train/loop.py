@@ -9,7 +9,6 @@ change the math.
 from __future__ import annotations
 
 import gc
-import os
 import random
 import signal
 import time
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshtune.checkpoint import CheckpointManager, publish_final, training_state
+from meshtune.checkpoint import CheckpointManager, TrainingProgress, publish_final, training_state
 from meshtune.config import TrainConfig
 from meshtune.cpu_affinity import apply_cpu_affinity
 from meshtune.data.chat_template import serving_chat_template
@@ -33,16 +32,17 @@ from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
 from meshtune import faults
 from meshtune.hardware import limit_gpu_memory, measure_peak_flops
+from meshtune.mailbox import Mailbox
 from meshtune.model.build import build_model
-from meshtune.model.export import gather_state_dict, save_final
+from meshtune.model.final_weights import gather_state_dict, save_final
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
-from meshtune.train.collection import StepGarbageCollection
 from meshtune.train.evaluation import Evaluator
+from meshtune.train.garbage_collection import StepGarbageCollection
 from meshtune.train.hang_watchdog import HangWatchdog, enable_flight_recorder
 from meshtune.train.loss_scale import LossScaler
 from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
@@ -54,7 +54,6 @@ from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.stragglers import Place, StepTimes
-from meshtune.worker_env import ERROR_DIR
 
 
 @dataclass
@@ -77,7 +76,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         log(f"{pinned} (rank 0)")
     if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
         log(f"gpu_memory_limit: each process allocates at most {cfg.gpu_memory_limit:g} GiB of its GPU")
-    with StopRequest(log, os.environ.get(ERROR_DIR)) as stop:
+    with StopRequest(log, Mailbox.of_launcher()) as stop:
         return train_until_done_or_stopped(cfg, env, log, stop)
 
 
@@ -117,12 +116,12 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
     scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
     log(describe_schedule(total_steps, warmup, cfg.lr_scheduler_type))
-    trainer = {"step": 0}
-    state = training_state(model, optimizer, scheduler, trainer, env.rank, trainable_only=cfg.is_lora)
+    progress = TrainingProgress()
+    state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora)
     if resume_path:
         checkpoints.load(resume_path, state)
-        log(f"resumed from {resume_path} at step {trainer['step']} of {total_steps}")
-    scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, trainer)  # fp16's loss scale; else no-op
+        log(f"resumed from {resume_path} at step {progress.step} of {total_steps}")
+    scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, progress)  # fp16's loss scale; else no-op
     log(f"{cfg.finetuning_type} on {env.world_size} process(es): {total_steps} steps x global batch "
         f"{batches.global_batch}{' packed rows' if cfg.packing else ''}; trainable parameters "
         f"{sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,}")
@@ -136,7 +135,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                       autocast_fp16=plan.fp16)
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
-        largest = partial(largest_micro_batch, batches, trainer["step"], total_steps, env.rank, plan.padding_free)
+        largest = partial(largest_micro_batch, batches, progress.step, total_steps, env.rank, plan.padding_free)
         ratio, measured = fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch,
                                             cfg.memory_budget, cfg.gpu_memory_limit, env.device)
         log(measured)
@@ -148,17 +147,17 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free),
                           loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
-    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, trainer["step"], plan.compile)
+    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile)
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
-    watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=trainer["step"])
+    watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places, sample_ids(batches, train_data),
-                               trainer.setdefault("nonfinite_skipped", []), checkpoints.close, log)
+                               progress.nonfinite_skipped, checkpoints.close, log)
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
-        for step in range(trainer["step"], total_steps):
+        for step in range(progress.step, total_steps):
             if stopped_by := stop.due():  # a rank was signalled during the previous step
                 break
             times.begin()
@@ -206,7 +205,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                 with watch.paused(f"step {done}: evaluation"):
                     record = {"step": done, **record, "eval_loss": evaluator.run(model)}
             metrics.after_step(done, record)
-            trainer.update(step=done, epoch=epoch)
+            progress.step, progress.epoch = done, epoch
             with watch.paused(f"step {done}: checkpoint"):
                 checkpoints.maybe_save(done, state, {**run_info, "epoch": epoch}, last=last, before=nonfinite.check)
             collection.after_step(done)
@@ -215,7 +214,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     profiler.close()
     nonfinite.check()  # nothing after a non-finite step is saved: no checkpoint, no final/
     if stopped_by:
-        save_before_stopping(checkpoints, cfg, env, stop, trainer, state, run_info, shared, total_steps, log)
+        save_before_stopping(checkpoints, cfg, env, stop, progress, state, run_info, shared, total_steps, log)
     checkpoints.close()
     metrics.close()
     if stopped_by:
@@ -225,7 +224,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     final_dir = None
     if cfg.save_final:
         weights = gather_state_dict(model, trainable_only=cfg.is_lora)  # a collective: full tensors on rank 0
-        final_dir = publish_final(output_dir, {**run_info, "step": trainer["step"], "epoch": trainer.get("epoch", 0)},
+        final_dir = publish_final(output_dir, {**run_info, "step": progress.step, "epoch": progress.epoch},
                                   env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template))
     if env.is_main:
         plot_losses(metrics.records, output_dir / "loss.png")
@@ -242,11 +241,11 @@ def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vot
 
 
 def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: DistEnv, stop: StopRequest,
-                         trainer: dict, state: dict, run_info: dict, shared: bool, total_steps: int,
+                         progress: TrainingProgress, state: dict, run_info: dict, shared: bool, total_steps: int,
                          log: Callable[..., None]) -> None:
     """Signalled: keep the steps done since the last checkpoint if the grace period leaves time to save them."""
     checkpoints.wait()  # an async save in flight is published first
-    step, name = trainer["step"], signal.Signals(stop.signum).name
+    step, name = progress.step, signal.Signals(stop.signum).name
     if checkpoints.last_step == step:
         fits, saved = False, f"checkpoint-{step} was just written"
     elif not shared:
@@ -256,7 +255,7 @@ def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: 
         saved = f"writing checkpoint-{step} ({why})" if fits else f"no checkpoint: {why}"
     log(f"{name} received: stopping after step {step} of {total_steps}; {saved}")
     if fits:
-        checkpoints.save(step, state, {**run_info, "epoch": trainer.get("epoch", 0)})
+        checkpoints.save(step, state, {**run_info, "epoch": progress.epoch})
         checkpoints.wait()
     log(f"stopped by {name} at step {step} of {total_steps}; the same command resumes from the newest checkpoint")
 

@@ -7,23 +7,22 @@ through."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-STATE_KEY = "loss_scale"  # in the loop's counters, which every checkpoint keeps: a resumed run goes on with its scale
+from meshtune.checkpoint import TrainingProgress
 
 
 class LossScaler:
-    def __init__(self, enabled: bool, sharded: bool, device: torch.device, trainer: dict[str, Any]) -> None:
-        """`trainer`: the loop's counters, already restored from the checkpoint on a resume."""
-        self.trainer = trainer
+    def __init__(self, enabled: bool, sharded: bool, device: torch.device, progress: TrainingProgress) -> None:
+        """`progress`: the loop's counters, already restored from the checkpoint on a resume; the scale is kept in
+        them, so a resumed run goes on with its scale."""
+        self.progress = progress
         self._scaler: torch.amp.GradScaler | None = None
         if enabled:
             self._scaler = ShardedGradScaler(device=device.type) if sharded else torch.amp.GradScaler(device.type)
-            if STATE_KEY in trainer:
-                self._scaler.load_state_dict(trainer[STATE_KEY])
+            if progress.loss_scale is not None:
+                self._scaler.load_state_dict(progress.loss_scale)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self._scaler is None else self._scaler.scale(loss)
@@ -41,5 +40,5 @@ class LossScaler:
         before = self._scaler.get_scale()
         self._scaler.step(optimizer)
         self._scaler.update()
-        self.trainer[STATE_KEY] = self._scaler.state_dict()
+        self.progress.loss_scale = self._scaler.state_dict()
         return self._scaler.get_scale() >= before  # the scale falls only after an overflow, which skipped the step

@@ -22,9 +22,9 @@ from meshtune.data.sampler import GlobalBatchPlan, Row
 from meshtune.distributed import all_reduce_max
 from meshtune.errors import MemoryFitError
 from meshtune.hardware import smallest_gpu_memory
-from meshtune.model.checkpointing import recompute_blocks
 from meshtune.model.loading import transformer_blocks
 from meshtune.model.parallel import finish_gradient_sync, unwrap
+from meshtune.model.recompute import recompute_blocks
 
 GIB = 2**30
 DEFAULT_SHARE = 0.9  # of the card: CUDA's context, NCCL's buffers and the allocator's cache live outside the count

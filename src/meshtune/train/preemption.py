@@ -12,28 +12,25 @@ signalled job and Kubernetes' ExitCode restart policy retries. Relaunched, the r
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-STOPPED_MARK = "stopped-by-signal"  # left in the launcher's error directory by every worker that stopped early
-STOP_FILE = "stop-requested"  # left there by a launcher that was signalled: its workers stop as if signalled
+from meshtune.mailbox import Mailbox
 
 
 class StopRequest:
     """Installed for the run (`with StopRequest(log) as stop:`); the previous SIGTERM handler is restored after."""
 
-    def __init__(self, log=print, error_dir: str | None = None):
+    def __init__(self, log=print, mailbox: Mailbox | None = None):
         self.log = log
         self.signum: int | None = None
         self.received_at: float | None = None
         self._previous = None
-        self._stop_file = Path(error_dir, STOP_FILE) if error_dir else None
+        self._mailbox = mailbox  # where a signalled launcher leaves its stop request
         self._tallied: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._host: torch.Tensor | None = None  # pinned: the agreed vote's copy, made without a wait
 
@@ -54,8 +51,8 @@ class StopRequest:
     @property
     def vote(self) -> float:
         """This rank's contribution to the step's all-reduce (summed): 1 once signalled, else 0."""
-        if self.signum is None and self._stop_file is not None and self._stop_file.exists():
-            self.signum, self.received_at = int(self._stop_file.read_text() or signal.SIGTERM), time.monotonic()
+        if self.signum is None and self._mailbox is not None and (signum := self._mailbox.stop_requested()):
+            self.signum, self.received_at = signum, time.monotonic()
         return float(self.signum is not None)
 
     def tally(self, votes: torch.Tensor) -> None:
@@ -107,27 +104,3 @@ def exit_code(signum: int) -> int:
     """128 + the signal number: what a shell, TorchElastic and Kubernetes read as 'ended by that signal'."""
     return 128 + signum
 
-
-def mark_stopped(error_dir: str | None, rank: int, signum: int) -> bool:
-    """Tell the launching process (`MESHTUNE_ERROR_DIR`) that this worker stopped for a signal, not because the
-    run ended, so the worker can exit 0 (torchrun then does not restart it) and the launcher exits 128 + signal.
-    False when no meshtune launcher listens (the user's own torchrun)."""
-    if not (error_dir and os.path.isdir(error_dir)):
-        return False
-    Path(error_dir, f"{STOPPED_MARK}-{rank}").write_text(str(signum))
-    return True
-
-
-def stopped_signal(error_dir: str | Path) -> int | None:
-    """The signal a worker of this node stopped for, if any did."""
-    for path in Path(error_dir).glob(f"{STOPPED_MARK}-*"):
-        try:
-            return int(path.read_text())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def stopped_workers(error_dir: str | Path) -> int:
-    """How many workers of this node stopped for a signal."""
-    return sum(1 for _ in Path(error_dir).glob(f"{STOPPED_MARK}-*"))

@@ -8,7 +8,7 @@ import socket
 import time
 
 from meshtune.errors import MeshtuneError
-from meshtune.launch.nodes import NodeSettings
+from meshtune.doctor.launch_settings import LaunchSettings
 
 CAUSES = ("likely causes: a firewall or security group blocking the port; a wrong MASTER_ADDR (on a cluster: node 0's "
           "address on the network all nodes share, not 127.0.0.1 or a docker/VPN interface's); a MASTER_PORT that "
@@ -24,7 +24,7 @@ class RendezvousError(MeshtuneError):
         self.last_error = last_error
 
 
-def check_port_free(settings: NodeSettings) -> None:
+def check_port_free(settings: LaunchSettings) -> None:
     """Node 0 will host the c10d store on master_port: say so now if something else holds it."""
     try:
         infos = socket.getaddrinfo(settings.master_addr, settings.master_port, type=socket.SOCK_STREAM)
@@ -43,7 +43,7 @@ def check_port_free(settings: NodeSettings) -> None:
             # not one of this host's addresses: torchrun's c10d decides who hosts; nothing to check here
 
 
-def reach_node0(settings: NodeSettings, timeout_s: int, log=print, prefix: str = "") -> None:
+def reach_node0(settings: LaunchSettings, timeout_s: int, log=print, prefix: str = "") -> None:
     """Node 0: its port is free; the other nodes: node 0 answers within `timeout_s` (rdzv_timeout)."""
     if settings.node_rank == 0:
         check_port_free(settings)
@@ -53,7 +53,7 @@ def reach_node0(settings: NodeSettings, timeout_s: int, log=print, prefix: str =
         wait_for_master(settings, timeout_s)
 
 
-def wait_for_master(settings: NodeSettings, timeout_s: float, poll_s: float = 1.0) -> float:
+def wait_for_master(settings: LaunchSettings, timeout_s: float, poll_s: float = 1.0) -> float:
     """Non-zero nodes: connect to master_addr:master_port until it answers; seconds waited, or RendezvousError."""
     return wait_for_endpoint(settings.master_addr, settings.master_port, timeout_s,
                              f"node {settings.node_rank} could not reach the rendezvous at {settings.master_addr}:"
@@ -78,9 +78,9 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float, failure: str, caus
         time.sleep(poll_s)
 
 
-def rendezvous_failure(settings: NodeSettings, timeout_s: int, joined: set[int] | None = None) -> RendezvousError:
+def rendezvous_failure(settings: LaunchSettings, timeout_s: int, joined: set[int] | None = None) -> RendezvousError:
     """torchrun gave up before any worker of this node started: the nodes never all met. `joined`: the node
-    ranks seen in the rendezvous store (launch/joining.py), when it answered."""
+    ranks seen in the rendezvous store (joining.py), when it answered."""
     seen = ""
     if joined:
         missing = [rank for rank in range(settings.max_nodes) if rank not in joined]

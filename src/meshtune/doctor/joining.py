@@ -9,9 +9,9 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
-from meshtune.launch.nodes import NodeSettings
+from meshtune.doctor.launch_settings import LaunchSettings
+from meshtune.mailbox import Mailbox
 
 JOIN_REPORT_S = 15
 
@@ -25,12 +25,12 @@ STORE_CONNECT_BOUND_S = 60  # longer than any connect attempt of the watcher's s
 
 
 class JoinWatch:
-    """`with JoinWatch(settings, errors_dir, rdzv_timeout) as watch:` around this node's torchrun; `watch.joined`
+    """`with JoinWatch(settings, mailbox, rdzv_timeout) as watch:` around this node's torchrun; `watch.joined`
     is the node ranks seen so far (for the error when the rendezvous times out)."""
 
-    def __init__(self, settings: NodeSettings, errors_dir: str | Path, rdzv_timeout: float, log=print,
+    def __init__(self, settings: LaunchSettings, mailbox: Mailbox, rdzv_timeout: float, log=print,
                  interval_s: float = JOIN_REPORT_S):
-        self.settings, self.errors_dir, self.rdzv_timeout, self.log = settings, Path(errors_dir), rdzv_timeout, log
+        self.settings, self.mailbox, self.rdzv_timeout, self.log = settings, mailbox, rdzv_timeout, log
         self.interval_s = interval_s
         self.joined: set[int] = set()
         self._done = threading.Event()
@@ -50,7 +50,7 @@ class JoinWatch:
         return [rank for rank in range(self.settings.max_nodes) if rank not in self.joined]
 
     def _started(self) -> bool:
-        return any(self.errors_dir.glob("started-*"))
+        return self.mailbox.any_started()
 
     def _watch(self) -> None:
         started = reported = time.monotonic()
@@ -89,7 +89,7 @@ class JoinWatch:
                 f"ranks {missing} ({waited_s:.0f} s of rdzv_timeout={self.rdzv_timeout:g} s)")
 
 
-def connect_possible(settings: NodeSettings) -> bool:
+def connect_possible(settings: LaunchSettings) -> bool:
     """node 0's MASTER_PORT accepts a connection."""
     try:
         socket.create_connection((settings.master_addr, settings.master_port), timeout=2).close()
@@ -98,7 +98,7 @@ def connect_possible(settings: NodeSettings) -> bool:
         return False
 
 
-def connect(settings: NodeSettings):
+def connect(settings: LaunchSettings):
     """A client of the rendezvous store, or None while it does not answer. A plain connect first: TCPStore's own
     failing connect logs a C++ traceback on every try."""
     import torch.distributed as dist

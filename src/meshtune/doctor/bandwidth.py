@@ -29,13 +29,6 @@ PROCESS_GROUP_TIMEOUT_S = 20
 DEADLINE_S = 60            # the child's whole life: start, process group, measurements
 
 
-def size_text(size: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.3g} {unit}"
-    return f"{size:g} B"
-
-
 def duration_text(seconds: float) -> str:
     if seconds >= 1:
         return f"{seconds:.3g} s"

@@ -2,8 +2,8 @@
 command and environment on every node, and by `meshtune train` itself before torchrun (launch/preflight.py).
 
 The nodes meet in a key-value store of their own (torch's TCPStore, hosted by node 0 on MASTER_ADDR:MASTER_PORT and
-marked as the doctor's, released before training uses the port), each posts its facts (`node_facts.py`), node 0
-measures each node's clock against its own as the node joins, and prints one table (`doctor_checks.py`): a row per
+marked as the doctor's, released before training uses the port), each posts its facts (`facts.py`), node 0
+measures each node's clock against its own as the node joins, and prints one table (`checks.py`): a row per
 check, a column per node, each cell ✔ / ✘ / ! with the fix below it. With --bandwidth, the nodes then measure the
 link between them (`bandwidth.py`) and node 0 judges it against what the config moves a step (`traffic.py`).
 
@@ -21,12 +21,12 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from meshtune.launch.bandwidth import DEADLINE_S, Measurement
-from meshtune.launch.doctor_checks import FAIL, OK, evaluate, render
-from meshtune.launch.joining import join_key
-from meshtune.launch.node_facts import collect_facts
-from meshtune.launch.nodes import NodeSettings, node_range
-from meshtune.launch.reachability import RendezvousError, wait_for_master
+from meshtune.doctor.bandwidth import DEADLINE_S, Measurement
+from meshtune.doctor.checks import FAIL, OK, evaluate, render
+from meshtune.doctor.facts import collect_facts
+from meshtune.doctor.joining import join_key
+from meshtune.doctor.launch_settings import LaunchSettings
+from meshtune.doctor.reachability import RendezvousError, wait_for_master
 
 DOCTOR_KEY = "meshtune-doctor"  # set by node 0 as it opens the store: a store without it is not the doctor's
 MARK_WAIT_S = 3.0        # how long a node looks for that mark before deciding the port holds another store
@@ -40,7 +40,7 @@ READ_WAIT_S = 10.0
 class DoctorStore:
     """Node 0 hosts the store and marks it; the others connect to it until `timeout_s` has passed."""
 
-    def __init__(self, settings: NodeSettings, timeout_s: float):
+    def __init__(self, settings: LaunchSettings, timeout_s: float):
         self.is_host = settings.node_rank == 0
         self.store = TCPStore(settings.master_addr, settings.master_port, None, self.is_host,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
@@ -82,12 +82,12 @@ class DoctorStore:
         self.store = None
 
 
-def run_doctor(cfg, settings: NodeSettings, timeout_s: float = 30.0, out=print, bandwidth: bool = False,
+def run_doctor(cfg, settings: LaunchSettings, timeout_s: float = 30.0, out=print, bandwidth: bool = False,
                progress=None) -> tuple[int, dict]:
     """This node's part; node 0 returns the table as JSON too. Exit code 1 on any ✘. A report with `skipped` says
     why nothing was checked (the port holds a running job's store; a node of the job is already in its rendezvous).
     `progress` gets a line every PROGRESS_S while node 0 waits for the others."""
-    expected = node_range(settings.nnodes)[1]
+    expected = settings.max_nodes
     if settings.master_port is None or expected == 1:
         return run_alone(cfg, settings, out, bandwidth)
     started = time.monotonic()
@@ -114,7 +114,7 @@ def run_doctor(cfg, settings: NodeSettings, timeout_s: float = 30.0, out=print, 
         store.close()
 
 
-def this_node(cfg, settings: NodeSettings, token: str, bandwidth: bool) -> dict:
+def this_node(cfg, settings: LaunchSettings, token: str, bandwidth: bool) -> dict:
     facts = collect_facts(cfg, settings)
     token_file = Path(cfg.output_dir).expanduser() / f".meshtune-doctor-{token}"
     facts["output_dir"]["sees node 0's file"] = token_file.is_file()
@@ -122,7 +122,7 @@ def this_node(cfg, settings: NodeSettings, token: str, bandwidth: bool) -> dict:
     return facts
 
 
-def host(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, bandwidth: bool, out,
+def host(cfg, settings: LaunchSettings, store: DoctorStore, timeout_s: float, bandwidth: bool, out,
          progress) -> tuple[int, dict]:
     """Node 0: its facts, the others' as they come, the bandwidth, the table; the verdict posted for the others."""
     token = secrets.token_hex(8)
@@ -156,11 +156,11 @@ def host(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, band
     return finish(store, {"code": 1 if report["failed"] else 0, "report": report}, len(arrivals))
 
 
-def gather(store: DoctorStore, settings: NodeSettings, index: int, facts: dict, timeout_s: float, progress):
+def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict, timeout_s: float, progress):
     """The other nodes' facts as they come, each node's clock measured against node 0's as it joins. Until every
     node rank is there, `timeout_s` has passed, or (elastic) ELASTIC_GRACE_S after the minimum joined. The third
     value is a node rank found already in torchrun's rendezvous in this store, when one is (None otherwise)."""
-    fewest, expected = node_range(settings.nnodes)
+    fewest, expected = settings.min_nodes, settings.max_nodes
     arrivals, skews = {index: facts}, {index: 0.0}
     started = reported = time.monotonic()
     enough = None
@@ -186,17 +186,17 @@ def gather(store: DoctorStore, settings: NodeSettings, index: int, facts: dict, 
         time.sleep(0.05)
 
 
-def joining_line(settings: NodeSettings, arrivals: dict, waited_s: float, timeout_s: float) -> str:
+def joining_line(settings: LaunchSettings, arrivals: dict, waited_s: float, timeout_s: float) -> str:
     ranks = sorted({f["node_rank"] for f in arrivals.values()})
-    fewest, expected = node_range(settings.nnodes)
+    fewest, expected = settings.min_nodes, settings.max_nodes
     missing = [r for r in range(expected) if r not in ranks]
     need = f"at least {fewest} of {expected}" if fewest != expected else str(expected)
     return (f"{len(arrivals)} of {need} nodes joined (node ranks {', '.join(map(str, ranks))}); waiting for node "
             f"ranks {', '.join(map(str, missing))} ({waited_s:.0f} s of {timeout_s:g} s)")
 
 
-def node_in_rendezvous(store: DoctorStore, settings: NodeSettings) -> int | None:
-    """A launcher in torchrun's rendezvous leaves its node rank in the store on MASTER_PORT (launch/joining.py):
+def node_in_rendezvous(store: DoctorStore, settings: LaunchSettings) -> int | None:
+    """A launcher in torchrun's rendezvous leaves its node rank in the store on MASTER_PORT (joining.py):
     found in the doctor's store, that node runs no doctor and will not come."""
     return next((rank for rank in range(settings.max_nodes) if store.has(join_key(settings.run_id, rank))), None)
 
@@ -213,7 +213,7 @@ def clock_skew(store: DoctorStore, index: int) -> float:
     return (sent + time.time()) / 2 - theirs
 
 
-def host_bandwidth(cfg, settings: NodeSettings, store: DoctorStore, arrivals: dict, plan: dict, index: int) -> dict:
+def host_bandwidth(cfg, settings: LaunchSettings, store: DoctorStore, arrivals: dict, plan: dict, index: int) -> dict:
     """Node 0's part of the measurement; the model is sized while the child process measures."""
     members = plan["members"]
     if not members:
@@ -236,7 +236,7 @@ def host_bandwidth(cfg, settings: NodeSettings, store: DoctorStore, arrivals: di
 
 def sized_model(cfg):
     """traffic.ModelFacts of the config's model, or the reason it cannot be sized."""
-    from meshtune.launch.traffic import model_facts
+    from meshtune.doctor.traffic import model_facts
 
     try:
         return model_facts(cfg)
@@ -246,7 +246,7 @@ def sized_model(cfg):
 
 def step_traffic(cfg, arrivals: dict, members: list[int], result: dict, model) -> dict:
     """The verdict on the measured link for this config (traffic.py)."""
-    from meshtune.launch.traffic import verdict
+    from meshtune.doctor.traffic import verdict
 
     if isinstance(model, str):
         return {"error": model}
@@ -271,7 +271,7 @@ def finish(store: DoctorStore, verdict: dict, nodes: int) -> tuple[int, dict]:
     return verdict["code"], verdict.get("report") or {k: verdict[k] for k in ("skipped", "message") if k in verdict}
 
 
-def join(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, bandwidth: bool, out) -> tuple[int, dict]:
+def join(cfg, settings: LaunchSettings, store: DoctorStore, timeout_s: float, bandwidth: bool, out) -> tuple[int, dict]:
     """A node other than 0: post its facts, answer node 0's clock check, measure if asked, print its rows."""
     token = store.store.get("token").decode()
     facts = this_node(cfg, settings, token, bandwidth)
@@ -290,7 +290,7 @@ def join(cfg, settings: NodeSettings, store: DoctorStore, timeout_s: float, band
     return follow(store, settings, index, out)
 
 
-def follow(store: DoctorStore, settings: NodeSettings, index: int, out) -> tuple[int, dict]:
+def follow(store: DoctorStore, settings: LaunchSettings, index: int, out) -> tuple[int, dict]:
     """Wait for node 0's verdict, print the rows that concern this node, and wait for node 0 to close its store."""
     verdict = store.take("verdict", DEADLINE_S + 60)
     store.store.add("read", 1)
@@ -322,7 +322,7 @@ def follow(store: DoctorStore, settings: NodeSettings, index: int, out) -> tuple
     return verdict["code"], {**report, "mine": mine}
 
 
-def run_alone(cfg, settings: NodeSettings, out, bandwidth: bool = False) -> tuple[int, dict]:
+def run_alone(cfg, settings: LaunchSettings, out, bandwidth: bool = False) -> tuple[int, dict]:
     facts = collect_facts(cfg, settings)
     facts["output_dir"]["sees node 0's file"] = True
     report = evaluate(cfg, settings, {0: facts}, {0: 0.0}, 0)
@@ -332,7 +332,7 @@ def run_alone(cfg, settings: NodeSettings, out, bandwidth: bool = False) -> tupl
     return (1 if report["failed"] else 0), report
 
 
-def unreachable(settings: NodeSettings, timeout_s: float, exc: Exception, out) -> tuple[int, dict]:
+def unreachable(settings: LaunchSettings, timeout_s: float, exc: Exception, out) -> tuple[int, dict]:
     where = f"{settings.master_addr}:{settings.master_port}"
     if settings.node_rank == 0:
         text = (f"{FAIL} node 0 cannot host the doctor's store on {where}: {exc}\n"

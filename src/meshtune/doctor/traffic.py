@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtune.launch.bandwidth import duration_text, size_text
+from meshtune.doctor.bandwidth import duration_text
 from meshtune.plan import EACH, NF4_BYTES, SHARDED, ModelSize, gradient_reduction, parallel_for
+from meshtune.units import byte_size
 
 MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks.md)
 SLOW_RATIO = 0.5    # communication above half the compute time: the network sets the pace
@@ -114,7 +115,7 @@ def describe(collectives: list[Collective]) -> str:
     parts = []
     for c in collectives:
         times = f"{c.times} x " if c.times > 1 else ""
-        parts.append(f"{times}{c.kind} of the {c.what} ({size_text(c.bytes)})")
+        parts.append(f"{times}{c.kind} of the {c.what} ({byte_size(c.bytes)})")
     return " + ".join(parts)
 
 

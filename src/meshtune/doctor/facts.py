@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import socket
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from meshtune.checksums import RememberedChecksums, dataset_checksum
 from meshtune.data.registry import resolve
 from meshtune.errors import StorageError
 from meshtune.train.agreement import package_versions, shared_config
@@ -32,7 +32,7 @@ def collect_facts(cfg, settings) -> dict:
              "nproc_per_node": settings.nproc_per_node, "config": shared_config(cfg)}
     for key, fact in (("accelerators", accelerators), ("software", software),
                       ("model", lambda: directory_checksum(Path(cfg.model_name_or_path).expanduser())),
-                      ("dataset", lambda: dataset_checksum(cfg)),
+                      ("dataset", lambda: dataset_facts(cfg)),
                       ("output_dir", lambda: output_dir_facts(Path(cfg.output_dir).expanduser())),
                       ("network", lambda: network_facts(settings.master_addr, settings.master_port))):
         try:
@@ -85,41 +85,12 @@ def cache_file() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshtune" / "file-checksums.json"
 
 
-def file_sha256(path: Path, cache: dict) -> str:
-    """A file's sha256, remembered by path, size and modification time: a 100 GB model is hashed once, not at every
-    launch."""
-    stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    if key not in cache:
-        cache[key] = sha256_of(path)
-    return cache[key]
-
-
-def sha256_of(path: Path, block: int = 1 << 20) -> str:
-    """sha256 of a file read in 1 MiB blocks: constant memory, and Python 3.10 has no hashlib.file_digest."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def checksum_of(files: list[Path], base: Path) -> str:
-    path = cache_file()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    remembered = RememberedChecksums(cache_file())
     digest = hashlib.sha256()
     for file in files:
-        digest.update(f"{file.relative_to(base)}:{file_sha256(file, cache)}\n".encode())
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        tmp.replace(path)
-    except OSError:
-        pass  # an unwritable cache only costs a rehash next time
+        digest.update(f"{file.relative_to(base)}:{remembered.sha256(file)}\n".encode())
+    remembered.save()
     return digest.hexdigest()[:16]
 
 
@@ -131,12 +102,14 @@ def directory_checksum(directory: Path) -> dict:
             "bytes": sum(p.stat().st_size for p in files)}
 
 
-def dataset_checksum(cfg) -> dict:
-    """The data files the config reads and the dataset_info.json naming them, hashed with the same cache."""
+def dataset_facts(cfg) -> dict:
+    """The checksum training's agreement check compares (the data files and how they are read), with remembered
+    file checksums."""
     specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.named_format)
-    files = [Path(p).resolve() for spec in specs for p in spec.files]
-    files += [Path(p).resolve() for p in dict.fromkeys(spec.registry for spec in specs if spec.registry is not None)]
-    return {"checksum": checksum_of(files, Path("/")), "files": len(files)}
+    remembered = RememberedChecksums(cache_file())
+    checksum = dataset_checksum(specs, remembered.sha256)[:16]
+    remembered.save()
+    return {"checksum": checksum, "files": sum(len(spec.files) for spec in specs)}
 
 
 def output_dir_facts(path: Path) -> dict:

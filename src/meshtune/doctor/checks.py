@@ -7,8 +7,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshtune.launch.bandwidth import duration_text, size_text
-from meshtune.launch.nodes import NodeSettings, node_range
+from meshtune.doctor.bandwidth import duration_text
+from meshtune.doctor.launch_settings import LaunchSettings
+from meshtune.train.agreement import Difference, differences
+from meshtune.units import byte_size
 
 OK, FAIL, WARN = "✔", "✘", "!"
 CLOCK_WARN_S, CLOCK_FAIL_S = 2.0, 60.0
@@ -32,7 +34,7 @@ class Row:
         return any(mark == FAIL for mark, _ in self.cells.values())
 
 
-def evaluate(cfg, settings: NodeSettings, arrivals: dict[int, dict], skew_of: dict[int, float], timeout_s: float,
+def evaluate(cfg, settings: LaunchSettings, arrivals: dict[int, dict], skew_of: dict[int, float], timeout_s: float,
              bandwidth: dict | None = None) -> dict:
     """The rows of the table from every node's facts, keyed by the order they joined in: which checks pass where.
     Columns go by node rank."""
@@ -42,7 +44,7 @@ def evaluate(cfg, settings: NodeSettings, arrivals: dict[int, dict], skew_of: di
     facts = [arrivals[i] for i in nodes]
     skews = [skew_of.get(i, 0.0) for i in nodes]
     reference = next((f for f in facts if f["node_rank"] == 0), facts[0])
-    rows = [joined_row(facts, *node_range(settings.nnodes), timeout_s), launch_row(facts, reference),
+    rows = [joined_row(facts, settings.min_nodes, settings.max_nodes, timeout_s), launch_row(facts, reference),
             config_row(facts, reference), accelerator_row(facts, reference), software_row(facts, reference),
             files_row("model files", "model", "model_name_or_path", facts, reference),
             files_row("dataset files", "dataset", "dataset", facts, reference),
@@ -101,19 +103,22 @@ def config_row(facts: list[dict], reference: dict) -> Row:
     """The keys training's agreement check compares (`shared_config`), with its words: each key that differs
     is named with every node's value."""
     row = Row("config (keys all nodes share)")
-    differing: dict[str, list[str]] = {}
+    found = compared(facts, reference, "config")
     for position, f in enumerate(facts):
-        keys = sorted(k for k, v in f["config"].items() if reference["config"].get(k) != v)
-        for key in keys:
-            differing.setdefault(key, []).append(f"node {f['node_rank']} ({f['host']}): {f['config'][key]}")
+        keys = [d.key for d in found if position in d.differing]
         if keys:
             row.mark(position, FAIL, f"differs: {', '.join(k.removeprefix('config key ') for k in keys)}")
         else:
             row.mark(position, OK, "same as node 0")
-    for key, values in differing.items():
-        row.fixes.append(f"{key} differs between nodes: {'; '.join(values)}; node 0 ({reference['host']}): "
-                         f"{reference['config'].get(key)}. Run the same config and overrides on every node")
+    row.fixes += [f"{difference}. Run the same config and overrides on every node" for difference in found]
     return row
+
+
+def compared(facts: list[dict], reference: dict, key: str) -> list[Difference]:
+    """The nodes' `key` facts that differ (`differences`, as training's agreement check finds them), against the
+    reference node's; `Difference.differing` holds column positions."""
+    labelled = [(f"node {f['node_rank']} ({f['host']})", f[key]) for f in facts]
+    return differences(labelled, reference=next(i for i, f in enumerate(facts) if f is reference))
 
 
 def accelerator_row(facts: list[dict], reference: dict) -> Row:
@@ -143,10 +148,10 @@ def accelerator_row(facts: list[dict], reference: dict) -> Row:
 
 def software_row(facts: list[dict], reference: dict) -> Row:
     row = Row("torch, transformers, peft, torchao, meshtune")
+    found = compared(facts, reference, "software")
     for position, f in enumerate(facts):
         soft = f["software"]
-        differing = [f"{k} {v} (node 0: {reference['software'].get(k)})" for k, v in soft.items()
-                     if reference["software"].get(k) != v]
+        differing = [f"{d.key} {soft[d.key]} (node 0: {d.reference})" for d in found if position in d.differing]
         if differing:
             row.mark(position, FAIL, "; ".join(differing), "install the same versions on every node (one image or "
                      "lock file); 'meshtune code' differs when the installed sources differ")
@@ -268,9 +273,9 @@ def bandwidth_rows(bandwidth: dict, position_of: dict[int, int], facts: list[dic
         return rows
     largest, smallest = result["all_reduce"][-1], result["all_reduce"][0]
     for position in positions:
-        rows[0].mark(position, OK, f"{largest['busbw'] / 1e9:.3g} GB/s at {size_text(largest['bytes'])}, "
+        rows[0].mark(position, OK, f"{largest['busbw'] / 1e9:.3g} GB/s at {byte_size(largest['bytes'])}, "
                                    f"{result['backend']}")
-        rows[1].mark(position, OK, f"{duration_text(smallest['seconds'])} ({size_text(smallest['bytes'])} "
+        rows[1].mark(position, OK, f"{duration_text(smallest['seconds'])} ({byte_size(smallest['bytes'])} "
                                    f"all-reduce)")
     pair_row(rows[2], result["pairs"], positions, facts)
     verdict_row(rows[3], bandwidth.get("traffic") or {}, positions)
@@ -349,10 +354,10 @@ def render_bandwidth(bandwidth: dict, columns: list[dict]) -> list[str]:
     lines = [f"all-reduce over {result['ranks']} nodes, one process a node ({result['backend']}, "
              f"{result['device']}):", f"  {'size':>9} {'time':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in result["all_reduce"]:
-        lines.append(f"  {size_text(r['bytes']):>9} {duration_text(r['seconds']):>10} {r['algbw'] / 1e9:>11.3f} "
+        lines.append(f"  {byte_size(r['bytes']):>9} {duration_text(r['seconds']):>10} {r['algbw'] / 1e9:>11.3f} "
                      f"{r['busbw'] / 1e9:>11.3f}")
     if result["pairs"]:
-        each = size_text(result["pairs"][0]["bytes"])
+        each = byte_size(result["pairs"][0]["bytes"])
         scope = "every pair" if result["every_pair"] else f"{result['rounds']} rounds of pairs"
         lines.append(f"pairs ({scope}, {each} each way at once): " + ", ".join(
             f"node {ranks[p['a']]} <-> node {ranks[p['b']]} {p['bandwidth'] / 1e9:.3g} GB/s" for p in result["pairs"]))
