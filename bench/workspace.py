@@ -72,7 +72,7 @@ def write_cached_dataset(model_dir: Path, work: Path, samples: list[np.ndarray],
     data_file = work / "synthetic.jsonl"
     data_file.write_text(json.dumps({"synthetic": len(samples), "lengths": [len(s) for s in samples]}) + "\n")
     tokenizer = load_tokenizer(model_dir)
-    key = cache_key([file_spec(data_file)], tokenizer, "auto", cutoff_len, skip_invalid=False)
+    key = cache_key([file_spec(data_file)], tokenizer, None, cutoff_len, skip_invalid=False)  # template: auto
     ids = np.concatenate(samples)
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum([len(s) for s in samples], out=offsets[1:])

@@ -147,14 +147,14 @@ def test_template_error_becomes_data_error(tokenizer):
 def test_the_chat_template_saved_for_serving_renders_as_training_did(tokenizer):
     """Trained with the built-in ChatML (the tokenizer has none, or chatml was forced): the jinja template saved
     with the model renders every conversation, and the generation prompt, exactly as training did."""
-    for tok, template in ((tokenizer, "auto"), (with_template(tokenizer, QWEN25_TEMPLATE), "chatml")):
+    for tok, template in ((tokenizer, None), (with_template(tokenizer, QWEN25_TEMPLATE), "chatml")):  # None: auto
         saved = serving_chat_template(tok, template)
         served = with_template(tok, saved)
         for messages in (SINGLE, MULTI):
             assert served.apply_chat_template(messages, tokenize=False) == render_chatml(messages)
             assert served.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True) == \
                 ChatTemplate(tok, template).render_prompt(messages[:-1])
-    assert serving_chat_template(with_template(tokenizer, QWEN25_TEMPLATE), "auto") is None  # its own is saved
+    assert serving_chat_template(with_template(tokenizer, QWEN25_TEMPLATE), None) is None  # its own is saved
 
 
 def test_train_on_prompt_trains_every_token(tokenizer):

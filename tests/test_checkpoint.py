@@ -21,9 +21,17 @@ from torch.distributed.fsdp import fully_shard
 
 from meshtune.checkpoint import (CheckpointError, CheckpointManager, TrainerState, TrainingProgress, format_listing,
                                  list_checkpoints, select_resume, training_state, verify)
+from meshtune.config import build_config
+from meshtune.plan import resume_request
 from ranks import run_ranks
 
 INFO = {"epoch": 0, "world_size": 1, "parallel": "zero3", "config_hash": "abc"}
+
+
+def checkpoint_asked_for(resume: str) -> tuple[bool, Path | None]:
+    """What a run with resume_from_checkpoint `resume` asks the checkpoint manager for (the run plan's request)."""
+    return resume_request(build_config({"model_name_or_path": "m", "dataset": "d", "resume_from_checkpoint": resume}),
+                          shared=True)
 
 
 class Block(nn.Module):
@@ -175,12 +183,12 @@ def test_tmp_never_selected_missing_complete_skipped_and_steps_sorted_as_numbers
 
     assert [(c.step, c.complete) for c in list_checkpoints(tmp_path)] == [(9, True), (10, True), (12, False),
                                                                         (13, False)]
-    path, skipped = select_resume(tmp_path, "auto")
+    path, skipped = select_resume(tmp_path, None)
     assert path == tmp_path / "checkpoint-10"
     assert skipped == [(tmp_path / "checkpoint-13.tmp", ".tmp: being written or interrupted"),
                        (tmp_path / "checkpoint-12", "no COMPLETE marker (interrupted while saving)")]
-    assert select_resume(tmp_path, "none") == (None, [])
-    assert select_resume(tmp_path / "empty", "auto") == (None, [])
+    assert checkpoint_asked_for("none") == (False, None)  # none looks for no checkpoint
+    assert select_resume(tmp_path / "empty", None) == (None, [])
     listing = format_listing(tmp_path)
     assert "checkpoint-13.tmp" in listing and "no COMPLETE marker" in listing
 
@@ -193,12 +201,12 @@ def test_flipped_byte_fails_verify_and_auto_falls_back(tmp_path, world_of_one):
     shard.write_bytes(data)
 
     assert verify(tmp_path / "checkpoint-2") == ["checksum mismatch in __0_0.distcp"]
-    path, skipped = select_resume(tmp_path, "auto")
+    path, skipped = select_resume(tmp_path, None)
     assert path == tmp_path / "checkpoint-1"
     assert skipped == [(tmp_path / "checkpoint-2", "checksum mismatch in __0_0.distcp")]
     with pytest.raises(CheckpointError, match="checksum mismatch in __0_0.distcp"):
-        select_resume(tmp_path, str(tmp_path / "checkpoint-2"))
-    assert select_resume(tmp_path, str(tmp_path / "checkpoint-1")) == (tmp_path / "checkpoint-1", [])
+        select_resume(tmp_path, tmp_path / "checkpoint-2")
+    assert select_resume(tmp_path, tmp_path / "checkpoint-1") == (tmp_path / "checkpoint-1", [])
 
 
 def test_when_every_checkpoint_is_damaged_the_run_stops_naming_each_and_changes_nothing(tmp_path, world_of_one):
@@ -207,12 +215,12 @@ def test_when_every_checkpoint_is_damaged_the_run_stops_naming_each_and_changes_
         shard = tmp_path / f"checkpoint-{step}" / "__0_0.distcp"
         shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(CheckpointError) as failure:
-        CheckpointManager(tmp_path, None, False, 0, 1).select_resume("auto")
+        CheckpointManager(tmp_path, None, False, 0, 1).select_resume(None)
     message = str(failure.value)
     assert "no checkpoint in" in message and "Nothing was changed" in message and "resume_from_checkpoint: none" in message
     assert "checkpoint-2: size mismatch in __0_0.distcp" in message and "checkpoint-1: size mismatch" in message
     assert [c.path.name for c in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # untouched
-    assert select_resume(tmp_path, "none") == (None, [])
+    assert checkpoint_asked_for("none") == (False, None)  # none looks for no checkpoint
 
 
 def test_a_damaged_checkpoint_passed_over_is_moved_aside_and_listed_as_damaged(tmp_path, world_of_one):
@@ -224,7 +232,7 @@ def test_a_damaged_checkpoint_passed_over_is_moved_aside_and_listed_as_damaged(t
     assert "damaged: " in format_listing(tmp_path).splitlines()[1]  # an unreadable manifest too
     save_steps(tmp_path / "again", [1, 2])
     (tmp_path / "again" / "checkpoint-2" / "__0_0.distcp").write_bytes(b"short")
-    path, skipped = CheckpointManager(tmp_path / "again", None, False, 0, 1).select_resume("auto")
+    path, skipped = CheckpointManager(tmp_path / "again", None, False, 0, 1).select_resume(None)
     assert path == tmp_path / "again" / "checkpoint-1"
     assert skipped[0][1].endswith("moved aside to checkpoint-2.damaged")
     assert [c.path.name for c in list_checkpoints(tmp_path / "again")] == ["checkpoint-1"]
@@ -354,7 +362,7 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
         if rank == 0:
             torch.save({"state": reference, "draws": draws()}, workdir / f"two-{step}.pt")
     manager.close()
-    assert manager.select_resume("auto") == (workdir / "two" / "checkpoint-3", [])
+    assert manager.select_resume(None) == (workdir / "two" / "checkpoint-3", [])
 
     # rank 0 fails to publish: every rank raises, none is left waiting at a collective
     with pytest.raises(CheckpointError, match="publishing checkpoint-4 .* failed"):
@@ -415,7 +423,7 @@ def two_rank_resume_selection(rank: int, world_size: int, workdir: Path) -> None
         return digest
 
     manifest.hash_file = counting
-    selected = CheckpointManager(workdir / "out", None, False, rank, world_size).select_resume("auto")
+    selected = CheckpointManager(workdir / "out", None, False, rank, world_size).select_resume(None)
     (workdir / f"selected-{rank}.json").write_text(json.dumps({"path": str(selected[0]),
                                                                "skipped": [[str(p), r] for p, r in selected[1]],
                                                                "hashed": hashed}))

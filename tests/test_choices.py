@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,8 @@ import torch
 from conftest import base_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
-from meshtune.plan import ModelSize, default_blocks_per_unit, resolve, sharding_for_full, sharding_for_qlora
+from meshtune.plan import (ModelSize, default_blocks_per_unit, resolve, resume_request, sharding_for_full,
+                           sharding_for_qlora)
 from meshtune.train.garbage_collection import StepGarbageCollection
 from meshtune.train.loop import run
 
@@ -246,6 +248,47 @@ def test_lora_under_zero2_runs_as_ddp_and_says_why():
     assert plan.frozen_bf16 == plan.bf16 and plan.blocks_per_unit is None
     assert resolve(config(finetuning_type="lora", parallel="zero3"), env(4, "cpu"), None,
                    lambda: ModelSize(10, 1)).parallel == "zero3"  # zero3 does shard the base: kept
+
+
+@pytest.mark.parametrize("parallel, world_size, values, expected, reason", [
+    ("ddp", 2, {}, ("ddp", "fp32", None), None),
+    ("ddp", 2, {"grad_sync": "flat", "grad_reduce_dtype": "bf16", "fsdp_prefetch": 2}, ("flat", "bf16", None),
+     {"fsdp_prefetch": "ddp: no FSDP2 units to gather ahead"}),
+    ("ddp", 1, {"grad_sync": "flat", "grad_reduce_dtype": "bf16"}, (None, None, None),
+     {"grad_sync": "one process: no gradient crosses", "grad_reduce_dtype": "one process: no gradient crosses"}),
+    ("zero3", 2, {"fsdp_prefetch": 2, "grad_reduce_dtype": "bf16"}, (None, "bf16", 2), None),
+    ("zero2", 1, {"grad_sync": "flat"}, (None, "fp32", 0), {"grad_sync": "zero2: FSDP2 reduce-scatters"}),
+])
+def test_how_gradients_cross_and_what_fsdp2_prefetches_are_in_the_plan(parallel, world_size, values, expected,
+                                                                       reason):
+    """grad_sync, grad_reduce_dtype and fsdp_prefetch as the builder applies them: each where it does something,
+    None (with why, where the config asked for it) where it does nothing."""
+    plan = resolve(config(finetuning_type="full", parallel=parallel, fsdp_blocks_per_unit=1, **values),
+                   env(world_size, "cpu"), None, lambda: ModelSize(10, 1))
+    assert (plan.grad_sync, plan.grad_reduce_dtype, plan.fsdp_prefetch) == expected
+    for key, text in (reason or {}).items():
+        assert text in plan.why[key] and f"{key:<28} " in plan.describe()
+    keys = ("grad_sync", "grad_reduce_dtype", "fsdp_prefetch")
+    assert not reason or set(reason) == {key for key in keys if key in plan.why}
+
+
+@pytest.mark.parametrize("resume, shared, found, asked, reason", [
+    ("auto", True, "out/checkpoint-4", (True, None), "auto: the newest complete, verified checkpoint"),
+    ("auto", True, None, (True, None), "auto: no complete checkpoint in output_dir"),
+    ("none", True, None, (False, None), None),
+    ("out/checkpoint-2", True, "out/checkpoint-2", (True, Path("out/checkpoint-2")), None),
+    ("auto", False, None, (False, None), "not shared by all nodes (allow_local_checkpoints): no resume"),
+])
+def test_the_checkpoint_resumed_is_asked_for_and_recorded_by_the_plan(resume, shared, found, asked, reason):
+    """resume_from_checkpoint auto asks the checkpoint manager for the newest complete, verified checkpoint; the plan
+    records the one found (run_plan.json's resumed_from) and why, where meshtune chose it."""
+    cfg = config(resume_from_checkpoint=resume)
+    assert resume_request(cfg, shared) == asked
+    plan = resolve(cfg, env(1, "cpu"), None, never_counted, resumed_from=Path(found) if found else None,
+                   shared=shared)
+    assert plan.resumed_from == found
+    assert (reason in plan.why["resume_from_checkpoint"]) if reason else "resume_from_checkpoint" not in plan.why
+    assert f"resume_from_checkpoint       {found or 'none: from step 0'}" in plan.describe()
 
 
 @pytest.mark.parametrize("parallel, device, card, size, expected, reason", [

@@ -21,6 +21,8 @@ from meshtune.launch import torchrun as torchrun_module
 
 GPUS = ["0000:18:00.0", "0000:9a:00.0"]
 
+AUTO = build_config({"model_name_or_path": "m", "dataset": "d"}).cpu_pinning  # cpu_affinity auto, as applied
+
 
 def fake_sys(root: Path, gpus: dict[str, int], nodes: dict[int, str], cores: int, threads: int = 2) -> Path:
     """GPUs at PCI addresses on NUMA nodes; CPUs 0..cores-1 each with its hyperthread sibling cpu + cores."""
@@ -61,7 +63,7 @@ def test_exclusive_gives_each_process_of_a_node_its_own_physical_cores(tmp_path)
     assert shares == [{0, 1, 8, 9}, {2, 3, 10, 11}, {4, 5, 12, 13}, {6, 7, 14, 15}]
     cpus, why = choose_cpus("exclusive", gpu_nodes, 3, allowed, root)
     assert cpus == shares[3] and "exclusive: 4 of the 8 CPUs of NUMA node 1, shared by 2" in why
-    cpus, why = choose_cpus("auto", gpu_nodes, 3, allowed, root)  # auto: the GPU's NUMA node
+    cpus, why = choose_cpus(AUTO, gpu_nodes, 3, allowed, root)  # auto: the GPU's NUMA node
     assert cpus == {4, 5, 6, 7, 12, 13, 14, 15} and "node" in why
     cpus, why = choose_cpus("node", gpu_nodes, 1, allowed, root)
     assert cpus == {0, 1, 2, 3, 8, 9, 10, 11} and "node" in why
@@ -73,8 +75,8 @@ def test_only_allowed_cpus_are_used_and_unknown_nodes_fall_back(tmp_path):
     assert share(physical_cores({1, 2, 3, 4, 5}, root), 0, 2) == {1, 2, 3}
     assert choose_cpus("exclusive", [0, 0], 1, {1, 2, 3, 4, 5}, root)[0] == {4, 5}
     # no NUMA node known: auto leaves the processes alone; exclusive splits the allowed CPUs between them
-    assert choose_cpus("auto", [None], 0, set(range(8)), root)[0] is None
-    assert choose_cpus("auto", [None, None], 1, set(range(8)), root)[0] is None
+    assert choose_cpus(AUTO, [None], 0, set(range(8)), root)[0] is None
+    assert choose_cpus(AUTO, [None, None], 1, set(range(8)), root)[0] is None
     assert choose_cpus("exclusive", [None, None], 1, set(range(8)), root)[0] == {4, 5, 6, 7}
     assert choose_cpus("none", [0, 0], 0, set(range(8)), root)[0] is None
     # more processes than cores: shared round-robin rather than none
@@ -123,28 +125,28 @@ def test_torchrun_pins_the_workers_where_the_installed_torch_has_numa_binding(gp
     if not torchrun_binding_modes():
         pytest.skip(f"torch {torch.__version__}'s torchrun has no --numa-binding: each worker pins itself")
     assert {"node", "exclusive"} <= torchrun_binding_modes()
-    assert torchrun_numa_binding("auto", 2, gpu_host) == "node"
+    assert torchrun_numa_binding(AUTO, 2, gpu_host) == "node"
     assert torchrun_numa_binding("node", 2, gpu_host) == "node"
     assert torchrun_numa_binding("exclusive", 2, gpu_host) == "exclusive"
     assert torchrun_numa_binding("none", 2, gpu_host) is None
     # torchrun would stop the job: a local rank past the visible GPUs, or no numactl to run the workers under
-    assert torchrun_numa_binding("auto", 3, gpu_host) is None
+    assert torchrun_numa_binding(AUTO, 3, gpu_host) is None
     monkeypatch.setattr(cpu_affinity.shutil, "which", lambda name: None)
-    assert torchrun_numa_binding("auto", 2, gpu_host) is None
+    assert torchrun_numa_binding(AUTO, 2, gpu_host) is None
 
     # the worker under that torchrun leaves its CPUs as they are
     pinned = cuda_worker(monkeypatch, [*AGENT, "--numa-binding=node", "-m", "meshtune", "train", "c.yaml"])
-    assert apply_cpu_affinity("auto", 1, 2, gpu_host) == (
-        "cpu_affinity auto: torchrun's --numa-binding=node pinned this worker to 16 CPUs")
+    assert apply_cpu_affinity(AUTO, 1, 2, gpu_host) == (
+        "cpu_affinity node: torchrun's --numa-binding=node pinned this worker to 16 CPUs")
     assert pinned == []
 
 
 def test_each_worker_pins_itself_where_torchrun_has_no_numa_binding(gpu_host, monkeypatch):
     monkeypatch.setattr(cpu_affinity, "torchrun_binding_modes", frozenset)  # an older torch
-    assert torchrun_numa_binding("auto", 2, gpu_host) is None
+    assert torchrun_numa_binding(AUTO, 2, gpu_host) is None
     assert torchrun_numa_binding("exclusive", 2, gpu_host) is None
     pinned = cuda_worker(monkeypatch, [*AGENT, "-m", "meshtune", "train", "c.yaml"])
-    assert apply_cpu_affinity("auto", 1, 2, gpu_host) == "cpu_affinity node: 8 CPUs of NUMA node 1"
+    assert apply_cpu_affinity(AUTO, 1, 2, gpu_host) == "cpu_affinity node: 8 CPUs of NUMA node 1"
     assert pinned == [{4, 5, 6, 7, 12, 13, 14, 15}]
     assert apply_cpu_affinity("exclusive", 0, 2, gpu_host).startswith("cpu_affinity exclusive: 8 of the 8 CPUs")
     assert pinned[-1] == {0, 1, 2, 3, 8, 9, 10, 11}
@@ -163,7 +165,7 @@ def test_the_command_asks_torchrun_for_the_binding_it_can_do(monkeypatch):
         command = torchrun_command(settings, ["train", "c.yaml"], cfg)
         assert command[-5:] == ["--numa-binding=node", "-m", "meshtune", "train", "c.yaml"]
         assert torchrun_binding_of(command) == "node"
-    assert asked == [("auto", 2), ("auto", 2)]
+    assert asked == [(AUTO, 2), (AUTO, 2)]  # cpu_affinity auto, as the launcher asks for it
     monkeypatch.setattr(torchrun_module, "torchrun_numa_binding", lambda mode, nproc: None)
     command = torchrun_command(one_node, ["train", "c.yaml"], cfg)
     assert not any(arg.startswith("--numa-binding") for arg in command) and torchrun_binding_of(command) is None

@@ -160,7 +160,7 @@ def served_prompt(folder) -> str:
 def test_every_export_of_a_checkpoint_carries_the_chat_template_trained_with(trained, tmp_path):
     """The base tokenizer has no chat template: training rendered with the written-out ChatML, which final/ saves;
     the adapter and the merged model exported from a checkpoint-N render prompts the same way."""
-    trained_with = ChatTemplate(load_tokenizer(trained / "base"), "auto").render_prompt(CONVERSATION)
+    trained_with = ChatTemplate(load_tokenizer(trained / "base"), None).render_prompt(CONVERSATION)
     with pytest.raises(ValueError, match="chat template"):
         served_prompt(trained / "base")
     assert served_prompt(trained / "run" / "final") == trained_with
@@ -177,7 +177,7 @@ def test_a_checkpoint_exports_the_template_its_manifest_keeps(trained, tmp_path)
     checkpoint = tmp_path / "checkpoint-2"
     shutil.copytree(trained / "run" / "checkpoint-2", checkpoint)
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert manifest["chat_template"] == ChatTemplate(load_tokenizer(trained / "base"), "auto").jinja
+    assert manifest["chat_template"] == ChatTemplate(load_tokenizer(trained / "base"), None).jinja
     manifest["chat_template"] = "{% for message in messages %}[{{ message['content'] }}]{% endfor %}"
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     export(checkpoint, tmp_path / "kept", merge=False, dtype=None, force=False)

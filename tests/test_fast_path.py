@@ -5,6 +5,7 @@ head + cross-entropy, selective activation checkpointing and compiled blocks giv
 from __future__ import annotations
 
 import gc
+import json
 import shutil
 
 import pytest
@@ -121,6 +122,8 @@ def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio
     common = dict(PLAIN, gradient_checkpointing=True, lora_dropout=0.1)
     auto = records(tmp_path, tiny_model_dir, tiny_dataset, "auto", "lora", **common, memory_budget=0.115)
     assert "-> 1 of 2 blocks recomputed (ratio 0.50)" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "auto" / "run_plan.json").read_text())  # the measured ratio, not "measure"
+    assert plan["recompute"] == 0.5 and "-> 1 of 2 blocks recomputed" in plan["why"]["gradient_checkpointing"]
     by_hand = records(tmp_path, tiny_model_dir, tiny_dataset, "by-hand", "lora", **common,
                       gradient_checkpointing_ratio=0.5)
     assert [r["loss"] for r in auto] == [r["loss"] for r in by_hand]
@@ -220,7 +223,7 @@ def test_padding_free_batch_holds_every_sample_once(tiny_model_dir, tiny_dataset
     from meshtune.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
-    data = load_or_build([tiny_dataset], tokenizer, fmt="auto", template="auto", cutoff_len=64, skip_invalid=False,
+    data = load_or_build([tiny_dataset], tokenizer, fmt=None, template=None, cutoff_len=64, skip_invalid=False,
                          cache_dir=tmp_path, show_progress=False)
     padded = collate([[0], [1], [2]], data, tokenizer.pad_token_id, packed=False)
     flat = collate([[0], [1], [2]], data, tokenizer.pad_token_id, packed=False, padding_free=True)

@@ -3,10 +3,15 @@ plain run; packing trains on rows of several samples; checkpoints and evaluation
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from conftest import base_config, read_metrics
 from meshtune.config import build_config
+from meshtune.model.loading import load_model
+from meshtune.model.loss_head import LossHead, output_head
 from meshtune.train.loop import run
 
 
@@ -30,9 +35,33 @@ def test_lora_on_the_output_head_trains_with_the_plain_loss(tmp_path, tiny_model
     logits, and the run trains as with fused_loss: false."""
     adapted = losses(tmp_path, tiny_model_dir, tiny_dataset, "head", "lora", lora_target=["lm_head", "q_proj"])
     assert "fused_loss: off, lora_target adapts the output head (lm_head)" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "head" / "run_plan.json").read_text())  # the plan the run trained with
+    assert plan["fused_loss"] is False and "adapts the output head (lm_head)" in plan["why"]["fused_loss"]
     plain = losses(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", lora_target=["lm_head", "q_proj"],
                    fused_loss=False)
     assert adapted == pytest.approx(plain, rel=1e-6) and len(adapted) == 4
+
+
+def test_a_head_the_loss_cannot_fuse_trains_the_plain_loss_and_run_plan_json_says_why(
+        monkeypatch, tmp_path, tiny_model_dir, tiny_dataset, capsys):
+    """An output head with a bias computes no fused loss: the builder turns fused_loss off once it has the model,
+    and run_plan.json (written once the run is accepted) and the plan logged after the build record it, with why."""
+    from meshtune.model import build
+
+    def with_biased_head(model_dir, dtype):
+        model = load_model(model_dir, dtype)
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
+        return model
+
+    monkeypatch.setattr(build, "load_model", with_biased_head)
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=1, save_final=False))
+    assert cfg.fused_loss
+    result = run(cfg, keep_model=True)
+    assert not isinstance(output_head(result.model), LossHead)
+    plan = json.loads((tmp_path / "out" / "run_plan.json").read_text())
+    assert plan["fused_loss"] is False
+    assert plan["why"]["fused_loss"].startswith("the output head is a Linear with a bias, not the bias-free linear")
+    assert "fused_loss                   off  (the output head is a Linear with a bias" in capsys.readouterr().out
 
 
 def test_packing_trains_on_packed_rows(tmp_path, tiny_model_dir, tiny_dataset):

@@ -17,7 +17,7 @@ from meshtune.model.loading import load_model, load_tokenizer
 @pytest.fixture(scope="module")
 def model_and_data(tiny_model_dir, tiny_dataset, tmp_path_factory):
     tokenizer = load_tokenizer(tiny_model_dir)
-    data = load_or_build([tiny_dataset], tokenizer, fmt="auto", template="auto", cutoff_len=64, skip_invalid=False,
+    data = load_or_build([tiny_dataset], tokenizer, fmt=None, template=None, cutoff_len=64, skip_invalid=False,
                          cache_dir=tmp_path_factory.mktemp("tok"), show_progress=False)
     model = load_model(tiny_model_dir).eval()
     return model, data, tokenizer.pad_token_id

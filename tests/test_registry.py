@@ -205,7 +205,7 @@ def test_a_folder_is_read_whole_in_name_order_and_max_samples_spans_its_files(tm
 def test_a_file_path_entry_is_read_with_dataset_format(tmp_path):
     path = FIXTURE_COMPAT / "glaive_toolcall_en_demo.json"
     (spec,) = resolve([str(path)], tmp_path / "no_dataset_dir")
-    assert (spec.name, spec.files, spec.fmt, spec.columns, spec.registry) == (str(path), [path], "auto", None, None)
+    assert (spec.name, spec.files, spec.fmt, spec.columns, spec.registry) == (str(path), [path], None, None, None)
     read = read_dataset([spec])
     assert read.conversations == read_dataset(resolve(["glaive_toolcall_en_demo"], FIXTURE_COMPAT)).conversations
     assert read.tools[0][0]["name"] == "get_forecast"

@@ -52,7 +52,7 @@ def data_file(tmp_path) -> Path:
 
 
 def build(tokenizer, paths, cache_dir, **overrides):
-    kwargs = dict(fmt="auto", template="auto", cutoff_len=64, skip_invalid=False, show_progress=False)
+    kwargs = dict(fmt=None, template=None, cutoff_len=64, skip_invalid=False, show_progress=False)
     kwargs.update(overrides)
     return load_or_build(paths, tokenizer, cache_dir=cache_dir, **kwargs)
 
@@ -123,16 +123,16 @@ def test_cache_is_reused(tokenizer, data_file, tmp_path, monkeypatch):
 
 def test_cache_key_inputs(tokenizer, data_file):
     spec = file_spec(data_file)
-    base = ([spec], tokenizer, "auto", 64, False)
+    base = ([spec], tokenizer, None, 64, False)
     key = cache_key(*base)
     assert key == cache_key(*base) == cache_key(*base, max_samples=None)
     assert key != cache_key([spec], tokenizer, "chatml", 64, False)
-    assert key != cache_key([spec], tokenizer, "auto", 65, False)
-    assert key != cache_key([file_spec(data_file, "alpaca")], tokenizer, "auto", 64, False)
-    assert key != cache_key([spec], tokenizer, "auto", 64, True)
-    assert key != cache_key([spec], tokenizer, "auto", 64, False, max_samples=2)
-    assert key != cache_key([spec, spec], tokenizer, "auto", 64, False)
-    assert key != cache_key([spec], train_tokenizer(SENTENCES[:8], vocab_size=300), "auto", 64, False)
+    assert key != cache_key([spec], tokenizer, None, 65, False)
+    assert key != cache_key([file_spec(data_file, "alpaca")], tokenizer, None, 64, False)
+    assert key != cache_key([spec], tokenizer, None, 64, True)
+    assert key != cache_key([spec], tokenizer, None, 64, False, max_samples=2)
+    assert key != cache_key([spec, spec], tokenizer, None, 64, False)
+    assert key != cache_key([spec], train_tokenizer(SENTENCES[:8], vocab_size=300), None, 64, False)
     masked = {cache_key(*base, train_on_prompt=True), cache_key(*base, mask_history=True),
               cache_key(*base, train_on_prompt=True, mask_history=True)}
     assert len(masked) == 3 and key not in masked
@@ -147,7 +147,7 @@ def test_cache_key_inputs(tokenizer, data_file):
 
 def test_failed_build_leaves_nothing_and_leftovers_are_removed(tokenizer, data_file, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    key = cache_key([file_spec(data_file)], tokenizer, "auto", 64, False)
+    key = cache_key([file_spec(data_file)], tokenizer, None, 64, False)
     cache.mkdir()
     (cache / f"{key}.tmp-999999").mkdir()  # as left by a builder killed mid-write
     (cache / f"{key}.tmp-999999" / "input_ids.npy").write_bytes(b"half")

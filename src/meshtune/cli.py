@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshtune import __version__
 from meshtune.errors import MeshtuneError, lasting_storage_error
+from meshtune.launch.torchrun import end_workers_line
 from meshtune.launch.supervise import (launch_training, leave_launcher, lost_peers, mark_worker_started,
                                        ran_torchrun, repeated_failure, report_to_launcher, stop_restarts,
                                        worker_label)
@@ -449,6 +450,7 @@ def run_command(args: argparse.Namespace) -> int:
         reported = report_to_launcher(str(exc))  # the launcher prints it once, last, and tells the other nodes
         label = worker_label()
         if label is not None and not reported:  # under the user's own torchrun one worker per node speaks
+            end_workers_line()
             print(f"meshtune: error{label}: {exc}", file=sys.stderr)
         stop_restarts()  # the same error would end every attempt
         return 1

@@ -334,6 +334,34 @@ class TrainConfig(BaseModel):
     def resolved_lora_alpha(self) -> float:
         return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
 
+    # What `auto` means for the keys whose `auto` is no run decision (those the run plan makes concrete: plan.py).
+    # The values stay as written: they are the run's identity (`hash()`) and what config.yaml shows.
+    @property
+    def named_format(self) -> str | None:
+        """dataset_format, or None (auto): each file's format is detected from its records."""
+        return None if self.dataset_format == "auto" else self.dataset_format
+
+    @property
+    def named_template(self) -> str | None:
+        """template, or None (auto): the tokenizer's own chat template where it has one, else ChatML."""
+        return template_choice(self.template)
+
+    @property
+    def named_parallel(self) -> str | None:
+        """parallel, or None (auto): the run plan chooses the mode (plan.parallel_for)."""
+        return None if self.parallel == "auto" else self.parallel
+
+    @property
+    def named_recompute_ratio(self) -> float | None:
+        """gradient_checkpointing_ratio, or None (auto): the run plan's, measured before training on GPUs."""
+        return None if self.gradient_checkpointing_ratio == "auto" else float(self.gradient_checkpointing_ratio)
+
+    @property
+    def cpu_pinning(self) -> str:
+        """cpu_affinity as applied: auto pins as node does (exclusive is unmeasured, so auto only keeps a worker near
+        its GPU)."""
+        return "node" if self.cpu_affinity == "auto" else self.cpu_affinity
+
     @classmethod
     def keys_of(cls, *scopes: str) -> list[str]:
         return [name for name, field in cls.model_fields.items() if field.json_schema_extra["scope"] in scopes]
@@ -348,6 +376,28 @@ class TrainConfig(BaseModel):
 
     def write_yaml(self, path: Path) -> None:
         path.write_text(yaml.safe_dump(self.model_dump(), sort_keys=False))
+
+
+def template_choice(template: str | None) -> str | None:
+    """A `template` value, the config's or a checkpoint manifest's (None where it predates the key): None for auto,
+    the tokenizer's own chat template where it has one, else ChatML."""
+    return None if template in (None, "auto") else template
+
+
+def torchrun_nproc(raw: str) -> str:
+    """NPROC_PER_NODE as meshtune reads it: torchrun's names for its default, auto and gpu (a process a GPU,
+    meshtune's default too), as not set ("")."""
+    return "" if raw in ("auto", "gpu") else raw
+
+
+def without_autos(tree: Any) -> Any:
+    """A foreign config (a DeepSpeed JSON) with each `"auto"` value as None, not given: there `auto` asks the program
+    reading the file to fill in its own value, which for meshtune is the key as its config sets it, or its default."""
+    if isinstance(tree, dict):
+        return {key: without_autos(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [without_autos(value) for value in tree]
+    return None if tree == "auto" else tree
 
 
 def math_hash(values: dict[str, Any]) -> str:

@@ -25,8 +25,9 @@ from pathlib import Path
 import psutil
 
 SYS = Path("/sys")
-# meshtune's mode -> the value of torchrun's --numa-binding that pins the same CPUs
-TORCHRUN_MODES = {"auto": "node", "node": "node", "exclusive": "exclusive"}
+# meshtune's mode (the config's auto arrives as node: TrainConfig.cpu_pinning) -> the value of torchrun's
+# --numa-binding that pins the same CPUs
+TORCHRUN_MODES = {"node": "node", "exclusive": "exclusive"}
 
 
 def cpu_list(text: str) -> set[int]:
@@ -79,13 +80,12 @@ def share(cores: list[list[int]], index: int, count: int) -> set[int]:
 
 def choose_cpus(mode: str, gpu_nodes: list[int | None], local_rank: int, allowed: set[int],
                 sys_root: Path = SYS) -> tuple[set[int] | None, str]:
-    """The CPUs local rank `local_rank` runs on, given the NUMA node of each local process's GPU, and why; None
-    leaves the process as it is."""
+    """The CPUs local rank `local_rank` runs on under `mode` (none, node or exclusive: the config's auto arrives as
+    node), given the NUMA node of each local process's GPU, and why; None leaves the process as it is."""
     node = gpu_nodes[local_rank]
     if mode == "none":
         return None, "cpu_affinity: none"
     near = node_cpus(node, sys_root) & allowed if node is not None else set()
-    mode = "node" if mode == "auto" else mode  # exclusive is unmeasured: auto only keeps a worker near its GPU
     if not near:
         if mode == "node" or len(gpu_nodes) == 1:
             return None, "cpu_affinity: the system tells no NUMA node for this GPU; not pinned"

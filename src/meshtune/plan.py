@@ -2,8 +2,11 @@
 
 `resolve` reads the config, the processes and their devices, and the checkpoint being resumed. The model builder,
 the data plan and the loop read the plan and never an `auto`; the config stays what the user wrote (its hash is
-the run's identity across nodes and checkpoints) and is never changed. The plan is logged once, as one block,
-and written to output_dir/run_plan.json.
+the run's identity across nodes and checkpoints) and is never changed. What only the run itself can find out is
+recorded in the plan with its reason (`RunPlan.amended`): the builder turns the fused loss off for a head it cannot
+fuse, and the recomputed blocks a `measure` plan leaves open are measured before training. So the plan is logged
+once, as one block, after the model is built, and written to output_dir/run_plan.json once the run is accepted,
+as the run trains.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +63,10 @@ class RunPlan:
     fused_adamw: bool
     gc_interval: int             # 0: Python's automatic garbage collection
     weights_from_rank0: bool     # rank 0 reads the model files, the others receive its weights
+    grad_sync: str | None        # ddp | flat: how ddp on several processes reduces gradients; None: no ddp sync
+    grad_reduce_dtype: str | None  # fp32 | bf16: the dtype gradients cross the processes in; None: none cross
+    fsdp_prefetch: int | None    # FSDP2 units gathered explicitly ahead of use (0: FSDP2's own); None under ddp
+    resumed_from: str | None     # the checkpoint the run continues; None: it starts at step 0
     why: dict[str, str] = field(default_factory=dict)  # the reason for each setting meshtune chose
     fp16: bool = False           # fp16 compute through autocast and a dynamic loss scale, fp32 master weights (GPUs)
 
@@ -88,6 +95,12 @@ class RunPlan:
             rows.append(("hsdp_shard_size", str(self.hsdp_shard_size)))
         if self.reshard_after_forward is not None:
             rows.append(("reshard_after_forward", on(self.reshard_after_forward)))
+        if self.fsdp_prefetch is not None or "fsdp_prefetch" in self.why:
+            rows.append(("fsdp_prefetch", f"{self.fsdp_prefetch} ahead" if self.fsdp_prefetch else
+                         "FSDP2's own" if self.fsdp_prefetch == 0 else "none"))
+        for key in ("grad_sync", "grad_reduce_dtype"):
+            if getattr(self, key) is not None or key in self.why:
+                rows.append((key, getattr(self, key) or "none"))
         if self.gradient_accumulation_steps > 1:
             rows.append(("gradient_reduction", self.gradient_reduction))
         if self.cpu_offload:
@@ -96,7 +109,8 @@ class RunPlan:
                  ("optim", "meshtune bf16 AdamW, stochastic rounding" if self.bf16_weights else
                   "adamw_torch_fused" if self.fused_adamw else "adamw_torch"),
                  ("gc_interval", str(self.gc_interval)),
-                 ("load_weights_on", "rank0" if self.weights_from_rank0 else "every_rank")]
+                 ("load_weights_on", "rank0" if self.weights_from_rank0 else "every_rank"),
+                 ("resume_from_checkpoint", self.resumed_from or "none: from step 0")]
         lines = ["run plan (also in output_dir/run_plan.json):"]
         for key, value in rows:
             reason = self.why.get(key)
@@ -106,15 +120,22 @@ class RunPlan:
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1) + "\n")
 
+    def amended(self, key: str, reason: str, **fields) -> RunPlan:
+        """This plan with `fields` as the run found they must be, and why (under `key`, the row it explains): the
+        plan written and logged is the one the run trains with."""
+        return replace(self, **fields, why={**self.why, key: reason})
+
 
 def on(flag: bool) -> str:
     return "on" if flag else "off"
 
 
 def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
-            model_size: Callable[[], ModelSize]) -> RunPlan:
+            model_size: Callable[[], ModelSize], resumed_from: Path | None = None, shared: bool = True) -> RunPlan:
     """The plan of this run, the same on every rank. `model_size` is called only where a choice depends on it
-    (full fine-tuning on several GPUs, FSDP2 units); choosing the parallel mode may be a collective."""
+    (full fine-tuning on several GPUs, FSDP2 units); choosing the parallel mode may be a collective. The checkpoint
+    resumed (`resumed_from`, found as `resume_request` asked, its manifest `resume_manifest`) and whether output_dir
+    is `shared` by all nodes come from the checkpoint manager."""
     why: dict[str, str] = {}
     model_size = functools.cache(model_size)  # builds a model without weights: once, and only if a choice needs it
     # the smallest GPU of the job (a collective, the same on every rank), once and only if a choice needs it
@@ -170,6 +191,12 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
     check_train_batch_size(cfg, accumulation, env.world_size)
     reduction = gradient_reduction(cfg, env.world_size, parallel, accumulation, model_size, gpu_bytes, why)
+    grad_sync, reduce_dtype = gradient_crossing(cfg, env.world_size, parallel, why)
+    prefetch = cfg.fsdp_prefetch if parallel in SHARDED else None
+    if prefetch is None and cfg.fsdp_prefetch:
+        why["fsdp_prefetch"] = "ddp: no FSDP2 units to gather ahead"
+    if reason := resume_reason(cfg, shared, resumed_from):
+        why["resume_from_checkpoint"] = reason
     bf16_weights = cfg.master_weights == "bf16"
     if bf16_weights:
         why["optim"] = "master_weights: bf16 steps bf16 weights with stochastic rounding" + (
@@ -180,7 +207,39 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
                    cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
-                   weights_from_rank0=weights_from_rank0, why=why, fp16=fp16)
+                   weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
+                   fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16)
+
+
+def resume_request(cfg: TrainConfig, shared: bool) -> tuple[bool, Path | None]:
+    """Whether the run looks for a checkpoint to continue, and the one it names (None: the newest complete, verified
+    one in output_dir, as `auto` asks). Asked before `resolve`: the plan depends on the checkpoint found."""
+    if not shared or cfg.resume_from_checkpoint == "none":
+        return False, None
+    return True, None if cfg.resume_from_checkpoint == "auto" else Path(cfg.resume_from_checkpoint)
+
+
+def resume_reason(cfg: TrainConfig, shared: bool, resumed_from: Path | None) -> str | None:
+    """Why the run continues the checkpoint it does, or none, where meshtune chose it."""
+    if not shared:
+        return "output_dir is not shared by all nodes (allow_local_checkpoints): no resume"
+    if cfg.resume_from_checkpoint != "auto":
+        return None
+    return ("auto: the newest complete, verified checkpoint in output_dir" if resumed_from else
+            "auto: no complete checkpoint in output_dir")
+
+
+def gradient_crossing(cfg: TrainConfig, world_size: int, parallel: str, why: dict[str, str]
+                      ) -> tuple[str | None, str | None]:
+    """How gradients cross the processes (`grad_sync`: DDP's buckets or one flat all-reduce, for ddp; FSDP2
+    reduce-scatters by itself) and in which dtype; under ddp on one process nothing crosses, so neither applies."""
+    if parallel == "ddp" and world_size == 1:
+        if cfg.grad_sync == "flat" or cfg.grad_reduce_dtype == "bf16":
+            why["grad_sync"] = why["grad_reduce_dtype"] = "one process: no gradient crosses processes"
+        return None, None
+    if parallel != "ddp" and cfg.grad_sync == "flat":
+        why["grad_sync"] = f"{parallel}: FSDP2 reduce-scatters the gradients itself; flat is for ddp"
+    return (cfg.grad_sync if parallel == "ddp" else None), cfg.grad_reduce_dtype
 
 
 def memory_measurable(device: torch.device) -> bool:

@@ -145,14 +145,14 @@ class CheckpointManager:
                 dist.destroy_process_group(self._group)
                 self._group = None
 
-    def select_resume(self, resume: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    def select_resume(self, named: Path | None) -> tuple[Path | None, list[tuple[Path, str]]]:
         """`select_resume` decided by rank 0 (it lists the checkpoints, judges them and moves damaged ones aside),
         each candidate's files hashed by every rank, a share each (`_verify_together`); the answer given to every
         rank."""
         answer: Any = None
         if self.rank == 0:
             try:
-                path, skipped = select_resume(self.output_dir, resume, check=self._verify_together)
+                path, skipped = select_resume(self.output_dir, named, check=self._verify_together)
                 answer = path, [self._aside(skip, reason) for skip, reason in skipped]
             except (CheckpointError, OSError) as error:  # every rank waits for this answer
                 answer = str(error)
@@ -199,12 +199,12 @@ class CheckpointManager:
             return path, reason
         return path, f"{reason}; moved aside to {set_aside(path).name}"
 
-    def find_resume(self, resume: str, config: dict[str, Any], allowed: list[str] = ()
+    def find_resume(self, named: Path | None, config: dict[str, Any], allowed: list[str] = ()
                     ) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-        """The checkpoint to resume from (or None), its manifest, and warnings for the user (the checkpoints passed
-        over and why). A checkpoint written under other values of `config` (the run's math) is an error naming
-        the keys, unless each is in `allowed`."""
-        path, skipped = self.select_resume(resume)
+        """The checkpoint to resume from (`named`, or the newest good one where None; None if there is none), its
+        manifest, and warnings for the user (the checkpoints passed over and why). A checkpoint written under other
+        values of `config` (the run's math) is an error naming the keys, unless each is in `allowed`."""
+        path, skipped = self.select_resume(named)
         notes = [f"warning: not resuming from {skip.name}: {reason}" for skip, reason in skipped]
         if path is None:
             return None, None, notes

@@ -56,18 +56,16 @@ def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda c: (c.step, not c.is_tmp))
 
 
-def select_resume(output_dir: Path, resume: str, check: Callable[[Path], list[str]] = verify
+def select_resume(output_dir: Path, named: Path | None, check: Callable[[Path], list[str]] = verify
                   ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The checkpoint to resume from and the newer ones passed over, each with its reason.
 
-    `resume`: "auto" (newest that is complete and verifies; None if there is none), "none", or a checkpoint path
-    (it must verify, else CheckpointError naming its problems). `check` verifies a candidate (a resume on several
-    ranks passes one that splits the reading across them).
+    `named`: a checkpoint path (it must verify, else CheckpointError naming its problems), or None: the newest in
+    `output_dir` that is complete and verifies (None if there is none). `check` verifies a candidate (a resume on
+    several ranks passes one that splits the reading across them).
     """
-    if resume == "none":
-        return None, []
-    if resume != "auto":
-        path = Path(resume)
+    if named is not None:
+        path = Path(named)
         problems = check(path)
         if problems:
             raise CheckpointError(f"cannot resume from {path}: {'; '.join(problems)}. "

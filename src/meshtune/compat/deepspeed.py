@@ -1,9 +1,10 @@
 """A DeepSpeed JSON (`deepspeed: ds_config.json` in a config, `--deepspeed` on the command line) as meshtune keys.
 
 ZeRO stages become FSDP2 modes, offload becomes FSDP2's CPU offload, and the batch, precision, clipping, optimizer
-and scheduler entries become our keys. `"auto"` (HF Trainer fills it from its own arguments) takes our value. An
-explicit value is used when the config does not set that key, and is an error naming both when it sets another.
-Every entry we do not honour is named in one warning, never dropped silently.
+and scheduler entries become our keys. `"auto"` (HF Trainer fills it from its own arguments) takes our value: it is
+read as not given (`config.without_autos`). An explicit value is used when the config does not set that key, and
+is an error naming both when it sets another. Every entry we do not honour is named in one warning, never dropped
+silently.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtune.config import without_autos
 from meshtune.errors import ConfigError
 
 STAGE_TO_PARALLEL = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
@@ -52,11 +54,11 @@ def translate_deepspeed(ds: dict[str, Any], name: str, given: dict[str, Any], so
                         ) -> Translation:
     """`ds` (the file `name`) against `given`, the keys the user set (YAML or command line, where `sources` says)."""
     out = Translation()
-    entries = dict(ds)
+    entries = without_autos(ds)  # an entry left to meshtune is None from here on
 
     def take(key: str, value: Any, entry: str) -> None:
         """Their explicit value for our `key`: used unless the user set another one."""
-        if value == "auto" or value is None:
+        if value is None:
             return
         if key in given and given[key] != value:
             out.problems.append(f"{name}: {entry} is {json.dumps(value)} but {key} is {given[key]!r} "
@@ -84,8 +86,9 @@ def translate_deepspeed(ds: dict[str, Any], name: str, given: dict[str, Any], so
 def _zero(zero: dict[str, Any], name: str, take, out: Translation) -> None:
     zero = dict(zero)
     stage = zero.pop("stage", 0)
-    if stage not in STAGE_TO_PARALLEL:
-        out.problems.append(f"{name}: zero_optimization.stage {stage!r} is not 0, 1, 2 or 3")
+    if stage not in STAGE_TO_PARALLEL:  # "auto" too: HF Trainer has no stage to fill in
+        shown = '"auto"' if stage is None else repr(stage)
+        out.problems.append(f"{name}: zero_optimization.stage {shown} is not 0, 1, 2 or 3")
         return
     take("parallel", STAGE_TO_PARALLEL[stage], "zero_optimization.stage")
     if stage == 1:
@@ -111,8 +114,8 @@ def _zero(zero: dict[str, Any], name: str, take, out: Translation) -> None:
 
 
 def _precision(bf16: dict | None, fp16: dict | None, name: str, take, out: Translation) -> None:
-    bf16_on = (bf16 or {}).get("enabled", "auto")
-    fp16_on = (fp16 or {}).get("enabled", "auto")
+    bf16_on = (bf16 or {}).get("enabled")
+    fp16_on = (fp16 or {}).get("enabled")
     if fp16_on is True and bf16_on is True:
         out.problems.append(f"{name}: bf16.enabled and fp16.enabled are both true; keep one")
     if fp16_on in (True, False):
@@ -133,16 +136,16 @@ def _optimizer(block: dict[str, Any], name: str, take, out: Translation) -> None
     if kind.lower() == "adam" and params.pop("adam_w_mode", True) is False:
         out.problems.append(f"{name}: optimizer Adam with adam_w_mode false (L2 in the gradient) is not AdamW; "
                             f"meshtune trains with AdamW's decoupled weight decay")
-    take("learning_rate", params.pop("lr", "auto"), "optimizer.params.lr")
-    betas = params.pop("betas", "auto")
-    if betas != "auto":
+    take("learning_rate", params.pop("lr", None), "optimizer.params.lr")
+    betas = params.pop("betas", None)
+    if betas is not None:
         if not (isinstance(betas, list) and len(betas) == 2):
             out.problems.append(f"{name}: optimizer.params.betas {betas!r} is not a pair [beta1, beta2]")
         else:
             take("adam_beta1", betas[0], "optimizer.params.betas[0]")
             take("adam_beta2", betas[1], "optimizer.params.betas[1]")
-    take("adam_epsilon", params.pop("eps", "auto"), "optimizer.params.eps")
-    take("weight_decay", params.pop("weight_decay", "auto"), "optimizer.params.weight_decay")
+    take("adam_epsilon", params.pop("eps", None), "optimizer.params.eps")
+    take("weight_decay", params.pop("weight_decay", None), "optimizer.params.weight_decay")
     out.unhonoured += [f"optimizer.params.{key}" for key in sorted(params)]
     out.unhonoured += [f"optimizer.{key}" for key in sorted(block) if key not in ("type", "params")]
 
@@ -164,12 +167,12 @@ def _scheduler(block: dict[str, Any], name: str, given: dict[str, Any], sources:
                          f"Trainer would have run the file's {kind}")
     else:
         take("lr_scheduler_type", ours, "scheduler.type")
-    take("warmup_steps", params.pop("warmup_num_steps", "auto"), "scheduler.params.warmup_num_steps")
-    take("learning_rate", params.pop("warmup_max_lr", "auto"), "scheduler.params.warmup_max_lr")
-    take("max_steps", params.pop("total_num_steps", "auto"), "scheduler.params.total_num_steps")
+    take("warmup_steps", params.pop("warmup_num_steps", None), "scheduler.params.warmup_num_steps")
+    take("learning_rate", params.pop("warmup_max_lr", None), "scheduler.params.warmup_max_lr")
+    take("max_steps", params.pop("total_num_steps", None), "scheduler.params.total_num_steps")
     for entry in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio"):
-        value = params.pop(entry, "auto")
-        if value not in ("auto", 0, 0.0):
+        value = params.pop(entry, None)
+        if value not in (None, 0, 0.0):
             out.problems.append(f"{name}: scheduler.params.{entry} {value!r}: meshtune's schedules start and end at "
                                 f"0; set it to 0 or \"auto\"")
     warmup_type = params.pop("warmup_type", "log" if kind == "WarmupLR" else "linear")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
-TEMPLATES = ("auto", "chatml", "tokenizer", *(name for name in FORMATS if name != "chatml"))
+TEMPLATES = ("chatml", "tokenizer", *(name for name in FORMATS if name != "chatml"))  # and None: the config's auto
 TOOL_TEMPLATES = ", ".join(FORMATS)  # every written-out format renders tools
 
 # render_chatml as a jinja chat template, plus LLaMA-Factory's tool format for chatml
@@ -49,7 +49,7 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> 
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str) -> str | None:
+def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> str | None:
     """The chat template to save with the trained model when training used a written-out one; None when the
     tokenizer's own is the one trained (under qwen3_nothink, serve that one with enable_thinking=False)."""
     chat = ChatTemplate(tokenizer, template)
@@ -73,19 +73,20 @@ def _hf_messages(messages: list[dict]) -> list[dict]:
 class ChatTemplate:
     """A tokenizer plus the template that turns conversations into (input_ids, labels).
 
-    `template`: "auto" uses the tokenizer's own chat template when it has one, else ChatML; "tokenizer" requires
+    `template`: None (the config's auto, `TrainConfig.named_template`) uses the tokenizer's own chat template when
+    it has one, else ChatML; "tokenizer" requires
     the tokenizer's own; formats without a family marker (chatml, default, empty, alpaca, deepseek, glm4, baichuan2,
     intern2, cohere) are always written out; the model-family names (qwen, qwen3, qwen3_nothink, llama3, llama2,
     mistral, gemma, gemma3, phi, phi4, deepseek3, yi) use the tokenizer's own template when it is that family's
     and renders plain and tool conversations prefix-stably, else the written-out format.
-    `name` is the format ("tokenizer" for the tokenizer's own under auto/tokenizer), `own` whether the tokenizer's
+    `name` is the format ("tokenizer" for the tokenizer's own under None/tokenizer), `own` whether the tokenizer's
     template renders, `description` both in words for the run log, `jinja` the template text in use.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str = "auto", *, train_on_prompt: bool = False,
-                 mask_history: bool = False) -> None:
-        if template not in TEMPLATES:
-            raise DataError(f"unknown template '{template}'; use one of {', '.join(TEMPLATES)}")
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None = None, *,
+                 train_on_prompt: bool = False, mask_history: bool = False) -> None:
+        if template is not None and template not in TEMPLATES:  # named as the config's key takes them
+            raise DataError(f"unknown template '{template}'; use one of auto, {', '.join(TEMPLATES)}")
         self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
         own = getattr(tokenizer, "chat_template", None)
         if template == "tokenizer" and not own:
@@ -96,11 +97,11 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self._kwargs: dict = {}
         self.takes_tools = True
-        if template in ("auto", "tokenizer") and own:
+        if template in (None, "tokenizer") and own:
             self._use_own("tokenizer", "the tokenizer's own")
             self.takes_tools = self._renders(_PROBE_TOOL_CALL, _PROBE_TOOLS)
             return
-        self.name = "chatml" if template == "auto" else template
+        self.name = template or "chatml"
         marker = FORMATS[self.name].family_marker
         if marker and own and marker in str(own):
             self._use_own(self.name, f"{self.name} (tokenizer's own)")

@@ -59,7 +59,7 @@ class DatasetSpec:
 
     name: str  # the entry as the config gives it
     files: list[Path]
-    fmt: str = "auto"  # auto (detected per file) or one of FORMATS
+    fmt: str | None = None  # one of FORMATS, or None: detected per file (dataset_format auto)
     columns: dict[str, str | None] | None = None
     tags: dict[str, str | None] | None = None
     registry: Path | None = None  # the dataset_info.json that defined it
@@ -75,7 +75,7 @@ class DatasetSpec:
         return json.dumps({"fmt": self.fmt, "columns": self.columns, "tags": self.tags}, sort_keys=True)
 
 
-def file_spec(path: Path, fmt: str = "auto") -> DatasetSpec:
+def file_spec(path: Path, fmt: str | None = None) -> DatasetSpec:
     """A dataset file given by path, read with `dataset_format`."""
     return DatasetSpec(str(path), [Path(path)], fmt)
 
@@ -350,9 +350,10 @@ class Conversations:
     skipped: list[str]  # "path: record N: problem" of each malformed record skipped (skip_invalid)
 
 
-def read_dataset(datasets: list[DatasetSpec | Path], fmt: str = "auto", skip_invalid: bool = False,
+def read_dataset(datasets: list[DatasetSpec | Path], fmt: str | None = None, skip_invalid: bool = False,
                  max_samples: int | None = None) -> Conversations:
-    """Read all datasets into conversations; a plain path is one file read with `fmt`.
+    """Read all datasets into conversations; a plain path is one file read with `fmt` (None: detected from its
+    records).
 
     `max_samples`: only the first N records of each dataset are read, counted before any is skipped, as
     LLaMA-Factory selects them. A bad record stops the run by default (silently training on less data than
@@ -362,7 +363,7 @@ def read_dataset(datasets: list[DatasetSpec | Path], fmt: str = "auto", skip_inv
     if not specs:
         raise DataError("no dataset files given; list at least one .json or .jsonl file")
     for spec in specs:
-        if spec.fmt != "auto" and spec.fmt not in FORMATS:
+        if spec.fmt is not None and spec.fmt not in FORMATS:
             raise DataError(f"unknown dataset_format '{spec.fmt}'; use auto or one of {', '.join(FORMATS)}")
     read = Conversations([], [], [], [])
     for spec in specs:
@@ -383,7 +384,7 @@ def read_dataset(datasets: list[DatasetSpec | Path], fmt: str = "auto", skip_inv
 
 def _convert_file(records: list[tuple[Any, str]], path: Path, spec: DatasetSpec, skip_invalid: bool,
                   read: Conversations) -> None:
-    file_fmt = detect_format([r for r, _ in records], path) if spec.fmt == "auto" else spec.fmt
+    file_fmt = detect_format([r for r, _ in records], path) if spec.fmt is None else spec.fmt
     for record, where in records:
         try:
             messages, tools = convert(record, file_fmt, spec)

@@ -21,7 +21,7 @@ def cache_dir(cfg: TrainConfig) -> Path:
 def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool):
     """Files and dataset_info.json names → one tokenized dataset; max_samples cuts each entry, train and eval
     alike, as LLaMA-Factory does."""
-    return load_or_build(resolve(entries, cfg.dataset_dir, cfg.dataset_format), tokenizer, template=cfg.template,
+    return load_or_build(resolve(entries, cfg.dataset_dir, cfg.named_format), tokenizer, template=cfg.named_template,
                          cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
                          train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
                          cache_dir=cache_dir(cfg), show_progress=show_progress)
@@ -55,7 +55,7 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Call
     """(train, eval or None). Every process may call this: one builds the cache, the others wait and read it."""
     trains = ", trained on prompts too" if cfg.train_on_prompt else ""
     trains += ", only the last assistant turn trained" if cfg.mask_history else ""
-    log(f"chat template: {ChatTemplate(tokenizer, cfg.template).description}{trains}")
+    log(f"chat template: {ChatTemplate(tokenizer, cfg.named_template).description}{trains}")
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
     for line in describe("train data", full.stats):
         log(line)

@@ -24,9 +24,9 @@ COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", 
 MEDIA_COLUMNS = ("images", "videos", "audios")
 
 
-def resolve(entries: list[str], dataset_dir: str | Path, fmt: str = "auto") -> list[DatasetSpec]:
-    """One spec per entry, in order. An entry that exists as a file or folder is read with `fmt`
-    (dataset_format); any other is a name in `<dataset_dir>/dataset_info.json`."""
+def resolve(entries: list[str], dataset_dir: str | Path, fmt: str | None = None) -> list[DatasetSpec]:
+    """One spec per entry, in order. An entry that exists as a file or folder is read with `fmt` (dataset_format;
+    None: detected per file); any other is a name in `<dataset_dir>/dataset_info.json`."""
     dataset_dir = Path(dataset_dir)
     named = [entry for entry in entries if not Path(entry).exists()]
     info = _read_info(dataset_dir, named[0]) if named else {}
@@ -34,7 +34,7 @@ def resolve(entries: list[str], dataset_dir: str | Path, fmt: str = "auto") -> l
             for entry in entries]
 
 
-def _path_spec(entry: str, fmt: str) -> DatasetSpec:
+def _path_spec(entry: str, fmt: str | None) -> DatasetSpec:
     path = Path(entry)
     files = _folder_files(path) if path.is_dir() else [path]
     for file in files:

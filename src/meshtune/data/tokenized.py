@@ -154,7 +154,7 @@ def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
 def cache_key(
     datasets: list[DatasetSpec],
     tokenizer: PreTrainedTokenizerBase,
-    template_name: str,
+    template_name: str | None,
     cutoff_len: int,
     skip_invalid: bool,
     max_samples: int | None = None,
@@ -169,7 +169,7 @@ def cache_key(
         f"v{FORMAT_VERSION}",
         dataset_checksum(datasets),
         _tokenizer_identity(tokenizer),
-        template_name,
+        template_name or "",  # None: the tokenizer's own, else ChatML
         ChatTemplate(tokenizer, template_name).jinja or "",  # the format itself: a changed built-in one re-tokenizes
         str(cutoff_len),
         str(bool(skip_invalid)),
@@ -186,8 +186,8 @@ def load_or_build(
     datasets: list[DatasetSpec | Path],
     tokenizer: PreTrainedTokenizerBase,
     *,
-    fmt: str = "auto",
-    template: str,
+    fmt: str | None = None,
+    template: str | None,
     cutoff_len: int,
     skip_invalid: bool,
     cache_dir: Path,
@@ -197,8 +197,9 @@ def load_or_build(
     mask_history: bool = False,
 ) -> TokenizedDataset:
     """Return the cached tokenized dataset, building it first if no process has yet. A plain path is one file
-    read with `fmt`; `max_samples` keeps the first N records of each dataset; `train_on_prompt` and `mask_history`
-    decide the labels (ChatTemplate).
+    read with `fmt` (None: detected from its records); `template` as ChatTemplate takes it (None: the tokenizer's
+    own, else ChatML); `max_samples` keeps the first N records of each dataset; `train_on_prompt` and
+    `mask_history` decide the labels (ChatTemplate).
 
     Safe to call from every rank of every node at once, with `cache_dir` local or on a shared filesystem
     that supports flock (NFSv4 does; Lustre needs the `flock` mount option).

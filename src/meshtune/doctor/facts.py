@@ -105,7 +105,7 @@ def directory_checksum(directory: Path) -> dict:
 def dataset_facts(cfg) -> dict:
     """The checksum training's agreement check compares (the data files and how they are read), with remembered
     file checksums."""
-    specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.dataset_format)
+    specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.named_format)
     remembered = RememberedChecksums(cache_file())
     checksum = dataset_checksum(specs, remembered.sha256)[:16]
     remembered.save()

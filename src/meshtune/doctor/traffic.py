@@ -68,7 +68,7 @@ def parallel_mode(cfg, processes: int, per_node: int, gpus: bool, gpu_bytes: flo
                   size: ModelSize) -> tuple[str, str]:
     """The parallel mode the run plan will choose (plan.parallel_for, from the doctor's facts), and how."""
     mode, _ = parallel_for(cfg, processes, per_node, gpus and gpu_bytes is not None, lambda: gpu_bytes, lambda: size)
-    return mode, " (auto)" if cfg.parallel == "auto" else ""
+    return mode, " (auto)" if cfg.named_parallel is None else ""
 
 
 def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node: bool, processes: int = 1,
@@ -104,8 +104,8 @@ def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float |
         return None
     tokens = cfg.cutoff_len
     per_token = (4 if cfg.is_lora else 6) * model.dense
-    if cfg.gradient_checkpointing and cfg.gradient_checkpointing_ratio != "auto":  # auto: none counted, the least
-        per_token += 2 * model.dense * cfg.gradient_checkpointing_ratio  # compute it may choose to hide traffic behind
+    if cfg.gradient_checkpointing and cfg.named_recompute_ratio is not None:  # auto: none counted, the least
+        per_token += 2 * model.dense * cfg.named_recompute_ratio  # compute it may choose to hide traffic behind
     per_sample = per_token * tokens + 12 * model.layers * model.attention_width * tokens * tokens
     samples = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     return per_sample * samples / (peak_flops * MFU_ASSUMED)

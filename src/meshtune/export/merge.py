@@ -183,9 +183,10 @@ def copy_tokenizer(source: Path, base: Path, output: Path) -> None:
 def trained_chat_template(checkpoint: Path, tokenizer) -> str | None:
     """The chat template a checkpoint's run trained with, as final/ saves it (None: the tokenizer's own): kept in
     its manifest; a manifest from before checkpoints kept it has the run's `template`, rendered again."""
+    from meshtune.config import template_choice
     from meshtune.data.chat_template import serving_chat_template
 
     manifest = read_manifest(checkpoint)
     if "chat_template" in manifest:
         return manifest["chat_template"]
-    return serving_chat_template(tokenizer, (manifest.get("config") or {}).get("template", "auto"))
+    return serving_chat_template(tokenizer, template_choice((manifest.get("config") or {}).get("template")))

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtune.config import torchrun_nproc
 from meshtune.errors import ConfigError
 from meshtune.worker_env import torchrun_worker
 
@@ -178,8 +179,8 @@ def _from_env(environ: Mapping[str, str]) -> Layer:
 
 def _parse(name: str, raw: str, origin: str) -> object | None:
     """A raw env value as its field's type; None when empty (`export NODE_RANK=` counts as unset)."""
-    raw = raw.strip()
-    if not raw or (name == "nproc_per_node" and raw in ("auto", "gpu")):  # torchrun's names for the default
+    raw = torchrun_nproc(raw.strip()) if name == "nproc_per_node" else raw.strip()
+    if not raw:
         return None
     if name in ("nnodes", "master_addr"):
         return raw

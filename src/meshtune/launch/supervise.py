@@ -86,6 +86,7 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, ma
     """One torchrun of this node. Returns the exit code, None when node 0's rendezvous store was lost (rejoin),
     or raises the error that ended it, named: this node's worker's, or another node's (launch/job_channel.py)."""
     from meshtune.launch import run_torchrun, torchrun_command
+    from meshtune.launch.torchrun import end_workers_line
     from meshtune.launch.job_channel import JobChannel
     from meshtune.doctor.joining import JoinWatch
     from meshtune.doctor.reachability import rendezvous_failure
@@ -106,6 +107,7 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, ma
     if channel.cause is not None:
         raise MeshtuneError(channel.cause)
     if stopped := mailbox.stopped_signal() or (ended.signal if ended.signal == signal.SIGTERM else None):
+        end_workers_line()
         print(f"meshtune: stopped by {signal.Signals(stopped).name} (exit code {exit_code(stopped)}); run the same "
               f"command again to resume", flush=True)
         return exit_code(stopped)

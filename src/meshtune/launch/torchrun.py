@@ -48,7 +48,7 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     workers as MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
     `read_timeout` is the store connection's patience too: a node started before node 0 waits that long.
     """
-    numa_binding = torchrun_numa_binding(cfg.cpu_affinity, settings.nproc_per_node)
+    numa_binding = torchrun_numa_binding(cfg.cpu_pinning, settings.nproc_per_node)
     if not settings.multi_node:
         return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts, numa_binding)
     host = f"[{settings.master_addr}]" if ":" in settings.master_addr else settings.master_addr  # IPv6
@@ -236,3 +236,17 @@ class AgentTracebackFilter:
     def _write(self, data: bytes) -> None:
         self.sink.write(data)
         self.sink.flush()
+        if data:
+            _workers_output["mid_line"] = not data.endswith(b"\n")
+
+
+# whether the workers' copied output stopped mid-line: a progress bar whose worker was stopped never ends its line
+_workers_output = {"mid_line": False}
+
+
+def end_workers_line() -> None:
+    """Start the launcher's next line on a line of its own, after whatever the workers left unfinished."""
+    if _workers_output["mid_line"]:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+        _workers_output["mid_line"] = False

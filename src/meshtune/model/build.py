@@ -27,7 +27,7 @@ from meshtune.plan import MEASURE, RunPlan
 class BuiltModel:
     model: torch.nn.Module  # inside its data-parallel wrapper (DDP, FSDP2, the flat sync, or none on one process)
     flops: FlopCounter      # FLOPs a batch needs, counted on the model as loaded
-    fused_loss: bool        # the head returns the summed loss (False where the head is not a bias-free linear layer)
+    plan: RunPlan           # the plan it was built to: what the model could not do turned off, with the reason
 
 
 def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[str], None]) -> BuiltModel:
@@ -41,7 +41,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     if plan.padding_free:
         use_varlen(model)  # before compile: the blocks are traced with the attention they will run
     # the model's own head, before peft wraps it: same weight, same state-dict keys
-    fused_loss = plan.fused_loss and not head_adapted(model, cfg, log) and install_loss_head(model, plan.compile)
+    plan = fuse_loss_into_head(model, cfg, plan, log)
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
     if cfg.is_lora:
         model = add_lora(model, cfg)
@@ -67,7 +67,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     if loader is not None:
         loader.close()
         log(loader.describe(wrapped))
-    return BuiltModel(wrapped, flops, fused_loss)
+    return BuiltModel(wrapped, flops, plan)
 
 
 def nf4_shards(plan: RunPlan, env: DistEnv) -> int:
@@ -87,7 +87,7 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
     if plan.weights_from_rank0:
         check_same_model(model, env)  # the empty models match rank 0's tensor for tensor, or the broadcast would hang
     wrap = dict(parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
-                prefetch=cfg.fsdp_prefetch, grad_sync=cfg.grad_sync, reduce_bf16=cfg.grad_reduce_dtype == "bf16",
+                prefetch=plan.fsdp_prefetch, grad_sync=plan.grad_sync, reduce_bf16=plan.grad_reduce_dtype == "bf16",
                 blocks_per_unit=plan.blocks_per_unit or 1, cpu_offload=plan.cpu_offload,
                 reshard_after_forward=plan.reshard_after_forward, bucket_cap_mb=cfg.ddp_bucket_cap_mb)
     if plan.parallel == "ddp":
@@ -105,12 +105,30 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
     return model
 
 
-def head_adapted(model: torch.nn.Module, cfg: TrainConfig, log: Callable[[str], None]) -> bool:
-    """LoRA on the output head itself (lora_target names it): peft adds the adapter's logits to the head's output,
-    so the head must return logits, not the fused loss; the plain loss path trains it."""
+def fuse_loss_into_head(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan,
+                        log: Callable[[str], None]) -> RunPlan:
+    """The output head computes the loss (LossHead) where the plan asks for the fused loss and the head allows it;
+    where it does not, the plan amended: fused_loss off, and why."""
+    if not plan.fused_loss:
+        return plan
+    reason = head_adapted(model, cfg)
+    if reason is None and install_loss_head(model, plan.compile):
+        return plan
+    if reason is None:
+        head = output_head(model)
+        biased = " with a bias" if getattr(head, "bias", None) is not None else ""
+        reason = (f"the output head is a {type(head).__name__}{biased}, not the bias-free linear layer whose loss is "
+                  f"computed in chunks")
+    log(f"fused_loss: off, {reason}")
+    return plan.amended("fused_loss", reason, fused_loss=False)
+
+
+def head_adapted(model: torch.nn.Module, cfg: TrainConfig) -> str | None:
+    """Why the head cannot fuse the loss where LoRA adapts it (lora_target names it): peft adds the adapter's
+    logits to the head's output, so the head must return logits, not the fused loss; the plain loss path trains
+    it. None where LoRA leaves the head alone."""
     head = output_head(model)
     name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), None)
     if not cfg.is_lora or name not in cfg.lora_target:
-        return False
-    log(f"fused_loss: off, lora_target adapts the output head ({name}), whose logits the loss then needs")
-    return True
+        return None
+    return f"lora_target adapts the output head ({name}), whose logits the loss then needs"

@@ -82,7 +82,7 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
 
 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
-               hsdp_shard_size: int | None = None, prefetch: int = 1, grad_sync: str = "ddp",
+               hsdp_shard_size: int | None = None, prefetch: int | None = 1, grad_sync: str | None = "ddp",
                in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1,
                cpu_offload: bool = False, reshard_after_forward: bool | None = None,
                bucket_cap_mb: float | None = None,

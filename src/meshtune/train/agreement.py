@@ -56,7 +56,7 @@ def local_facts(cfg: TrainConfig, env: DistEnv) -> dict:
              "device type": env.device.type, **{f"{name} version": v for name, v in package_versions().items()}}
     if env.is_local_main:  # hashing the data once per node is enough
         try:
-            specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.dataset_format)
+            specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.named_format)
             facts["dataset checksum"] = dataset_checksum(specs)[:16]
         except (MeshtuneError, OSError) as exc:
             facts["dataset checksum"] = f"unreadable ({exc})"

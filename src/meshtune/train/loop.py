@@ -39,7 +39,7 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
-from meshtune.plan import MEASURE, RunPlan, resolve
+from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.garbage_collection import StepGarbageCollection
@@ -70,7 +70,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         enable_flight_recorder()  # before the NCCL process group exists
     env = init_distributed(cfg.ddp_timeout)
     log = print if env.is_main else quiet_other_ranks()
-    pinned = apply_cpu_affinity(cfg.cpu_affinity, env.local_rank, env.local_world_size)  # threads started from here on inherit it
+    # threads started from here on inherit the pinning
+    pinned = apply_cpu_affinity(cfg.cpu_pinning, env.local_rank, env.local_world_size)
     if pinned:
         log(f"{pinned} (rank 0)")
     if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
@@ -90,17 +91,17 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
                                     save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0)
-    resume_path, manifest, notes = checkpoints.find_resume(cfg.resume_from_checkpoint if shared else "none",
-                                                           cfg.math(), cfg.resume_allow_changed)
+    wanted, named = resume_request(cfg, shared)  # auto: the newest complete, verified checkpoint
+    resume_path, manifest, notes = (checkpoints.find_resume(named, cfg.math(), cfg.resume_allow_changed) if wanted
+                                    else (None, None, []))
     for note in notes:
         log(note)
     model_dir = check_model_dir(cfg.model_name_or_path)
-    plan = resolve(cfg, env, manifest, lambda: model_size(model_dir))
-    log(plan.describe())
+    plan = resolve(cfg, env, manifest, lambda: model_size(model_dir), resumed_from=resume_path, shared=shared)
 
     # data: tokenized once into the shared cache (other processes wait on its file lock)
     tokenizer = load_tokenizer(model_dir)
-    chat_template = serving_chat_template(tokenizer, cfg.template)  # saved with final/ and in every checkpoint
+    chat_template = serving_chat_template(tokenizer, cfg.named_template)  # saved with final/ and in every checkpoint
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main, log=log)
     batches, total_steps = plan_steps(cfg, train_data, env.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
@@ -109,7 +110,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     if shared and cfg.save_strategy == "epoch":
         checkpoints.save_at(epoch_ends)
     built = build_model(cfg, plan, env, log)
-    model = built.model
+    model, plan = built.model, built.plan  # the plan as built: what the model could not do is off, with why
+    log(plan.describe())
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
     scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
@@ -129,13 +131,15 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
 
     pad_id = tokenizer.pad_token_id
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing, padding_free=plan.padding_free)
-    loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=built.fused_loss,
+    loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
                       autocast_fp16=plan.fp16)
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, env.rank, plan.padding_free)
-        log(fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch, cfg.memory_budget,
-                              cfg.gpu_memory_limit, env.device))
+        ratio, measured = fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch,
+                                            cfg.memory_budget, cfg.gpu_memory_limit, env.device)
+        log(measured)
+        plan = plan.amended("gradient_checkpointing", measured, recompute=ratio)
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
@@ -286,8 +290,9 @@ def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan: RunPlan, batches: Glob
 
 
 def describe_run(cfg: TrainConfig, plan: RunPlan, output_dir: Path) -> None:
-    """config.yaml (the config as given) and run_plan.json, written once the run is accepted: a run refused at
-    start (a resume with other values, missing data, a bad model) leaves them describing the run whose checkpoints
+    """config.yaml (the config as given) and run_plan.json (the plan as the run trains with it: built, and measured
+    where it measures), written once the run is accepted: a run refused at start (a resume with other values,
+    missing data, a bad model, a step that does not fit memory) leaves them describing the run whose checkpoints
     and final/ are there."""
     cfg.write_yaml(output_dir / "config.yaml")
     plan.write(output_dir / "run_plan.json")

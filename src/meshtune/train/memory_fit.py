@@ -181,16 +181,17 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
 def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
                       optimizer: torch.optim.Optimizer, largest: Callable[[], list[Row]],
                       to_batch: Callable[[list[Row]], object], memory_budget: float | None,
-                      gpu_memory_limit: float | None, device: torch.device) -> str:
-    """Choose the recomputed blocks of an `auto` run (the model in train mode); returns the line to log.
+                      gpu_memory_limit: float | None, device: torch.device) -> tuple[float, str]:
+    """Choose the recomputed blocks of an `auto` run (the model in train mode); returns the share of blocks
+    recomputed, as gradient_checkpointing_ratio would set it, and the line to log (the run plan's reason).
     `largest()` finds the run's largest micro-batch (`largest_micro_batch`, a scan of the steps left, done only
     where memory is measured), which `to_batch` collates. Every rank has one, or none, alike: a run's steps are the
     same on every rank."""
     if not can_measure(device):
-        return "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
+        return 1.0, "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
     largest_rows = largest()
     if not largest_rows:
-        return "gradient_checkpointing_ratio auto: no step left to train; every block recomputed"
+        return 1.0, "gradient_checkpointing_ratio auto: no step left to train; every block recomputed"
     batch = to_batch(largest_rows).to(device)
 
     def step() -> float:
@@ -207,4 +208,4 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
     if fit.peak_all > fit.budget:  # the same on every rank (the largest figures decide): all stop before step 1
         raise MemoryFitError(fit.describe())
-    return fit.describe()
+    return fit.ratio, fit.describe()
