@@ -168,7 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", default="32b", help="a Qwen2.5 shape of bench/workspace.py (32b, 72b, 7b, tiny)")
     parser.add_argument("--gpus", type=int, default=2, help="processes (GPUs) on this node")
     parser.add_argument("--parallel", default="zero3", help="zero3 | hsdp | ddp | auto")
-    parser.add_argument("--gpu-memory-limit", type=float, default=None, help="GiB each process may use (24: a 24 GB card)")
+    parser.add_argument(
+        "--gpu-memory-limit", type=float, default=None, help="GiB each process may use (24: a 24 GB card)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank, on every linear layer")
     parser.add_argument("--batch", type=int, default=2, help="samples per GPU per step")
     parser.add_argument("--steps", type=int, default=20)

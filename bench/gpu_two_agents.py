@@ -36,7 +36,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import kill_tree  # noqa: E402
-from workspace import WARMUP, prepare_workspace, timed_records  # noqa: E402
+from workspace import prepare_workspace  # noqa: E402
 
 
 def free_port() -> int:
@@ -124,7 +124,8 @@ def hang_report(out_dir: Path, keep: Path) -> dict:
     shutil.copytree(folders[-1], keep, dirs_exist_ok=True)
     summary = (folders[-1] / "summary.txt").read_text() if (folders[-1] / "summary.txt").exists() else ""
     reports = "".join(p.read_text() for p in folders[-1].glob("rank*.txt"))
-    return {"hang_folder": folders[-1].name, "summary_names_rank_1": "rank 1 " in summary and "did not report" in summary,
+    return {
+        "hang_folder": folders[-1].name, "summary_names_rank_1": "rank 1 " in summary and "did not report" in summary,
             "flight_recorder_entries": reports.count("nccl:")}
 
 

@@ -86,13 +86,14 @@ def summarize(trace: dict, gaps: int, min_gap_ms: float) -> dict:
 
 
 def render(names: list[str], summaries: list[dict], min_gap_ms: float) -> str:
-    rows = [("window (first to last GPU event)", "window_ms"), ("GPU computing (non-NCCL kernels, union)", "compute_ms"),
+    rows = [("window (first to last GPU event)", "window_ms"), (
+        "GPU computing (non-NCCL kernels, union)", "compute_ms"),
             ("NCCL kernels running", "nccl_ms"), ("NCCL not hidden behind compute", "nccl_exposed_ms"),
             ("GPU idle (nothing running)", "idle_ms"), (f"idle gaps of {min_gap_ms:g} ms or more", "gaps_over_min_ms")]
     lines = ["| ms | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(f"{s[key]:.1f}" for s in summaries) + " |")
-    lines.append(f"| number of those gaps | " + " | ".join(str(s["gaps_over_min"]) for s in summaries) + " |")
+    lines.append("| number of those gaps | " + " | ".join(str(s["gaps_over_min"]) for s in summaries) + " |")
     for name, s in zip(names, summaries):
         lines.append(f"\n{name}: longest idle gaps (ms into the window, length, host operator when it began)")
         lines += [f"  {g['at_ms']:9.1f}  {g['ms']:7.2f} ms  {g['host']}" for g in s["gaps"]]

@@ -4,10 +4,8 @@ forked from a process with torch imported (tests/ranks.py) for FSDP2 resharding 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np

@@ -83,7 +83,8 @@ def test_deepspeed_explicit_values_apply_and_conflicts_name_both():
     clash = translate_deepspeed(ds, "ds.json", {"per_device_train_batch_size": 2, "parallel": "zero3"},
                                 {"per_device_train_batch_size": "command line"})
     assert clash.problems == [
-        "ds.json: zero_optimization.stage is \"zero2\" but parallel is 'zero3' (config); set one of them to the other's "
+        "ds.json: zero_optimization.stage is \"zero2\" but parallel is 'zero3' (config); set one of them to the "
+        "other's "
         "value, or the DeepSpeed entry to \"auto\"",
         "ds.json: train_micro_batch_size_per_gpu is 4 but per_device_train_batch_size is 2 (command line); set one of "
         "them to the other's value, or the DeepSpeed entry to \"auto\""]

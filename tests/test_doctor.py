@@ -267,7 +267,7 @@ def test_preflight_stops_the_launch_before_torchrun_naming_the_node_whose_data_d
                                              command=("train",))
     assert (code0, code1) == (1, 1), out0 + out1
     assert "✘ sha256" in row(out0, "dataset files") and "✘ differs: dataset" in row(out0, "config (keys all")
-    assert f'config key dataset differs between nodes: node 1 (' in out0 and str(other_data) in out0
+    assert 'config key dataset differs between nodes: node 1 (' in out0 and str(other_data) in out0
     last = out0.strip().splitlines()[-1]
     assert last.startswith("meshtune: error: preflight: 2 check(s) failed across the nodes (config (keys all nodes "
                            "share), dataset files)") and "set preflight: false" in last, last

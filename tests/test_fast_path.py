@@ -100,7 +100,8 @@ def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(
 def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio_set_by_hand(
         monkeypatch, capsys, tmp_path, tiny_model_dir, tiny_dataset):
     """gradient_checkpointing_ratio auto on a stand-in card: every block recomputed peaks at 100 bytes and each
-    kept block holds 10 more at the end of forward; a budget of 115 keeps one of the two blocks. The measured steps run the real forward and
+    kept block holds 10 more at the end of forward; a budget of 115 keeps one of the two blocks. The measured steps run
+    the real forward and
     backward (dropout included), yet the run's losses are those of ratio 0.5 set by hand, bit for bit."""
     from meshtune.model.loading import transformer_blocks
     from meshtune.train import memory_fit

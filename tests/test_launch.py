@@ -60,7 +60,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def test_defaults_are_one_node_on_this_machine():
     settings = detect({})
-    assert (settings.nnodes, settings.node_rank, settings.master_addr, settings.master_port) == ("1", 0, "127.0.0.1", None)
+    assert (settings.nnodes, settings.node_rank, settings.master_addr, settings.master_port) == (
+        "1", 0, "127.0.0.1", None)
     assert settings.nproc_per_node == 3 and not settings.multi_node
     assert settings.source["nnodes"] == "default" and "visible GPUs" in settings.source["nproc_per_node"]
 
@@ -86,7 +87,8 @@ def test_gpus_per_node_is_an_alias_of_nproc_per_node():
 
 def test_empty_env_values_count_as_unset_and_bad_ones_are_named():
     assert detect({"NODE_RANK": "", "NNODES": " "}).nnodes == "1"
-    with pytest.raises(ConfigError, match=r"master_port='http' \(from env MASTER_PORT\) is not a whole number from 1 to 65535"):
+    with pytest.raises(ConfigError, match=r"master_port='http' \(from env MASTER_PORT\) is not a whole number from 1 "
+                                          r"to 65535"):
         detect({"MASTER_PORT": "http"})
     with pytest.raises(ConfigError, match=r"nproc_per_node='0' \(from env GPUS_PER_NODE\)"):
         detect({"GPUS_PER_NODE": "0"})
@@ -179,7 +181,8 @@ def test_pytorchjob_pet_variables():
     env = {"PET_NNODES": "3", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456",
            "PET_NPROC_PER_NODE": "4", "PET_RDZV_ID": "job", "WORLD_SIZE": "12", "RANK": "2"}
     settings = detect(env)
-    assert (settings.nnodes, settings.node_rank, settings.master_addr, settings.master_port) == ("3", 2, "job-master-0", 23456)
+    assert (settings.nnodes, settings.node_rank, settings.master_addr, settings.master_port) == (
+        "3", 2, "job-master-0", 23456)
     assert settings.nproc_per_node == 4 and settings.run_id == "job"
     assert settings.source["nnodes"] == "PyTorchJob PET_NNODES"
     assert detect({**env, "PET_NPROC_PER_NODE": "auto"}).nproc_per_node == 3
@@ -204,7 +207,8 @@ def test_torchrun_worker_is_told_by_torchrun_variables_only():
 def test_multi_node_needs_master_address_and_port():
     with pytest.raises(ConfigError, match=r"nnodes=2 \(from env NNODES\).*set MASTER_ADDR \(or master_addr:\)"):
         detect({"NNODES": "2", "MASTER_PORT": "29500"})
-    with pytest.raises(ConfigError, match=r"nnodes=2 \(from config\).*set MASTER_PORT \(or master_port:\) to the same free port"):
+    with pytest.raises(ConfigError, match=r"nnodes=2 \(from config\).*set MASTER_PORT \(or master_port:\) to the same "
+                                          r"free port"):
         detect({"MASTER_ADDR": "10.0.0.1"}, nnodes="2")
 
 

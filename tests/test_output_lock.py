@@ -87,7 +87,7 @@ def test_a_second_job_on_a_running_jobs_output_dir_is_refused_until_that_job_die
         result = run_cli_here(["train", str(second)], capfd)
         assert result.returncode == 1 and time.monotonic() - started < 30, result.stdout[-2000:]
         last = result.stdout.strip().splitlines()[-1]
-        assert f"is in use by another meshtune job" in last and f"(pid {job_a.pid})" in last, last
+        assert "is in use by another meshtune job" in last and f"(pid {job_a.pid})" in last, last
         assert not (output / "checkpoint-3").exists()
     finally:
         kill_tree(job_a.pid)

@@ -75,7 +75,8 @@ MATH, JOB, NODE = "math", "job", "node"
 MODEL = Section("model and method", MATH)
 DATA = Section("data", MATH)
 OPTIMIZATION = Section("optimisation", MATH)
-SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; the math stays the same", JOB)
+SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; the math stays the "
+                "same", JOB)
 PARALLELISM = Section("parallelism", JOB)
 LAUNCH = Section("nodes and launch (each node may set these for itself; the launcher checks them)", NODE)
 OUTPUT = Section("outputs, evaluation and checkpoints", JOB)
@@ -87,37 +88,91 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, tokenizer); meshtune never downloads")
-    finetuning_type: Literal["full", "lora", "qlora"] = MODEL("lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do not fit otherwise; read block by block, and sharded under zero2 / zero3 / hsdp; needs torchao)")
+    model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, "
+                                                "tokenizer); meshtune never downloads")
+    finetuning_type: Literal["full", "lora", "qlora"] = MODEL(
+        "lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose "
+                "transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do "
+                "not fit otherwise; read block by block, and sharded under zero2 / zero3 / hsdp; needs torchao)")
     lora_rank: int = MODEL(8, "LoRA rank r: larger adapters learn more and cost more memory", gt=0)
-    lora_alpha: float | None = MODEL(None, "LoRA scaling alpha (the update is scaled by alpha / r); default 2 x lora_rank", gt=0)
-    lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of processes", ge=0.0, lt=1.0)
-    lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. q_proj,v_proj")
-    adapter_name_or_path: str | None = MODEL(None, "a PEFT LoRA adapter directory to continue training (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's final/; a checkpoint-N becomes one with `meshtune export`): the run starts from its weights, with its r, alpha, dropout and target modules in place of lora_rank, lora_alpha, lora_dropout and lora_target, as LLaMA-Factory continues an adapter; lora and qlora")
-    additional_target: list[str] = MODEL([], "lora: modules trained in full beside the adapters (LLaMA-Factory's additional_target, PEFT's modules_to_save), e.g. embed_tokens,lm_head: a trainable fp32 copy of each, saved in the adapter; default none")
-    gradient_checkpointing: bool | None = MODEL(None, "recompute activations in backward instead of storing them: less memory, more compute. Default: on GPUs, the run's largest step is measured before training and only the blocks it must are recomputed to fit memory_budget (none where the step fits; where even every block recomputed does not fit, the run stops at start with the measured need); on CPU none. true: recompute gradient_checkpointing_ratio of the blocks | false: never", scope=JOB)
-    gradient_checkpointing_ratio: float | Literal["auto"] = MODEL("auto", "the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other block: faster, more memory; a value here turns recomputation on unless gradient_checkpointing is false) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured steps of the run's largest micro-batch before training (logged); on CPU, with gradient_checkpointing true, every block", scope=JOB)
-    memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) (1 or less), counted as torch allocates it (torch.cuda.max_memory_allocated, the speed table's peak GiB). Default 0.9 of the card", gt=0.0, scope=JOB)
-    bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports it; CPU runs fp32")
-    fp16: bool = MODEL(False, "fp16 compute on GPUs without bf16 (V100, T4), as HF's fp16: autocast to fp16 with a dynamic loss scale (torch's GradScaler, its sharded one under zero2 / zero3 / hsdp: a step whose gradients overflow is skipped and the scale halves), fp32 master weights; FSDP2 then gathers fp32 parameters. CPU runs fp32")
+    lora_alpha: float | None = MODEL(None, "LoRA scaling alpha (the update is scaled by alpha / r); default 2 x "
+                                           "lora_rank", gt=0)
+    lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of "
+                                     "processes", ge=0.0, lt=1.0)
+    lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. "
+                                            "q_proj,v_proj")
+    adapter_name_or_path: str | None = MODEL(None, "a PEFT LoRA adapter directory to continue training "
+                                                   "(adapter_config.json + adapter_model.safetensors, e.g. an earlier "
+                                                   "run's final/; a checkpoint-N becomes one with `meshtune export`): "
+                                                   "the run starts from its weights, with its r, alpha, dropout and "
+                                                   "target modules in place of lora_rank, lora_alpha, lora_dropout and "
+                                                   "lora_target, as LLaMA-Factory continues an adapter; lora and qlora")
+    additional_target: list[str] = MODEL([], "lora: modules trained in full beside the adapters (LLaMA-Factory's "
+                                             "additional_target, PEFT's modules_to_save), e.g. embed_tokens,lm_head: a "
+                                             "trainable fp32 copy of each, saved in the adapter; default none")
+    gradient_checkpointing: bool | None = MODEL(None, "recompute activations in backward instead of storing them: less "
+                                                      "memory, more compute. Default: on GPUs, the run's "
+                                                      "largest step is measured before training and only "
+                                                      "the blocks it must are recomputed to fit "
+                                                      "memory_budget (none where the step fits; where even "
+                                                      "every block recomputed does not fit, the run stops "
+                                                      "at start with the measured need); on CPU none. "
+                                                      "true: recompute gradient_checkpointing_ratio of the "
+                                                      "blocks | false: never", scope=JOB)
+    gradient_checkpointing_ratio: float | Literal["auto"] = MODEL(
+        "auto", "the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other "
+                "block: faster, more memory; a value here turns recomputation on unless gradient_checkpointing is "
+                "false) | auto: on GPUs, the fewest blocks whose step fits memory_budget, chosen from two measured "
+                "steps of the run's largest micro-batch before training (logged); on CPU, with gradient_checkpointing "
+                "true, every block", scope=JOB)
+    memory_budget: float | None = MODEL(None, "with gradient_checkpointing_ratio auto: the GPU memory a step may take, "
+                                              "in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) "
+                                              "(1 or less), counted as torch allocates it "
+                                              "(torch.cuda.max_memory_allocated, the speed table's peak GiB). Default "
+                                              "0.9 of the card", gt=0.0, scope=JOB)
+    bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports "
+                                    "it; CPU runs fp32")
+    fp16: bool = MODEL(False, "fp16 compute on GPUs without bf16 (V100, T4), as HF's fp16: autocast to fp16 with a "
+                              "dynamic loss scale (torch's GradScaler, its sharded one under zero2 / zero3 / hsdp: a "
+                              "step whose gradients overflow is skipped and the scale halves), fp32 master weights; "
+                              "FSDP2 then gathers fp32 parameters. CPU runs fp32")
 
-    dataset: list[str] = DATA(description="training data: file(s), JSON list or JSONL, or names in dataset_dir/dataset_info.json (LLaMA-Factory's registry); comma-separated or a list")
-    eval_dataset: list[str] | None = DATA(None, "held-out data file(s) or dataset_info.json names; otherwise val_size splits the training data")
-    dataset_dir: str = DATA("data", "folder of LLaMA-Factory's dataset_info.json: a dataset entry that is no file is looked up there by name (its file_name, formatting, columns and tags)")
+    dataset: list[str] = DATA(description="training data: file(s), JSON list or JSONL, or names in "
+                                          "dataset_dir/dataset_info.json (LLaMA-Factory's registry); comma-separated "
+                                          "or a list")
+    eval_dataset: list[str] | None = DATA(None, "held-out data file(s) or dataset_info.json names; otherwise val_size "
+                                                "splits the training data")
+    dataset_dir: str = DATA("data", "folder of LLaMA-Factory's dataset_info.json: a dataset entry that is no file is "
+                                    "looked up there by name (its file_name, formatting, columns and tags)")
     max_samples: int | None = DATA(None, "use only the first N records of each dataset (as LLaMA-Factory); default: all", gt=0)
-    dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA("auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
-    template: Literal["auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "gemma", "gemma3", "phi", "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2", "cohere", "default", "empty", "alpaca"] = DATA("auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, phi4, deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (the tokenizer's own template when it is that family's, else the format written out as LLaMA-Factory renders it; final/ saves the one trained)")
-    train_on_prompt: bool = DATA(False, "also train on the prompt: system, user and tool turns and the assistant header (LLaMA-Factory's key); default: assistant turns only")
-    mask_history: bool = DATA(False, "train only the last assistant turn of each conversation, earlier ones are context; a conversation longer than cutoff_len keeps its end (LLaMA-Factory's key)")
+    dataset_format: Literal[
+        "auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA(
+            "auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
+    template: Literal[
+        "auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "gemma", "gemma3", "phi", "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2", "cohere", "default", "empty", "alpaca"] = DATA(
+            "auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | "
+                    "LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, "
+                    "phi4, deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (the "
+                    "tokenizer's own template when it is that family's, else the format written out as LLaMA-Factory "
+                    "renders it; final/ saves the one trained)")
+    train_on_prompt: bool = DATA(False, "also train on the prompt: system, user and tool turns and the assistant "
+                                        "header (LLaMA-Factory's key); default: assistant turns only")
+    mask_history: bool = DATA(False, "train only the last assistant turn of each conversation, earlier ones are "
+                                     "context; a conversation longer than cutoff_len keeps its end (LLaMA-Factory's "
+                                     "key)")
     cutoff_len: int = DATA(2048, "samples are truncated to this many tokens", gt=1)
     val_size: float = DATA(0.0, "held-out part of the training data: a fraction (<1) or a count", ge=0.0)
     skip_invalid: bool = DATA(False, "skip malformed records (counted) instead of stopping at the first")
-    tokenized_path: str | None = DATA(None, "where the tokenized cache lives (default: output_dir/tokenized); put it on storage all nodes share to tokenize once", scope=NODE)
-    packing: bool = DATA(False, "pack samples into rows of up to cutoff_len (no attention across samples): fewer, fuller rows")
-    group_by_length: bool = DATA(False, "without packing: micro-batches of similar lengths inside each global batch (less padding)")
+    tokenized_path: str | None = DATA(None, "where the tokenized cache lives (default: output_dir/tokenized); put it "
+                                            "on storage all nodes share to tokenize once", scope=NODE)
+    packing: bool = DATA(False, "pack samples into rows of up to cutoff_len (no attention across samples): fewer, "
+                                "fuller rows")
+    group_by_length: bool = DATA(False, "without packing: micro-batches of similar lengths inside each global batch "
+                                        "(less padding)")
 
     per_device_train_batch_size: int = OPTIMIZATION(1, "samples (or packed rows) per process per micro-step", gt=0)
-    gradient_accumulation_steps: int = OPTIMIZATION(1, "micro-steps per optimizer step; global batch = per_device_train_batch_size x this x processes", gt=0)
+    gradient_accumulation_steps: int = OPTIMIZATION(1, "micro-steps per optimizer step; global batch = "
+                                                       "per_device_train_batch_size x this x processes", gt=0)
     learning_rate: float = OPTIMIZATION(1e-4, "peak learning rate (AdamW)", gt=0.0)
     weight_decay: float = OPTIMIZATION(0.0, "AdamW weight decay (never on biases and norms)", ge=0.0)
     adam_beta1: float = OPTIMIZATION(0.9, "AdamW beta1", gt=0.0, lt=1.0)
@@ -125,69 +180,210 @@ class TrainConfig(BaseModel):
     adam_epsilon: float = OPTIMIZATION(1e-8, "AdamW epsilon", gt=0.0)
     num_train_epochs: float = OPTIMIZATION(3.0, "epochs, used when max_steps is -1", gt=0.0)
     max_steps: int = OPTIMIZATION(-1, "optimizer steps; -1 = from num_train_epochs", ge=-1)
-    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = OPTIMIZATION("cosine", "HF's schedule of that name, warmup from lr 0 included: cosine | linear (decay to 0 after the warmup) | constant (no warmup, as in HF) | constant_with_warmup")
+    lr_scheduler_type: Literal[
+        "cosine", "linear", "constant", "constant_with_warmup"] = OPTIMIZATION(
+            "cosine", "HF's schedule of that name, warmup from lr 0 included: cosine | linear (decay to 0 after the "
+                      "warmup) | constant (no warmup, as in HF) | constant_with_warmup")
     warmup_ratio: float = OPTIMIZATION(0.0, "warmup as a fraction of all steps, rounded up", ge=0.0, lt=1.0)
-    warmup_steps: float = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0. A fraction below 1 is a share of all steps, as in transformers 5", ge=0)
-    master_weights: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "full fine-tuning: the weights the optimizer updates. fp32 (16 bytes a parameter with AdamW: fp32 weights, gradients and two moments; bf16 compute) | bf16 (8 bytes: bf16 weights, gradients and moments, as HF Trainer trains a bf16 model, but each update computed in fp32 and rounded to bf16 stochastically so small updates survive on average; half the memory. On CUDA one Triton kernel updates every parameter. Runs are reproducible for one layout, and layouts agree within bf16 rounding rather than exactly)")
+    warmup_steps: float = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0. A fraction below 1 is a "
+                                          "share of all steps, as in transformers 5", ge=0)
+    master_weights: Literal["fp32", "bf16"] = OPTIMIZATION(
+        "fp32", "full fine-tuning: the weights the optimizer updates. fp32 (16 bytes a parameter with AdamW: fp32 "
+                "weights, gradients and two moments; bf16 compute) | bf16 (8 bytes: bf16 weights, gradients and "
+                "moments, as HF Trainer trains a bf16 model, but each update computed in fp32 and rounded to bf16 "
+                "stochastically so small updates survive on average; half the memory. On CUDA one Triton kernel "
+                "updates every parameter. Runs are reproducible for one layout, and layouts agree within bf16 rounding "
+                "rather than exactly)")
     max_grad_norm: float = OPTIMIZATION(1.0, "gradient clipping; 0 turns it off (the norm is still logged)", ge=0.0)
-    on_nonfinite: Literal["stop", "skip"] = OPTIMIZATION("stop", "a step whose loss or gradient norm is not finite (NaN or inf, from a bad sample, an overflow or a broken node): stop (the job ends naming the step, the ranks, their nodes and the samples of the batch; no checkpoint nor final/ of that step or a later one is written; the check reads flags kept on the device where the loop waits anyway, so steps do not slow down) | skip (the step makes no update: no optimizer step, and the learning rate schedule waits, as Megatron-LM and HF Trainer skip a step whose gradients overflowed; metrics.jsonl lists it; the ranks agree on each step before its update, one small all-gather and one wait for the device per step)", scope=JOB)
-    max_nonfinite_skips: int = OPTIMIZATION(5, "on_nonfinite skip: the run stops at the non-finite step after this many were skipped (counted over the whole run, resumes included)", ge=0, scope=JOB)
-    grad_reduce_dtype: Literal["fp32", "bf16"] = OPTIMIZATION("fp32", "the dtype gradients cross the processes in: fp32 (exact sums) | bf16 (half the bytes, as DeepSpeed's default under bf16; sums over many processes lose precision: try it when the network is the bottleneck). The optimizer always steps fp32 gradients")
-    train_batch_size: int | None = OPTIMIZATION(None, "the global batch you expect (per_device_train_batch_size x gradient_accumulation_steps x data-parallel processes), as DeepSpeed's train_batch_size: the job stops at start naming the three when it differs; default: not checked", gt=0, scope=JOB)
+    on_nonfinite: Literal["stop", "skip"] = OPTIMIZATION(
+        "stop", "a step whose loss or gradient norm is not finite (NaN or inf, from a bad sample, an overflow or a "
+                "broken node): stop (the job ends naming the step, the ranks, their nodes and the samples of the "
+                "batch; no checkpoint nor final/ of that step or a later one is written; the check reads flags kept on "
+                "the device where the loop waits anyway, so steps do not slow down) | skip (the step makes no update: "
+                "no optimizer step, and the learning rate schedule waits, as Megatron-LM and HF Trainer skip a step "
+                "whose gradients overflowed; metrics.jsonl lists it; the ranks agree on each step before its update, "
+                "one small all-gather and one wait for the device per step)", scope=JOB)
+    max_nonfinite_skips: int = OPTIMIZATION(5, "on_nonfinite skip: the run stops at the non-finite step after this "
+                                               "many were skipped (counted over the whole run, "
+                                               "resumes included)", ge=0, scope=JOB)
+    grad_reduce_dtype: Literal["fp32", "bf16"] = OPTIMIZATION(
+        "fp32", "the dtype gradients cross the processes in: fp32 (exact sums) | bf16 (half the bytes, as DeepSpeed's "
+                "default under bf16; sums over many processes lose precision: try it when the network is the "
+                "bottleneck). The optimizer always steps fp32 gradients")
+    train_batch_size: int | None = OPTIMIZATION(None, "the global batch you expect (per_device_train_batch_size x "
+                                                      "gradient_accumulation_steps x data-parallel processes), as "
+                                                      "DeepSpeed's train_batch_size: the job stops at start naming the "
+                                                      "three when it differs; default: not checked", gt=0, scope=JOB)
     seed: int = OPTIMIZATION(42, "seeds the data order, the init of new weights and every random stream")
 
-    padding_free: bool | None = SPEED(None, "the samples of a micro-batch end to end in one row, attended by torch's variable-length flash attention: no padding, no attention across samples; micro-batches then hold equal token counts rather than equal sample counts. Default: on with CUDA; elsewhere off (it works there too, one attention call per sample)")
-    fused_loss: bool = SPEED(True, "the output head and cross-entropy in row chunks over target positions only: the full-vocabulary logits are never stored. Turn off to compare with the plain F.cross_entropy path")
-    torch_compile: bool | None = SPEED(None, "torch.compile every transformer block and the fused loss. Default: on with CUDA (the first steps then include compilation); turn off to debug")
-    optim: Literal["auto", "adamw_torch", "adamw_torch_fused"] = SPEED("auto", "auto (fused AdamW on CUDA) | adamw_torch | adamw_torch_fused")
-    grad_sync: Literal["ddp", "flat"] = SPEED("ddp", "parallel ddp on several processes: ddp (DistributedDataParallel: gradients all-reduced in buckets during backward) | flat (no wrapper: one all-reduce of all gradients after backward; can be faster for small trainable sets such as LoRA)")
-    ddp_bucket_cap_mb: float | None = SPEED(None, "parallel ddp: MB of gradients DDP all-reduces at once, as HF's TrainingArguments; larger buckets mean fewer collectives, each starting later in backward. Default: torch's 25", gt=0)
-    fsdp_blocks_per_unit: int | None = SPEED(None, "zero2 / zero3 / hsdp: consecutive transformer blocks sharded as one FSDP2 unit. More blocks a unit: fewer, larger collectives and fewer host hooks each step, at the memory of gathering them at once. Default: as many as keep a unit within about 1B parameters, at most 4; lower it if zero3 runs out of memory", ge=1)
-    fsdp_prefetch: int = SPEED(0, "zero2 / zero3 / hsdp: blocks whose parameters are gathered explicitly ahead of use in forward and backward (0 = FSDP2's own implicit prefetching, usually as fast)", ge=0)
-    expandable_segments: bool = SPEED(True, "CUDA: the caching allocator grows its segments instead of allocating new ones (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): no fragmentation retries when large units are gathered and freed. A PYTORCH_CUDA_ALLOC_CONF you set yourself is left as it is", scope=NODE)
-    gc_interval: int | None = SPEED(None, "Python's garbage collection every N optimizer steps, on all ranks at the same step and never in between, so no rank stalls the others at a collective while it collects. 0 = Python's automatic collection. Default: 50 with several processes, 0 with one", ge=0, scope=NODE)
-    activation_memory_budget: float = SPEED(1.0, "torch_compile: the share of a compiled block's activations its backward may keep (torch's partitioner budget). Below 1 the compiler recomputes the operators that free the most memory for the least time inside the block's own backward (matmul outputs last), instead of recomputing whole blocks: a finer trade than gradient_checkpointing_ratio for the blocks that are not recomputed", gt=0.0, le=1.0)
-    compile_combo_kernels: bool = SPEED(False, "torch_compile on CUDA: inductor's combo kernels, which launch independent small kernels of a block as one (the adapters' bf16 casts in forward, their fp32 gradients in backward): fewer launches where the host, not the GPU, sets the pace (LoRA with every block recomputed). The math is unchanged; Triton only, so CPU runs ignore it")
-    cpu_affinity: Literal["auto", "none", "node", "exclusive"] = SPEED("auto", "CUDA workers pinned to host CPUs: node (the CPUs of their GPU's NUMA node) | exclusive (a disjoint share of those CPUs for each process of the node, whole physical cores, so no two processes' host work competes for a core) | none. auto: node where the system tells the GPU's NUMA node, else nothing (exclusive is yours to try: on one-socket machines it only keeps processes off each other's cores)", scope=NODE)
-    profile_steps: str | None = SPEED(None, "profile optimizer steps FIRST-LAST (e.g. 10-12) with torch.profiler: a Chrome trace per rank and rank 0's costliest operators in output_dir/profile/", scope=NODE)
+    padding_free: bool | None = SPEED(None, "the samples of a micro-batch end to end in one row, attended by torch's "
+                                            "variable-length flash attention: no padding, no attention across samples; "
+                                            "micro-batches then hold equal token counts rather than equal sample "
+                                            "counts. Default: on with CUDA; elsewhere off (it works there too, one "
+                                            "attention call per sample)")
+    fused_loss: bool = SPEED(True, "the output head and cross-entropy in row chunks over target positions only: the "
+                                   "full-vocabulary logits are never stored. Turn off to compare with the plain "
+                                   "F.cross_entropy path")
+    torch_compile: bool | None = SPEED(None, "torch.compile every transformer block and the fused loss. Default: on "
+                                             "with CUDA (the first steps then include compilation); turn off to debug")
+    optim: Literal["auto", "adamw_torch", "adamw_torch_fused"] = SPEED(
+        "auto", "auto (fused AdamW on CUDA) | adamw_torch | adamw_torch_fused")
+    grad_sync: Literal["ddp", "flat"] = SPEED("ddp", "parallel ddp on several processes: ddp (DistributedDataParallel: "
+                                                     "gradients all-reduced in buckets during backward) | flat (no "
+                                                     "wrapper: one all-reduce of all gradients after backward; can be "
+                                                     "faster for small trainable sets such as LoRA)")
+    ddp_bucket_cap_mb: float | None = SPEED(None, "parallel ddp: MB of gradients DDP all-reduces at once, as HF's "
+                                                  "TrainingArguments; larger buckets mean fewer collectives, each "
+                                                  "starting later in backward. Default: torch's 25", gt=0)
+    fsdp_blocks_per_unit: int | None = SPEED(None, "zero2 / zero3 / hsdp: consecutive transformer blocks sharded as "
+                                                   "one FSDP2 unit. More blocks a unit: fewer, larger collectives and "
+                                                   "fewer host hooks each step, at the memory of gathering them at "
+                                                   "once. Default: as many as keep a unit within about 1B parameters, "
+                                                   "at most 4; lower it if zero3 runs out of memory", ge=1)
+    fsdp_prefetch: int = SPEED(0, "zero2 / zero3 / hsdp: blocks whose parameters are gathered explicitly ahead of use "
+                                  "in forward and backward (0 = FSDP2's own implicit prefetching, usually as "
+                                  "fast)", ge=0)
+    expandable_segments: bool = SPEED(True, "CUDA: the caching allocator grows its segments instead of allocating new "
+                                            "ones (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): no fragmentation "
+                                            "retries when large units are gathered and freed. A "
+                                            "PYTORCH_CUDA_ALLOC_CONF you set yourself is left as it is", scope=NODE)
+    gc_interval: int | None = SPEED(None, "Python's garbage collection every N optimizer steps, on all ranks at the "
+                                          "same step and never in between, so no rank stalls the others at a "
+                                          "collective while it collects. 0 = Python's automatic collection. Default: "
+                                          "50 with several processes, 0 with one", ge=0, scope=NODE)
+    activation_memory_budget: float = SPEED(1.0, "torch_compile: the share of a compiled block's activations its "
+                                                 "backward may keep (torch's partitioner budget). "
+                                                 "Below 1 the compiler recomputes the operators that "
+                                                 "free the most memory for the least time inside the "
+                                                 "block's own backward (matmul outputs last), instead "
+                                                 "of recomputing whole blocks: a finer trade than "
+                                                 "gradient_checkpointing_ratio for the blocks that "
+                                                 "are not recomputed", gt=0.0, le=1.0)
+    compile_combo_kernels: bool = SPEED(False, "torch_compile on CUDA: inductor's combo kernels, which launch "
+                                               "independent small kernels of a block as one (the adapters' bf16 casts "
+                                               "in forward, their fp32 gradients in backward): fewer launches where "
+                                               "the host, not the GPU, sets the pace (LoRA with every block "
+                                               "recomputed). The math is unchanged; Triton only, so CPU runs ignore it")
+    cpu_affinity: Literal["auto", "none", "node", "exclusive"] = SPEED(
+        "auto", "CUDA workers pinned to host CPUs: node (the CPUs of their GPU's NUMA node) | exclusive (a disjoint "
+                "share of those CPUs for each process of the node, whole physical cores, so no two "
+                "processes' host work competes for a core) | none. auto: node where the system tells the "
+                "GPU's NUMA node, else nothing (exclusive is yours to try: on one-socket machines it only "
+                "keeps processes off each other's cores)", scope=NODE)
+    profile_steps: str | None = SPEED(None, "profile optimizer steps FIRST-LAST (e.g. 10-12) with torch.profiler: a "
+                                            "Chrome trace per rank and rank 0's costliest operators in "
+                                            "output_dir/profile/", scope=NODE)
 
-    parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = PARALLELISM("auto", "auto | ddp | zero2 (FSDP2, parameters kept after forward) | zero3 (FSDP2, resharded after forward) | hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, one process and CPU; Q-LoRA on several GPUs: ddp, or zero3 where the whole 4-bit model would take over half a GPU (hsdp across nodes where a node's GPUs hold it); full fine-tuning on one node: zero2, or zero3 where zero2's whole bf16 weights plus its share of the fp32 state would take over half a GPU; on several nodes: hsdp sharded over each node's GPUs, so only the gradients' all-reduce crosses the network (zero3 over all when a node cannot hold the model's state). LoRA under zero2 runs as ddp (ZeRO-2 never shards weights; the plan says so)")
-    load_weights_on: Literal["rank0", "every_rank"] = PARALLELISM("rank0", "rank0: only global rank 0 reads the model files; the other processes build the model without weights and receive rank 0's (under zero2 / zero3 / hsdp only their shard), so a node's memory holds one copy, not one per process | every_rank: each process reads the files itself")
-    cpu_offload: bool = PARALLELISM(False, "zero2 / zero3 / hsdp: FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state live in CPU memory and the optimizer steps on the CPU (DeepSpeed's offload_optimizer / offload_param): trains models whose state does not fit in GPU memory, several times slower")
-    hsdp_shard_size: int | None = PARALLELISM(None, "hsdp: processes that shard one replica; default: the processes of one node", gt=0)
+    parallel: Literal["auto", "ddp", "zero2", "zero3", "hsdp"] = PARALLELISM(
+        "auto", "auto | ddp | zero2 (FSDP2, parameters kept after forward) | zero3 (FSDP2, resharded after forward) | "
+                "hsdp (shard inside a node, replicate across nodes). auto: ddp for LoRA, one process and CPU; Q-LoRA "
+                "on several GPUs: ddp, or zero3 where the whole 4-bit model would take over half a GPU (hsdp across "
+                "nodes where a node's GPUs hold it); full fine-tuning on one node: zero2, or zero3 where zero2's whole "
+                "bf16 weights plus its share of the fp32 state would take over half a GPU; on several nodes: hsdp "
+                "sharded over each node's GPUs, so only the gradients' all-reduce crosses the network (zero3 over all "
+                "when a node cannot hold the model's state). LoRA under zero2 runs as ddp (ZeRO-2 never shards "
+                "weights; the plan says so)")
+    load_weights_on: Literal["rank0", "every_rank"] = PARALLELISM(
+        "rank0", "rank0: only global rank 0 reads the model files; the other processes build the model without weights "
+                 "and receive rank 0's (under zero2 / zero3 / hsdp only their shard), so a node's memory holds one "
+                 "copy, not one per process | every_rank: each process reads the files itself")
+    cpu_offload: bool = PARALLELISM(False, "zero2 / zero3 / hsdp: FSDP2's CPUOffloadPolicy: parameters, gradients and "
+                                           "optimizer state live in CPU memory and the optimizer steps on the CPU "
+                                           "(DeepSpeed's offload_optimizer / offload_param): trains models whose state "
+                                           "does not fit in GPU memory, several times slower")
+    hsdp_shard_size: int | None = PARALLELISM(None, "hsdp: processes that shard one replica; default: the processes of "
+                                                    "one node", gt=0)
 
-    nproc_per_node: int | None = LAUNCH(None, "processes on this machine; default: env NPROC_PER_NODE, else visible GPUs (1 on CPU)", gt=0)
-    nnodes: str | None = LAUNCH(None, "nodes in the job, or an elastic range MIN:MAX; default: env NNODES / the scheduler, else 1")
-    node_rank: int | None = LAUNCH(None, "this node's rank (0 = the node at master_addr); default: env NODE_RANK / the scheduler", ge=0)
-    master_addr: str | None = LAUNCH(None, "address of node 0, the rendezvous host; default: env MASTER_ADDR / the scheduler, else 127.0.0.1")
-    master_port: int | None = LAUNCH(None, "rendezvous port on master_addr; required for several nodes (the same free port on every node)", gt=0, lt=65536)
-    local_addr: str | None = LAUNCH(None, "the address other nodes reach this node at (torchrun --local-addr); default: hostname lookup. Set it when the hostname resolves to the wrong network")
-    max_restarts: int = LAUNCH(3, "times torchrun restarts all workers after a failure (they resume from the newest checkpoint)", ge=0)
-    rdzv_backend: Literal["c10d", "etcd-v2"] = LAUNCH("c10d", "c10d: node 0's launcher hosts the rendezvous store on MASTER_ADDR:MASTER_PORT, nothing else to run; when node 0 dies the other nodes wait for it to be relaunched and rejoin | etcd-v2: an etcd server at rdzv_endpoint holds the rendezvous (v2 API: start etcd with --enable-v2), so it outlives any node; needs python-etcd (pip install 'meshtune[etcd]')")
-    rdzv_endpoint: str | None = LAUNCH(None, "rdzv_backend etcd-v2: the etcd server as host:port, the same on every node (MASTER_ADDR and MASTER_PORT are then not needed)")
+    nproc_per_node: int | None = LAUNCH(None, "processes on this machine; default: env NPROC_PER_NODE, else visible "
+                                              "GPUs (1 on CPU)", gt=0)
+    nnodes: str | None = LAUNCH(None, "nodes in the job, or an elastic range MIN:MAX; default: env NNODES / the "
+                                      "scheduler, else 1")
+    node_rank: int | None = LAUNCH(None, "this node's rank (0 = the node at master_addr); default: env NODE_RANK / the "
+                                         "scheduler", ge=0)
+    master_addr: str | None = LAUNCH(None, "address of node 0, the rendezvous host; default: env MASTER_ADDR / the "
+                                           "scheduler, else 127.0.0.1")
+    master_port: int | None = LAUNCH(None, "rendezvous port on master_addr; required for several nodes (the same free "
+                                           "port on every node)", gt=0, lt=65536)
+    local_addr: str | None = LAUNCH(None, "the address other nodes reach this node at (torchrun --local-addr); "
+                                          "default: hostname lookup. Set it when the hostname resolves to the wrong "
+                                          "network")
+    max_restarts: int = LAUNCH(3, "times torchrun restarts all workers after a failure (they resume from the newest "
+                                  "checkpoint)", ge=0)
+    rdzv_backend: Literal["c10d", "etcd-v2"] = LAUNCH(
+        "c10d", "c10d: node 0's launcher hosts the rendezvous store on MASTER_ADDR:MASTER_PORT, nothing else to run; "
+                "when node 0 dies the other nodes wait for it to be relaunched and rejoin | etcd-v2: an etcd server at "
+                "rdzv_endpoint holds the rendezvous (v2 API: start etcd with --enable-v2), so it outlives any node; "
+                "needs python-etcd (pip install 'meshtune[etcd]')")
+    rdzv_endpoint: str | None = LAUNCH(None, "rdzv_backend etcd-v2: the etcd server as host:port, the same on every "
+                                             "node (MASTER_ADDR and MASTER_PORT are then not needed)")
     rdzv_timeout: int = LAUNCH(300, "seconds to wait for all nodes to join before failing with a diagnosis", gt=0)
-    preflight: bool | Literal["bandwidth"] = LAUNCH(True, "on several nodes, the launcher's first step: the checks of `meshtune doctor` (node ranks, launch settings, config, versions, model and data checksums, shared output_dir, clocks, network interface) across the nodes, waiting up to rdzv_timeout for them; one line when all pass, the table when one needs a look, and no torchrun when one fails | bandwidth: the same, plus the bandwidth test between the nodes and its verdict for this config (about 10-60 s more) | false: none. Skipped by a node 0 relaunched into its running job and by a node joining one. Set it alike on every node", scope=JOB)
+    preflight: bool | Literal["bandwidth"] = LAUNCH(
+        True, "on several nodes, the launcher's first step: the checks of `meshtune doctor` (node ranks, launch "
+              "settings, config, versions, model and data checksums, shared output_dir, clocks, network interface) "
+              "across the nodes, waiting up to rdzv_timeout for them; one line when all pass, the table when one needs "
+              "a look, and no torchrun when one fails | bandwidth: the same, plus the bandwidth test between the nodes "
+              "and its verdict for this config (about 10-60 s more) | false: none. Skipped by a node 0 relaunched into "
+              "its running job and by a node joining one. Set it alike on every node", scope=JOB)
     ddp_timeout: int = LAUNCH(600, "seconds a collective may wait before the job fails", gt=0)
-    gpu_memory_limit: float | None = LAUNCH(None, "GiB each process may allocate on its GPU (torch.cuda.set_per_process_memory_fraction): beyond it an allocation fails as out of memory, as on a smaller card. Rehearse a run meant for 24 GB GPUs (gpu_memory_limit: 24) on larger ones, or leave room on a shared card; parallel: auto plans for it. Ignored on CPU", gt=0)
+    gpu_memory_limit: float | None = LAUNCH(None, "GiB each process may allocate on its GPU "
+                                                  "(torch.cuda.set_per_process_memory_fraction): beyond it an "
+                                                  "allocation fails as out of memory, as on a smaller card. Rehearse a "
+                                                  "run meant for 24 GB GPUs (gpu_memory_limit: 24) on larger ones, or "
+                                                  "leave room on a shared card; parallel: auto plans for it. Ignored "
+                                                  "on CPU", gt=0)
 
-    output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and final/ go; shared storage across nodes (checked at start)", scope=NODE)
-    logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps; the ranks compare their step times then (a collective), so it is the same on every node", gt=0)
+    output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and "
+                                       "final/ go; shared storage across nodes (checked at start)", scope=NODE)
+    logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps; the ranks compare their "
+                                    "step times then (a collective), so it is the same on every node", gt=0)
     per_device_eval_batch_size: int = OUTPUT(8, "samples per process per evaluation step", gt=0)
-    eval_strategy: Literal["steps", "epoch", "no"] = OUTPUT("steps", "with val_size or eval_dataset, when to evaluate: steps (every eval_steps, and at the end) | epoch (at the end of every epoch, and at the end) | no (only at the end)")
-    eval_steps: int | None = OUTPUT(None, "evaluate every N steps (default: only at the end); needs val_size or eval_dataset", gt=0)
-    save_final: bool = OUTPUT(True, "write the trained model (or LoRA adapter) to output_dir/final at the end; false for throughput runs and smoke tests, where only the metrics matter")
-    save_strategy: Literal["steps", "epoch", "no"] = OUTPUT("steps", "when to write sharded checkpoints: steps (every save_steps) | epoch (at the end of every epoch and at the last step; save_steps is not read) | no (none: only final/)")
-    save_steps: int = OUTPUT(0, "save_strategy steps: write a sharded checkpoint every N optimizer steps and at the last one (0 = only final/)", ge=0)
-    save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: all", gt=0)
-    async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); turn on when saving stalls training")
-    stop_grace_period: int = OUTPUT(60, "seconds a SIGTERM (what SLURM, Kubernetes and other schedulers send before preempting) leaves the job: every process finishes the step in progress and the next, a checkpoint is written if the last save's duration fits in what is left, and the job exits with 143 (128 + SIGTERM, retryable) to resume from there when relaunched. 0: stop after the step without saving. Give the scheduler at least this long between its SIGTERM and SIGKILL", ge=0)
-    resume_allow_changed: list[str] = OUTPUT([], "keys of the run's math that may differ from the checkpoint being resumed, e.g. max_steps to train further or learning_rate; by default resuming a checkpoint written with other values is an error naming the keys (checkpoints keep their config)")
-    resume_from_checkpoint: str = OUTPUT("auto", "auto (newest complete, verified checkpoint in output_dir) | none | a checkpoint path", scope=NODE)
-    allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then writes no periodic checkpoint and does not resume")
+    eval_strategy: Literal["steps", "epoch", "no"] = OUTPUT(
+        "steps", "with val_size or eval_dataset, when to evaluate: steps (every eval_steps, and at the end) | epoch "
+                 "(at the end of every epoch, and at the end) | no (only at the end)")
+    eval_steps: int | None = OUTPUT(None, "evaluate every N steps (default: only at the end); needs val_size or "
+                                          "eval_dataset", gt=0)
+    save_final: bool = OUTPUT(True, "write the trained model (or LoRA adapter) to output_dir/final at the end; false "
+                                    "for throughput runs and smoke tests, where only the metrics matter")
+    save_strategy: Literal["steps", "epoch", "no"] = OUTPUT(
+        "steps", "when to write sharded checkpoints: steps (every save_steps) | epoch (at the end of every epoch and "
+                 "at the last step; save_steps is not read) | no (none: only final/)")
+    save_steps: int = OUTPUT(0, "save_strategy steps: write a sharded checkpoint every N optimizer steps and at the "
+                                "last one (0 = only final/)", ge=0)
+    save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: "
+                                                "all", gt=0)
+    async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); "
+                                     "turn on when saving stalls training")
+    stop_grace_period: int = OUTPUT(60, "seconds a SIGTERM (what SLURM, Kubernetes and other schedulers send before "
+                                        "preempting) leaves the job: every process finishes the step in progress and "
+                                        "the next, a checkpoint is written if the last save's duration fits in what is "
+                                        "left, and the job exits with 143 (128 + SIGTERM, retryable) to resume from "
+                                        "there when relaunched. 0: stop after the step without saving. Give the "
+                                        "scheduler at least this long between its SIGTERM and SIGKILL", ge=0)
+    resume_allow_changed: list[str] = OUTPUT([], "keys of the run's math that may differ from the checkpoint being "
+                                                 "resumed, e.g. max_steps to train further or learning_rate; by "
+                                                 "default resuming a checkpoint written with other values is an error "
+                                                 "naming the keys (checkpoints keep their config)")
+    resume_from_checkpoint: str = OUTPUT("auto", "auto (newest complete, verified checkpoint in output_dir) | none | a "
+                                                 "checkpoint path", scope=NODE)
+    allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then "
+                                                  "writes no periodic checkpoint and does not resume")
 
-    straggler_threshold: float = WATCH(0.15, "a rank whose own work per step (step time less its waits for the others) exceeds the median rank's by this fraction for straggler_intervals logging intervals in a row is named in a warning with its node and host; metrics.jsonl records the slowest rank of every interval whatever the value. 0: no warning", ge=0)
-    straggler_intervals: int = WATCH(3, "logging intervals in a row a rank must stay over straggler_threshold before the warning", gt=0)
-    hang_timeout: int | None = WATCH(None, "seconds without a completed optimizer step (evaluations and checkpoint writes not counted) after which every rank writes its stacks and torch's flight recorder of its last collectives to output_dir/hang-<time>/, summary.txt names the ranks that are stuck elsewhere or silent, and the workers exit for torchrun to restart them from the newest checkpoint. Default: 5 x the median step once 5 steps are done, at least 60 s, at most 80% of ddp_timeout; until then rank 0 logs every minute that a step is still running, where, and what the GPU allocator holds. 0: off, notices included", ge=0)
+    straggler_threshold: float = WATCH(0.15, "a rank whose own work per step (step time less its waits for the others) "
+                                             "exceeds the median rank's by this fraction for straggler_intervals "
+                                             "logging intervals in a row is named in a warning with its node and host; "
+                                             "metrics.jsonl records the slowest rank of every interval whatever the "
+                                             "value. 0: no warning", ge=0)
+    straggler_intervals: int = WATCH(3, "logging intervals in a row a rank must stay over straggler_threshold before "
+                                        "the warning", gt=0)
+    hang_timeout: int | None = WATCH(None, "seconds without a completed optimizer step (evaluations and checkpoint "
+                                           "writes not counted) after which every rank writes its stacks and torch's "
+                                           "flight recorder of its last collectives to output_dir/hang-<time>/, "
+                                           "summary.txt names the ranks that are stuck elsewhere or silent, and the "
+                                           "workers exit for torchrun to restart them from the newest checkpoint. "
+                                           "Default: 5 x the median step once 5 steps are done, at least 60 s, at most "
+                                           "80% of ddp_timeout; until then rank 0 logs every minute that a step is "
+                                           "still running, where, and what the GPU allocator holds. 0: off, notices "
+                                           "included", ge=0)
 
     @field_validator("nnodes", mode="before")
     @classmethod
@@ -318,7 +514,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"memory_budget: {self.memory_budget:g} is met by recomputing blocks, which "
                              f"gradient_checkpointing: false forbids; drop one of them")
         if self.memory_budget is not None and self.gradient_checkpointing_ratio != "auto":
-            raise ValueError(f"memory_budget: {self.memory_budget:g} is read only by gradient_checkpointing_ratio: auto, "
+            raise ValueError(f"memory_budget: {self.memory_budget:g} is read only by gradient_checkpointing_ratio: "
+                             "auto, "
                              f"not {self.gradient_checkpointing_ratio:g}; leave the ratio out (auto is its default) or "
                              f"drop memory_budget")
         if self.val_size >= 1 and self.val_size != int(self.val_size):

@@ -48,7 +48,8 @@ class ModelSize:
 class RunPlan:
     parallel: str                # ddp | zero2 | zero3 | hsdp
     bf16: bool                   # compute in bf16 (fp32 master weights)
-    frozen_bf16: bool            # the frozen base stored in bf16 (LoRA under ddp, Q-LoRA): only adapters are master weights
+    # the frozen base stored in bf16 (LoRA under ddp, Q-LoRA): only adapters are master weights
+    frozen_bf16: bool
     bf16_weights: bool           # master_weights bf16: full fine-tuning's weights, gradients and AdamW moments in bf16
     padding_free: bool           # a micro-batch's samples end to end in one row, varlen attention
     fused_loss: bool             # the head computes the loss in chunks (where the head is a bias-free linear layer)
@@ -499,5 +500,6 @@ def keep_global_batch(cfg: TrainConfig, manifest: dict | None, world_size: int, 
             f"or batch size that divides {saved}, or resume_from_checkpoint: none to start over")
     accumulation = saved // per_step
     why["gradient_accumulation_steps"] = (f"resuming on {world_size} processes: gradient_accumulation_steps "
-                                          f"{configured} -> {accumulation} keeps the checkpoint's global batch of {saved}")
+                                          f"{configured} -> {accumulation} keeps the checkpoint's global batch of "
+                                          f"{saved}")
     return accumulation

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 import psutil
@@ -44,7 +43,8 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     No `--node-rank` across nodes: torchrun ignores it for c10d (it only feeds the static backend, and warns
     when it is not 0) and orders agents itself (by host name or local_addr, then pid), so global rank 0 need
     not be on NODE_RANK 0. NODE_RANK 0 does host the rendezvous store (`is_host`): torch's own guess compares
-    MASTER_ADDR with the host name's addresses and misses a second network (local_addr). The user's node rank still reaches the
+    MASTER_ADDR with the host name's addresses and misses a second network (local_addr). The user's node rank still
+    reaches the
     workers as MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
     `read_timeout` is the store connection's patience too: a node started before node 0 waits that long.
     """

@@ -58,7 +58,8 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
         enable_checkpointing(model, 1.0 if plan.recompute == MEASURE else plan.recompute)  # before compile: the
         # recompute runs the compiled block
     if plan.compile:
-        compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)  # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
+        # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
+        compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)
     model.config.use_cache = False  # training never reads a key-value cache
     loader = None
     if cfg.finetuning_type == "qlora":

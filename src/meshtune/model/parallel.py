@@ -88,7 +88,8 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                bucket_cap_mb: float | None = None,
                before_shard: Callable[[list[torch.nn.Module]], None] | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
-    already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
+    already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more.
+    `reduce_bf16`:
     gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `blocks_per_unit`:
     consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all).
     `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host memory.

@@ -1,9 +1,11 @@
 """A hung collective, caught long before `ddp_timeout`, with word of which rank is stuck and where.
 
 A thread in every rank watches the optimizer steps. When none completes within the hang timeout (evaluations,
-checkpoint writes and torch.compile at work pause the clock), each rank that can still run Python writes `output_dir/hang-<time>/rank<R>.txt`:
+checkpoint writes and torch.compile at work pause the clock), each rank that can still run Python writes
+`output_dir/hang-<time>/rank<R>.txt`:
 where the loop was, the stacks of all its threads (faulthandler) and torch's flight recorder (its last
-collectives and their states: NCCL, and gloo where this torch records it). The ranks agree on the folder through the job's store. The lowest rank that
+collectives and their states: NCCL, and gloo where this torch records it). The ranks agree on the folder through the
+job's store. The lowest rank that
 reported writes `summary.txt`: the ranks that never reported (stopped, dead, or stuck outside Python holding the
 interpreter) and those not at the same place as the others. Then the reporting ranks exit with `HANG_EXIT`, so
 torchrun stops the rest and starts all workers again, from the newest checkpoint.
