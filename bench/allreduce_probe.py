@@ -43,8 +43,8 @@ def report(rank: int, what: str, full_bytes: int, seconds: float, world: int, fa
     """Bus bandwidth as nccl-tests defines it: all-reduce moves 2(n-1)/n of the buffer, the others (n-1)/n."""
     bus = full_bytes / 2**30 * factor * (world - 1) / world / seconds
     if rank == 0:
-        print(f"{dist.get_backend()} NCCL_PROTO={os.environ.get('NCCL_PROTO', 'default')} {what} {full_bytes / 2**20:.0f} MB: "
-              f"{seconds * 1e3:.2f} ms, bus bandwidth {bus:.0f} GiB/s", flush=True)
+        print(f"{dist.get_backend()} NCCL_PROTO={os.environ.get('NCCL_PROTO', 'default')} {what} "
+              f"{full_bytes / 2**20:.0f} MB: {seconds * 1e3:.2f} ms, bus bandwidth {bus:.0f} GiB/s", flush=True)
 
 
 def main() -> None:

@@ -151,8 +151,8 @@ def run(args: argparse.Namespace) -> dict:
     timed, seconds = timed_records(records)
     load = re.search(r"in ([\d.]+) s", line)
     gpu_loading = re.search(r"GPU peak ([\d.]+) GiB", line)
-    return dict(size=args.size, gpus=args.gpus, settings=args.set, gpu_memory_limit_gib=args.gpu_memory_limit, parallel=args.parallel,
-                rank=args.rank, batch=args.batch, steps=len(records), build_line=line,
+    return dict(size=args.size, gpus=args.gpus, settings=args.set, gpu_memory_limit_gib=args.gpu_memory_limit,
+                parallel=args.parallel, rank=args.rank, batch=args.batch, steps=len(records), build_line=line,
                 write_model_s=round(write_s, 1), load_s=float(load.group(1)) if load else None,
                 gpu_peak_loading_gib=float(gpu_loading.group(1)) if gpu_loading else None,
                 gpu_peak_gib=max(r["peak_mem_gib"] for r in records),
@@ -168,8 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", default="32b", help="a Qwen2.5 shape of bench/workspace.py (32b, 72b, 7b, tiny)")
     parser.add_argument("--gpus", type=int, default=2, help="processes (GPUs) on this node")
     parser.add_argument("--parallel", default="zero3", help="zero3 | hsdp | ddp | auto")
-    parser.add_argument(
-        "--gpu-memory-limit", type=float, default=None, help="GiB each process may use (24: a 24 GB card)")
+    parser.add_argument("--gpu-memory-limit", type=float, default=None,
+                        help="GiB each process may use (24: a 24 GB card)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank, on every linear layer")
     parser.add_argument("--batch", type=int, default=2, help="samples per GPU per step")
     parser.add_argument("--steps", type=int, default=20)

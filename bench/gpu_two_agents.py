@@ -125,8 +125,10 @@ def hang_report(out_dir: Path, keep: Path) -> dict:
     summary = (folders[-1] / "summary.txt").read_text() if (folders[-1] / "summary.txt").exists() else ""
     reports = "".join(p.read_text() for p in folders[-1].glob("rank*.txt"))
     return {
-        "hang_folder": folders[-1].name, "summary_names_rank_1": "rank 1 " in summary and "did not report" in summary,
-            "flight_recorder_entries": reports.count("nccl:")}
+        "hang_folder": folders[-1].name,
+        "summary_names_rank_1": "rank 1 " in summary and "did not report" in summary,
+        "flight_recorder_entries": reports.count("nccl:"),
+    }
 
 
 def fail_on_problems(problems: dict[str, str | None]) -> None:

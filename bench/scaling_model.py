@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="bench/two_node_speed.py's two_node_speed.json: the one-node step, the measured link and the "
                         "two-node figures to check the model against")
     p.add_argument("--compute-step-s", type=float, help="the one-node optimizer step in seconds (without --from)")
-    p.add_argument("--tokens-per-step", type=float, help="tokens a GPU trains an optimizer step (without --from; "
-                                                         "default: batch x accumulation x 576, the bench's mean length)")
+    p.add_argument("--tokens-per-step", type=float,
+                   help="tokens a GPU trains an optimizer step (without --from; "
+                        "default: batch x accumulation x 576, the bench's mean length)")
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=64, help="of the measured job: sets its accumulation")
     p.add_argument("--nodes", default="2,4,8,16")

@@ -116,7 +116,8 @@ SCALING_2GPU = ["lora-1.5b", "full-1.5b", "lora-1.5b-2gpu", "full-1.5b-2gpu"]
 DEFAULT_ROWS = ["lora-1.5b", "lora-7b", "full-1.5b", "qlora-7b", "full-7b-4gpu-zero3", "full-7b-4gpu-hsdp",
                 "lora-1.5b-2gpu", "lora-1.5b-4gpu", "full-1.5b-2gpu", "full-1.5b-4gpu"]
 SCALING_8GPU = ["lora-1.5b", "lora-1.5b-2gpu", "lora-1.5b-4gpu", "lora-1.5b-8gpu", "full-7b-2gpu-zero3",
-                "full-7b-4gpu-zero3", "full-7b-8gpu-zero3", "full-7b-2gpu-hsdp", "full-7b-4gpu-hsdp", "full-7b-8gpu-hsdp"]
+                "full-7b-4gpu-zero3", "full-7b-8gpu-zero3", "full-7b-2gpu-hsdp", "full-7b-4gpu-hsdp",
+                "full-7b-8gpu-hsdp"]
 PRESETS = {"table": DEFAULT_ROWS, "table-1gpu": TABLE_1GPU, "scaling-2gpu": SCALING_2GPU,
            "scaling-8gpu": SCALING_8GPU}
 PEERS = {"plain": ("hf_trainer+peft", []), "liger": ("hf_trainer+peft+liger", ["--liger", "1"])}
@@ -552,8 +553,8 @@ def streams(args) -> None:
 def merge(files: list[str], out: Path) -> None:
     parts = [json.loads(Path(f).read_text()) for f in files]
     first = parts[0]
-    summary = dict(first, gpus=max(part["gpus"] for part in parts), results=[r for part in parts for r in part["results"]],
-                   merged_from=files)
+    summary = dict(first, gpus=max(part["gpus"] for part in parts),
+                   results=[r for part in parts for r in part["results"]], merged_from=files)
     (out / "speed.json").write_text(json.dumps(summary, indent=1))
     table = render(summary["results"], summary)
     (out / "speed.md").write_text(table + "\n")

@@ -128,8 +128,8 @@ def main() -> int:
     subprocess.run(command, env=env, check=True, timeout=600)
     gathered = json.loads(Path(args.out, "step_accounting_cost.json").read_text())
     cost = max(r["cost_us_per_step"] for r in gathered)
-    print(f"{gathered[0]['world_size']} processes on {gathered[0]['device']}: the accounting costs {cost:.1f} µs a "
-          "step "
+    print(f"{gathered[0]['world_size']} processes on {gathered[0]['device']}: "
+          f"the accounting costs {cost:.1f} µs a step "
           f"(the slowest rank; medians of {args.rounds} rounds of {args.steps} steps, logging every "
           f"{args.logging_steps})")
     for r in gathered:

@@ -86,8 +86,8 @@ def summarize(trace: dict, gaps: int, min_gap_ms: float) -> dict:
 
 
 def render(names: list[str], summaries: list[dict], min_gap_ms: float) -> str:
-    rows = [("window (first to last GPU event)", "window_ms"), (
-        "GPU computing (non-NCCL kernels, union)", "compute_ms"),
+    rows = [("window (first to last GPU event)", "window_ms"),
+            ("GPU computing (non-NCCL kernels, union)", "compute_ms"),
             ("NCCL kernels running", "nccl_ms"), ("NCCL not hidden behind compute", "nccl_exposed_ms"),
             ("GPU idle (nothing running)", "idle_ms"), (f"idle gaps of {min_gap_ms:g} ms or more", "gaps_over_min_ms")]
     lines = ["| ms | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]

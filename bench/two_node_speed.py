@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", default="full-1.5b,lora-7b", help=f"comma list of {', '.join(JOBS)}")
     p.add_argument("--modes", default="auto", help="comma list of auto, ddp, zero2, zero3, hsdp")
     p.add_argument("--layouts", default="two-nodes,one-node", help=f"comma list of {', '.join(LAYOUTS)}")
-    p.add_argument(
-        "--links", default="default,fast", help=f"two-node socket settings: comma list of {', '.join(LINKS)}")
+    p.add_argument("--links", default="default,fast",
+                   help=f"two-node socket settings: comma list of {', '.join(LINKS)}")
     p.add_argument("--gpus-per-node", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=64, help="sequences an optimizer step (accumulation follows)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps a run, the first --warmup not timed")
@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     try:
-        args.set = dict((key.strip(), yaml.safe_load(value)) for key, value in (item.split("=", 1) for item in args.set))
+        args.set = dict((key.strip(), yaml.safe_load(value))
+                        for key, value in (item.split("=", 1) for item in args.set))
     except ValueError:
         p.error(f"--set takes KEY=VALUE, not {args.set}")
     for name, values, allowed in (("--jobs", args.jobs, JOBS), ("--layouts", args.layouts, LAYOUTS),

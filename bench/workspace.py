@@ -16,14 +16,20 @@ import numpy as np
 import torch
 
 SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in whole NF4 scale groups, for Q-LoRA)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
     "tiny-nf4": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8),
-    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8),
+    "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8),
 }
 VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "32b": 152064, "72b": 152064}  # the others: 151936
 WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up
@@ -86,7 +92,8 @@ def prepare_workspace(size: str, work: Path, n_samples: int, minlen: int, maxlen
     """The model directory and the cached synthetic dataset a benchmark run trains on."""
     work.mkdir(parents=True, exist_ok=True)
     model_dir = build_model_dir(size, work)
-    return model_dir, write_cached_dataset(model_dir, work, workspace_samples(model_dir, n_samples, minlen, maxlen), maxlen)
+    return model_dir, write_cached_dataset(
+        model_dir, work, workspace_samples(model_dir, n_samples, minlen, maxlen), maxlen)
 
 
 def workspace_samples(model_dir: Path, n_samples: int, minlen: int, maxlen: int) -> list[np.ndarray]:
@@ -101,7 +108,8 @@ def timing_problem(steps: int, warmup: int, logging_steps: int) -> str | None:
     if steps <= warmup:
         return f"--steps {steps}: more than the {warmup} warm-up steps, or nothing is timed"
     if warmup % logging_steps:
-        return f"--warmup {warmup}: a multiple of --logging-steps {logging_steps}, so no timed interval holds a warm-up step"
+        return (f"--warmup {warmup}: a multiple of --logging-steps {logging_steps}, "
+                "so no timed interval holds a warm-up step")
     return None
 
 

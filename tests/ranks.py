@@ -23,9 +23,8 @@ from datetime import timedelta
 from pathlib import Path
 
 RANKS_TIMEOUT_S = 90
-PRELOAD = [
-    "meshtune", "torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers", "peft", "torchao",
-           "meshtune.cli", "meshtune.train.loop"]
+PRELOAD = ["meshtune", "torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers", "peft",
+           "torchao", "meshtune.cli", "meshtune.train.loop"]
 
 
 def context():

@@ -7,7 +7,8 @@ from meshtune.train.agreement import differences, find_disagreements
 
 def facts(rank: int, agent: int, node_rank: int, host: str, **changes) -> dict:
     base = {"rank": rank, "local_rank": rank % 2, "host": host, "agent": agent, "node_rank": node_rank,
-            "config key learning_rate": "0.0001", "processes per node": 2, "device type": "cpu", "torch version": "2.13.0"}
+            "config key learning_rate": "0.0001", "processes per node": 2, "device type": "cpu",
+            "torch version": "2.13.0"}
     if rank % 2 == 0:
         base["dataset checksum"] = "d1"
     base.update(changes)

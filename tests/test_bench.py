@@ -219,7 +219,8 @@ def test_a_run_stopped_by_its_timeout_keeps_its_log_with_the_time_of_each_line(t
     from speed_table import run_captured
 
     log = tmp_path / "train.log"
-    script = "import sys, time; print('loading', flush=True); print('no GPU', file=sys.stderr, flush=True); time.sleep(60)"
+    script = ("import sys, time; print('loading', flush=True); print('no GPU', file=sys.stderr, flush=True); "
+              "time.sleep(60)")
     started = time.monotonic()
     code, output = run_captured([sys.executable, "-c", script], 3, log=log)
     assert code is None and time.monotonic() - started < 30
@@ -281,9 +282,9 @@ def test_two_node_speed_script_runs_both_layouts_in_rounds_on_cpu(tmp_path):
     (stale / "checkpoint-7" / "COMPLETE").write_text("")
     (work / "lora-tiny-auto-two-nodes-default-node0.log").write_text("resumed from checkpoint-7 at step 7 of 7\n")
     proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "two_node_speed.py"), "--jobs", "lora-tiny",
-                             "--gpus-per-node", "1", "--steps", "7", "--warmup", "5", "--logging-steps", "1", "--global-batch", "8",
-                             "--links", "default", "--repeats", "1", "--no-bandwidth", "--job-timeout", "150",
-                             "--work", str(work), "--out", str(out)],
+                             "--gpus-per-node", "1", "--steps", "7", "--warmup", "5", "--logging-steps", "1",
+                             "--global-batch", "8", "--links", "default", "--repeats", "1", "--no-bandwidth",
+                             "--job-timeout", "150", "--work", str(work), "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                             start_new_session=True)
     try:
@@ -334,7 +335,8 @@ def test_two_node_report_gives_each_layouts_median_and_its_share_of_one_node_by_
     table = report(rows, [dict(link="default", busbw_gbs=4.2, latency_us=80.0, transports={"NET/Socket": 2})])
     assert "| default | 4.2 | 80.0 |" in table
     # medians 10,000 over 30,000; the rounds: 30%, 40%, 40%
-    assert "| full-1.5b | hsdp | two-nodes | default | 3 | 10,000 (9,000–12,000) | 0.500 | 33.3% (30.0%–40.0%) |" in table
+    assert ("| full-1.5b | hsdp | two-nodes | default | 3 | 10,000 (9,000–12,000) | 0.500 | 33.3% (30.0%–40.0%) |"
+            in table)
     assert "| full-1.5b | zero2 | one-node |  | 3 | 30,000 (25,000–30,000) | 0.500 |  |" in table
     assert "| full-1.5b | auto | two-nodes | fast | 1 | failed: exit codes [1, 1] |" in table
 
@@ -425,8 +427,8 @@ def test_big_qlora_script_writes_a_sharded_random_model_and_reports_memory_and_s
 
     work = tmp_path / "work"
     result = run([sys.executable, str(REPO / "bench" / "big_qlora.py"), "--size", "tiny-nf4", "--gpus", "2",
-                  "--steps", "6", "--minlen", "32", "--maxlen", "128", "--samples", "64", "--work", str(work), "--shard-gb", "0.001",
-                  "--json", str(tmp_path / "big.json")], timeout=300)
+                  "--steps", "6", "--minlen", "32", "--maxlen", "128", "--samples", "64", "--work", str(work),
+                  "--shard-gb", "0.001", "--json", str(tmp_path / "big.json")], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "big.json").read_text())
     assert report["steps"] == 6 and report["timed_steps"] == 1 and report["tokens_per_s"] > 0
@@ -471,7 +473,8 @@ def test_trace_summary_splits_a_ranks_gpu_time_and_names_the_host_op_behind_each
                              x("kernel", "ncclDevKernel_AllGather", 4200, 300), x("kernel", "gemm", 4500, 500),
                              {"ph": "i", "name": "marker", "ts": 0}]}
     s0, s1 = summarize(rank0, gaps=5, min_gap_ms=1.0), summarize(rank1, gaps=5, min_gap_ms=1.0)
-    assert (s0["window_ms"], s0["compute_ms"], s0["nccl_ms"], s0["nccl_exposed_ms"], s0["idle_ms"]) == (5.0, 1.5, 4.0, 3.5, 0.0)
+    assert (s0["window_ms"], s0["compute_ms"], s0["nccl_ms"], s0["nccl_exposed_ms"], s0["idle_ms"]) == (
+        5.0, 1.5, 4.0, 3.5, 0.0)
     assert (s1["compute_ms"], s1["nccl_ms"], s1["idle_ms"]) == (1.7, 0.3, 3.0)
     assert s1["gaps"] == [dict(at_ms=1.2, ms=3.0, host="FSDP::post_backward")]  # aten::empty ended before the gap
     table = render(["rank0", "rank1"], [s0, s1], 1.0)

@@ -1,5 +1,5 @@
-"""Checkpoints through real DCP and real process groups: a group of one in this process, and two gloo ranks
-forked from a process with torch imported (tests/ranks.py) for FSDP2 resharding (2 ranks -> 1 and 1 -> 2) and async saves."""
+"""Checkpoints through real DCP and real process groups: a group of one in this process, and two gloo ranks forked from
+a process with torch imported (tests/ranks.py) for FSDP2 resharding (2 ranks -> 1 and 1 -> 2) and async saves."""
 
 from __future__ import annotations
 
@@ -215,7 +215,8 @@ def test_when_every_checkpoint_is_damaged_the_run_stops_naming_each_and_changes_
     with pytest.raises(CheckpointError) as failure:
         CheckpointManager(tmp_path, None, False, 0, 1).select_resume(None)
     message = str(failure.value)
-    assert "no checkpoint in" in message and "Nothing was changed" in message and "resume_from_checkpoint: none" in message
+    assert ("no checkpoint in" in message and "Nothing was changed" in message
+            and "resume_from_checkpoint: none" in message)
     assert "checkpoint-2: size mismatch in __0_0.distcp" in message and "checkpoint-1: size mismatch" in message
     assert [c.path.name for c in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # untouched
     assert checkpoint_asked_for("none") == (False, None)  # none looks for no checkpoint

@@ -188,8 +188,8 @@ def test_sharded_qlora_with_checkpointing_is_uncompiled_by_default_on_cuda(monke
     plan = resolve(config(finetuning_type="qlora", parallel="zero3", gradient_checkpointing=True), env(2, "cuda"),
                    None, lambda: QWEN_32B)
     assert not plan.compile and "fail their recompute" in plan.why["torch_compile"]
-    for values in ({"parallel": "ddp", "gradient_checkpointing": True}, {
-        "parallel": "zero3", "gradient_checkpointing": False}):
+    for values in ({"parallel": "ddp", "gradient_checkpointing": True},
+                   {"parallel": "zero3", "gradient_checkpointing": False}):
         assert resolve(config(finetuning_type="qlora", **values), env(2, "cuda"), None, lambda: QWEN_32B).compile
     assert resolve(config(finetuning_type="qlora", parallel="zero3", gradient_checkpointing=True, torch_compile=True),
                    env(2, "cuda"), None, lambda: QWEN_32B).compile  # asked for: kept
@@ -327,8 +327,8 @@ def test_recomputation_left_open_is_measured_on_gpus_and_off_on_cpu(gpus_of, val
     gpus_of(80)
     plan = resolve(config(**values), env(1, device), None, never_counted)
     assert plan.recompute == expected
-    assert (reason in plan.why.get(
-        "gradient_checkpointing", "")) if reason else "gradient_checkpointing" not in plan.why
+    assert ((reason in plan.why.get("gradient_checkpointing", "")) if reason
+            else "gradient_checkpointing" not in plan.why)
     text = ("measured before training" if expected == "measure" else "off" if expected == 0.0 else
             f"{expected:g} of the blocks")
     assert f"gradient_checkpointing       {text}" in plan.describe()

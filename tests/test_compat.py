@@ -84,8 +84,7 @@ def test_deepspeed_explicit_values_apply_and_conflicts_name_both():
                                 {"per_device_train_batch_size": "command line"})
     assert clash.problems == [
         "ds.json: zero_optimization.stage is \"zero2\" but parallel is 'zero3' (config); set one of them to the "
-        "other's "
-        "value, or the DeepSpeed entry to \"auto\"",
+        "other's value, or the DeepSpeed entry to \"auto\"",
         "ds.json: train_micro_batch_size_per_gpu is 4 but per_device_train_batch_size is 2 (command line); set one of "
         "them to the other's value, or the DeepSpeed entry to \"auto\""]
 
@@ -167,7 +166,8 @@ def test_foreign_keys_no_longer_get_a_misleading_did_you_mean(tmp_path):
 def test_qlora_under_deepspeed_zero3_is_sharded_qlora_and_its_offload_is_refused(tmp_path, monkeypatch):
     tree = llamafactory_tree(FIXTURES, tmp_path / "lf")
     monkeypatch.chdir(tree)
-    cfg = load_job_config("examples/train/lora_sft_otfq.yaml", ["deepspeed=examples/deepspeed/ds_z3_config.json"]).config
+    cfg = load_job_config("examples/train/lora_sft_otfq.yaml",
+                          ["deepspeed=examples/deepspeed/ds_z3_config.json"]).config
     assert (cfg.finetuning_type, cfg.parallel) == ("qlora", "zero3")
     with pytest.raises(ConfigError, match=r"cpu_offload: true with finetuning_type: qlora is not supported"):
         load_job_config("examples/train/lora_sft_otfq.yaml", ["deepspeed=examples/deepspeed/ds_z3_offload_config.json"])
@@ -235,8 +235,8 @@ def test_llamafactory_yaml_through_the_command_line(tmp_path, tiny_model_dir, mo
 
 def test_flags_are_split_from_the_command_and_parsed_as_yaml():
     rest, flags, given = split_flags(["cfg.yaml", "lr=1", "--bf16", "True", "--use_lora", "--lora_target_modules",
-                                      "c_attn", "w1", "--max_steps=-1", "--debug", "--weight_decay", "0.1", "nproc_per_node=2"],
-                                     {"--debug"})
+                                      "c_attn", "w1", "--max_steps=-1", "--debug", "--weight_decay", "0.1",
+                                      "nproc_per_node=2"], {"--debug"})
     assert rest == ["cfg.yaml", "lr=1", "--debug", "nproc_per_node=2"]
     assert flags == {"bf16": True, "use_lora": True, "lora_target_modules": ["c_attn", "w1"], "max_steps": -1,
                      "weight_decay": 0.1}

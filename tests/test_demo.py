@@ -52,8 +52,8 @@ def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(t
     # and with one thread a process their numbers do not depend on what else runs
     with ThreadPoolExecutor(2) as pool:
         futures = {"zero3": pool.submit(train, "zero3", ["nproc_per_node=2", "parallel=zero3"]),
-                   "accumulate": pool.submit(train, "accumulate", [
-                       "nproc_per_node=1", "gradient_accumulation_steps=2"])}
+                   "accumulate": pool.submit(train, "accumulate",
+                                             ["nproc_per_node=1", "gradient_accumulation_steps=2"])}
         runs = {name: future.result() for name, future in futures.items()}
     assert len(runs["zero3"]) >= 17 and [r["step"] for r in runs["zero3"]] == [r["step"] for r in runs["accumulate"]]
     assert [r.get("loss") for r in runs["zero3"]] == [r.get("loss") for r in runs["accumulate"]]

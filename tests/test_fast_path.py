@@ -100,9 +100,9 @@ def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(
 def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio_set_by_hand(
         monkeypatch, capsys, tmp_path, tiny_model_dir, tiny_dataset):
     """gradient_checkpointing_ratio auto on a stand-in card: every block recomputed peaks at 100 bytes and each
-    kept block holds 10 more at the end of forward; a budget of 115 keeps one of the two blocks. The measured steps run
-    the real forward and
-    backward (dropout included), yet the run's losses are those of ratio 0.5 set by hand, bit for bit."""
+    kept block holds 10 more at the end of forward; a budget of 115 keeps one of the two blocks. The measured steps
+    run the real forward and backward (dropout included), yet the run's losses are those of ratio 0.5 set by hand,
+    bit for bit."""
     from meshtune.model.loading import transformer_blocks
     from meshtune.train import memory_fit
 
@@ -169,7 +169,8 @@ def test_auto_recomputation_arithmetic(monkeypatch):
     assert blocks_to_keep(11 * GIB, 0.5 * GIB, 10 * GIB, 28) == 0
     assert "does not fit even with every block recomputed" in MemoryFit(28, 0, 11 * GIB, 0, 10 * GIB, 4096).describe()
     line = MemoryFit(28, 4, 10 * GIB, GIB / 2, 20 * GIB, 4096, cached_all=3 * GIB).describe()
-    assert "holds 0.50 GiB of activations; the allocator held 3.00 GiB more at its peak; memory_budget 20.00 GiB" in line
+    assert ("holds 0.50 GiB of activations; the allocator held 3.00 GiB more at its peak; memory_budget 20.00 GiB"
+            in line)
     assert "the allocator held" not in MemoryFit(28, 4, 10 * GIB, GIB / 2, 20 * GIB, 4096).describe()
     layer = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(layer.parameters())
@@ -244,7 +245,8 @@ def test_flop_count_follows_torchtitan(tiny_model_dir):
     total = sum(p.numel() for p in model.parameters())
     assert counter.dense_params == total - config.vocab_size * config.hidden_size  # all but the input embedding
     head_dim = config.hidden_size // config.num_attention_heads
-    want = 6 * counter.dense_params * 8 + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * (9 + 25)
+    want = (6 * counter.dense_params * 8
+            + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * (9 + 25))
     assert counter.batch_flops([3, 5]) == want  # each token attends within its own sample only
 
 

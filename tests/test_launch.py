@@ -139,7 +139,8 @@ def test_slurm_multi_node_without_a_port_says_how_to_set_one():
     with pytest.raises(ConfigError) as err:
         detect(env)
     message = str(err.value)
-    assert "SLURM SLURM_JOB_NUM_NODES" in message and "MASTER_PORT" in message and "same free port on every node" in message
+    assert ("SLURM SLURM_JOB_NUM_NODES" in message and "MASTER_PORT" in message
+            and "same free port on every node" in message)
 
 
 # PBS

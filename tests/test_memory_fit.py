@@ -17,9 +17,8 @@ from ranks import run_ranks
 def rank_main(job: tuple, rank: int, world_size: int, port: int, out: Path) -> None:
     """One rank of a 2-rank run (zero2, or DDP's wrapper) on a stand-in card: with every block recomputed a step
     peaks at 100 bytes on rank 0 and 120 on rank 1, and one kept block does not move that peak (as in full fine-tuning,
-    whose peak comes
-    in backward) but holds 10 more bytes when the forward ends. A budget of 135 leaves rank 1 room for one block
-    (rank 0 alone would keep both; the peaks alone would keep every block)."""
+    whose peak comes in backward) but holds 10 more bytes when the forward ends. A budget of 135 leaves rank 1 room for
+    one block (rank 0 alone would keep both; the peaks alone would keep every block)."""
     model_dir, dataset, method, parallel = job
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -45,7 +44,8 @@ def rank_main(job: tuple, rank: int, world_size: int, port: int, out: Path) -> N
         def recorded_fit(model, *args):
             seen["model"] = model
             result = fit(model, *args)
-            seen["recomputed"] = [i for i, b in enumerate(transformer_blocks(unwrap(model))) if b.gradient_checkpointing]
+            seen["recomputed"] = [i for i, b in enumerate(transformer_blocks(unwrap(model)))
+                                  if b.gradient_checkpointing]
             seen["fit"] = [result.kept, result.peak_all, result.per_block]
             return result
 

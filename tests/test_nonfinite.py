@@ -42,7 +42,8 @@ def test_a_nan_at_step_k_stops_the_job_naming_step_rank_node_and_samples_and_sav
     last = result.stdout.strip().splitlines()[-1]
     samples = ", ".join(map(str, samples_of(build_config(values), 3, 1, 2)))
     assert last.startswith(f"meshtune: error: step 3: the loss was not finite on rank 1 (node 0, host "
-                           f"{socket.gethostname()}) on samples {samples}. Stopped: nothing from step 3 on was saved"), last
+                           f"{socket.gethostname()}) on samples {samples}. "
+                           "Stopped: nothing from step 3 on was saved"), last
     assert "on_nonfinite: skip" in last
     # the check before checkpoint-4 caught it: checkpoint-2 is the newest, and nothing of a later step exists
     assert [c.path.name for c in list_checkpoints(output)] == ["checkpoint-2"]

@@ -73,7 +73,8 @@ def test_sigterm_to_a_one_process_run_saves_exits_143_and_the_relaunch_resumes_e
     assert saved in (3, 4) and (output / f"checkpoint-{saved}" / "COMPLETE").exists(), text[-3000:]
     assert f"stopped by SIGTERM at step {saved} of 12" in text and not (output / "final").exists()
     result, _ = run_cli(["train", str(stopped)], timeout=180)
-    assert result.returncode == 0 and f"checkpoint-{saved} at step {saved} of 12" in result.stdout, result.stdout[-3000:]
+    assert (result.returncode == 0
+            and f"checkpoint-{saved} at step {saved} of 12" in result.stdout), result.stdout[-3000:]
     assert [r["loss"] for r in read_metrics(output)] == [r["loss"] for r in read_metrics(tmp_path / "clean" / "out")]
     assert adapter_hash(output) == adapter_hash(tmp_path / "clean" / "out")
 

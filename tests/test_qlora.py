@@ -64,7 +64,8 @@ def probe_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits
 
 
-def test_only_the_frozen_block_linears_become_nf4_at_an_eighth_of_their_fp32_bytes(qlora_model_dir, tiny_dataset, tmp_path):
+def test_only_the_frozen_block_linears_become_nf4_at_an_eighth_of_their_fp32_bytes(
+        qlora_model_dir, tiny_dataset, tmp_path):
     NF4Tensor = type(nf4_quantizer()(torch.ones(64 * 256)))
     cfg = build_config(qlora_values(qlora_model_dir, tiny_dataset, tmp_path / "o"))
     plain = load_model(qlora_model_dir)

@@ -37,10 +37,11 @@ GEMMA_USER = "<start_of_turn>user\n{}<end_of_turn>\n"
 GEMMA_MODEL = "<start_of_turn>model\nHello.<end_of_turn>\n"
 PHI = "<|user|>\nHi.<|end|>\n<|assistant|>\nHello.<|end|>\n"
 PHI4 = "<|im_start|>user<|im_sep|>Hi.<|im_end|><|im_start|>assistant<|im_sep|>Hello.<|im_end|>"
-INTERN_DEFAULT = ("You are an AI assistant whose name is InternLM (书生·浦语).\n- InternLM (书生·浦语) is a conversational "
-                  "language model that is developed by Shanghai AI Laboratory (上海人工智能实验室). It is designed to be "
-                  "helpful, honest, and harmless.\n- InternLM (书生·浦语) can understand and communicate fluently in the "
-                  "language chosen by the user such as English and 中文.")
+INTERN_DEFAULT = ("You are an AI assistant whose name is InternLM (书生·浦语).\n"
+                  "- InternLM (书生·浦语) is a conversational language model that is developed by Shanghai AI "
+                  "Laboratory (上海人工智能实验室). It is designed to be helpful, honest, and harmless.\n"
+                  "- InternLM (书生·浦语) can understand and communicate fluently in the language chosen by the user "
+                  "such as English and 中文.")
 COHERE = ("<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
           "Hello.</s>")
 
@@ -204,7 +205,8 @@ def test_glm4_tools_and_calls_as_llamafactory_writes_them(tokenizer):
     text, trained = rendered(tokenizer, ChatTemplate(tokenizer, "glm4"), TOOL_CHAT, TOOLS)
     tools_text = ("你是一个名为 ChatGLM 的人工智能助手。你是基于智谱 AI 公司训练的语言模型 GLM-4 模型开发的，"
                   "你的任务是针对用户的问题和要求提供适当的答复和支持。\n\n# 可用工具\n\n## get_weather\n\n"
-                  + json.dumps(TOOLS[0], indent=4, ensure_ascii=False) + "\n在调用上述函数时，请使用 Json 格式表示调用的参数。")
+                  + json.dumps(TOOLS[0], indent=4, ensure_ascii=False)
+                  + "\n在调用上述函数时，请使用 Json 格式表示调用的参数。")
     call = 'get_weather\n{"city": "Paris"}'
     assert text == ("[gMASK]<sop><|system|>\n" + tools_text + "<|user|>\nWeather in Paris?<|assistant|>" + call
                     + '<|observation|>\n{"temp": 20}<|assistant|>\nIt is 20.</s>')

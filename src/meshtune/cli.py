@@ -99,9 +99,11 @@ examples:
 def key_scopes() -> str:
     from meshtune.config import MATH, NODE, TrainConfig
 
-    return "\n" + textwrap.fill(f"The run's math, and its identity in every checkpoint, is set by: {', '.join(TrainConfig.keys_of(MATH))}. "
-                         f"Every node must run with the same keys, except: {', '.join(TrainConfig.keys_of(NODE))}.",
-                         width=116) + "\n\nconfig keys (default, meaning):\n"
+    return "\n" + textwrap.fill(f"The run's math, and its identity in every checkpoint, is set by: "
+                                f"{', '.join(TrainConfig.keys_of(MATH))}. "
+                                f"Every node must run with the same keys, except: "
+                                f"{', '.join(TrainConfig.keys_of(NODE))}.",
+                                width=116) + "\n\nconfig keys (default, meaning):\n"
 
 
 def debug_option() -> argparse.ArgumentParser:
@@ -134,7 +136,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     train = commands.add_parser("train", help="fine-tune from a YAML config", parents=[job, debug],
                                 description=TRAIN_HELP + key_scopes() + describe_keys(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.epilog = "--key value: any config key, or a flag of Qwen's finetune.py / HF TrainingArguments, in any order with key=value overrides"
+    train.epilog = ("--key value: any config key, or a flag of Qwen's finetune.py / HF TrainingArguments, in any order "
+                    "with key=value overrides")
 
     launch = commands.add_parser("launch", help="run this node's part of a one- or many-node job", parents=[job, debug],
                                  description=LAUNCH_HELP, epilog=LAUNCH_EPILOG,
@@ -355,7 +358,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from meshtune.export.merge import export
 
-    print(f"meshtune: wrote {export(Path(args.source), Path(args.output), args.merge, args.dtype, args.force, args.base_model)}")
+    print("meshtune: wrote "
+          f"{export(Path(args.source), Path(args.output), args.merge, args.dtype, args.force, args.base_model)}")
     return 0
 
 

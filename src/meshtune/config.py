@@ -75,8 +75,8 @@ MATH, JOB, NODE = "math", "job", "node"
 MODEL = Section("model and method", MATH)
 DATA = Section("data", MATH)
 OPTIMIZATION = Section("optimisation", MATH)
-SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; the math stays the "
-                "same", JOB)
+SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; "
+                "the math stays the same", JOB)
 PARALLELISM = Section("parallelism", JOB)
 LAUNCH = Section("nodes and launch (each node may set these for itself; the launcher checks them)", NODE)
 OUTPUT = Section("outputs, evaluation and checkpoints", JOB)
@@ -111,14 +111,13 @@ class TrainConfig(BaseModel):
                                              "additional_target, PEFT's modules_to_save), e.g. embed_tokens,lm_head: a "
                                              "trainable fp32 copy of each, saved in the adapter; default none")
     gradient_checkpointing: bool | None = MODEL(None, "recompute activations in backward instead of storing them: less "
-                                                      "memory, more compute. Default: on GPUs, the run's "
-                                                      "largest step is measured before training and only "
-                                                      "the blocks it must are recomputed to fit "
-                                                      "memory_budget (none where the step fits; where even "
-                                                      "every block recomputed does not fit, the run stops "
-                                                      "at start with the measured need); on CPU none. "
-                                                      "true: recompute gradient_checkpointing_ratio of the "
-                                                      "blocks | false: never", scope=JOB)
+                                                      "memory, more compute. Default: on GPUs, the run's largest step "
+                                                      "is measured before training and only the blocks it must are "
+                                                      "recomputed to fit memory_budget (none where the step fits; "
+                                                      "where even every block recomputed does not fit, the run stops "
+                                                      "at start with the measured need); on CPU none. true: recompute "
+                                                      "gradient_checkpointing_ratio of the blocks | "
+                                                      "false: never", scope=JOB)
     gradient_checkpointing_ratio: float | Literal["auto"] = MODEL(
         "auto", "the fraction of transformer blocks recomputed, spread evenly (1 = all, as HF; 0.5 = every other "
                 "block: faster, more memory; a value here turns recomputation on unless gradient_checkpointing is "
@@ -144,22 +143,23 @@ class TrainConfig(BaseModel):
                                                 "splits the training data")
     dataset_dir: str = DATA("data", "folder of LLaMA-Factory's dataset_info.json: a dataset entry that is no file is "
                                     "looked up there by name (its file_name, formatting, columns and tags)")
-    max_samples: int | None = DATA(None, "use only the first N records of each dataset (as LLaMA-Factory); default: all", gt=0)
-    dataset_format: Literal[
-        "auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA(
-            "auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
-    template: Literal[
-        "auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "gemma", "gemma3", "phi", "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2", "cohere", "default", "empty", "alpaca"] = DATA(
-            "auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | "
-                    "LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, "
-                    "phi4, deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (the "
-                    "tokenizer's own template when it is that family's, else the format written out as LLaMA-Factory "
-                    "renders it; final/ saves the one trained)")
+    max_samples: int | None = DATA(None, "use only the first N records of each dataset (as LLaMA-Factory); "
+                                         "default: all", gt=0)
+    dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA(
+        "auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
+    template: Literal["auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral",
+                      "gemma", "gemma3", "phi", "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2",
+                      "cohere", "default", "empty", "alpaca"] = DATA(
+        "auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | "
+                "LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, phi4, "
+                "deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (the tokenizer's "
+                "own template when it is that family's, else the format written out as LLaMA-Factory renders it; "
+                "final/ saves the one trained)")
     train_on_prompt: bool = DATA(False, "also train on the prompt: system, user and tool turns and the assistant "
                                         "header (LLaMA-Factory's key); default: assistant turns only")
     mask_history: bool = DATA(False, "train only the last assistant turn of each conversation, earlier ones are "
-                                     "context; a conversation longer than cutoff_len keeps its end (LLaMA-Factory's "
-                                     "key)")
+                                     "context; a conversation longer than cutoff_len keeps its end "
+                                     "(LLaMA-Factory's key)")
     cutoff_len: int = DATA(2048, "samples are truncated to this many tokens", gt=1)
     val_size: float = DATA(0.0, "held-out part of the training data: a fraction (<1) or a count", ge=0.0)
     skip_invalid: bool = DATA(False, "skip malformed records (counted) instead of stopping at the first")
@@ -180,10 +180,9 @@ class TrainConfig(BaseModel):
     adam_epsilon: float = OPTIMIZATION(1e-8, "AdamW epsilon", gt=0.0)
     num_train_epochs: float = OPTIMIZATION(3.0, "epochs, used when max_steps is -1", gt=0.0)
     max_steps: int = OPTIMIZATION(-1, "optimizer steps; -1 = from num_train_epochs", ge=-1)
-    lr_scheduler_type: Literal[
-        "cosine", "linear", "constant", "constant_with_warmup"] = OPTIMIZATION(
-            "cosine", "HF's schedule of that name, warmup from lr 0 included: cosine | linear (decay to 0 after the "
-                      "warmup) | constant (no warmup, as in HF) | constant_with_warmup")
+    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = OPTIMIZATION(
+        "cosine", "HF's schedule of that name, warmup from lr 0 included: cosine | linear (decay to 0 after the "
+                  "warmup) | constant (no warmup, as in HF) | constant_with_warmup")
     warmup_ratio: float = OPTIMIZATION(0.0, "warmup as a fraction of all steps, rounded up", ge=0.0, lt=1.0)
     warmup_steps: float = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0. A fraction below 1 is a "
                                           "share of all steps, as in transformers 5", ge=0)
@@ -204,8 +203,8 @@ class TrainConfig(BaseModel):
                 "whose gradients overflowed; metrics.jsonl lists it; the ranks agree on each step before its update, "
                 "one small all-gather and one wait for the device per step)", scope=JOB)
     max_nonfinite_skips: int = OPTIMIZATION(5, "on_nonfinite skip: the run stops at the non-finite step after this "
-                                               "many were skipped (counted over the whole run, "
-                                               "resumes included)", ge=0, scope=JOB)
+                                               "many were skipped (counted over the whole run, resumes "
+                                               "included)", ge=0, scope=JOB)
     grad_reduce_dtype: Literal["fp32", "bf16"] = OPTIMIZATION(
         "fp32", "the dtype gradients cross the processes in: fp32 (exact sums) | bf16 (half the bytes, as DeepSpeed's "
                 "default under bf16; sums over many processes lose precision: try it when the network is the "
@@ -241,8 +240,8 @@ class TrainConfig(BaseModel):
                                                    "once. Default: as many as keep a unit within about 1B parameters, "
                                                    "at most 4; lower it if zero3 runs out of memory", ge=1)
     fsdp_prefetch: int = SPEED(0, "zero2 / zero3 / hsdp: blocks whose parameters are gathered explicitly ahead of use "
-                                  "in forward and backward (0 = FSDP2's own implicit prefetching, usually as "
-                                  "fast)", ge=0)
+                                  "in forward and backward (0 = FSDP2's own implicit prefetching, usually "
+                                  "as fast)", ge=0)
     expandable_segments: bool = SPEED(True, "CUDA: the caching allocator grows its segments instead of allocating new "
                                             "ones (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): no fragmentation "
                                             "retries when large units are gathered and freed. A "
@@ -252,13 +251,12 @@ class TrainConfig(BaseModel):
                                           "collective while it collects. 0 = Python's automatic collection. Default: "
                                           "50 with several processes, 0 with one", ge=0, scope=NODE)
     activation_memory_budget: float = SPEED(1.0, "torch_compile: the share of a compiled block's activations its "
-                                                 "backward may keep (torch's partitioner budget). "
-                                                 "Below 1 the compiler recomputes the operators that "
-                                                 "free the most memory for the least time inside the "
-                                                 "block's own backward (matmul outputs last), instead "
+                                                 "backward may keep (torch's partitioner budget). Below 1 the compiler "
+                                                 "recomputes the operators that free the most memory for the least "
+                                                 "time inside the block's own backward (matmul outputs last), instead "
                                                  "of recomputing whole blocks: a finer trade than "
-                                                 "gradient_checkpointing_ratio for the blocks that "
-                                                 "are not recomputed", gt=0.0, le=1.0)
+                                                 "gradient_checkpointing_ratio for the blocks that are not "
+                                                 "recomputed", gt=0.0, le=1.0)
     compile_combo_kernels: bool = SPEED(False, "torch_compile on CUDA: inductor's combo kernels, which launch "
                                                "independent small kernels of a block as one (the adapters' bf16 casts "
                                                "in forward, their fp32 gradients in backward): fewer launches where "
@@ -266,10 +264,10 @@ class TrainConfig(BaseModel):
                                                "recomputed). The math is unchanged; Triton only, so CPU runs ignore it")
     cpu_affinity: Literal["auto", "none", "node", "exclusive"] = SPEED(
         "auto", "CUDA workers pinned to host CPUs: node (the CPUs of their GPU's NUMA node) | exclusive (a disjoint "
-                "share of those CPUs for each process of the node, whole physical cores, so no two "
-                "processes' host work competes for a core) | none. auto: node where the system tells the "
-                "GPU's NUMA node, else nothing (exclusive is yours to try: on one-socket machines it only "
-                "keeps processes off each other's cores)", scope=NODE)
+                "share of those CPUs for each process of the node, whole physical cores, so no two processes' host "
+                "work competes for a core) | none. auto: node where the system tells the GPU's NUMA node, else nothing "
+                "(exclusive is yours to try: on one-socket machines it only keeps processes off each "
+                "other's cores)", scope=NODE)
     profile_steps: str | None = SPEED(None, "profile optimizer steps FIRST-LAST (e.g. 10-12) with torch.profiler: a "
                                             "Chrome trace per rank and rank 0's costliest operators in "
                                             "output_dir/profile/", scope=NODE)
@@ -305,8 +303,8 @@ class TrainConfig(BaseModel):
     master_port: int | None = LAUNCH(None, "rendezvous port on master_addr; required for several nodes (the same free "
                                            "port on every node)", gt=0, lt=65536)
     local_addr: str | None = LAUNCH(None, "the address other nodes reach this node at (torchrun --local-addr); "
-                                          "default: hostname lookup. Set it when the hostname resolves to the wrong "
-                                          "network")
+                                          "default: hostname lookup. Set it when the hostname resolves to the "
+                                          "wrong network")
     max_restarts: int = LAUNCH(3, "times torchrun restarts all workers after a failure (they resume from the newest "
                                   "checkpoint)", ge=0)
     rdzv_backend: Literal["c10d", "etcd-v2"] = LAUNCH(
@@ -329,8 +327,8 @@ class TrainConfig(BaseModel):
                                                   "(torch.cuda.set_per_process_memory_fraction): beyond it an "
                                                   "allocation fails as out of memory, as on a smaller card. Rehearse a "
                                                   "run meant for 24 GB GPUs (gpu_memory_limit: 24) on larger ones, or "
-                                                  "leave room on a shared card; parallel: auto plans for it. Ignored "
-                                                  "on CPU", gt=0)
+                                                  "leave room on a shared card; parallel: auto plans for it. "
+                                                  "Ignored on CPU", gt=0)
 
     output_dir: str = OUTPUT("output", "where metrics.jsonl, config.yaml, run_plan.json, loss.png, checkpoints and "
                                        "final/ go; shared storage across nodes (checked at start)", scope=NODE)
@@ -349,8 +347,8 @@ class TrainConfig(BaseModel):
                  "at the last step; save_steps is not read) | no (none: only final/)")
     save_steps: int = OUTPUT(0, "save_strategy steps: write a sharded checkpoint every N optimizer steps and at the "
                                 "last one (0 = only final/)", ge=0)
-    save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); default: "
-                                                "all", gt=0)
+    save_total_limit: int | None = OUTPUT(None, "complete checkpoints to keep (the newest is never deleted); "
+                                                "default: all", gt=0)
     async_save: bool = OUTPUT(False, "write checkpoints in the background while training continues (one at a time); "
                                      "turn on when saving stalls training")
     stop_grace_period: int = OUTPUT(60, "seconds a SIGTERM (what SLURM, Kubernetes and other schedulers send before "
@@ -515,9 +513,8 @@ class TrainConfig(BaseModel):
                              f"gradient_checkpointing: false forbids; drop one of them")
         if self.memory_budget is not None and self.gradient_checkpointing_ratio != "auto":
             raise ValueError(f"memory_budget: {self.memory_budget:g} is read only by gradient_checkpointing_ratio: "
-                             "auto, "
-                             f"not {self.gradient_checkpointing_ratio:g}; leave the ratio out (auto is its default) or "
-                             f"drop memory_budget")
+                             f"auto, not {self.gradient_checkpointing_ratio:g}; leave the ratio out (auto is its "
+                             f"default) or drop memory_budget")
         if self.val_size >= 1 and self.val_size != int(self.val_size):
             raise ValueError(f"val_size: {self.val_size} is neither a fraction below 1 nor a whole count")
         return self

@@ -97,7 +97,8 @@ def choose_cpus(mode: str, gpu_nodes: list[int | None], local_rank: int, allowed
     if mode == "node":
         return near, f"cpu_affinity node: {len(near)} CPUs of {where}"
     cpus = share(physical_cores(near, sys_root), peers.index(local_rank), len(peers))
-    return cpus, f"cpu_affinity exclusive: {len(cpus)} of the {len(near)} CPUs of {where}, shared by {len(peers)} process(es)"
+    return cpus, (f"cpu_affinity exclusive: {len(cpus)} of the {len(near)} CPUs of {where}, "
+                  f"shared by {len(peers)} process(es)")
 
 
 def numa_nodes_named(sys_root: Path = SYS) -> bool:

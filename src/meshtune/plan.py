@@ -48,8 +48,7 @@ class ModelSize:
 class RunPlan:
     parallel: str                # ddp | zero2 | zero3 | hsdp
     bf16: bool                   # compute in bf16 (fp32 master weights)
-    # the frozen base stored in bf16 (LoRA under ddp, Q-LoRA): only adapters are master weights
-    frozen_bf16: bool
+    frozen_bf16: bool  # the frozen base stored in bf16 (LoRA under ddp, Q-LoRA): only adapters are master weights
     bf16_weights: bool           # master_weights bf16: full fine-tuning's weights, gradients and AdamW moments in bf16
     padding_free: bool           # a micro-batch's samples end to end in one row, varlen attention
     fused_loss: bool             # the head computes the loss in chunks (where the head is a bias-free linear layer)
@@ -384,7 +383,8 @@ def reshard_after_forward(cfg: TrainConfig, parallel: str, shard: int | None, mo
     if cfg.is_lora:
         return True
     card = gpu_bytes()
-    keep = "hsdp, full fine-tuning: each replica's processes keep every unit's weights from forward to backward, as zero2"
+    keep = ("hsdp, full fine-tuning: each replica's processes keep every unit's weights from forward to backward, "
+            "as zero2")
     if card is None:
         why["reshard_after_forward"] = keep
         return False
@@ -499,7 +499,7 @@ def keep_global_batch(cfg: TrainConfig, manifest: dict | None, world_size: int, 
             f"per_device_train_batch_size {cfg.per_device_train_batch_size} cannot make up; choose a process count "
             f"or batch size that divides {saved}, or resume_from_checkpoint: none to start over")
     accumulation = saved // per_step
-    why["gradient_accumulation_steps"] = (f"resuming on {world_size} processes: gradient_accumulation_steps "
-                                          f"{configured} -> {accumulation} keeps the checkpoint's global batch of "
-                                          f"{saved}")
+    why["gradient_accumulation_steps"] = (
+        f"resuming on {world_size} processes: gradient_accumulation_steps {configured} -> {accumulation} "
+        f"keeps the checkpoint's global batch of {saved}")
     return accumulation

@@ -54,7 +54,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 NO_DOWNLOAD = "meshtune reads local files only and never downloads"
-CACHE = "the data is tokenized once per job into a shared cache, rebuilt by itself when data, tokenizer, template or cutoff_len change"
+CACHE = ("the data is tokenized once per job into a shared cache, rebuilt by itself when data, tokenizer, template or "
+         "cutoff_len change")
 SFT_ONLY = "meshtune trains supervised fine-tuning (stage: sft) only"
 SHARDING = ("meshtune shards with FSDP2 through its own keys: parallel: zero3 (or zero2, hsdp), cpu_offload: true, "
             "and nnodes / nproc_per_node / master_addr / master_port (or the launcher's environment)")
@@ -85,7 +86,8 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "lora_target_modules": (QWEN, renamed("lora_target")),
     "lora_bias": (QWEN, only({"none": {}}, "LoRA trains no bias terms in meshtune; set lora_bias none")),
     "lora_weight_path": (QWEN, lambda value: Outcome(values={"adapter_name_or_path": value} if value else {})),
-    "use_rslora": (LF, only({False: {}}, "rank-stabilized LoRA scaling is not supported; meshtune scales by alpha / r")),
+    "use_rslora": (LF, only({False: {}}, "rank-stabilized LoRA scaling is not supported; "
+                                         "meshtune scales by alpha / r")),
     "use_dora": (LF, only({False: {}}, "DoRA is not supported")),
     "create_new_adapter": (LF, only({False: {}}, "a new adapter on top of merged ones is not supported; merge them "
                                                  "into the base (meshtune export ADAPTER --merge) and train on it")),

@@ -167,7 +167,8 @@ def files_row(title: str, key: str, config_key: str, facts: list[dict], referenc
         if "error" in fact:
             row.mark(position, FAIL, fact["error"], f"{config_key}: make the files present on every node")
         elif fact["checksum"] != reference[key].get("checksum"):
-            row.mark(position, FAIL, f"sha256 {fact['checksum'][:8]} (node 0: {reference[key].get('checksum', '')[:8]})",
+            row.mark(position, FAIL,
+                     f"sha256 {fact['checksum'][:8]} (node 0: {reference[key].get('checksum', '')[:8]})",
                      f"{config_key}: the files differ from node 0's; put them on shared storage or copy node 0's")
         else:
             row.mark(position, OK, f"{fact['files']} file(s), sha256 {fact['checksum'][:8]}")

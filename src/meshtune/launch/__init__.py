@@ -1,4 +1,5 @@
-"""Launching: this node's settings (config / env / SLURM / PBS / PyTorchJob) and the torchrun that starts its workers."""
+"""Launching: this node's settings (config / env / SLURM / PBS / PyTorchJob) and the torchrun that starts its
+workers."""
 
 from meshtune.launch.nodes import (NodeSettings, default_nproc_per_node, describe, detect_node_settings,
                                    expand_hostlist, node_range, torchrun_worker)

@@ -242,8 +242,8 @@ def _from_pbs(environ: Mapping[str, str], hostname: str) -> Layer | None:
         rank = _Unresolved(f"this host {hostname!r} is not in PBS_NODEFILE {path} (hosts: {shown}); run meshtune on "
                            "the job's nodes, or set NODE_RANK (or node_rank:) on each node")
     return {"nnodes": (str(len(hosts)), origin), "master_addr": (hosts[0], f"{origin} (first host)"),
-            "node_rank": (rank, f"{origin} (this host's place)"), "run_id": (
-                f"pbs-{environ['PBS_JOBID']}", "PBS PBS_JOBID")}
+            "node_rank": (rank, f"{origin} (this host's place)"),
+            "run_id": (f"pbs-{environ['PBS_JOBID']}", "PBS PBS_JOBID")}
 
 
 def _host_index(hosts: list[str], hostname: str) -> int | None:

@@ -254,7 +254,8 @@ def worker_label() -> str | None:
         return ""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return None
-    return f" (node {os.environ.get('MESHTUNE_NODE_RANK', os.environ.get('GROUP_RANK', '?'))}, rank {os.environ.get('RANK')})"
+    return (f" (node {os.environ.get('MESHTUNE_NODE_RANK', os.environ.get('GROUP_RANK', '?'))}, "
+            f"rank {os.environ.get('RANK')})")
 
 
 def stop_restarts() -> None:

@@ -40,13 +40,12 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     """This node's torchrun: standalone on one node; across several, a c10d rendezvous at node 0's address:port,
     or (rdzv_backend etcd-v2) one held by the etcd server at rdzv_endpoint.
 
-    No `--node-rank` across nodes: torchrun ignores it for c10d (it only feeds the static backend, and warns
-    when it is not 0) and orders agents itself (by host name or local_addr, then pid), so global rank 0 need
-    not be on NODE_RANK 0. NODE_RANK 0 does host the rendezvous store (`is_host`): torch's own guess compares
-    MASTER_ADDR with the host name's addresses and misses a second network (local_addr). The user's node rank still
-    reaches the
-    workers as MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
-    `read_timeout` is the store connection's patience too: a node started before node 0 waits that long.
+    No `--node-rank` across nodes: torchrun ignores it for c10d (it only feeds the static backend, and warns when it is
+    not 0) and orders agents itself (by host name or local_addr, then pid), so global rank 0 need not be on NODE_RANK 0.
+    NODE_RANK 0 does host the rendezvous store (`is_host`): torch's own guess compares MASTER_ADDR with the host name's
+    addresses and misses a second network (local_addr). The user's node rank still reaches the workers as
+    MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank. `read_timeout` is the
+    store connection's patience too: a node started before node 0 waits that long.
     """
     numa_binding = torchrun_numa_binding(cfg.cpu_pinning, settings.nproc_per_node)
     if not settings.multi_node:

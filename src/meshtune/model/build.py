@@ -55,8 +55,8 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     # Q-LoRA's NF4 comes after LoRA (its frozen base layers only), as each block is filled: in data_parallel
     if plan.recompute:
         # measured: every block until the steps measured before training choose (train/memory_fit.py)
-        enable_checkpointing(model, 1.0 if plan.recompute == MEASURE else plan.recompute)  # before compile: the
-        # recompute runs the compiled block
+        # before compile: the recompute runs the compiled block
+        enable_checkpointing(model, 1.0 if plan.recompute == MEASURE else plan.recompute)
     if plan.compile:
         # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
         compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)

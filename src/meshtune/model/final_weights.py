@@ -53,7 +53,8 @@ def verify_export(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        problems += [f"{name} listed in {index.name} is missing" for name in sorted(shards) if not (path / name).is_file()]
+        problems += [f"{name} listed in {index.name} is missing" for name in sorted(shards)
+                     if not (path / name).is_file()]
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         problems.append("no tokenizer files")
     return problems

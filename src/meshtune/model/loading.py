@@ -34,7 +34,8 @@ def check_model_dir(path: str | Path) -> Path:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        missing += [f"shard {name} listed in {index.name}" for name in sorted(shards) if not (directory / name).is_file()]
+        missing += [f"shard {name} listed in {index.name}" for name in sorted(shards)
+                    if not (directory / name).is_file()]
     if missing:
         raise ModelError(f"model directory {directory} is incomplete or damaged: " + "; ".join(
             item if " is " in item else f"missing {item}" for item in missing) + ". Copy or download it again")

@@ -89,11 +89,10 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                before_shard: Callable[[list[torch.nn.Module]], None] | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more.
-    `reduce_bf16`:
-    gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `blocks_per_unit`:
-    consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter for them all).
-    `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host memory.
-    `reshard_after_forward`: FSDP2 frees each unit's gathered weights after forward (the run plan's choice; by
+    `reduce_bf16`: gradients cross the processes in bf16 (half the bytes), and are summed back into fp32.
+    `blocks_per_unit`: consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter
+    for them all). `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host
+    memory. `reshard_after_forward`: FSDP2 frees each unit's gathered weights after forward (the run plan's choice; by
     default zero3's and hsdp's yes, zero2's no). `bucket_cap_mb`: DDP's gradient buckets (torch's 25 MB by default).
     `before_shard`: called with each unit's blocks, then with the model, right before FSDP2 shards them (Q-LoRA's
     block-by-block loading: only one unit is ever whole on the device)."""

@@ -2,13 +2,12 @@
 
 A thread in every rank watches the optimizer steps. When none completes within the hang timeout (evaluations,
 checkpoint writes and torch.compile at work pause the clock), each rank that can still run Python writes
-`output_dir/hang-<time>/rank<R>.txt`:
-where the loop was, the stacks of all its threads (faulthandler) and torch's flight recorder (its last
-collectives and their states: NCCL, and gloo where this torch records it). The ranks agree on the folder through the
-job's store. The lowest rank that
-reported writes `summary.txt`: the ranks that never reported (stopped, dead, or stuck outside Python holding the
-interpreter) and those not at the same place as the others. Then the reporting ranks exit with `HANG_EXIT`, so
-torchrun stops the rest and starts all workers again, from the newest checkpoint.
+`output_dir/hang-<time>/rank<R>.txt`: where the loop was, the stacks of all its threads (faulthandler) and torch's
+flight recorder (its last collectives and their states: NCCL, and gloo where this torch records it). The ranks agree
+on the folder through the job's store. The lowest rank that reported writes `summary.txt`: the ranks that never
+reported (stopped, dead, or stuck outside Python holding the interpreter) and those not at the same place as the
+others. Then the reporting ranks exit with `HANG_EXIT`, so torchrun stops the rest and starts all workers again,
+from the newest checkpoint.
 
 While no hang timeout applies yet (the first steps, which compile and warm up), rank 0 says every minute that a step
 is still running, where, whether torch.compile is at work, and, on GPUs, what the allocator holds and how often it
@@ -179,7 +178,8 @@ class HangWatchdog:
             here["last_collective"] = [entries[-1].get("collective_seq_id"), entries[-1].get("profiling_name")]
         with (folder / f"rank{rank}.txt").open("w") as out:
             out.write(f"meshtune hang report: rank {rank} of {self.env.world_size} (node {here['node']}, host "
-                      f"{here['host']}, pid {here['pid']}), attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n"
+                      f"{here['host']}, pid {here['pid']}), "
+                      f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n"
                       f"step {self.step}, at: {self.where}; no optimizer step completed for {idle:.0f} s "
                       f"(hang timeout {limit:.0f} s)\n\nPython stacks of every thread:\n")
             out.flush()

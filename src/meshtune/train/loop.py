@@ -130,7 +130,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
         log(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     pad_id = tokenizer.pad_token_id
-    rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing, padding_free=plan.padding_free)
+    rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
+                            padding_free=plan.padding_free)
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
                       autocast_fp16=plan.fp16)
     model.train()
@@ -144,7 +145,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
         describe_run(cfg, plan, output_dir)
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, env,
-                          partial(collate, dataset=eval_data, pad_id=pad_id, packed=False, padding_free=plan.padding_free),
+                          partial(collate, dataset=eval_data, pad_id=pad_id, packed=False,
+                                  padding_free=plan.padding_free),
                           loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile)
