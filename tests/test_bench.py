@@ -102,7 +102,8 @@ def test_a_second_run_in_the_same_work_folder_trains_afresh(table_run, tmp_path)
     assert second["trained_tokens"] > 0 and second["tokens_per_s"] > 0, second
     assert not (first / "checkpoint-3").exists()
     log = (first / "train.log").read_text()
-    assert "training finished" in log and "resum" not in log.lower(), log[-2000:]
+    assert "training finished" in log and "resumed from" not in log and "not resuming" not in log, log[-2000:]
+    assert "resume_from_checkpoint       none: from step 0" in log, log[-2000:]  # the run plan's line
 
 
 def test_the_peer_counts_real_tokens_and_pads_to_the_longest_sample():
@@ -362,6 +363,7 @@ def test_a_two_agent_job_that_did_not_train_afresh_fails_the_report():
 
     trained = [{"step": 1, "tokens": 100}, {"step": 2, "tokens": 90}]
     assert problem(trained, "train: 100%\n", expect_resume=False) is None
+    assert problem(trained, "  resume_from_checkpoint       none: from step 0\n", expect_resume=False) is None
     assert problem([], "", expect_resume=False) == "trained 0 tokens"
     assert problem([{"step": 40, "tokens": 0}], "", expect_resume=False) == "trained 0 tokens"
     log = ("warning: checkpoint-40 was written with another config (hash a, now b); resuming anyway\n"
