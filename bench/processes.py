@@ -4,9 +4,9 @@ signalling the launcher and every process below it."""
 
 from __future__ import annotations
 
-import signal
-
 import psutil
+
+from meshtune.launch.torchrun import kill_tree  # noqa: F401  (the one kill of a process tree)
 
 
 def descendants(pid: int) -> list[int]:
@@ -23,18 +23,3 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal `pid` and everything below it. The tree is listed before the first signal: a killed parent's
-    children are re-parented and could no longer be found from it."""
-    try:
-        root = psutil.Process(pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in tree:
-        try:
-            process.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass

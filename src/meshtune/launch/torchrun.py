@@ -161,9 +161,10 @@ def _wait(process: subprocess.Popen, channel) -> int:
             return process.wait()
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it (torchrun starts each worker in a session of its own). The tree is
-    listed first: a killed parent's children are re-parented and no longer found from it."""
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal `pid` and every process below it (torchrun starts each worker in a session of its own; the bench and
+    the tests stop runs with it too). The tree is listed first: a killed parent's children are re-parented and no
+    longer found from it."""
     try:
         root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
@@ -171,7 +172,7 @@ def kill_tree(pid: int) -> None:
         return
     for process in tree:
         try:
-            process.kill()
+            process.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
 
