@@ -118,6 +118,7 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
         process.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _workers_output["ran"] = True
     try:
         code = _wait(process, channel)
     finally:
@@ -240,13 +241,15 @@ class AgentTracebackFilter:
             _workers_output["mid_line"] = not data.endswith(b"\n")
 
 
-# whether the workers' copied output stopped mid-line: a progress bar whose worker was stopped never ends its line
-_workers_output = {"mid_line": False}
+# Whether workers ran under this launcher, and whether their copied output stopped mid-line: a progress bar whose
+# worker was stopped never ends its line, and its last piece may reach the terminal after torchrun has ended.
+_workers_output = {"ran": False, "mid_line": False}
 
 
 def end_workers_line() -> None:
-    """Start the launcher's next line on a line of its own, after whatever the workers left unfinished."""
-    if _workers_output["mid_line"]:
+    """Start the launcher's last line on a line of its own after workers ran: a stopped worker's unfinished
+    progress bar would otherwise swallow it. At worst this leaves one blank line before it."""
+    if _workers_output["ran"] or _workers_output["mid_line"]:
         sys.stderr.write("\n")
         sys.stderr.flush()
-        _workers_output["mid_line"] = False
+        _workers_output["ran"] = _workers_output["mid_line"] = False
