@@ -5,7 +5,6 @@ node's NODE_RANK, as a user would on each machine. A healthy pair passes; each f
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ import time
 import pytest
 
 from conftest import base_config, kill_tree, read_metrics, write_config
+from ranks import free_port
 from test_launch import clean_env
 
 TIMEOUT = 60  # seconds a test's nodes may take; the doctor's own --timeout is far below
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=(), command=("doctor",),

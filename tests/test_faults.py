@@ -28,16 +28,11 @@ from pathlib import Path
 import pytest
 
 from conftest import base_config, kill_tree, read_metrics, run_cli, run_cli_here, write_config
+from ranks import free_port
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 24, 4
 JOB_TIMEOUT = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Node:

@@ -22,7 +22,8 @@ import pytest
 
 from conftest import kill_tree, read_metrics
 from processes import alive, descendants
-from test_faults import Cluster, Node, free_port, job_config
+from ranks import free_port
+from test_faults import Cluster, Node, job_config
 
 # ---- the parts
 
