@@ -237,19 +237,17 @@ class AgentTracebackFilter:
     def _write(self, data: bytes) -> None:
         self.sink.write(data)
         self.sink.flush()
-        if data:
-            _workers_output["mid_line"] = not data.endswith(b"\n")
 
 
-# Whether workers ran under this launcher, and whether their copied output stopped mid-line: a progress bar whose
-# worker was stopped never ends its line, and its last piece may reach the terminal after torchrun has ended.
-_workers_output = {"ran": False, "mid_line": False}
+# Whether workers ran under this launcher since its last line: a progress bar whose worker was stopped never ends
+# its line, and its last piece may reach the terminal after torchrun has ended.
+_workers_output = {"ran": False}
 
 
 def end_workers_line() -> None:
     """Start the launcher's last line on a line of its own after workers ran: a stopped worker's unfinished
     progress bar would otherwise swallow it. At worst this leaves one blank line before it."""
-    if _workers_output["ran"] or _workers_output["mid_line"]:
+    if _workers_output["ran"]:
         sys.stderr.write("\n")
         sys.stderr.flush()
-        _workers_output["ran"] = _workers_output["mid_line"] = False
+        _workers_output["ran"] = False
