@@ -42,6 +42,7 @@ class _Pending:
     info: dict[str, Any]
     wait: Callable[[], Any]  # returns once this rank's DCP write has finished
     staged_s: float  # seconds save() blocked the caller (the whole write when sync; the copy to CPU when async)
+    started: float  # time.monotonic() when save() began
 
 
 class CheckpointManager:
@@ -106,7 +107,7 @@ class CheckpointManager:
             response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             future = getattr(response, "upload_completion", response)  # newer torch may return AsyncSaveResponse
             self._pending = _Pending(step, tmp, {**info, "step": step}, future.result,
-                                     time.monotonic() - started)
+                                     time.monotonic() - started, started)
             return
         try:
             dcp.save(state, storage_writer=writer)
@@ -114,7 +115,7 @@ class CheckpointManager:
             raise CheckpointError(self._write_failure(tmp, error)) from error
         maybe_die("save", step, self.rank)
         self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None,
-                                 time.monotonic() - started)
+                                 time.monotonic() - started, started)
         self.wait()
 
     def wait(self) -> None:
@@ -282,7 +283,11 @@ class CheckpointManager:
                         f"output_dir must be one storage that every node mounts at the same path")
             for name in sorted(present - set(files)):  # DCP's .metadata, written by rank 0
                 files[name] = hash_file(pending.tmp / name, fsync=True)
-            write_manifest(pending.tmp, pending.info, files)
+            # how long training waited for the save, and how long it took to be published (written, fsynced and
+            # hashed by every rank): what `stop_grace_period` and a save's cost are judged by
+            timing = {"blocked_s": round(pending.staged_s, 3),
+                      "published_s": round(time.monotonic() - pending.started, 3)}
+            write_manifest(pending.tmp, {**pending.info, "save_seconds": timing}, files)
             final = checkpoint_dir(self.output_dir, pending.step)
             if final.exists():  # an earlier save of this step, from before resuming at an older checkpoint
                 delete_sealed(final)

@@ -92,8 +92,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
                                     save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0)
     wanted, named = resume_request(cfg, shared)  # auto: the newest complete, verified checkpoint
+    verify_began = time.monotonic()
     resume_path, manifest, notes = (checkpoints.find_resume(named, cfg.math(), cfg.resume_allow_changed) if wanted
                                     else (None, None, []))
+    verify_s = time.monotonic() - verify_began
     for note in notes:
         log(note)
     model_dir = check_model_dir(cfg.model_name_or_path)
@@ -119,8 +121,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     progress = TrainingProgress()
     state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora)
     if resume_path:
+        load_began = time.monotonic()
         checkpoints.load(resume_path, state)
-        log(f"resumed from {resume_path} at step {progress.step} of {total_steps}")
+        log(f"resumed from {resume_path} at step {progress.step} of {total_steps} (verified in {verify_s:.1f} s, "
+            f"loaded in {time.monotonic() - load_began:.1f} s)")
     scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, progress)  # fp16's loss scale; else no-op
     log(f"{cfg.finetuning_type} on {env.world_size} process(es): {total_steps} steps x global batch "
         f"{batches.global_batch}{' packed rows' if cfg.packing else ''}; trainable parameters "
