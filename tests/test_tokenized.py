@@ -92,6 +92,26 @@ def test_truncation_and_dropped_samples(tokenizer):
     assert (ids.tolist(), labels.tolist()) == tuple(template.encode(short))
 
 
+def test_each_sample_keeps_its_record_and_length_before_cutoff(tokenizer, tmp_path):
+    """What `meshtune preview` names and measures samples by: the record each came from (a dropped one is no
+    sample) and its tokens before cutoff_len; a cache written without them (a benchmark's) still loads."""
+    template = ChatTemplate(tokenizer)
+    short = conversation("Hi.", "Paris.")
+    long_prompt = conversation("The weather today is sunny. " * 20, "Paris.")
+    long_answer = conversation("Hi.", "The quick brown fox jumps over the lazy dog. " * 4)
+    cutoff = len(template.encode(short)[0]) + 3
+    dataset = build_tokenized([long_prompt, short, long_answer], template, cutoff, show_progress=False)
+    full = [len(template.encode(c)[0]) for c in (short, long_answer)]
+    assert dataset.record_index.tolist() == [1, 2] and dataset.full_lengths.tolist() == full
+    assert full[1] > cutoff == dataset.lengths[1]
+    dataset.save(tmp_path / "cache")
+    loaded = TokenizedDataset.load(tmp_path / "cache")
+    assert loaded.record_index.tolist() == [1, 2] and loaded.full_lengths.tolist() == full
+    TokenizedDataset(dataset.input_ids, dataset.labels, dataset.offsets, dataset.stats).save(tmp_path / "bare")
+    bare = TokenizedDataset.load(tmp_path / "bare")
+    assert bare.record_index is None and bare.full_lengths is None and len(bare) == 2
+
+
 def test_nothing_left_raises(tokenizer):
     with pytest.raises(DataError, match="raise cutoff_len"):
         build_tokenized([conversation("Hi.", "Paris.")], ChatTemplate(tokenizer), 2, show_progress=False)

@@ -1,4 +1,5 @@
-"""`meshtune train | launch | demo`: errors a user can act on are printed without a traceback (`--debug` shows it)."""
+"""`meshtune train | launch | preview | demo`: errors a user can act on are printed without a traceback (`--debug`
+shows it)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,33 @@ nodes, so a slow link is named; node 0 judges the link against what the config m
 step under its parallel mode (rows: all-reduce bus bandwidth, latency, slowest pair, verdict for <parallel>).
 The other nodes print the rows that concern them. Exit code 1 when any check fails (✘).
 `meshtune train` runs these checks itself before starting torchrun on several nodes (config key preflight).
+"""
+
+PREVIEW_HELP = """\
+Show what `meshtune train` with the same config and overrides trains on, without training: no process group, no
+GPU, no model weights (the tokenizer only). The data takes training's own path: read, rendered with the chat
+template, tokenized and cut to cutoff_len into the tokenized cache (output_dir/tokenized or tokenized_path; built
+here when no run has built it yet, and then reused by train), and the samples shown are that cache's rows.
+
+It prints:
+  - the template and which turns it trains; the settings that shape the samples
+  - each dataset: its files, the format their records were read in, their record counts; records -> samples,
+    tokens and trained tokens; min / median / p95 / max of the tokens per sample as trained, before cutoff_len, and
+    of the trained tokens per sample (median and p95 interpolated as numpy.percentile does); the samples cutoff_len
+    truncates (longer than cutoff_len: the first cutoff_len tokens are kept, the last with mask_history) and drops
+    (no trained token left in what is kept), the records skip_invalid skipped, the samples val_size holds out
+  - N samples (-n; --index or --seed choose which), decoded from the cache's token ids with the template's
+    special tokens written out (<|im_start|>, <|im_end|>, ...):
+      ⟦text⟧   trained: the loss has these tokens as targets (their label in the cache is the token itself)
+      ⟦→x⟧     a target that is not the input token at that place: the loss trains x there, and the token
+               written after the mark is input only (templates without end-of-turn text, glm4 and baichuan2,
+               train eos so where the next turn begins)
+      the rest is context only (label -100). A sample's first token is never a target: nothing comes before it.
+    On a terminal the trained text is green too (--color).
+Samples are numbered by their position in the tokenized training data, from 0, as a non-finite step's error names
+them; each header names the file and record the sample came from.
+--json prints the same as one JSON document: each sample also with its input_ids, the cache's labels and a 0/1
+"trained" list.
 """
 
 LAUNCH_HELP = """\
@@ -157,6 +185,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         help="also measure the link between the nodes (all-reduce and each pair; under 60 s on "
                              "healthy nodes) and judge it against what this config moves each step")
 
+    preview = commands.add_parser("preview", help="show the samples, trained tokens and lengths training will see",
+                                  parents=[job, debug], description=PREVIEW_HELP,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    preview.add_argument("-n", "--samples", type=int, default=3, metavar="N",
+                         help="samples to show (default 3): the first N, or N drawn with --seed")
+    preview.add_argument("--index", type=positions, metavar="I[,J...]",
+                         help="the samples at these positions in the tokenized training data (from 0)")
+    preview.add_argument("--seed", type=int, help="draw the samples at random with this seed (the same each time)")
+    preview.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                         help="green trained text: auto (default) on a terminal only, always, never")
+    preview.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
     ckpt = commands.add_parser("ckpt", help="list or verify checkpoints", parents=[debug],
                                description="Inspect the sharded checkpoints in an output_dir.")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -195,6 +235,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     demo.add_argument("--prepare", metavar="DIR", help="only write the model, tokenizer, data and config.yaml into DIR")
     demo.add_argument("--dir", metavar="DIR", default="demo_run", help="where the demo works (default: ./demo_run)")
     return parser, commands.choices
+
+
+def positions(text: str) -> list[int]:
+    """`--index 3,17`: sample positions."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positions as numbers separated by commas, e.g. 3,17")
 
 
 SCHEDULER_OPTIONS = ("--scheduler", "--nodes", "--gpus-per-node", "--cpus-per-node", "--time", "--job-name",
@@ -323,6 +371,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_preview(args: argparse.Namespace) -> int:
+    import json
+
+    from meshtune.data.preview import preview, render_text, use_color
+    from meshtune.model.loading import check_model_dir, load_tokenizer
+
+    if args.index is not None and args.seed is not None:
+        raise MeshtuneError("--index and --seed both choose the samples shown; give one of them")
+    cfg, _ = load_training_config(args)  # the errors train gives, before any data is read
+    tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
+    report = preview(cfg, tokenizer, samples=args.samples, indices=args.index, seed=args.seed,
+                     show_progress=sys.stderr.isatty())
+    if args.json:
+        print(json.dumps(report, indent=1, ensure_ascii=False))
+    else:
+        print(render_text(report, color=use_color(args.color, sys.stdout)))
+    return 0
+
+
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
     from meshtune.checkpoint.manifest import MANIFEST
@@ -393,12 +460,12 @@ def restart_cannot_fix(exc: Exception) -> MeshtuneError | None:
 
 
 # commands whose own options may stand before, among or after the config and its overrides
-INTERMIXED = ("train", "launch", "doctor")
+INTERMIXED = ("train", "launch", "doctor", "preview")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """`train`, `launch` and `doctor` take `--key value` flags besides their own options; those are set apart first,
-    and the command's own options are read wherever they stand (argparse's intermixed parsing)."""
+    """`train`, `launch`, `doctor` and `preview` take `--key value` flags besides their own options; those are set
+    apart first, and the command's own options are read wherever they stand (argparse's intermixed parsing)."""
     from meshtune.compat.flags import split_flags
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -438,7 +505,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         try:
             return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export,
-                    "demo": cmd_demo, "doctor": cmd_doctor}[args.command](args)
+                    "demo": cmd_demo, "doctor": cmd_doctor, "preview": cmd_preview}[args.command](args)
         except MeshtuneError:
             raise
         except Exception as exc:
