@@ -74,6 +74,7 @@ class CheckpointManager:
         self._pending: _Pending | None = None
         self.last_step: int | None = None  # the newest checkpoint this run published (or is publishing)
         self.last_save_s: float | None = None  # what this rank's newest published save cost: blocked + publishing
+        self.on_published: Callable[[int, Path], None] = lambda step, path: None  # rank 0, after each publish
 
     def save_at(self, steps: frozenset[int]) -> None:
         """Also save after each of these optimizer steps (the ends of epochs), and at the last one."""
@@ -136,6 +137,8 @@ class CheckpointManager:
         if outcome:
             raise CheckpointError(outcome)
         self.last_save_s = pending.staged_s + time.monotonic() - began
+        if self.rank == 0:
+            self.on_published(pending.step, checkpoint_dir(self.output_dir, pending.step))
 
     def close(self) -> None:
         """Publish the save in flight, then free the dedicated group."""

@@ -113,8 +113,8 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
                                          "(resume_from_checkpoint: auto); set resume_from_checkpoint: none to start "
                                          "over", False)),
     "plot_loss": (LF, ignored("output_dir/loss.png is always written", True)),
-    "report_to": (HF, ignored("metrics go to output_dir/metrics.jsonl and loss.png", "none", [])),
-    "logging_dir": (HF, ignored("metrics go to output_dir/metrics.jsonl")),
+    "logging_dir": (HF, ignored("metrics go to output_dir/metrics.jsonl, and with report_to: tensorboard to "
+                                "output_dir/tensorboard/")),
     "logging_strategy": (HF, only({"steps": {}}, "meshtune logs every logging_steps optimizer steps")),
     "logging_first_step": (HF, ignored("the first logged step is logging_steps", False)),
     "run_name": (HF, ignored("the run is named by its output_dir")),

@@ -54,6 +54,7 @@ from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.stragglers import Place, StepTimes
+from meshtune.train.trackers import open_trackers
 
 
 @dataclass
@@ -153,7 +154,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                                   padding_free=plan.padding_free),
                           loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
-    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile)
+    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
+                         open_trackers(cfg, plan, progress.step, env.is_main))  # report_to's, on rank 0
+    checkpoints.on_published = metrics.trackers.checkpoint_published
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
