@@ -133,6 +133,8 @@ def test_round_trip_restores_model_optimizer_scheduler_progress_and_rng(tmp_path
     manifest = json.loads((tmp_path / "checkpoint-1" / "manifest.json").read_text())
     assert manifest["step"] == 1 and manifest["config_hash"] == "abc"
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    timing = manifest["save_seconds"]  # a sync save blocks training until it is written: publishing takes longer
+    assert 0 < timing["blocked_s"] <= timing["published_s"] < 60
 
     model, optimizer, scheduler = setup(5)
     loaded_progress = TrainingProgress()
