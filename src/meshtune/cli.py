@@ -549,8 +549,8 @@ def run_command(args: argparse.Namespace) -> int:
     """The command, its errors printed once without a trace (--debug raises them)."""
     try:
         try:
-            return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export,
-                    "demo": cmd_demo, "doctor": cmd_doctor, "preview": cmd_preview, "chat": cmd_chat}[args.command](args)
+            return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export, "demo": cmd_demo,
+                    "doctor": cmd_doctor, "preview": cmd_preview, "chat": cmd_chat}[args.command](args)
         except MeshtuneError:
             raise
         except Exception as exc:
