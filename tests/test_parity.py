@@ -57,7 +57,7 @@ class StepLogs(TrainerCallback):
 def samples_in_meshtune_order(cfg: TrainConfig) -> list[dict]:
     """The samples of each micro-batch of each step, as meshtune trained them, from its tokenized cache."""
     tokenizer = load_tokenizer(cfg.model_name_or_path)
-    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=False, log=lambda *_: None)
+    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=False)
     batches, total_steps = plan_steps(cfg, train_data, 1, cfg.gradient_accumulation_steps)
     samples = []
     for step in range(total_steps):

@@ -4,6 +4,7 @@ progress bar, metrics.jsonl, loss.png and a closing summary."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
 import sys
@@ -14,6 +15,8 @@ import torch
 from tqdm import tqdm
 
 from meshtune.distributed import DistEnv
+
+logger = logging.getLogger(__name__)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -124,13 +127,13 @@ class MetricsLog:
             self.write(record)
         note = self.compile_watch.after_step(step) if self.compile_watch else None
         if note:
-            self.bar.write(note)
+            logger.info(note)
         self.bar.update(1)
 
     def note(self, text: str | None) -> None:
-        """A line above the progress bar (rank 0)."""
+        """A warning, shown above the progress bar (rank 0)."""
         if self.enabled and text:
-            self.bar.write(text)
+            logger.warning(text)
 
     def write(self, record: dict) -> None:
         self.records.append(record)
