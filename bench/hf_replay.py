@@ -61,7 +61,7 @@ def samples_in_meshtune_order(cfg: TrainConfig, processes: int) -> tuple[list[di
         raise ValueError("packing: true: HF Trainer would train packed rows with attention across samples; "
                          "replay a run without packing")
     tokenizer = load_tokenizer(cfg.model_name_or_path)
-    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=False, log=lambda *_: None)
+    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=False)
     batches, total_steps = plan_steps(cfg, train_data, 1, cfg.gradient_accumulation_steps * processes)
     samples, tokens = [], []
     for step in range(total_steps):

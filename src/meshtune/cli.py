@@ -4,19 +4,21 @@ shows it)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 import textwrap
 import traceback
 from pathlib import Path
 
-from meshtune import __version__
+from meshtune import __version__, logs
 from meshtune.errors import MeshtuneError, lasting_storage_error
 from meshtune.launch.torchrun import end_workers_line
 from meshtune.launch.supervise import (launch_training, leave_launcher, lost_peers, mark_worker_started,
                                        ran_torchrun, repeated_failure, report_to_launcher, stop_restarts,
                                        worker_label)
 
+logger = logging.getLogger(__name__)
 
 TRAIN_HELP = """\
 Fine-tune a model from one YAML config plus key=value overrides, e.g.
@@ -145,11 +147,17 @@ def key_scopes() -> str:
                                 width=116) + "\n\nconfig keys (default, meaning):\n"
 
 
+LOG_LEVEL_HELP = (f"the least severe of meshtune's log records shown (default: env {logs.LEVEL_ENV}, else info; "
+                  f"--debug: debug); global rank 0's only, unless log_level_all_ranks or {logs.ALL_RANKS_ENV} "
+                  f"names a level for every rank")
+
+
 def debug_option() -> argparse.ArgumentParser:
     """`--debug` for each command: without a default of its own, so a command does not undo `meshtune --debug
     COMMAND` (meshtune's own `--debug` gives the default)."""
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    options.add_argument("--log-level", choices=logs.LEVELS, default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
     return options
 
 
@@ -170,6 +178,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = argparse.ArgumentParser(prog="meshtune", description="Fine-tune LLMs on one GPU, one node or many.")
     parser.add_argument("--version", action="version", version=f"meshtune {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    parser.add_argument("--log-level", choices=logs.LEVELS, help=LOG_LEVEL_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="fine-tune from a YAML config", parents=[job, debug],
@@ -327,9 +336,16 @@ def load_training_config(args: argparse.Namespace):
     # meshtune's launcher speaks for its workers; under the user's own torchrun, global rank 0 does
     if not torchrun_worker() or (Mailbox.of_launcher() is None and os.environ.get("RANK") == "0"):
         for line in loaded.warnings:
-            print(f"meshtune: warning: {line}", file=sys.stderr)
-    argv = ["train", *([args.config] if args.config else []), *args.overrides, *args.flag_tokens]
+            logger.warning(f"meshtune: warning: {line}", extra=logs.TO_STDERR)
+    level = log_level(args)  # the workers' console as this process's
+    argv = ["train", *(["--log-level", level] if level else []), *([args.config] if args.config else []),
+            *args.overrides, *args.flag_tokens]
     return loaded.config, argv
+
+
+def log_level(args: argparse.Namespace) -> str | None:
+    """--log-level, or debug with --debug; None leaves it to MESHTUNE_LOG_LEVEL."""
+    return args.log_level or ("debug" if args.debug else None)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -549,6 +565,7 @@ def run_command(args: argparse.Namespace) -> int:
     """The command, its errors printed once without a trace (--debug raises them)."""
     try:
         try:
+            logs.configure(log_level(args))
             return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export, "demo": cmd_demo,
                     "doctor": cmd_doctor, "preview": cmd_preview, "chat": cmd_chat}[args.command](args)
         except MeshtuneError:

@@ -377,6 +377,10 @@ class TrainConfig(BaseModel):
                                                  "checkpoint path", scope=NODE)
     allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then "
                                                   "writes no periodic checkpoint and does not resume")
+    log_level_all_ranks: Literal["debug", "info", "warning", "error"] | None = OUTPUT(
+        None, "every rank logs from this level up, each line tagged [rank N], as HF's log_level_replica (env "
+              "MESHTUNE_LOG_LEVEL_ALL_RANKS sets it too). Default: global rank 0 logs (at --log-level), the other "
+              "ranks only the warnings they alone can see", scope=NODE)
 
     straggler_threshold: float = WATCH(0.15, "a rank whose own work per step (step time less its waits for the others) "
                                              "exceeds the median rank's by this fraction for straggler_intervals "

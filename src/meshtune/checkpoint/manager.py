@@ -31,6 +31,7 @@ from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_
 from meshtune.checkpoint.state import RNGState
 from meshtune.config import math_hash
 from meshtune.faults import maybe_die
+from meshtune.logs import RankWarning
 from meshtune.units import byte_size
 
 
@@ -245,7 +246,7 @@ class CheckpointManager:
             if isinstance(value, RNGState) and f"{name}.{value.key}" not in saved:
                 warnings.warn(f"rank {self.rank}: {path.name} was saved by {manifest.get('world_size', '?')} ranks "
                               f"and holds no random state for this rank; its random streams keep their seed",
-                              stacklevel=2)
+                              RankWarning, stacklevel=2)
                 continue
             request[name] = value
         try:

@@ -45,7 +45,7 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
                             mask_history=cfg.mask_history)
     cache = cache_dir(cfg)
     cached_before = set(cache.glob("*/meta.json"))
-    train, evaluation = prepare_datasets(cfg, tokenizer, show_progress=show_progress, log=lambda _line: None)
+    train, evaluation = prepare_datasets(cfg, tokenizer, show_progress=show_progress, report=False)
     full = train.dataset if isinstance(train, Subset) else train  # val_size holds some of the samples out
     held_out = set(evaluation.indices.tolist()) if isinstance(evaluation, Subset) else set()
     reasons = cut_reasons(cfg.cutoff_len, cfg.mask_history)

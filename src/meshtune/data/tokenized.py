@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,8 @@ from meshtune.checksums import dataset_checksum
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import DatasetSpec, file_spec, read_dataset
 from meshtune.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -246,7 +249,7 @@ def load_or_build(
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if show_progress:
-                print(f"waiting for another process to tokenize the dataset (lock: {lock_path})", flush=True)
+                logger.info(f"waiting for another process to tokenize the dataset (lock: {lock_path})")
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "meta.json").is_file():  # the process we waited for may have built it
             _build_into(final, specs, ChatTemplate(tokenizer, template, **masking), cutoff_len, skip_invalid,

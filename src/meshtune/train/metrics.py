@@ -4,6 +4,7 @@ progress bar, metrics.jsonl (and the trackers of report_to), loss.png and a clos
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
 import sys
@@ -15,6 +16,8 @@ from tqdm import tqdm
 
 from meshtune.distributed import DistEnv
 from meshtune.train.trackers import Trackers
+
+logger = logging.getLogger(__name__)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -129,13 +132,13 @@ class MetricsLog:
             self.write(record)
         note = self.compile_watch.after_step(step) if self.compile_watch else None
         if note:
-            self.bar.write(note)
+            logger.info(note)
         self.bar.update(1)
 
     def note(self, text: str | None) -> None:
-        """A line above the progress bar (rank 0)."""
+        """A warning, shown above the progress bar (rank 0)."""
         if self.enabled and text:
-            self.bar.write(text)
+            logger.warning(text)
 
     def write(self, record: dict) -> None:
         self.records.append(record)
