@@ -51,9 +51,8 @@ def check_options(options: ChatOptions) -> None:
 
 
 def pick_device(name: str) -> torch.device:
-    """`auto`: the GPU where there is one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """`auto`: the GPU where there is one, else the CPU (a command-line option, not a config key)."""
+    name = {"auto": "cuda" if torch.cuda.is_available() else "cpu"}.get(name, name)
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -65,7 +64,7 @@ def pick_device(name: str) -> torch.device:
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto`: bf16 on a GPU that computes in it, fp32 elsewhere (bf16 and fp16 are slow or unsupported on CPUs)."""
-    if name != "auto":
+    if name in DTYPES:
         return DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
 
