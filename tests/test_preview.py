@@ -193,7 +193,7 @@ def test_training_reads_the_cache_preview_built(chat_config, tiny_model_dir, cap
 
     monkeypatch.setattr(tokenized, "build_tokenized", no_build)
     train, evaluation = prepare_datasets(load_config(chat_config), load_tokenizer(tiny_model_dir), False,
-                                         log=lambda _line: None)
+                                         report=False)
     assert len(train.dataset) == the_cache(chat_config).offsets.size - 1 == report["datasets"]["train"]["samples"]
     assert report["datasets"]["train"]["held_out"]["count"] == len(evaluation) == 2
     assert not preview_json(capfd, str(chat_config), "-n", "0")["cache"]["built"]
@@ -329,7 +329,7 @@ def test_errors_are_trains(chat_config, tmp_path, capfd):
     missing = tmp_path / "missing.jsonl"
     cfg = load_config(chat_config, [f"dataset={missing}"])
     with pytest.raises(MeshtuneError) as raised:  # what training's data step says
-        prepare_datasets(cfg, load_tokenizer(cfg.model_name_or_path), False, log=lambda _line: None)
+        prepare_datasets(cfg, load_tokenizer(cfg.model_name_or_path), False, report=False)
     assert error(["preview", str(chat_config), f"dataset={missing}"]) == f"meshtune: error: {raised.value}"
     assert str(missing) in str(raised.value)
 
