@@ -107,7 +107,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     tokenizer = load_tokenizer(model_dir)
     chat_template = serving_chat_template(tokenizer, cfg.named_template)  # saved with final/ and in every checkpoint
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
-    batches, total_steps = plan_steps(cfg, train_data, env.world_size, plan.gradient_accumulation_steps,
+    data = plan.data_env(env)  # a tensor-parallel group's processes take the same micro-batches
+    batches, total_steps = plan_steps(cfg, train_data, data.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
     by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
     epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
@@ -142,7 +143,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                       autocast_fp16=plan.fp16)
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
-        largest = partial(largest_micro_batch, batches, progress.step, total_steps, env.rank, plan.padding_free)
+        largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
         ratio, measured = fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch,
                                             cfg.memory_budget, cfg.gpu_memory_limit, env.device)
         logger.info(measured)
@@ -150,7 +151,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
-                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, env,
+                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False,
                                   padding_free=plan.padding_free),
                           loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
@@ -164,6 +165,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places, sample_ids(batches, train_data),
                                progress.nonfinite_skipped, checkpoints.close)
+    own = float(env.rank == data.rank * plan.tensor_parallel)  # 0: a tensor-parallel peer counts this group's sums
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
@@ -174,16 +176,16 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(step + 1, "preparing the batch")
             profiler.begin(step + 1)
             epoch, step_in_epoch = batches.position(step)
-            micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, env.rank)]
+            micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, data.rank)]
             watch.at(step + 1, "counting the step's tokens (all-reduce)")
-            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, built.flops, env, stop.vote))
+            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, built.flops, env, stop.vote, own))
             stop.tally(votes)
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction):
                     loss = faults.nan_loss(loss_of(batch.to(env.device)), step + 1, env.rank)
-                    scaler.scale(loss * env.world_size / targets).backward()
+                    scaler.scale(loss * data.world_size / targets).backward()
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
@@ -200,7 +202,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             done, last = step + 1, step + 1 == total_steps
             faults.after_step(done, env.rank)
             watch.at(done, "summing the step's loss (all-reduce)")
-            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum)) / targets, tokens, flops, counted=updated)
+            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum * own)) / targets, tokens, flops, counted=updated)
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
@@ -242,11 +244,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     return TrainResult(model, metrics.records, final_dir)
 
 
-def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vote: float = 0.0) -> torch.Tensor:
+def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vote: float = 0.0,
+                own: float = 1.0) -> torch.Tensor:
     """Target tokens, tokens, FLOPs of an optimizer step and the ranks voting to stop, summed over all ranks in
-    one all-reduce."""
-    counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
-                           sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote], dtype=torch.float64)
+    one all-reduce. `own` 0: this rank's batches are those of the first rank of its tensor-parallel group, which
+    counts them (its stop vote still counts)."""
+    counts = torch.tensor([own * sum(b.num_targets for b in batches), own * sum(b.num_tokens for b in batches),
+                           own * sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote],
+                          dtype=torch.float64)
     return all_reduce_sum(to_device(counts, env.device))
 
 
