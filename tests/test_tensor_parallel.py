@@ -121,6 +121,69 @@ def test_a_block_is_split_column_wise_then_row_wise_with_lora_matched_to_its_bas
         dist.destroy_process_group()
 
 
+def split_job(rank: int, world_size: int, workdir) -> None:
+    """On 2 ranks of one tensor-parallel group: each model in workdir, with LoRA on every linear layer (B drawn
+    non-zero, so the adapters shape the loss), gives the loss and the gradients of the unsplit model: of the
+    adapters, and of every base weight too (made trainable here, as full fine-tuning trains them)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from meshtune.model.tensor_parallel import parallelize_model
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    for model_dir in sorted(workdir.glob("model-*")):
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir)), LoraConfig(
+            r=4, target_modules="all-linear", lora_dropout=0.0))
+        for name, param in model.named_parameters():
+            param.requires_grad_(True)
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
+        whole = copy.deepcopy(model)
+        ids = torch.randint(0, 100, (2, 12))
+        losses = []
+        for m in (whole, model):
+            if m is model:
+                parallelize_model(m, mesh)
+            logits = m(input_ids=ids).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) < 1e-5 * losses[0], f"{model_dir.name}: {losses}"
+        expected = dict(whole.named_parameters())
+        adapters = [name for name, p in model.named_parameters() if "lora_" in name]
+        assert len(adapters) == 2 * 7 * 2, model_dir.name  # A and B of 7 linear layers in 2 blocks
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad.full_tensor(), expected[name].grad, rtol=1e-4, atol=1e-6,
+                                       msg=f"{model_dir.name} {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_qwen3_llama_and_mistral_blocks_split_with_their_lora_exactly(tmp_path):
+    """Qwen3's per-head query and key norms (applied to each process's share of the heads), Llama's and Mistral's
+    bias-free projections: the loss and every adapter gradient of the unsplit model."""
+    import transformers
+
+    from ranks import run_ranks
+
+    for name in ("Qwen3", "Llama", "Mistral"):
+        config = getattr(transformers, f"{name}Config")(
+            hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            num_hidden_layers=2, vocab_size=100, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{name}ForCausalLM")(config)
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if "norm" in key:  # not the ones they start as: a norm's weight must reach the output split
+                    param.normal_(1.0, 0.2)
+        model.save_pretrained(str(tmp_path / f"model-{name}"))
+    run_ranks(split_job, 2, tmp_path)
+
+
 # ---- on gloo ranks: the losses of one process --------------------------------------------------------------------
 
 RUNS: dict[tuple, dict] = {}
@@ -159,8 +222,37 @@ def assert_same_losses(losses: list[float], reference: list[float], what: str) -
 def test_tp2_and_tp2_x_dp2_give_the_losses_of_one_process(tmp_path, tiny_model_dir, tiny_dataset, method):
     reference = train(tmp_path, tiny_model_dir, tiny_dataset, method, 1, 1, 4, "one")["losses"]
     assert reference[-1] < reference[0], f"the loss should fall: {reference}"
-    tp2 = train(tmp_path, tiny_model_dir, tiny_dataset, method, 2, 2, 4, "tp2")["losses"]
+    # every process reads the files here (rank 0's weights reach the others in the tp 2 x dp 2 run)
+    tp2 = train(tmp_path, tiny_model_dir, tiny_dataset, method, 2, 2, 4, "tp2", load_weights_on="every_rank")["losses"]
     assert_same_losses(tp2, reference, f"{method} tp 2")
     tp2_dp2 = train(tmp_path, tiny_model_dir, tiny_dataset, method, 4, 2, 2, "tp2dp2",
                     parallel="zero3" if method == "full" else "ddp")["losses"]
     assert_same_losses(tp2_dp2, reference, f"{method} tp 2 x dp 2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_tp2_x_dp2_checkpoint_resumes_on_dp4_and_on_one_process_and_exports_the_full_model(
+        tmp_path, tiny_model_dir, tiny_dataset):
+    """Checkpoints are layout-free: DCP reshards the tensor-parallel shards for 4 data-parallel processes and for
+    one, the global batch kept (gradient accumulation 2 -> 1 and 2 -> 4), and steps 3-4 continue as one process
+    would train them; final/ of the tp run holds the whole tensors one process saves."""
+    full = dict(parallel="zero3", save_steps=2, save_final=True)
+    reference = train(tmp_path, tiny_model_dir, tiny_dataset, "full", 1, 1, 4, "one", save_final=True)
+    tp_run = train(tmp_path, tiny_model_dir, tiny_dataset, "full", 4, 2, 2, "tp2dp2", **full)
+    assert_same_losses(tp_run["losses"], reference["losses"], "tp 2 x dp 2")
+    checkpoint = str(tp_run["output"] / "checkpoint-2")
+    dp4 = train(tmp_path, tiny_model_dir, tiny_dataset, "full", 4, 1, 2, "dp4", resume_from_checkpoint=checkpoint,
+                **full)
+    assert dp4["plan"]["gradient_accumulation_steps"] == 1 and dp4["plan"]["resumed_from"] == checkpoint
+    assert_same_losses(dp4["losses"], reference["losses"][2:], "resumed on dp 4")
+    one = train(tmp_path, tiny_model_dir, tiny_dataset, "full", 1, 1, 2, "resumed-one",
+                resume_from_checkpoint=checkpoint, save_final=False)
+    assert one["plan"]["gradient_accumulation_steps"] == 4
+    assert_same_losses(one["losses"], reference["losses"][2:], "resumed on one process")
+    exported = load_file(str(tp_run["output"] / "final" / "model.safetensors"))
+    expected = load_file(str(reference["output"] / "final" / "model.safetensors"))
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert exported[name].shape == tensor.shape, name
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -163,8 +163,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
-    nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places, sample_ids(batches, train_data),
-                               progress.nonfinite_skipped, checkpoints.close)
+    nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
+                               sample_ids(batches, train_data, plan.tensor_parallel), progress.nonfinite_skipped,
+                               checkpoints.close)
     own = float(env.rank == data.rank * plan.tensor_parallel)  # 0: a tensor-parallel peer counts this group's sums
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
