@@ -1,8 +1,9 @@
 """Tensor parallelism of the Qwen2 / Qwen3 / Llama / Mistral decoder (transformers' modules) through DTensor's
 `parallelize_module`, as torchtitan splits Llama: in each block q / k / v and gate / up are split column-wise
 (each process computes its share of the heads and of the MLP's hidden units), o and down row-wise (their partial
-outputs summed by one all-reduce each); the embedding is split over the vocabulary, the head over its output
-logits (gathered whole for the loss); the norms are replicated. Attention reads its head counts from the local
+outputs summed by one all-reduce each); the embedding is split over the vocabulary, and so is the head: each
+process keeps its share of the logits, and the loss is computed across the shares (model/vocab_parallel_loss.py);
+the norms are replicated. Attention reads its head counts from the local
 q / k / v widths (transformers reshapes with -1), and the query-to-key-value group ratio is the same on every
 process, so the attention code runs unchanged on its share of the heads.
 
@@ -21,11 +22,13 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from meshtune.errors import ModelError
 from meshtune.model.loading import transformer_blocks
+from meshtune.model.vocab_parallel_loss import VocabShard
 
 COLUMN_WISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_WISE = ("o_proj", "down_proj")
@@ -84,13 +87,16 @@ def block_plan(block: torch.nn.Module) -> dict[str, ParallelStyle]:
 def parallelize_model(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split `model` (bare or peft-wrapped) over `tp_mesh` in place. Each process splits the tensors it holds
     (`src_data_rank=None`: no communication): the same files' values, or nothing yet on the meta device for the
-    processes that receive rank 0's weights afterwards. Which parameters train is kept as it was."""
+    processes that receive rank 0's weights afterwards. Which parameters train is kept as it was. The model then
+    returns this process's share of the logits, and `vocab_shard(model)` says which."""
     trains = {name: p.requires_grad for name, p in model.named_parameters()}
     base = getattr(model, "get_base_model", lambda: model)()
     embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
     parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
                        src_data_rank=None)
-    parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()), src_data_rank=None)
+    parallelize_module(head, tp_mesh, ColwiseParallel(), src_data_rank=None)  # logits stay split by vocabulary
+    _, offset = compute_local_shape_and_global_offset(head.weight.shape, tp_mesh, head.weight.placements)
+    model.meshtune_vocab_shard = VocabShard(tp_mesh.get_group(), offset[0])
     parallelize_module(base.model.norm, tp_mesh, ReplicateParallel(), src_data_rank=None)
     for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, block_plan(block), src_data_rank=None)

@@ -38,6 +38,7 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
+from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_loss_sum, vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.evaluation import Evaluator
@@ -140,7 +141,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
                             padding_free=plan.padding_free)
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
-                      autocast_fp16=plan.fp16)
+                      autocast_fp16=plan.fp16, vocab=vocab_shard(model))
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
@@ -278,15 +279,18 @@ def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: 
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
-                 fused_loss: bool, autocast_fp16: bool = False) -> torch.Tensor:
+                 fused_loss: bool, autocast_fp16: bool = False, vocab: VocabShard | None = None) -> torch.Tensor:
     """Summed token loss of one micro-batch; with `fused_loss` the model's head computes it (model/loss_head.py).
-    fp16 computes through autocast in every mode (FSDP2 then keeps and gathers fp32 parameters)."""
+    fp16 computes through autocast in every mode (FSDP2 then keeps and gathers fp32 parameters). `vocab`: the
+    logits are this process's share of the vocabulary (tensor parallel), the loss computed across the shares."""
     dtype = torch.float16 if autocast_fp16 else torch.bfloat16
     with torch.autocast(env.device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
         if fused_loss:
             with targets_for(unwrap(model), batch.target_positions, batch.target_ids):
                 return model(**batch.model_inputs(), use_cache=False).logits
         logits = model(**batch.model_inputs(), use_cache=False).logits
+    if vocab is not None:
+        return vocab_parallel_loss_sum(logits, batch.targets, vocab)
     return token_loss_sum(logits, batch.targets)
 
 
