@@ -138,8 +138,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     pad_id = tokenizer.pad_token_id
+    # tensor parallel: every process holds an equal share of a row's positions
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
-                            padding_free=plan.padding_free)
+                            pad_to_multiple=plan.tensor_parallel, padding_free=plan.padding_free)
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
                       autocast_fp16=plan.fp16, vocab=vocab_shard(model))
     model.train()
@@ -154,7 +155,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False,
-                                  padding_free=plan.padding_free),
+                                  pad_to_multiple=plan.tensor_parallel, padding_free=plan.padding_free),
                           loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
