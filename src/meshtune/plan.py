@@ -93,7 +93,7 @@ class RunPlan:
     @property
     def autocast_bf16(self) -> bool:
         """DDP computes in bf16 through autocast; FSDP2's mixed-precision policy casts by itself."""
-        return self.bf16 and self.parallel == "ddp"  # under tensor_parallel the mode is never ddp (tp_data_parallel)
+        return self.bf16 and self.parallel == "ddp"  # under tensor_parallel ddp runs as FSDP2 replicas
 
     def describe(self) -> str:
         precision = ("fp16 compute (autocast), dynamic loss scale, fp32 master weights" if self.fp16 else
@@ -182,8 +182,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     padding_free = cfg.padding_free if cfg.padding_free is not None else varlen_available(env.device)
     if tp > 1 and padding_free:
         padding_free = False
-        why["padding_free"] = ("off under tensor_parallel: rows are padded, each process attending over its share of "
-                               "the heads with sdpa")
+        why["padding_free"] = ("off under tensor_parallel: rows are padded to a multiple of tensor_parallel, each "
+                               "process holding an equal share of their positions (sequence parallel)")
     # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
     # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
     recompute = recomputation(cfg, env, why)
@@ -192,11 +192,11 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     if tp > 1 and compile_:
         compile_ = False
         why["torch_compile"] = "off under tensor_parallel: the blocks run eagerly between their DTensor collectives"
-    for key, value, default in (("padding_free", cfg.padding_free if tp == 1 else False, "on with CUDA"),
-                                ("torch_compile", cfg.torch_compile if tp == 1 else False, "on with CUDA" + (
+    for key, value, default in (("padding_free", cfg.padding_free, "on with CUDA"),
+                                ("torch_compile", cfg.torch_compile, "on with CUDA" + (
                                     "; off for Q-LoRA sharded by FSDP2 with activation checkpointing, whose "
                                     "compiled blocks fail their recompute" if compile_clash else ""))):
-        if value is None:
+        if value is None and key not in why:  # tensor_parallel's reason stands
             why[key] = f"default, {default}"
     fused_adamw = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
     if cfg.optim == "auto":
@@ -258,8 +258,9 @@ TP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # the decoder blocks mo
 
 def tensor_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize]) -> int:
     """`tensor_parallel`, checked against the job and the model: the processes of one tensor-parallel group are
-    consecutive ranks inside one node (its links carry two all-reduces a block), and each holds an equal share of the
-    attention and key-value heads. A layout that cannot work is refused, naming the counts that do."""
+    consecutive ranks inside one node (its links carry every block's activations four times a pass), and each holds
+    an equal share of the attention and key-value heads. A layout that cannot work is refused, naming the counts that
+    do."""
     if cfg.context_parallel > 1:
         raise ConfigError(f"context_parallel: {cfg.context_parallel}: context parallel is not available yet; set "
                           f"context_parallel: 1 (the default)")

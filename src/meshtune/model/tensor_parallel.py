@@ -38,9 +38,10 @@ NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 class ReplicateParallel(ParallelStyle):
-    """A module every process computes whole on the same input (a norm, a LoRA matrix beside a split base): its
+    """A module every process computes whole on the same whole input (LoRA's A beside a column-wise base): its
     parameters become replicated DTensors, its input is taken as replicated and its output handed on as a plain
-    tensor. Its gradients are then the same on every process, as the input's gradient arrives summed."""
+    tensor. Its gradients are then the same on every process, as its output's gradient arrives summed (B's
+    column-wise input gathers it)."""
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         return distribute_module(module, device_mesh, partition_fn=self._replicate, input_fn=self._input,
