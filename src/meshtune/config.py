@@ -294,7 +294,16 @@ class TrainConfig(BaseModel):
                                            "(DeepSpeed's offload_optimizer / offload_param): trains models whose state "
                                            "does not fit in GPU memory, several times slower")
     hsdp_shard_size: int | None = PARALLELISM(None, "hsdp: processes that shard one replica; default: the processes of "
-                                                    "one node", gt=0)
+                                                    "one node (under tensor_parallel: counted in tensor-parallel "
+                                                    "groups)", gt=0)
+    tensor_parallel: int = PARALLELISM(1, "processes that split each attention and MLP layer of a block between them "
+                                          "(DTensor tensor parallel, Qwen2 / Qwen3 / Llama / Mistral): inside one "
+                                          "node, a divisor of its processes and of the attention and key-value heads; "
+                                          "the data-parallel mode (parallel) then runs over the processes / "
+                                          "tensor_parallel groups. For full fine-tuning of models whose blocks crowd "
+                                          "a GPU under zero3 alone; 1: off", gt=0)
+    context_parallel: int = PARALLELISM(1, "processes that split each sample's sequence between them; only 1 (off) is "
+                                           "available", gt=0)
 
     nproc_per_node: int | None = LAUNCH(None, "processes on this machine; default: env NPROC_PER_NODE, else visible "
                                               "GPUs (1 on CPU)", gt=0)

@@ -42,6 +42,10 @@ class ModelSize:
     parameters: int
     block_parameters: int  # one transformer block's
     blocks: int = 1        # transformer blocks
+    attention_heads: int = 0   # query heads of each block's attention (0: unknown)
+    kv_heads: int = 0          # key-value heads
+    model_type: str = ""       # the config's model_type (qwen2, llama, ...)
+    tied_embeddings: bool = False  # the output head is the input embedding
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,18 @@ class RunPlan:
     resumed_from: str | None     # the checkpoint the run continues; None: it starts at step 0
     why: dict[str, str] = field(default_factory=dict)  # the reason for each setting meshtune chose
     fp16: bool = False           # fp16 compute through autocast and a dynamic loss scale, fp32 master weights (GPUs)
+    # the device mesh, outermost dimension first: dp_replicate (replicas), dp_shard (FSDP2 shards), cp (context
+    # parallel), tp (tensor parallel, innermost: consecutive ranks, inside one node)
+    mesh: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.mesh.get("tp", 1)
+
+    def data_env(self, env: DistEnv) -> DistEnv:
+        """`env` as the data sees it: one data-parallel rank per tensor-parallel group, whose processes all take
+        the same micro-batches. The same `env` without tensor parallelism."""
+        return data_parallel_env(env, self.tensor_parallel)
 
     @property
     def load_dtype(self) -> torch.dtype:
@@ -77,7 +93,7 @@ class RunPlan:
     @property
     def autocast_bf16(self) -> bool:
         """DDP computes in bf16 through autocast; FSDP2's mixed-precision policy casts by itself."""
-        return self.bf16 and self.parallel == "ddp"
+        return self.bf16 and self.parallel == "ddp"  # under tensor_parallel ddp runs as FSDP2 replicas
 
     def describe(self) -> str:
         precision = ("fp16 compute (autocast), dynamic loss scale, fp32 master weights" if self.fp16 else
@@ -89,6 +105,9 @@ class RunPlan:
                 ("torch_compile", on(self.compile)),
                 ("gradient_checkpointing", "measured before training" if self.recompute == MEASURE else
                  f"{self.recompute:g} of the blocks" if self.recompute else "off")]
+        if self.tensor_parallel > 1:
+            rows.append(("tensor_parallel", str(self.tensor_parallel)))
+            rows.append(("device_mesh", " x ".join(f"{name} {size}" for name, size in self.mesh.items())))
         if self.blocks_per_unit is not None:
             rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
         if self.hsdp_shard_size is not None:
@@ -138,10 +157,18 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     is `shared` by all nodes come from the checkpoint manager."""
     why: dict[str, str] = {}
     model_size = functools.cache(model_size)  # builds a model without weights: once, and only if a choice needs it
+    tp = tensor_parallel_size(cfg, env, model_size)
+    dp = data_parallel_env(env, tp)  # the data-parallel choices count tensor-parallel groups as one process
     # the smallest GPU of the job (a collective, the same on every rank), once and only if a choice needs it
     gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
                                 if env.device.type == "cuda" else None)
-    parallel = choose_parallel(cfg, env, model_size, gpu_bytes, why)
+    parallel = choose_parallel(cfg, dp, model_size, gpu_bytes, why)
+    replicas_only = tp > 1 and parallel == "ddp"
+    if replicas_only:  # DDP takes no DTensor parameters: FSDP2 holds whole replicas (a shard of one process)
+        parallel = "hsdp"
+        why["parallel"] = (f"{why['parallel']}; " if "parallel" in why else "") + (
+            "ddp under tensor_parallel: FSDP2 over the dp_replicate dimension, every replica whole (dp_shard 1), "
+            "its gradients all-reduced")
     bf16 = not cfg.fp16 and (bf16_supported(env.device) if cfg.bf16 is None else
                              cfg.bf16 and env.device.type == "cuda")
     if cfg.bf16 and env.device.type != "cuda":
@@ -153,16 +180,23 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     # tensors left, and FSDP2 would only cast fp32 copies of them down to bf16 for every forward
     frozen_bf16 = bf16 and cfg.is_lora and (parallel == "ddp" or cfg.finetuning_type == "qlora")
     padding_free = cfg.padding_free if cfg.padding_free is not None else varlen_available(env.device)
+    if tp > 1 and padding_free:
+        padding_free = False
+        why["padding_free"] = ("off under tensor_parallel: rows are padded to a multiple of tensor_parallel, each "
+                               "process holding an equal share of their positions (sequence parallel)")
     # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
     # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
     recompute = recomputation(cfg, env, why)
     compile_clash = cfg.finetuning_type == "qlora" and parallel in SHARDED and recompute != 0
     compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda" and not compile_clash
+    if tp > 1 and compile_:
+        compile_ = False
+        why["torch_compile"] = "off under tensor_parallel: the blocks run eagerly between their DTensor collectives"
     for key, value, default in (("padding_free", cfg.padding_free, "on with CUDA"),
                                 ("torch_compile", cfg.torch_compile, "on with CUDA" + (
                                     "; off for Q-LoRA sharded by FSDP2 with activation checkpointing, whose "
                                     "compiled blocks fail their recompute" if compile_clash else ""))):
-        if value is None:
+        if value is None and key not in why:  # tensor_parallel's reason stands
             why[key] = f"default, {default}"
     fused_adamw = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
     if cfg.optim == "auto":
@@ -181,17 +215,18 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         blocks_per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(model_size().block_parameters)
         if cfg.fsdp_blocks_per_unit is None:
             why["fsdp_blocks_per_unit"] = f"default: up to {MAX_BLOCKS_PER_UNIT} blocks within ~1B parameters a unit"
-    hsdp_shard = hsdp_shard_size(cfg, env, parallel, why)
-    reshard = reshard_after_forward(cfg, parallel, hsdp_shard, model_size, gpu_bytes, why)
+    hsdp_shard = 1 if replicas_only else hsdp_shard_size(cfg, dp, parallel, why)
+    reshard = reshard_after_forward(cfg, parallel, hsdp_shard, model_size, gpu_bytes, why) if not replicas_only \
+        else False
     if cfg.finetuning_type == "qlora" and parallel == "hsdp" and hsdp_shard == 1:
         raise ConfigError("parallel: hsdp with a shard of 1 process shards nothing, and torchao's NF4 weights cannot "
                           "be sharded over one: for qlora set hsdp_shard_size above 1, or parallel: ddp")
     if cfg.cpu_offload:  # the config allows it with zero2 / zero3 / hsdp only
-        why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or env.world_size, env)
-    accumulation = keep_global_batch(cfg, resume_manifest, env.world_size, why)
-    check_train_batch_size(cfg, accumulation, env.world_size)
-    reduction = gradient_reduction(cfg, env.world_size, parallel, accumulation, model_size, gpu_bytes, why)
-    grad_sync, reduce_dtype = gradient_crossing(cfg, env.world_size, parallel, why)
+        why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or dp.world_size, dp)
+    accumulation = keep_global_batch(cfg, resume_manifest, dp.world_size, why)
+    check_train_batch_size(cfg, accumulation, dp.world_size)
+    reduction = gradient_reduction(cfg, dp.world_size, parallel, accumulation, model_size, gpu_bytes, why)
+    grad_sync, reduce_dtype = gradient_crossing(cfg, dp.world_size, parallel, why)
     prefetch = cfg.fsdp_prefetch if parallel in SHARDED else None
     if prefetch is None and cfg.fsdp_prefetch:
         why["fsdp_prefetch"] = "ddp: no FSDP2 units to gather ahead"
@@ -201,14 +236,79 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     if bf16_weights:
         why["optim"] = "master_weights: bf16 steps bf16 weights with stochastic rounding" + (
             "" if cfg.optim == "auto" else f", not {cfg.optim}")
+    fused_loss = cfg.fused_loss
+    if tp > 1 and fused_loss:
+        fused_loss = False
+        why["fused_loss"] = ("off under tensor_parallel: the head's vocabulary is split over the tensor-parallel "
+                             "processes, and the loss is computed across their shares of the logits "
+                             "(vocabulary-parallel cross-entropy), which are never gathered whole")
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,
-                   fused_loss=cfg.fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,
+                   fused_loss=fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,
                    hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
                    cpu_offload=cfg.cpu_offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
-                   fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16)
+                   fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
+                   mesh=mesh_layout(parallel, dp.world_size, hsdp_shard, tp))
+
+
+TP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # the decoder blocks model/tensor_parallel.py splits
+
+
+def tensor_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize]) -> int:
+    """`tensor_parallel`, checked against the job and the model: the processes of one tensor-parallel group are
+    consecutive ranks inside one node (its links carry every block's activations four times a pass), and each holds
+    an equal share of the attention and key-value heads. A layout that cannot work is refused, naming the counts that
+    do."""
+    if cfg.context_parallel > 1:
+        raise ConfigError(f"context_parallel: {cfg.context_parallel}: context parallel is not available yet; set "
+                          f"context_parallel: 1 (the default)")
+    tp = cfg.tensor_parallel
+    if tp == 1:
+        return 1
+    refused = ("finetuning_type: qlora (torchao's NF4 weights are not split by DTensor's tensor parallel)"
+               if cfg.finetuning_type == "qlora" else
+               "cpu_offload (the tensor-parallel collectives run on the GPUs' own weights)" if cfg.cpu_offload else
+               "additional_target (the modules it trains in full are not split)" if cfg.additional_target else None)
+    if refused:
+        raise ConfigError(f"tensor_parallel: {tp} cannot be combined with {refused}; set tensor_parallel: 1")
+    size = model_size()
+    if size.model_type not in TP_MODEL_TYPES:
+        raise ConfigError(f"tensor_parallel: {tp}: meshtune splits the blocks of {', '.join(TP_MODEL_TYPES)} models, "
+                          f"not model_type {size.model_type or 'unknown'} of {cfg.model_name_or_path}; set "
+                          f"tensor_parallel: 1")
+    if size.tied_embeddings:
+        raise ConfigError(f"tensor_parallel: {tp}: {cfg.model_name_or_path} ties its output head to the input "
+                          f"embedding (tie_word_embeddings), which meshtune does not split; such models are small "
+                          f"enough for tensor_parallel: 1 with parallel: zero3")
+    working = [d for d in range(1, env.local_world_size + 1) if env.local_world_size % d == 0
+               and size.attention_heads % d == 0 and size.kv_heads % d == 0]
+    counts = f"counts that work here: {', '.join(map(str, working))}"
+    if env.local_world_size % tp:
+        raise ConfigError(f"tensor_parallel: {tp} does not divide the {env.local_world_size} processes of a node "
+                          f"(a tensor-parallel group stays inside one node); {counts}")
+    if size.attention_heads % tp or size.kv_heads % tp:
+        raise ConfigError(f"tensor_parallel: {tp} does not divide the model's {size.attention_heads} attention heads "
+                          f"and {size.kv_heads} key-value heads (each process holds an equal share); {counts}")
+    if env.world_size % tp:
+        raise ConfigError(f"tensor_parallel: {tp} does not divide the job's {env.world_size} processes; {counts}")
+    return tp
+
+
+def data_parallel_env(env: DistEnv, tp: int) -> DistEnv:
+    """The data-parallel view of `env`: each group of `tp` consecutive ranks counts as one process."""
+    if tp == 1:
+        return env
+    return replace(env, rank=env.rank // tp, world_size=env.world_size // tp, local_rank=env.local_rank // tp,
+                   local_world_size=max(env.local_world_size // tp, 1))
+
+
+def mesh_layout(parallel: str, dp_size: int, hsdp_shard: int | None, tp: int) -> dict[str, int]:
+    """The device mesh's dimensions, outermost first: replicas, then shards (FSDP2's), then context parallel, then
+    tensor parallel innermost, so a tensor-parallel group is consecutive ranks of one node."""
+    shard = {"ddp": 1, "hsdp": hsdp_shard or 1}.get(parallel, dp_size)
+    return {"dp_replicate": dp_size // shard, "dp_shard": shard, "cp": 1, "tp": tp}
 
 
 def resume_request(cfg: TrainConfig, shared: bool) -> tuple[bool, Path | None]:

@@ -252,7 +252,8 @@ def prepare_data_once(cfg, nproc: int) -> None:
 
     tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
     train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, report=False)  # rank 0 reports the data
-    plan_steps(cfg, train_data, nproc, cfg.gradient_accumulation_steps)
+    # a tensor-parallel group's processes train the same rows: one data-parallel process
+    plan_steps(cfg, train_data, max(nproc // cfg.tensor_parallel, 1), cfg.gradient_accumulation_steps)
 
 
 def worker_label() -> str | None:

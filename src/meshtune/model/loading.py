@@ -102,11 +102,15 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
 
 
 def model_size(path: str | Path) -> ModelSize:
-    """Parameters of the model in `path`, and of one of its transformer blocks, from its config alone (no weights)."""
+    """Parameters of the model in `path` and of one of its transformer blocks, its heads and type, from its config alone
+    (no weights)."""
     model = model_skeleton(path)
     blocks = transformer_blocks(model)
+    config = model.config
     return ModelSize(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in blocks[0].parameters()),
-                     len(blocks))
+                     len(blocks), attention_heads=getattr(config, "num_attention_heads", 0) or 0,
+                     kv_heads=getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0),
+                     model_type=config.model_type, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
 
 def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtune.distributed import DistEnv
 from meshtune.model.loading import transformer_blocks
+from meshtune.model.tensor_parallel import parallelize_model
 from meshtune.plan import EACH, ONCE, SHARD_EACH
 
 
@@ -86,7 +87,8 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1,
                cpu_offload: bool = False, reshard_after_forward: bool | None = None,
                bucket_cap_mb: float | None = None,
-               before_shard: Callable[[list[torch.nn.Module]], None] | None = None) -> torch.nn.Module:
+               before_shard: Callable[[list[torch.nn.Module]], None] | None = None,
+               mesh_layout: dict[str, int] | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more.
     `reduce_bf16`: gradients cross the processes in bf16 (half the bytes), and are summed back into fp32.
@@ -95,7 +97,9 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     memory. `reshard_after_forward`: FSDP2 frees each unit's gathered weights after forward (the run plan's choice; by
     default zero3's and hsdp's yes, zero2's no). `bucket_cap_mb`: DDP's gradient buckets (torch's 25 MB by default).
     `before_shard`: called with each unit's blocks, then with the model, right before FSDP2 shards them (Q-LoRA's
-    block-by-block loading: only one unit is ever whole on the device)."""
+    block-by-block loading: only one unit is ever whole on the device). `mesh_layout` (the run plan's mesh): with
+    a tp dimension above 1 the model is first split over it (model/tensor_parallel.py), then FSDP2 shards it over
+    the data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is then never ddp."""
     if parallel == "ddp":
         if env.world_size == 1:
             return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
@@ -121,7 +125,10 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     reshard = parallel in ("zero3", "hsdp") if reshard_after_forward is None else reshard_after_forward
     offload = offload_policy(cpu_offload, env.device)
-    mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
+    if mesh_layout and mesh_layout.get("tp", 1) > 1:
+        mesh = tensor_parallel_mesh(model, parallel, env, mesh_layout)
+    else:
+        mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
     blocks = transformer_blocks(model)
     units = fsdp_units(blocks, blocks_per_unit)
     for i, unit in enumerate(units):
@@ -173,6 +180,14 @@ def data_parallel_mesh(parallel: str, env: DistEnv, hsdp_shard_size: int | None)
         return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
     shard = hsdp_shard_size or env.local_world_size  # the run plan checked that it divides the processes
     return init_device_mesh(device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def tensor_parallel_mesh(model: torch.nn.Module, parallel: str, env: DistEnv, layout: dict[str, int]) -> DeviceMesh:
+    """The run's device mesh (dp_replicate, dp_shard, cp, tp), the model split over its tp dimension; returns the
+    data-parallel dimensions FSDP2 shards over: both dp ones for hsdp (replicas of shards), dp_shard otherwise."""
+    mesh = init_device_mesh(env.device.type, tuple(layout.values()), mesh_dim_names=tuple(layout))
+    parallelize_model(model, mesh["tp"])
+    return mesh["dp_replicate", "dp_shard"] if parallel == "hsdp" else mesh["dp_shard"]
 
 
 def gradient_sync(model: torch.nn.Module, last: bool, reduction: str) -> ContextManager:

@@ -38,6 +38,7 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
+from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_loss_sum, vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.evaluation import Evaluator
@@ -107,7 +108,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     tokenizer = load_tokenizer(model_dir)
     chat_template = serving_chat_template(tokenizer, cfg.named_template)  # saved with final/ and in every checkpoint
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
-    batches, total_steps = plan_steps(cfg, train_data, env.world_size, plan.gradient_accumulation_steps,
+    data = plan.data_env(env)  # a tensor-parallel group's processes take the same micro-batches
+    batches, total_steps = plan_steps(cfg, train_data, data.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
     by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
     epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
@@ -136,13 +138,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     pad_id = tokenizer.pad_token_id
+    # tensor parallel: every process holds an equal share of a row's positions
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
-                            padding_free=plan.padding_free)
+                            pad_to_multiple=plan.tensor_parallel, padding_free=plan.padding_free)
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
-                      autocast_fp16=plan.fp16)
+                      autocast_fp16=plan.fp16, vocab=vocab_shard(model))
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
-        largest = partial(largest_micro_batch, batches, progress.step, total_steps, env.rank, plan.padding_free)
+        largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
         ratio, measured = fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch,
                                             cfg.memory_budget, cfg.gpu_memory_limit, env.device)
         logger.info(measured)
@@ -150,9 +153,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
-                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, env,
+                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False,
-                                  padding_free=plan.padding_free),
+                                  pad_to_multiple=plan.tensor_parallel, padding_free=plan.padding_free),
                           loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
@@ -162,8 +165,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
-    nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places, sample_ids(batches, train_data),
-                               progress.nonfinite_skipped, checkpoints.close)
+    nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
+                               sample_ids(batches, train_data, plan.tensor_parallel), progress.nonfinite_skipped,
+                               checkpoints.close)
+    own = float(env.rank == data.rank * plan.tensor_parallel)  # 0: a tensor-parallel peer counts this group's sums
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
@@ -174,16 +179,16 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(step + 1, "preparing the batch")
             profiler.begin(step + 1)
             epoch, step_in_epoch = batches.position(step)
-            micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, env.rank)]
+            micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, data.rank)]
             watch.at(step + 1, "counting the step's tokens (all-reduce)")
-            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, built.flops, env, stop.vote))
+            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, built.flops, env, stop.vote, own))
             stop.tally(votes)
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction):
                     loss = faults.nan_loss(loss_of(batch.to(env.device)), step + 1, env.rank)
-                    scaler.scale(loss * env.world_size / targets).backward()
+                    scaler.scale(loss * data.world_size / targets).backward()
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
@@ -200,7 +205,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             done, last = step + 1, step + 1 == total_steps
             faults.after_step(done, env.rank)
             watch.at(done, "summing the step's loss (all-reduce)")
-            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum)) / targets, tokens, flops, counted=updated)
+            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum * own)) / targets, tokens, flops, counted=updated)
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
@@ -242,11 +247,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     return TrainResult(model, metrics.records, final_dir)
 
 
-def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vote: float = 0.0) -> torch.Tensor:
+def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vote: float = 0.0,
+                own: float = 1.0) -> torch.Tensor:
     """Target tokens, tokens, FLOPs of an optimizer step and the ranks voting to stop, summed over all ranks in
-    one all-reduce."""
-    counts = torch.tensor([sum(b.num_targets for b in batches), sum(b.num_tokens for b in batches),
-                           sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote], dtype=torch.float64)
+    one all-reduce. `own` 0: this rank's batches are those of the first rank of its tensor-parallel group, which
+    counts them (its stop vote still counts)."""
+    counts = torch.tensor([own * sum(b.num_targets for b in batches), own * sum(b.num_tokens for b in batches),
+                           own * sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote],
+                          dtype=torch.float64)
     return all_reduce_sum(to_device(counts, env.device))
 
 
@@ -272,15 +280,18 @@ def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: 
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
-                 fused_loss: bool, autocast_fp16: bool = False) -> torch.Tensor:
+                 fused_loss: bool, autocast_fp16: bool = False, vocab: VocabShard | None = None) -> torch.Tensor:
     """Summed token loss of one micro-batch; with `fused_loss` the model's head computes it (model/loss_head.py).
-    fp16 computes through autocast in every mode (FSDP2 then keeps and gathers fp32 parameters)."""
+    fp16 computes through autocast in every mode (FSDP2 then keeps and gathers fp32 parameters). `vocab`: the
+    logits are this process's share of the vocabulary (tensor parallel), the loss computed across the shares."""
     dtype = torch.float16 if autocast_fp16 else torch.bfloat16
     with torch.autocast(env.device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
         if fused_loss:
             with targets_for(unwrap(model), batch.target_positions, batch.target_ids):
                 return model(**batch.model_inputs(), use_cache=False).logits
         logits = model(**batch.model_inputs(), use_cache=False).logits
+    if vocab is not None:
+        return vocab_parallel_loss_sum(logits, batch.targets, vocab)
     return token_loss_sum(logits, batch.targets)
 
 
