@@ -287,7 +287,7 @@ def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight
                                                                                            tiny_dataset):
     """Node 0 relaunched into its running job finds its own output_dir lock (same run id): it skips the preflight.
     Node 1, started next, finds node 0's rendezvous store on the port instead of a doctor: it skips too, and the
-    job trains. (A healthy preflight's one line: test_launch's two-node job.)"""
+    job trains. (A healthy preflight's one line: test_scheduler_files' PBS job.)"""
     from meshtune.launch.nodes import _derived_run_id
 
     config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=60)
