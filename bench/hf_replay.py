@@ -23,10 +23,30 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.data import SequentialSampler
+from transformers import Trainer, TrainerCallback
 
 from meshtune.config import TrainConfig, build_config, load_yaml
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.model.loading import load_tokenizer
+
+
+class InMeshtuneOrder(Trainer):
+    """HF Trainer reading its dataset front to back: the samples are already in meshtune's order."""
+
+    def _get_train_sampler(self, *args, **kwargs) -> SequentialSampler:
+        return SequentialSampler(self.train_dataset)
+
+
+class StepLogs(TrainerCallback):
+    """Every optimizer step's log (logging_steps 1) as HF Trainer reports it."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        if logs and "loss" in logs:
+            self.records.append(dict(logs, step=state.global_step))
 
 
 def read_config(path: str | Path) -> TrainConfig:
@@ -41,7 +61,7 @@ def samples_in_meshtune_order(cfg: TrainConfig, processes: int) -> tuple[list[di
         raise ValueError("packing: true: HF Trainer would train packed rows with attention across samples; "
                          "replay a run without packing")
     tokenizer = load_tokenizer(cfg.model_name_or_path)
-    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=False, log=lambda *_: None)
+    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=False)
     batches, total_steps = plan_steps(cfg, train_data, 1, cfg.gradient_accumulation_steps * processes)
     samples, tokens = [], []
     for step in range(total_steps):
@@ -58,27 +78,10 @@ def samples_in_meshtune_order(cfg: TrainConfig, processes: int) -> tuple[list[di
 
 def replay(cfg: TrainConfig, processes: int, output_dir: Path) -> dict:
     """Train as HF Trainer on one device (CUDA where there is one) and return the figures."""
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, TrainingArguments
 
     if cfg.finetuning_type != "full":
         raise ValueError(f"finetuning_type: {cfg.finetuning_type}: this replay trains full fine-tuning")
-
-    class InMeshtuneOrder(Trainer):
-        """HF Trainer reading its dataset front to back: the samples are already in meshtune's order."""
-
-        def _get_train_sampler(self, *args, **kwargs) -> SequentialSampler:
-            return SequentialSampler(self.train_dataset)
-
-    class StepLogs(TrainerCallback):
-        """Every optimizer step's log (logging_steps 1) as HF Trainer reports it."""
-
-        def __init__(self) -> None:
-            self.records: list[dict] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs) -> None:
-            if logs and "loss" in logs:
-                self.records.append(dict(logs, step=state.global_step))
 
     cuda = torch.cuda.is_available()
     samples, tokens = samples_in_meshtune_order(cfg, processes)

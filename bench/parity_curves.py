@@ -136,14 +136,16 @@ def meshtune_config(args, seed: int, model_dir: Path, data_file: Path, work: Pat
     return cfg
 
 
-def identity(cfg: dict, processes: int, digest: str) -> str:
+def identity(cfg: dict, processes: int, digest: str, work: Path) -> str:
     """What a run computes: the config's math (seed included), the processes (the global batch), the model's
     weights and the samples (`prepare`'s digest), and the code that computes it (meshtune's, this script's and
-    the replay's, torch and transformers). A run from another invocation (another machine, whose work folder was
-    built anew) counts in the report, and is not run again, only where it matches."""
+    the replay's, torch and transformers). A run from another invocation (another machine, or another --work,
+    whose folder was built anew) counts in the report, and is not run again, only where it matches: the work
+    folder's path is not part of it (the digest is what the folder holds)."""
     code = hashlib.sha256("\0".join([code_hash(), torch.__version__, transformers.__version__,
                                       Path(__file__).read_text(), (BENCH / "hf_replay.py").read_text()]).encode())
-    return f"{build_config(cfg).hash()}x{processes}-{digest}-{code.hexdigest()[:12]}"
+    placed = {key: value.replace(str(work), "WORK") if isinstance(value, str) else value for key, value in cfg.items()}
+    return f"{build_config(placed).hash()}x{processes}-{digest}-{code.hexdigest()[:12]}"
 
 
 def write_config(cfg: dict, path: Path) -> Path:
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir, data_file, work, digest = prepare(args)
     configs = {seed: meshtune_config(args, seed, model_dir, data_file, work, cuda) for seed in args.seeds}
     paths = {seed: write_config(cfg, work / f"meshtune-seed{seed}.yaml") for seed, cfg in configs.items()}
-    ids = {seed: identity(cfg, args.gpus, digest) for seed, cfg in configs.items()}
+    ids = {seed: identity(cfg, args.gpus, digest, work) for seed, cfg in configs.items()}
     memory_note = None
 
     def run_file(stack: str, seed: int) -> Path:

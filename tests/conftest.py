@@ -54,6 +54,26 @@ def tiny_dataset(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def meshtune_console():
+    """meshtune's records on the console as its commands show them (`meshtune.cli.main` configures the same), so a
+    test that calls the training code itself reads its lines with capsys. Taken down after each test, with the
+    capture of Python warnings a command under test turned on."""
+    import logging
+
+    from meshtune import logs
+
+    logger = logging.getLogger("meshtune")
+    logger.addHandler(logs.ConsoleHandler(logs.RankFilter()))
+    logger.setLevel(logging.INFO)
+    yield
+    logging.captureWarnings(False)
+    for name in ("meshtune", "py.warnings"):
+        for handler in [h for h in logging.getLogger(name).handlers if isinstance(h, logs.ConsoleHandler)]:
+            logging.getLogger(name).removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+
+
 # Modules that start the most training processes, longest first: under pytest-xdist (`--dist loadfile`, as in
 # pyproject.toml) each worker takes whole modules, and the long ones started first let the workers end together.
 LONGEST_MODULES_FIRST = ("test_faults.py", "test_node_exits.py", "test_topology.py", "test_bench.py", "test_qlora.py",

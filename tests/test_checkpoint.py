@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from meshtune.checkpoint import (CheckpointError, CheckpointManager, TrainerState, TrainingProgress, format_listing,
                                  list_checkpoints, select_resume, training_state, verify)
 from meshtune.config import build_config
+from meshtune.logs import RankWarning
 from meshtune.plan import resume_request
 from ranks import run_ranks
 
@@ -133,6 +134,8 @@ def test_round_trip_restores_model_optimizer_scheduler_progress_and_rng(tmp_path
     manifest = json.loads((tmp_path / "checkpoint-1" / "manifest.json").read_text())
     assert manifest["step"] == 1 and manifest["config_hash"] == "abc"
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
+    timing = manifest["save_seconds"]  # a sync save blocks training until it is written: publishing takes longer
+    assert 0 < timing["blocked_s"] <= timing["published_s"] < 60
 
     model, optimizer, scheduler = setup(5)
     loaded_progress = TrainingProgress()
@@ -342,7 +345,7 @@ def two_rank_job(rank: int, world_size: int, workdir: Path) -> None:
     state = training_state(model, optimizer, scheduler, progress, rank, False)
     manager = CheckpointManager(workdir / "two", 2, True, rank, world_size)
     if rank == 1:
-        with pytest.warns(UserWarning, match="holds no random state for this rank"):
+        with pytest.warns(RankWarning, match="holds no random state for this rank"):
             manager.load(workdir / "one" / "checkpoint-1", state)
     else:
         manager.load(workdir / "one" / "checkpoint-1", state)

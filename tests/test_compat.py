@@ -130,13 +130,14 @@ def test_deepspeed_file_is_found_next_to_the_config_and_errors_name_it(tmp_path,
 
 def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("model_name_or_path: /m\ndataset: d.json\noverwrite_output_dir: true\nreport_to: wandb\n"
+    config.write_text("model_name_or_path: /m\ndataset: d.json\noverwrite_output_dir: true\nlogging_dir: runs\n"
                       "plot_loss: true\nstage: sft\ndo_train: true\n")
     loaded = load_job_config(config)
     assert loaded.warnings == [
         "overwrite_output_dir is HF TrainingArguments'; ignored because output_dir is never cleared: a run resumes "
         "its newest complete checkpoint (resume_from_checkpoint: auto); set resume_from_checkpoint: none to start over",
-        "report_to is HF TrainingArguments'; ignored because metrics go to output_dir/metrics.jsonl and loss.png"]
+        "logging_dir is HF TrainingArguments'; ignored because metrics go to output_dir/metrics.jsonl, and with "
+        "report_to: tensorboard to output_dir/tensorboard/"]
     config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\nuse_dft_loss: true\npure_bf16: true\n"
                       "quantization_bit: 8\ntemplate: qwen2_vl\nlearning_rat: 1\n")
     with pytest.raises(ConfigError) as err:

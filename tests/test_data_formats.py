@@ -123,6 +123,25 @@ def test_parallel_function_calls_and_tools_as_a_list():
         assert convert({**record, "tools": empty}, "sharegpt")[1] is None
 
 
+def test_openai_tool_calls_are_trained_as_calls():
+    """An assistant message's OpenAI tool_calls (content null, arguments JSON text or an object) become the calls
+    the chat template writes, as a sharegpt function call does."""
+    record = {"messages": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "w", "arguments": '{"c": "Paris"}'}},
+            {"id": "b", "type": "function", "function": {"name": "w", "arguments": {"c": "Rome"}}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "b", "content": "rain"},
+        {"role": "assistant", "content": "Paris is sunny, Rome rainy."},
+    ], "tools": [{"type": "function", "function": {"name": "w"}}]}
+    messages, tools = convert(record, "messages")
+    calls = [{"name": "w", "arguments": {"c": "Paris"}}, {"name": "w", "arguments": {"c": "Rome"}}]
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": calls}
+    assert messages[2:4] == [{"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rain"}]
+    assert tools == [{"type": "function", "function": {"name": "w"}}]
+
+
 def test_conversation_ending_in_a_function_call_trains_the_call():
     record = {"conversations": [{"from": "human", "value": "Set a timer."},
                                 {"from": "function_call", "value": '{"name": "timer", "arguments": {"min": 5}}'}]}
@@ -199,6 +218,23 @@ def test_qwen_and_messages():
         ({"messages": [{"role": "user", "content": "q"}]}, "messages", "no assistant message"),
         ({"messages": [{"role": "bot", "content": "q"}]}, "messages", "unknown role 'bot'"),
         ({"messages": [{"role": "assistant", "content": None}]}, "messages", "content must be a string"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{'a': 1}"}}]}]},
+            "messages",
+            r"messages\[1\].tool_calls\[0\]: arguments are not valid JSON",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"name": "f"}]}]},
+            "messages",
+            r"messages\[1\].tool_calls\[0\] needs a 'function' with a 'name'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+            "messages",
+            r"messages\[0\]: a 'user' message has tool_calls",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages",

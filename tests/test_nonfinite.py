@@ -23,8 +23,7 @@ from meshtune.train.nonfinite import NonFiniteError, NonFiniteSteps
 def samples_of(cfg, step: int, rank: int, world_size: int) -> list[int]:
     """The samples (positions in the tokenized data) 1-based step `step` trains on `rank`, from the global batch
     plan as the run built it."""
-    train_data, _ = prepare_datasets(cfg, load_tokenizer(cfg.model_name_or_path), show_progress=False,
-                                     log=lambda *_: None)
+    train_data, _ = prepare_datasets(cfg, load_tokenizer(cfg.model_name_or_path), show_progress=False)
     batches, _ = plan_steps(cfg, train_data, world_size, cfg.gradient_accumulation_steps)
     epoch, in_epoch = batches.position(step - 1)
     return sorted(i for micro in batches.micro_batches(epoch, in_epoch, rank) for row in micro for i in row)
@@ -106,7 +105,7 @@ def test_a_gradient_norm_alone_not_finite_names_the_whole_batch_and_stops_at_the
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"))
     published = []
     steps = NonFiniteSteps("stop", 5, env, [Place(0, "h")], lambda step, rank: [step, 100 + step] if rank is None
-                           else [step], [], lambda: published.append(True), print)
+                           else [step], [], lambda: published.append(True))
     finite = torch.tensor(2.0, dtype=torch.float64)
     assert steps.update_allowed(1, finite, torch.tensor(0.5)) and steps.update_allowed(2, finite, torch.tensor(0.7))
     steps.check()  # nothing to report

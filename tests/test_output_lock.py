@@ -32,38 +32,35 @@ def sleeper():
 
 
 @pytest.mark.slow
-def test_a_live_holder_on_this_host_is_refused_by_name_and_a_dead_one_taken_over(tmp_path, sleeper):
+def test_a_live_holder_on_this_host_is_refused_by_name_and_a_dead_one_taken_over(tmp_path, sleeper, caplog):
     leave_lock(tmp_path, pid=sleeper.pid)
     with pytest.raises(StorageError, match=rf"in use by another meshtune job: run run-a on .* \(pid {sleeper.pid}\)"):
         OutputLock(tmp_path, "run-b").__enter__()
     sleeper.kill()
     sleeper.wait()
-    notes = []
-    with OutputLock(tmp_path, "run-b", log=notes.append):
+    with OutputLock(tmp_path, "run-b"):
         assert json.loads((tmp_path / LOCK).read_text())["run_id"] == "run-b"
-    assert "its process is gone" in notes[0] and not (tmp_path / LOCK).exists()
+    assert "its process is gone" in caplog.messages[0] and not (tmp_path / LOCK).exists()
 
 
-def test_a_holder_on_another_host_is_taken_over_only_once_its_heartbeat_is_stale(tmp_path):
+def test_a_holder_on_another_host_is_taken_over_only_once_its_heartbeat_is_stale(tmp_path, caplog):
     leave_lock(tmp_path, host="node-elsewhere", pid=1, age_s=5)
     with pytest.raises(StorageError, match="node-elsewhere"):
         OutputLock(tmp_path, "run-b").__enter__()
     leave_lock(tmp_path, host="node-elsewhere", pid=1, age_s=STALE_S + 30)
-    notes = []
-    with OutputLock(tmp_path, "run-b", log=notes.append):
+    with OutputLock(tmp_path, "run-b"):
         pass
-    assert "no heartbeat for" in notes[0]
+    assert "no heartbeat for" in caplog.messages[0]
 
 
-def test_nodes_of_one_job_share_the_lock_and_refuse_another_job(tmp_path):
+def test_nodes_of_one_job_share_the_lock_and_refuse_another_job(tmp_path, caplog):
     leave_lock(tmp_path, host="node-elsewhere", pid=1)
     check_not_held_by_another_job(tmp_path, "run-a")  # node 1 of the job holding it
     with pytest.raises(StorageError, match="while this node joins run run-b"):
         check_not_held_by_another_job(tmp_path, "run-b")
-    notes = []
-    with OutputLock(tmp_path, "run-a", log=notes.append, same_job_takes_over=True):  # node 0 relaunched elsewhere
+    with OutputLock(tmp_path, "run-a", same_job_takes_over=True):  # node 0 relaunched elsewhere
         pass
-    assert "this job's own" in notes[0]
+    assert "this job's own" in caplog.messages[0]
 
 
 @pytest.mark.slow

@@ -8,20 +8,22 @@ optimizer and `get_scheduler`; only the sampler is replaced, to replay meshtune'
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from torch.utils.data import SequentialSampler
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
 from conftest import base_config
 from meshtune.config import TrainConfig, build_config
-from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.model.loading import load_tokenizer
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from hf_replay import InMeshtuneOrder, StepLogs, samples_in_meshtune_order  # noqa: E402  (the bench's replay)
 
 STEPS = 30
 
@@ -34,39 +36,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class InMeshtuneOrder(Trainer):
-    """HF Trainer reading its dataset front to back: the samples are already in meshtune's order."""
-
-    def _get_train_sampler(self, *args, **kwargs) -> SequentialSampler:
-        return SequentialSampler(self.train_dataset)
-
-
-class StepLogs(TrainerCallback):
-    """Every optimizer step's log (logging_steps 1) as HF Trainer reports it."""
-
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
-        if logs and "loss" in logs:
-            self.records.append(dict(logs))
-
-
-def samples_in_meshtune_order(cfg: TrainConfig) -> list[dict]:
-    """The samples of each micro-batch of each step, as meshtune trained them, from its tokenized cache."""
-    tokenizer = load_tokenizer(cfg.model_name_or_path)
-    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=False, log=lambda *_: None)
-    batches, total_steps = plan_steps(cfg, train_data, 1, cfg.gradient_accumulation_steps)
-    samples = []
-    for step in range(total_steps):
-        for micro_batch in batches.micro_batches(*batches.position(step), 0):
-            for (index,) in micro_batch:  # one sample a row: no packing
-                ids, labels = train_data[index]
-                samples.append({"input_ids": ids.tolist(), "attention_mask": [1] * len(ids),
-                                "labels": labels.tolist()})
-    return samples
 
 
 def hf_trainer(cfg: TrainConfig, samples: list[dict], output_dir: Path) -> tuple[Trainer, StepLogs]:
@@ -109,7 +78,7 @@ def test_meshtune_trains_as_hf_trainer_and_peft(tmp_path, tiny_model_dir, tiny_d
         save_final=False))
     result = run(cfg, keep_model=True)
     ours = result.records
-    trainer, logs = hf_trainer(cfg, samples_in_meshtune_order(cfg), tmp_path / "hf")
+    trainer, logs = hf_trainer(cfg, samples_in_meshtune_order(cfg, 1)[0], tmp_path / "hf")
     trainer.train()
     theirs = logs.records
 

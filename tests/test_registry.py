@@ -4,6 +4,7 @@ LLaMA-Factory reads them, tool calls, max_samples, and the entries refused with 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -318,13 +319,14 @@ def test_only_named_entries_need_dataset_info(tmp_path):
     assert dataset_checksum(resolve(["identity", str(path)], data_dir)) != first
 
 
-def test_prepare_datasets_resolves_names_and_cuts_train_and_eval(tmp_path):
+def test_prepare_datasets_resolves_names_and_cuts_train_and_eval(tmp_path, caplog):
     cfg = TrainConfig(model_name_or_path=str(tmp_path / "model"), dataset=["identity", "glaive_toolcall_en_demo"],
                       eval_dataset=["alpaca_en_demo"], dataset_dir=str(FIXTURE_COMPAT), max_samples=3,
                       cutoff_len=4096, output_dir=str(tmp_path / "out"))
     tokenizer = train_tokenizer([r["output"] for r in raw(FIXTURE_COMPAT / "alpaca_en_demo.json")] * 4)
-    lines: list[str] = []
-    train, evaluation = prepare_datasets(cfg, tokenizer, show_progress=False, log=lines.append)
+    caplog.set_level(logging.INFO, logger="meshtune")
+    train, evaluation = prepare_datasets(cfg, tokenizer, show_progress=False)
+    lines = caplog.messages
     assert (train.stats["n_records"], evaluation.stats["n_records"]) == (6, 3)
     assert (len(train), len(evaluation)) == (6, 3)
     assert lines[0] == "chat template: chatml (written out)"

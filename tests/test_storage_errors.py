@@ -114,15 +114,15 @@ def test_a_save_failing_on_several_ranks_is_named_in_one_line_with_its_ranks():
                                  "fail at inline_container.cc:672] . unexpected pos 704 vs 598 (rank 0)")
 
 
-def test_a_lock_that_cannot_be_removed_never_hides_the_runs_own_error(tmp_path, monkeypatch):
+def test_a_lock_that_cannot_be_removed_never_hides_the_runs_own_error(tmp_path, monkeypatch, caplog):
     from meshtune.launch.output_lock import LOCK, OutputLock
 
-    said = []
     with pytest.raises(RuntimeError, match="the run's own error"):
-        with OutputLock(tmp_path, "run-1", log=said.append):
+        with OutputLock(tmp_path, "run-1"):
             def read_only(self, missing_ok=False):
                 raise OSError(errno.EROFS, "Read-only file system", str(self))
 
             monkeypatch.setattr(Path, "unlink", read_only)
             raise RuntimeError("the run's own error")
+    said = caplog.messages
     assert (tmp_path / LOCK).exists() and "cannot remove" in said[-1] and "Read-only file system" in said[-1]

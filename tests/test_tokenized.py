@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import builtins
 import json
+import logging
 import multiprocessing
 import time
 from pathlib import Path
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshtune import logs
 from meshtune.data import tokenized
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import DatasetSpec, file_spec
@@ -92,6 +93,26 @@ def test_truncation_and_dropped_samples(tokenizer):
     assert (ids.tolist(), labels.tolist()) == tuple(template.encode(short))
 
 
+def test_each_sample_keeps_its_record_and_length_before_cutoff(tokenizer, tmp_path):
+    """What `meshtune preview` names and measures samples by: the record each came from (a dropped one is no
+    sample) and its tokens before cutoff_len; a cache written without them (a benchmark's) still loads."""
+    template = ChatTemplate(tokenizer)
+    short = conversation("Hi.", "Paris.")
+    long_prompt = conversation("The weather today is sunny. " * 20, "Paris.")
+    long_answer = conversation("Hi.", "The quick brown fox jumps over the lazy dog. " * 4)
+    cutoff = len(template.encode(short)[0]) + 3
+    dataset = build_tokenized([long_prompt, short, long_answer], template, cutoff, show_progress=False)
+    full = [len(template.encode(c)[0]) for c in (short, long_answer)]
+    assert dataset.record_index.tolist() == [1, 2] and dataset.full_lengths.tolist() == full
+    assert full[1] > cutoff == dataset.lengths[1]
+    dataset.save(tmp_path / "cache")
+    loaded = TokenizedDataset.load(tmp_path / "cache")
+    assert loaded.record_index.tolist() == [1, 2] and loaded.full_lengths.tolist() == full
+    TokenizedDataset(dataset.input_ids, dataset.labels, dataset.offsets, dataset.stats).save(tmp_path / "bare")
+    bare = TokenizedDataset.load(tmp_path / "bare")
+    assert bare.record_index is None and bare.full_lengths is None and len(bare) == 2
+
+
 def test_nothing_left_raises(tokenizer):
     with pytest.raises(DataError, match="raise cutoff_len"):
         build_tokenized([conversation("Hi.", "Paris.")], ChatTemplate(tokenizer), 2, show_progress=False)
@@ -170,9 +191,10 @@ def _worker(tokenizer_dir: str, data_file: str, cache_dir: str, marker_dir: str,
     markers, pid = Path(marker_dir), multiprocessing.current_process().pid
     original = tokenized.build_tokenized
 
-    def announce_wait(*args, **kwargs):
-        (markers / f"waiting-{pid}").touch()
-        builtins.print(*args, **kwargs)
+    class NoteWait(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("waiting for another process"):
+                (markers / f"waiting-{pid}").touch()
 
     def build_once_other_waits(*args, **kwargs):
         (markers / f"built-{pid}").touch()
@@ -181,7 +203,8 @@ def _worker(tokenizer_dir: str, data_file: str, cache_dir: str, marker_dir: str,
             time.sleep(0.05)
         return original(*args, **kwargs)
 
-    tokenized.print = announce_wait
+    logs.configure()  # the console, as the command line sets it up in each process
+    tokenized.logger.addHandler(NoteWait())
     tokenized.build_tokenized = build_once_other_waits
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     barrier.wait(timeout=60)
@@ -301,15 +324,16 @@ def test_mask_history_keeps_the_end_of_a_long_conversation(tokenizer):
 
 
 @pytest.mark.parametrize("key", ["train_on_prompt", "mask_history"])
-def test_label_keys_of_the_config_reach_the_data(tokenizer, tmp_path, key):
+def test_label_keys_of_the_config_reach_the_data(tokenizer, tmp_path, key, caplog):
     from meshtune.config import TrainConfig
     from meshtune.data.pipeline import prepare_datasets
 
     path = tmp_path / "two_rounds.json"
     path.write_text(json.dumps([{"messages": [*conversation("Hi.", "Paris."), *conversation("Bye.", "Lyon.")]}]))
-    lines: list[str] = []
+    caplog.set_level(logging.INFO, logger="meshtune")
     cfg = TrainConfig(model_name_or_path="m", dataset=[str(path)], output_dir=str(tmp_path / "out"), **{key: True})
-    train, _ = prepare_datasets(cfg, tokenizer, False, lines.append)
+    train, _ = prepare_datasets(cfg, tokenizer, False)
+    lines = caplog.messages
     ids, labels = train[0]
     trained = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
     assert trained == (tokenizer.decode(ids) if key == "train_on_prompt" else "Lyon.<|im_end|>\n")

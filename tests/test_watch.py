@@ -3,6 +3,7 @@ stops a rank and slows another is in test_faults.py), and which local processes 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -48,30 +49,30 @@ def test_off_with_zero_or_on_one_process():
     assert not HangWatchdog(30, 600, None, single, PLACES[:1]).enabled
 
 
-def test_while_no_timeout_applies_rank_0_says_every_minute_that_a_step_is_still_running():
-    said = []
-    watch = HangWatchdog(None, 600, output_dir=None, env=ENV, places=PLACES, log=said.append)
+def test_while_no_timeout_applies_rank_0_says_every_minute_that_a_step_is_still_running(caplog):
+    caplog.set_level(logging.INFO, logger="meshtune")
+    watch = HangWatchdog(None, 600, output_dir=None, env=ENV, places=PLACES)
     watch.at(1, "forward and backward, with the gradient reduction")
     watch._last = time.monotonic() - 59
-    assert not watch._check() and said == []
+    assert not watch._check() and caplog.messages == []
     watch._last = time.monotonic() - 61
     assert not watch._check() and not watch._check()  # once a minute, not once a look
-    assert said == ["meshtune: step 1 still running after 61 s, at: forward and backward, with the gradient "
-                    "reduction"]
+    assert caplog.messages == ["meshtune: step 1 still running after 61 s, at: forward and backward, with the "
+                               "gradient reduction"]
     watch._last = time.monotonic() - 125
     watch._check()
-    assert len(said) == 2 and said[1].startswith("meshtune: step 1 still running after 125 s")
+    assert len(caplog.messages) == 2 and caplog.messages[1].startswith("meshtune: step 1 still running after 125 s")
     for seconds in [90.0] + [2.0] * 5:  # five timed steps: the hang timeout applies, the notices stop
         watch._last = time.monotonic() - seconds
         watch.step_done()
     watch._last = time.monotonic() - 59
-    assert watch.timeout() == 60 and not watch._check() and len(said) == 2
-    others = HangWatchdog(None, 600, None, DistEnv(1, 4, 1, 2, torch.device("cpu")), PLACES, log=said.append)
-    off = HangWatchdog(0, 600, None, ENV, PLACES, log=said.append)
+    assert watch.timeout() == 60 and not watch._check() and len(caplog.messages) == 2
+    others = HangWatchdog(None, 600, None, DistEnv(1, 4, 1, 2, torch.device("cpu")), PLACES)
+    off = HangWatchdog(0, 600, None, ENV, PLACES)
     for quiet in (others, off):
         quiet._last = time.monotonic() - 61
         quiet._check()
-    assert len(said) == 2 and not others.notices and not off.notices and not off.enabled
+    assert len(caplog.messages) == 2 and not others.notices and not off.notices and not off.enabled
 
 
 def test_a_slow_first_step_of_a_run_is_announced_while_it_runs(monkeypatch, capsys, tmp_path, tiny_model_dir,

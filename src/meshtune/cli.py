@@ -1,21 +1,24 @@
-"""`meshtune train | launch | demo`: errors a user can act on are printed without a traceback (`--debug` shows it)."""
+"""`meshtune train | launch | preview | demo`: errors a user can act on are printed without a traceback (`--debug`
+shows it)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 import textwrap
 import traceback
 from pathlib import Path
 
-from meshtune import __version__
+from meshtune import __version__, logs
 from meshtune.errors import MeshtuneError, lasting_storage_error
 from meshtune.launch.torchrun import end_workers_line
 from meshtune.launch.supervise import (launch_training, leave_launcher, lost_peers, mark_worker_started,
                                        ran_torchrun, repeated_failure, report_to_launcher, stop_restarts,
                                        worker_label)
 
+logger = logging.getLogger(__name__)
 
 TRAIN_HELP = """\
 Fine-tune a model from one YAML config plus key=value overrides, e.g.
@@ -57,6 +60,33 @@ The other nodes print the rows that concern them. Exit code 1 when any check fai
 `meshtune train` runs these checks itself before starting torchrun on several nodes (config key preflight).
 """
 
+PREVIEW_HELP = """\
+Show what `meshtune train` with the same config and overrides trains on, without training: no process group, no
+GPU, no model weights (the tokenizer only). The data takes training's own path: read, rendered with the chat
+template, tokenized and cut to cutoff_len into the tokenized cache (output_dir/tokenized or tokenized_path; built
+here when no run has built it yet, and then reused by train), and the samples shown are that cache's rows.
+
+It prints:
+  - the template and which turns it trains; the settings that shape the samples
+  - each dataset: its files, the format their records were read in, their record counts; records -> samples,
+    tokens and trained tokens; min / median / p95 / max of the tokens per sample as trained, before cutoff_len, and
+    of the trained tokens per sample (median and p95 interpolated as numpy.percentile does); the samples cutoff_len
+    truncates (longer than cutoff_len: the first cutoff_len tokens are kept, the last with mask_history) and drops
+    (no trained token left in what is kept), the records skip_invalid skipped, the samples val_size holds out
+  - N samples (-n; --index or --seed choose which), decoded from the cache's token ids with the template's
+    special tokens written out (<|im_start|>, <|im_end|>, ...):
+      ⟦text⟧   trained: the loss has these tokens as targets (their label in the cache is the token itself)
+      ⟦→x⟧     a target that is not the input token at that place: the loss trains x there, and the token
+               written after the mark is input only (templates without end-of-turn text, glm4 and baichuan2,
+               train eos so where the next turn begins)
+      the rest is context only (label -100). A sample's first token is never a target: nothing comes before it.
+    On a terminal the trained text is green too (--color).
+Samples are numbered by their position in the tokenized training data, from 0, as a non-finite step's error names
+them; each header names the file and record the sample came from.
+--json prints the same as one JSON document: each sample also with its input_ids, the cache's labels and a 0/1
+"trained" list.
+"""
+
 LAUNCH_HELP = """\
 Run this node's part of a training job: the same command on every node, only the node rank differs.
 Prints where each setting came from, then starts torchrun (c10d rendezvous at MASTER_ADDR:MASTER_PORT,
@@ -67,6 +97,17 @@ With --scheduler slurm|pbs|k8s it starts nothing and writes a job file for the w
 config is checked first; each node of the job runs `meshtune launch` on it with the same overrides, and the file
 stops the training with a checkpoint before a time limit and runs it again (resuming) after a requeue.
 docs/schedulers/ has one page per scheduler.
+"""
+
+CHAT_HELP = """\
+Talk to a trained model: each line on stdin is your turn, the answer is streamed as it is generated, and the
+conversation keeps its history. DIR is what meshtune wrote: a run's output_dir (its final/, else its newest
+complete checkpoint, exported into a temporary folder first), final/ itself (a PEFT adapter or a full model), a
+checkpoint-N, or an export (`meshtune export`, adapter or merged); or a base model with --adapter PATH.
+Prompts are rendered with the chat template saved with the model, as training rendered them (--template NAME for a
+model saved without one). On a terminal: /reset starts a new conversation, /exit or Ctrl-D ends it, Ctrl-C stops an
+answer. From a pipe, every line is a turn and every answer one line of stdout:
+  printf 'Hi!\\nAnd then?\\n' | meshtune chat output_dir
 """
 
 LAUNCH_EPILOG = """\
@@ -106,11 +147,17 @@ def key_scopes() -> str:
                                 width=116) + "\n\nconfig keys (default, meaning):\n"
 
 
+LOG_LEVEL_HELP = (f"the least severe of meshtune's log records shown (default: env {logs.LEVEL_ENV}, else info; "
+                  f"--debug: debug); global rank 0's only, unless log_level_all_ranks or {logs.ALL_RANKS_ENV} "
+                  f"names a level for every rank")
+
+
 def debug_option() -> argparse.ArgumentParser:
     """`--debug` for each command: without a default of its own, so a command does not undo `meshtune --debug
     COMMAND` (meshtune's own `--debug` gives the default)."""
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+    options.add_argument("--log-level", choices=logs.LEVELS, default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
     return options
 
 
@@ -131,6 +178,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = argparse.ArgumentParser(prog="meshtune", description="Fine-tune LLMs on one GPU, one node or many.")
     parser.add_argument("--version", action="version", version=f"meshtune {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    parser.add_argument("--log-level", choices=logs.LEVELS, help=LOG_LEVEL_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="fine-tune from a YAML config", parents=[job, debug],
@@ -156,6 +204,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     doctor.add_argument("--bandwidth", action="store_true",
                         help="also measure the link between the nodes (all-reduce and each pair; under 60 s on "
                              "healthy nodes) and judge it against what this config moves each step")
+
+    preview = commands.add_parser("preview", help="show the samples, trained tokens and lengths training will see",
+                                  parents=[job, debug], description=PREVIEW_HELP,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    preview.add_argument("-n", "--samples", type=int, default=3, metavar="N",
+                         help="samples to show (default 3): the first N, or N drawn with --seed")
+    preview.add_argument("--index", type=positions, metavar="I[,J...]",
+                         help="the samples at these positions in the tokenized training data (from 0)")
+    preview.add_argument("--seed", type=int, help="draw the samples at random with this seed (the same each time)")
+    preview.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                         help="green trained text: auto (default) on a terminal only, always, never")
+    preview.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
     ckpt = commands.add_parser("ckpt", help="list or verify checkpoints", parents=[debug],
                                description="Inspect the sharded checkpoints in an output_dir.")
@@ -188,6 +248,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                         help="the base model folder (default: the one the run trained from)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --output")
 
+    chat = commands.add_parser("chat", help="talk to a trained model: prompts on stdin, answers streamed",
+                               parents=[debug], description=CHAT_HELP,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    chat.add_argument("dir", help="output_dir, its final/, a checkpoint-N, an export, or a base model (with --adapter)")
+    chat.add_argument("--adapter", metavar="PATH", type=Path,
+                      help="a PEFT adapter (a LoRA run's final/ or output_dir, an export) on the base model DIR")
+    chat.add_argument("--base", metavar="DIR", type=Path,
+                      help="the base model under the adapter DIR (default: the one it names, where it was trained)")
+    chat.add_argument("--template", metavar="NAME",
+                      help="render prompts with this chat template instead of the one saved with the model "
+                           "(chatml, qwen, llama3, ...: the names of the config key `template`)")
+    chat.add_argument("--system", metavar="TEXT", help="a system prompt that starts the conversation")
+    chat.add_argument("--max-new-tokens", type=int, default=512, metavar="N", help="longest answer (default 512)")
+    chat.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                      help="0 (default): greedy, the same answers every time; above 0: sampled")
+    chat.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                      help="nucleus sampling when sampled (default 1.0: off)")
+    chat.add_argument("--device", default="auto", help="auto (default: cuda when there is a GPU, else cpu), cpu, "
+                                                       "cuda or cuda:N")
+    chat.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                      help="weights' dtype (default auto: bf16 on a GPU that has it, else fp32)")
+    chat.add_argument("--show-prompt", action="store_true",
+                      help="print each prompt as the model receives it, rendered (to stderr)")
+
     demo = commands.add_parser("demo", help="the embedded default: a tiny model learns a task with LoRA on 2 processes",
                                parents=[debug],
                                description="Build a tiny model, tokenizer and dataset locally (no download), "
@@ -195,6 +279,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     demo.add_argument("--prepare", metavar="DIR", help="only write the model, tokenizer, data and config.yaml into DIR")
     demo.add_argument("--dir", metavar="DIR", default="demo_run", help="where the demo works (default: ./demo_run)")
     return parser, commands.choices
+
+
+def positions(text: str) -> list[int]:
+    """`--index 3,17`: sample positions."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positions as numbers separated by commas, e.g. 3,17")
 
 
 SCHEDULER_OPTIONS = ("--scheduler", "--nodes", "--gpus-per-node", "--cpus-per-node", "--time", "--job-name",
@@ -244,9 +336,16 @@ def load_training_config(args: argparse.Namespace):
     # meshtune's launcher speaks for its workers; under the user's own torchrun, global rank 0 does
     if not torchrun_worker() or (Mailbox.of_launcher() is None and os.environ.get("RANK") == "0"):
         for line in loaded.warnings:
-            print(f"meshtune: warning: {line}", file=sys.stderr)
-    argv = ["train", *([args.config] if args.config else []), *args.overrides, *args.flag_tokens]
+            logger.warning(f"meshtune: warning: {line}", extra=logs.TO_STDERR)
+    level = log_level(args)  # the workers' console as this process's
+    argv = ["train", *(["--log-level", level] if level else []), *([args.config] if args.config else []),
+            *args.overrides, *args.flag_tokens]
     return loaded.config, argv
+
+
+def log_level(args: argparse.Namespace) -> str | None:
+    """--log-level, or debug with --debug; None leaves it to MESHTUNE_LOG_LEVEL."""
+    return args.log_level or ("debug" if args.debug else None)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -323,6 +422,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_preview(args: argparse.Namespace) -> int:
+    import json
+
+    from meshtune.data.preview import preview, render_text, use_color
+    from meshtune.model.loading import check_model_dir, load_tokenizer
+
+    if args.index is not None and args.seed is not None:
+        raise MeshtuneError("--index and --seed both choose the samples shown; give one of them")
+    cfg, _ = load_training_config(args)  # the errors train gives, before any data is read
+    tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
+    report = preview(cfg, tokenizer, samples=args.samples, indices=args.index, seed=args.seed,
+                     show_progress=sys.stderr.isatty())
+    if args.json:
+        print(json.dumps(report, indent=1, ensure_ascii=False))
+    else:
+        print(render_text(report, color=use_color(args.color, sys.stdout)))
+    return 0
+
+
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
     from meshtune.checkpoint.manifest import MANIFEST
@@ -363,6 +481,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from meshtune.export.chat import ChatOptions, run_chat, terminal_lines
+
+    options = ChatOptions(adapter=args.adapter, base=args.base, template=args.template, system=args.system,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          device=args.device, dtype=args.dtype, show_prompt=args.show_prompt)
+    interactive = sys.stdin.isatty()
+    return run_chat(Path(args.dir), options, terminal_lines() if interactive else sys.stdin, interactive)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from meshtune.demo.run import run_demo
 
@@ -393,12 +521,12 @@ def restart_cannot_fix(exc: Exception) -> MeshtuneError | None:
 
 
 # commands whose own options may stand before, among or after the config and its overrides
-INTERMIXED = ("train", "launch", "doctor")
+INTERMIXED = ("train", "launch", "doctor", "preview")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """`train`, `launch` and `doctor` take `--key value` flags besides their own options; those are set apart first,
-    and the command's own options are read wherever they stand (argparse's intermixed parsing)."""
+    """`train`, `launch`, `doctor` and `preview` take `--key value` flags besides their own options; those are set
+    apart first, and the command's own options are read wherever they stand (argparse's intermixed parsing)."""
     from meshtune.compat.flags import split_flags
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -437,8 +565,9 @@ def run_command(args: argparse.Namespace) -> int:
     """The command, its errors printed once without a trace (--debug raises them)."""
     try:
         try:
-            return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export,
-                    "demo": cmd_demo, "doctor": cmd_doctor}[args.command](args)
+            logs.configure(log_level(args))
+            return {"train": cmd_train, "launch": cmd_launch, "ckpt": cmd_ckpt, "export": cmd_export, "demo": cmd_demo,
+                    "doctor": cmd_doctor, "preview": cmd_preview, "chat": cmd_chat}[args.command](args)
         except MeshtuneError:
             raise
         except Exception as exc:

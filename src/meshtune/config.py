@@ -72,6 +72,10 @@ class Section:
 
 
 MATH, JOB, NODE = "math", "job", "node"
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to's trackers (train/sinks.py)
+# the other trackers HF's and LLaMA-Factory's report_to know
+OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "neptune", "swanlab",
+                  "trackio")
 MODEL = Section("model and method", MATH)
 DATA = Section("data", MATH)
 OPTIMIZATION = Section("optimisation", MATH)
@@ -334,6 +338,14 @@ class TrainConfig(BaseModel):
                                        "final/ go; shared storage across nodes (checked at start)", scope=NODE)
     logging_steps: int = OUTPUT(10, "log (and write metrics.jsonl) every N optimizer steps; the ranks compare their "
                                     "step times then (a collective), so it is the same on every node", gt=0)
+    report_to: list[str] = OUTPUT([], "experiment trackers that also get every metrics record, the config and run "
+                                      "plan, and checkpoint events (global rank 0 writes; metrics.jsonl stays the "
+                                      "record): tensorboard (output_dir/tensorboard/) | wandb (W&B; WANDB_MODE=offline "
+                                      "keeps it in output_dir/wandb/) | mlflow (a store in output_dir/mlruns/, or "
+                                      "MLFLOW_TRACKING_URI) | a list of them | all (every one installed) | none. A "
+                                      "resumed run continues the same tracker runs. Each needs its package: pip "
+                                      "install 'meshtune[tensorboard]' (or wandb, mlflow; trackers for all three)",
+                                  scope=NODE)
     per_device_eval_batch_size: int = OUTPUT(8, "samples per process per evaluation step", gt=0)
     eval_strategy: Literal["steps", "epoch", "no"] = OUTPUT(
         "steps", "with val_size or eval_dataset, when to evaluate: steps (every eval_steps, and at the end) | epoch "
@@ -365,6 +377,10 @@ class TrainConfig(BaseModel):
                                                  "checkpoint path", scope=NODE)
     allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then "
                                                   "writes no periodic checkpoint and does not resume")
+    log_level_all_ranks: Literal["debug", "info", "warning", "error"] | None = OUTPUT(
+        None, "every rank logs from this level up, each line tagged [rank N], as HF's log_level_replica (env "
+              "MESHTUNE_LOG_LEVEL_ALL_RANKS sets it too). Default: global rank 0 logs (at --log-level), the other "
+              "ranks only the warnings they alone can see", scope=NODE)
 
     straggler_threshold: float = WATCH(0.15, "a rank whose own work per step (step time less its waits for the others) "
                                              "exceeds the median rank's by this fraction for straggler_intervals "
@@ -450,6 +466,25 @@ class TrainConfig(BaseModel):
     def _resume_not_given(cls, value: Any) -> Any:
         """`resume_from_checkpoint: null` (as LLaMA-Factory's and HF's configs write it) means not given: auto."""
         return "auto" if value is None else value
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers(cls, value: Any) -> Any:
+        """HF's and LLaMA-Factory's values: none, all, a name, a list (or comma-separated names)."""
+        names = [] if value is None else value.split(",") if isinstance(value, str) else value
+        if not isinstance(names, list):
+            return value
+        names = list(dict.fromkeys(str(name).strip().lower() for name in names if str(name).strip()))
+        if "none" in names and len(names) > 1:
+            raise ValueError("none and trackers at once; give none, or the trackers")
+        for name in names:
+            if name in OTHER_TRACKERS:
+                raise ValueError(f"meshtune does not write to {name}; it writes to {', '.join(TRACKERS)} (report_to "
+                                 f"names them, or all), and always to output_dir/metrics.jsonl")
+            if name not in (*TRACKERS, "all", "none"):
+                raise ValueError(f"unknown tracker '{name}'; report_to takes none, all, {', '.join(TRACKERS)} or a "
+                                 f"list of them")
+        return [] if names == ["none"] else ["all"] if "all" in names else names
 
     @field_validator("profile_steps", mode="before")
     @classmethod

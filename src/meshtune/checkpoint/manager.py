@@ -31,6 +31,7 @@ from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_
 from meshtune.checkpoint.state import RNGState
 from meshtune.config import math_hash
 from meshtune.faults import maybe_die
+from meshtune.logs import RankWarning
 from meshtune.units import byte_size
 
 
@@ -42,6 +43,7 @@ class _Pending:
     info: dict[str, Any]
     wait: Callable[[], Any]  # returns once this rank's DCP write has finished
     staged_s: float  # seconds save() blocked the caller (the whole write when sync; the copy to CPU when async)
+    started: float  # time.monotonic() when save() began
 
 
 class CheckpointManager:
@@ -73,6 +75,7 @@ class CheckpointManager:
         self._pending: _Pending | None = None
         self.last_step: int | None = None  # the newest checkpoint this run published (or is publishing)
         self.last_save_s: float | None = None  # what this rank's newest published save cost: blocked + publishing
+        self.on_published: Callable[[int, Path], None] = lambda step, path: None  # rank 0, after each publish
 
     def save_at(self, steps: frozenset[int]) -> None:
         """Also save after each of these optimizer steps (the ends of epochs), and at the last one."""
@@ -106,7 +109,7 @@ class CheckpointManager:
             response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
             future = getattr(response, "upload_completion", response)  # newer torch may return AsyncSaveResponse
             self._pending = _Pending(step, tmp, {**info, "step": step}, future.result,
-                                     time.monotonic() - started)
+                                     time.monotonic() - started, started)
             return
         try:
             dcp.save(state, storage_writer=writer)
@@ -114,7 +117,7 @@ class CheckpointManager:
             raise CheckpointError(self._write_failure(tmp, error)) from error
         maybe_die("save", step, self.rank)
         self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None,
-                                 time.monotonic() - started)
+                                 time.monotonic() - started, started)
         self.wait()
 
     def wait(self) -> None:
@@ -135,6 +138,8 @@ class CheckpointManager:
         if outcome:
             raise CheckpointError(outcome)
         self.last_save_s = pending.staged_s + time.monotonic() - began
+        if self.rank == 0:
+            self.on_published(pending.step, checkpoint_dir(self.output_dir, pending.step))
 
     def close(self) -> None:
         """Publish the save in flight, then free the dedicated group."""
@@ -241,7 +246,7 @@ class CheckpointManager:
             if isinstance(value, RNGState) and f"{name}.{value.key}" not in saved:
                 warnings.warn(f"rank {self.rank}: {path.name} was saved by {manifest.get('world_size', '?')} ranks "
                               f"and holds no random state for this rank; its random streams keep their seed",
-                              stacklevel=2)
+                              RankWarning, stacklevel=2)
                 continue
             request[name] = value
         try:
@@ -282,7 +287,11 @@ class CheckpointManager:
                         f"output_dir must be one storage that every node mounts at the same path")
             for name in sorted(present - set(files)):  # DCP's .metadata, written by rank 0
                 files[name] = hash_file(pending.tmp / name, fsync=True)
-            write_manifest(pending.tmp, pending.info, files)
+            # how long training waited for the save, and how long it took to be published (written, fsynced and
+            # hashed by every rank): what `stop_grace_period` and a save's cost are judged by
+            timing = {"blocked_s": round(pending.staged_s, 3),
+                      "published_s": round(time.monotonic() - pending.started, 3)}
+            write_manifest(pending.tmp, {**pending.info, "save_seconds": timing}, files)
             final = checkpoint_dir(self.output_dir, pending.step)
             if final.exists():  # an earlier save of this step, from before resuming at an older checkpoint
                 delete_sealed(final)

@@ -42,6 +42,15 @@ def only(accepted: dict[Any, dict[str, Any]], refusal: str) -> Handler:
     return handle
 
 
+def replica_log_level(value: Any) -> Outcome:
+    """HF's level for the processes other than the main one: log_level_all_ranks; passive keeps meshtune's default
+    (rank 0 logs, the others only the warnings they alone see)."""
+    if _among(value, ("passive",)):
+        return Outcome()
+    level = str(value).lower()
+    return Outcome(values={"log_level_all_ranks": "error" if level == "critical" else level})
+
+
 def _among(value: Any, options: tuple) -> bool:
     return any(_same(value, option) for option in options)
 
@@ -113,8 +122,8 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
                                          "(resume_from_checkpoint: auto); set resume_from_checkpoint: none to start "
                                          "over", False)),
     "plot_loss": (LF, ignored("output_dir/loss.png is always written", True)),
-    "report_to": (HF, ignored("metrics go to output_dir/metrics.jsonl and loss.png", "none", [])),
-    "logging_dir": (HF, ignored("metrics go to output_dir/metrics.jsonl")),
+    "logging_dir": (HF, ignored("metrics go to output_dir/metrics.jsonl, and with report_to: tensorboard to "
+                                "output_dir/tensorboard/")),
     "logging_strategy": (HF, only({"steps": {}}, "meshtune logs every logging_steps optimizer steps")),
     "logging_first_step": (HF, ignored("the first logged step is logging_steps", False)),
     "run_name": (HF, ignored("the run is named by its output_dir")),
@@ -131,7 +140,8 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     # precision, speed and distribution
     "remove_unused_columns": (HF, ignored("meshtune reads the dataset's columns itself")),
     "disable_tqdm": (HF, ignored("rank 0 shows meshtune's one progress bar", False)),
-    "log_level": (HF, ignored("meshtune logs on rank 0 only")),
+    "log_level": (HF, ignored("meshtune's log level is --log-level or MESHTUNE_LOG_LEVEL", "passive")),
+    "log_level_replica": (HF, replica_log_level),
     "local_rank": (HF, ignored("torchrun gives each process its rank")),
     "gradient_checkpointing_kwargs": (HF, ignored("meshtune checkpoints activations its own way "
                                                   "(gradient_checkpointing, gradient_checkpointing_ratio)")),

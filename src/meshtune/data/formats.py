@@ -9,7 +9,7 @@ is one converter here and nothing else.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -298,19 +298,51 @@ def _tools(record: dict, column: str | None) -> list[dict] | None:
 
 
 def _from_openai(record: dict) -> list[dict]:
-    """OpenAI chat `messages`; content is a string or a list of text parts (concatenated as written)."""
+    """OpenAI chat `messages`; content is a string or a list of text parts (concatenated as written). An assistant
+    message that calls tools has `tool_calls` (its content may be null); its calls are trained as the template
+    writes them."""
     raw = record.get("messages")
     if not isinstance(raw, list):
         raise ValueError("'messages' must be a list of {role, content} objects")
     messages = []
     for n, msg in enumerate(raw):
-        if not (isinstance(msg, dict) and "role" in msg and "content" in msg):
-            raise ValueError(f"messages[{n}] must be an object with 'role' and 'content'")
-        content = msg["content"]
+        calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+        if not (isinstance(msg, dict) and "role" in msg and ("content" in msg or calls)):
+            raise ValueError(f"messages[{n}] must be an object with 'role' and 'content' (or an assistant's "
+                             f"'tool_calls')")
+        content = msg.get("content")
         if isinstance(content, list):
             content = _join_text_parts(content, n)
-        messages.append({"role": msg["role"], "content": content})
+        if not calls:
+            messages.append({"role": msg["role"], "content": content})
+            continue
+        if msg["role"] != "assistant":
+            raise ValueError(f"messages[{n}]: a {msg['role']!r} message has tool_calls; only an assistant's may")
+        messages.append({"role": "assistant", "content": "" if content is None else content,
+                         "tool_calls": _openai_calls(calls, f"messages[{n}].tool_calls")})
     return messages
+
+
+def _openai_calls(calls: Any, where: str) -> list[dict]:
+    """OpenAI's `[{"type": "function", "function": {"name", "arguments": JSON text}}]` as the calls chat templates
+    write: {"name", "arguments"}, the arguments parsed (a template writes them as JSON itself)."""
+    shape = 'write [{"type": "function", "function": {"name": ..., "arguments": "{...}"}}]'
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of calls; {shape}")
+    parsed = []
+    for n, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str) and "arguments" in function):
+            raise ValueError(f"{where}[{n}] needs a 'function' with a 'name' (a string) and 'arguments'; {shape}")
+        arguments = function["arguments"]
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}[{n}]: arguments are not valid JSON ({e.msg} at column {e.colno}); "
+                                 f"{shape}") from None
+        parsed.append({"name": function["name"], "arguments": arguments})
+    return parsed
 
 
 def _join_text_parts(parts: list, n: int) -> str:
@@ -340,14 +372,25 @@ def _validate(messages: list[dict]) -> None:
 
 
 @dataclass
+class FileRead:
+    """One data file as it was read."""
+
+    path: Path
+    fmt: str | None  # the format its records were read in: dataset_format's or the one detected (None: no record)
+    records: int  # records in the file
+    read: int  # of them read: max_samples keeps the first N of each dataset
+
+
+@dataclass
 class Conversations:
-    """What the datasets hold: every usable conversation with the tools it offers and where it came from, and
-    the records skipped."""
+    """What the datasets hold: every usable conversation with the tools it offers and where it came from, the
+    records skipped, and each file read."""
 
     conversations: list[list[dict]]
     tools: list[list[dict] | None]  # the function schemas each conversation offers, or None
     sources: list[str]  # "path: record N" (numbered from 1; with the line in JSONL), one per conversation
     skipped: list[str]  # "path: record N: problem" of each malformed record skipped (skip_invalid)
+    files: list[FileRead] = field(default_factory=list)  # in reading order; none past max_samples
 
 
 def read_dataset(datasets: list[DatasetSpec | Path], fmt: str | None = None, skip_invalid: bool = False,
@@ -371,10 +414,11 @@ def read_dataset(datasets: list[DatasetSpec | Path], fmt: str | None = None, ski
         for path in spec.files:
             if left == 0:
                 break
-            records = located_records(path, keep_unparseable=skip_invalid)[:left]
+            located = located_records(path, keep_unparseable=skip_invalid)
+            records = located[:left]
             left = None if left is None else left - len(records)
-            if records:
-                _convert_file(records, path, spec, skip_invalid, read)
+            file_fmt = _convert_file(records, path, spec, skip_invalid, read) if records else spec.fmt
+            read.files.append(FileRead(path, file_fmt, len(located), len(records)))
     if not read.conversations:
         names = ", ".join(str(path) for spec in specs for path in spec.files)
         raise DataError(f"no usable record in {names} ({len(read.skipped)} invalid skipped); check the files and "
@@ -383,7 +427,8 @@ def read_dataset(datasets: list[DatasetSpec | Path], fmt: str | None = None, ski
 
 
 def _convert_file(records: list[tuple[Any, str]], path: Path, spec: DatasetSpec, skip_invalid: bool,
-                  read: Conversations) -> None:
+                  read: Conversations) -> str:
+    """Convert a file's records into `read`; returns the format they were read in."""
     file_fmt = detect_format([r for r, _ in records], path) if spec.fmt is None else spec.fmt
     for record, where in records:
         try:
@@ -399,4 +444,5 @@ def _convert_file(records: list[tuple[Any, str]], path: Path, spec: DatasetSpec,
         read.conversations.append(messages)
         read.tools.append(tools)
         read.sources.append(f"{path}: {where}")
+    return file_fmt
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Callable
 
 from meshtune.config import TrainConfig
 from meshtune.errors import ConfigError
@@ -12,6 +12,8 @@ from meshtune.data.chat_template import ChatTemplate
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
 from meshtune.data.tokenized import load_or_build
+
+logger = logging.getLogger(__name__)
 
 
 def cache_dir(cfg: TrainConfig) -> Path:
@@ -51,24 +53,30 @@ def examples(named: list[str] | None, count: int) -> str:
     return ": " + "; ".join(named) + more
 
 
-def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, log: Callable[[str], None]):
-    """(train, eval or None). Every process may call this: one builds the cache, the others wait and read it."""
+def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: bool = True):
+    """(train, eval or None). Every process may call this: one builds the cache, the others wait and read it.
+    `report`: log the chat template and what the data holds (a launcher tokenizing for its workers leaves that to
+    their rank 0)."""
     trains = ", trained on prompts too" if cfg.train_on_prompt else ""
     trains += ", only the last assistant turn trained" if cfg.mask_history else ""
-    log(f"chat template: {ChatTemplate(tokenizer, cfg.named_template).description}{trains}")
+    _report([f"chat template: {ChatTemplate(tokenizer, cfg.named_template).description}{trains}"], report)
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
-    for line in describe("train data", full.stats):
-        log(line)
+    _report(describe("train data", full.stats), report)
     if cfg.eval_dataset:
         evaluation = _load(cfg, cfg.eval_dataset, tokenizer, show_progress)
-        for line in describe("eval data", evaluation.stats):
-            log(line)
+        _report(describe("eval data", evaluation.stats), report)
         return full, evaluation
     if cfg.val_size > 0:
         train, evaluation = split_validation(full, cfg.val_size, cfg.seed)
-        log(f"held out {len(evaluation):,} samples for evaluation (val_size={cfg.val_size})")
+        _report([f"held out {len(evaluation):,} samples for evaluation (val_size={cfg.val_size})"], report)
         return train, evaluation
     return full, None
+
+
+def _report(lines: list[str], report: bool) -> None:
+    """Data lines, as warnings where they tell of records skipped or dropped."""
+    for line in lines if report else ():
+        logger.log(logging.WARNING if line.startswith("warning: ") else logging.INFO, line)
 
 
 def plan_steps(cfg: TrainConfig, train_data, dp_size: int, accumulation: int,

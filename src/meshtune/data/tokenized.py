@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -23,26 +24,35 @@ from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import DatasetSpec, file_spec, read_dataset
 from meshtune.errors import DataError
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Bump when the on-disk layout or the tokenization/masking rules change, so old caches are not reused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _ARRAYS = ("input_ids", "labels", "offsets")
+_ORIGINS = ("record_index", "full_lengths")  # per sample: which conversation it is, its length before cutoff_len
 
 
 class TokenizedDataset:
     """Samples as flat arrays: sample i is `input_ids[offsets[i]:offsets[i+1]]` (labels likewise).
 
-    Flat arrays load with mmap, so all ranks of a node share one copy in the page cache.
+    Flat arrays load with mmap, so all ranks of a node share one copy in the page cache. `record_index[i]` is the
+    conversation sample i was tokenized from (its place in `read_dataset`'s order, so `sources[record_index[i]]`)
+    and `full_lengths[i]` its token count before cutoff_len cut it: `meshtune preview` names and measures samples
+    by them. A dataset written without them (a benchmark's synthetic cache) has None.
     """
 
-    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, stats: dict) -> None:
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, stats: dict,
+                 record_index: np.ndarray | None = None, full_lengths: np.ndarray | None = None) -> None:
         self.input_ids = input_ids
         self.labels = labels
         self.offsets = offsets
         self.stats = stats
         self.lengths = np.diff(offsets)
+        self.record_index = record_index
+        self.full_lengths = full_lengths
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -55,8 +65,9 @@ class TokenizedDataset:
         """Write the arrays, then meta.json."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        for name in _ARRAYS:
-            np.save(directory / f"{name}.npy", getattr(self, name))
+        for name in _ARRAYS + _ORIGINS:
+            if getattr(self, name) is not None:
+                np.save(directory / f"{name}.npy", getattr(self, name))
         meta = {"format_version": FORMAT_VERSION, "stats": self.stats}
         (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -67,13 +78,16 @@ class TokenizedDataset:
         try:
             meta = json.loads((directory / "meta.json").read_text())
             arrays = [np.load(directory / f"{name}.npy", mmap_mode="r") for name in _ARRAYS]
+            origins = [np.load(directory / f"{name}.npy", mmap_mode="r") if (directory / f"{name}.npy").is_file()
+                       else None for name in _ORIGINS]
         except (OSError, ValueError) as e:
             raise DataError(f"{directory}: tokenized cache is unreadable ({e}); delete that directory") from None
         input_ids, labels, offsets = arrays
-        consistent = len(input_ids) == len(labels) == offsets[-1]
+        consistent = len(input_ids) == len(labels) == offsets[-1] and all(
+            len(origin) == len(offsets) - 1 for origin in origins if origin is not None)
         if meta.get("format_version") != FORMAT_VERSION or not consistent:
             raise DataError(f"{directory}: tokenized cache is inconsistent; delete that directory to rebuild it")
-        return cls(input_ids, labels, offsets, meta["stats"])
+        return cls(input_ids, labels, offsets, meta["stats"], *origins)
 
 
 EXAMPLES = 3  # records named in the report, of each kind
@@ -94,6 +108,8 @@ def build_tokenized(
     and, with `skipped` (malformed records passed over), go into the stats, a few of each by name, for the report."""
     ids_parts: list[np.ndarray] = []
     label_parts: list[np.ndarray] = []
+    record_index: list[int] = []
+    full_lengths: list[int] = []
     n_truncated = 0
     dropped: list[str] = []
     for n, messages in enumerate(tqdm(conversations, desc="tokenizing", unit="rec", disable=not show_progress)):
@@ -110,6 +126,8 @@ def build_tokenized(
             dropped.append(source)
             continue
         n_truncated += cut
+        record_index.append(n)
+        full_lengths.append(len(input_ids))
         input_ids = input_ids[kept]
         ids_parts.append(np.asarray(input_ids, dtype=np.int32))
         label_parts.append(labels_arr)
@@ -132,7 +150,20 @@ def build_tokenized(
         "dropped_examples": dropped[:EXAMPLES],
         "skipped_examples": (skipped or [])[:EXAMPLES],
     }
-    return TokenizedDataset(np.concatenate(ids_parts), labels_all, offsets, stats)
+    return TokenizedDataset(np.concatenate(ids_parts), labels_all, offsets, stats,
+                            np.asarray(record_index, dtype=np.int64), np.asarray(full_lengths, dtype=np.int64))
+
+
+def cut_reasons(cutoff_len: int, mask_history: bool) -> dict[str, str]:
+    """Why build_tokenized truncates or drops samples and read_dataset skips records, in the words `meshtune
+    preview` puts after their count."""
+    kept = f"the last {cutoff_len:,} are kept: mask_history" if mask_history else f"the first {cutoff_len:,} are kept"
+    return {
+        "truncated": f"longer than cutoff_len {cutoff_len:,} tokens after the chat template ({kept})",
+        "dropped": f"with no trained token left in the {cutoff_len:,} tokens kept (raise cutoff_len or shorten the "
+                   f"prompts)",
+        "skipped": "malformed, passed over (skip_invalid: true)",
+    }
 
 
 def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -218,7 +249,7 @@ def load_or_build(
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if show_progress:
-                print(f"waiting for another process to tokenize the dataset (lock: {lock_path})", flush=True)
+                logger.info(f"waiting for another process to tokenize the dataset (lock: {lock_path})")
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "meta.json").is_file():  # the process we waited for may have built it
             _build_into(final, specs, ChatTemplate(tokenizer, template, **masking), cutoff_len, skip_invalid,

@@ -80,4 +80,5 @@ def run_demo(prepare_only: str | None, work_dir: str) -> int:
           f"before {accuracy(before, expected):.0%}, after {accuracy(after, expected):.0%}")
     print(f"adapter: {output_dir / 'final'}   curves: {output_dir / 'loss.png'}   "
           f"total {time.perf_counter() - started:.0f} s")
+    print(f"\ntalk to it:  meshtune chat {output_dir}\n(a held-out prompt to try: {prompts[0]})")
     return 0

@@ -5,6 +5,7 @@ until its workers start, prints every JOIN_REPORT_S which node ranks are there a
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -14,6 +15,8 @@ from meshtune.doctor.launch_settings import LaunchSettings
 from meshtune.mailbox import Mailbox
 
 JOIN_REPORT_S = 15
+
+logger = logging.getLogger(__name__)
 
 
 def join_key(run_id: str, node_rank: int) -> str:
@@ -28,9 +31,9 @@ class JoinWatch:
     """`with JoinWatch(settings, mailbox, rdzv_timeout) as watch:` around this node's torchrun; `watch.joined`
     is the node ranks seen so far (for the error when the rendezvous times out)."""
 
-    def __init__(self, settings: LaunchSettings, mailbox: Mailbox, rdzv_timeout: float, log=print,
+    def __init__(self, settings: LaunchSettings, mailbox: Mailbox, rdzv_timeout: float,
                  interval_s: float = JOIN_REPORT_S):
-        self.settings, self.mailbox, self.rdzv_timeout, self.log = settings, mailbox, rdzv_timeout, log
+        self.settings, self.mailbox, self.rdzv_timeout = settings, mailbox, rdzv_timeout
         self.interval_s = interval_s
         self.joined: set[int] = set()
         self._done = threading.Event()
@@ -65,7 +68,7 @@ class JoinWatch:
                     store = None
             if time.monotonic() - reported >= self.interval_s and not self._started():
                 reported = time.monotonic()
-                self.log(self.describe(reported - started), flush=True)
+                logger.info(self.describe(reported - started))
 
     def _connect(self):
         """A client of the rendezvous store, with this node's rank left in it; None while it does not answer."""

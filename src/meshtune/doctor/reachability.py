@@ -4,11 +4,14 @@ it can take the rendezvous port and every other node waits (up to rdzv_timeout) 
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import time
 
 from meshtune.errors import MeshtuneError
 from meshtune.doctor.launch_settings import LaunchSettings
+
+logger = logging.getLogger(__name__)
 
 CAUSES = ("likely causes: a firewall or security group blocking the port; a wrong MASTER_ADDR (on a cluster: node 0's "
           "address on the network all nodes share, not 127.0.0.1 or a docker/VPN interface's); a MASTER_PORT that "
@@ -43,13 +46,13 @@ def check_port_free(settings: LaunchSettings) -> None:
             # not one of this host's addresses: torchrun's c10d decides who hosts; nothing to check here
 
 
-def reach_node0(settings: LaunchSettings, timeout_s: int, log=print, prefix: str = "") -> None:
+def reach_node0(settings: LaunchSettings, timeout_s: int, prefix: str = "") -> None:
     """Node 0: its port is free; the other nodes: node 0 answers within `timeout_s` (rdzv_timeout)."""
     if settings.node_rank == 0:
         check_port_free(settings)
     else:
-        log(f"{prefix}waiting for node 0 at {settings.master_addr}:{settings.master_port} (up to rdzv_timeout="
-            f"{timeout_s} s)", flush=True)
+        logger.info(f"{prefix}waiting for node 0 at {settings.master_addr}:{settings.master_port} (up to "
+                    f"rdzv_timeout={timeout_s} s)")
         wait_for_master(settings, timeout_s)
 
 

@@ -12,6 +12,7 @@ job holds.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -24,15 +25,17 @@ LOCK = ".meshtune-lock"
 HEARTBEAT_S = 10
 STALE_S = 60
 
+logger = logging.getLogger(__name__)
+
 
 class OutputLock:
-    """`with OutputLock(output_dir, run_id, log):` around a job's whole run on node 0 (or its one process)."""
+    """`with OutputLock(output_dir, run_id):` around a job's whole run on node 0 (or its one process)."""
 
-    def __init__(self, output_dir: str | Path, run_id: str, log=print, same_job_takes_over: bool = False):
+    def __init__(self, output_dir: str | Path, run_id: str, same_job_takes_over: bool = False):
         """`same_job_takes_over`: a lock with this run id is this job's own, left by node 0's earlier launcher
         (only meaningful across nodes, where the run id names the job; on one node every run derives the same)."""
         self.path = Path(output_dir) / LOCK
-        self.run_id, self.log, self.same_job_takes_over = run_id, log, same_job_takes_over
+        self.run_id, self.same_job_takes_over = run_id, same_job_takes_over
         self.mine = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -48,8 +51,8 @@ class OutputLock:
                     f"{held.get('host')} (pid {held.get('pid')}), started {_when(held.get('started'))}, alive "
                     f"{self._age():.0f} s ago. Use another output_dir, or wait for that job to end (a lock left by a "
                     f"dead job is taken over, at once on its own host, else after {STALE_S} s)")
-            self.log(f"warning: taking over the lock of output_dir {self.path.parent} from run {held.get('run_id')} "
-                     f"on {held.get('host')} (pid {held.get('pid')}): {gone}")
+            logger.warning(f"warning: taking over the lock of output_dir {self.path.parent} from run "
+                           f"{held.get('run_id')} on {held.get('host')} (pid {held.get('pid')}): {gone}")
             self.rejoined = self.same_job_takes_over and held.get("run_id") == self.run_id
         self.path.write_text(json.dumps(self.mine))
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
@@ -63,8 +66,8 @@ class OutputLock:
         try:
             self.path.unlink(missing_ok=True)
         except OSError as error:  # read-only or gone storage: the run's own error says so; never hide it
-            self.log(f"warning: cannot remove {self.path} ({error.strerror}); the next launch takes it over, its "
-                     f"process being gone")
+            logger.warning(f"warning: cannot remove {self.path} ({error.strerror}); the next launch takes it over, "
+                           f"its process being gone")
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

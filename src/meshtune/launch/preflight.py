@@ -11,6 +11,7 @@ rejoin after a lost store (supervise.rejoin_after_store_loss) never runs it.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from meshtune.doctor.bandwidth import duration_text
@@ -21,30 +22,33 @@ from meshtune.errors import MeshtuneError
 from meshtune.launch.nodes import NodeSettings
 
 
+logger = logging.getLogger(__name__)
+
+
 class PreflightError(MeshtuneError):
     """A check across the nodes failed: no torchrun was started."""
 
 
-def run_preflight(cfg, settings: NodeSettings, rejoining: bool, log=print) -> None:
+def run_preflight(cfg, settings: NodeSettings, rejoining: bool) -> None:
     """This node's part of the preflight, or a line saying why it is skipped; PreflightError on a failed check."""
     if not cfg.preflight or not settings.multi_node:
         return
     if cfg.rdzv_backend != "c10d":
-        log("preflight: skipped with rdzv_backend etcd-v2 (no store of node 0 on MASTER_PORT tells a node joining a "
-            "running job from one waiting for node 0): run `meshtune doctor cfg.yaml` on every node instead",
-            flush=True)
+        logger.info("preflight: skipped with rdzv_backend etcd-v2 (no store of node 0 on MASTER_PORT tells a node "
+                    "joining a running job from one waiting for node 0): run `meshtune doctor cfg.yaml` on every node "
+                    "instead")
         return
     if rejoining:
-        log("preflight: skipped: node 0 rejoins its running job (it took over the job's own output_dir lock); the "
-            "other nodes wait in torchrun's rendezvous", flush=True)
+        logger.info("preflight: skipped: node 0 rejoins its running job (it took over the job's own output_dir lock); "
+                    "the other nodes wait in torchrun's rendezvous")
         return
     started = time.monotonic()
-    reach_node0(settings, cfg.rdzv_timeout, log, prefix="preflight: ")
+    reach_node0(settings, cfg.rdzv_timeout, prefix="preflight: ")
     lines: list[str] = []
     try:
         code, report = run_doctor(cfg, settings, cfg.rdzv_timeout, out=lines.append,
                                   bandwidth=cfg.preflight == "bandwidth",
-                                  progress=lambda line: log(f"preflight: {line}", flush=True))
+                                  progress=lambda line: logger.info(f"preflight: {line}"))
     except Exception as exc:  # noqa: BLE001 - the store went away mid-way: the TCPStore's error types vary
         where = f"{settings.master_addr}:{settings.master_port}"
         raise PreflightError(f"preflight: node {settings.node_rank} lost the checks' store at {where} (node 0 "
@@ -52,21 +56,20 @@ def run_preflight(cfg, settings: NodeSettings, rejoining: bool, log=print) -> No
                              f"or set preflight: false to skip these checks") from None
     took = time.monotonic() - started
     if "skipped" in report:
-        log(f"preflight: skipped: {report['skipped']}", flush=True)
+        logger.info(f"preflight: skipped: {report['skipped']}")
         return
     if report.get("late") and not code:
-        log(f"preflight: node {settings.node_rank} joined after node 0 closed its checks (an elastic job above its "
-            f"minimum): not checked", flush=True)
+        logger.info(f"preflight: node {settings.node_rank} joined after node 0 closed its checks (an elastic job "
+                    f"above its minimum): not checked")
         return
     needs_look = report["mine"] if "mine" in report else [
         row for row in report.get("rows", []) if any(mark != OK for mark, _ in row["cells"].values())]
     if code or needs_look:
-        log("\n".join(lines), flush=True)
+        logger.warning("\n".join(lines))  # the table: what failed or needs a look
     if code:
         raise PreflightError(failure(settings, cfg.rdzv_timeout, report))
     if not needs_look:
-        log(f"preflight: {len(report['columns'])} nodes, all checks passed{measured(report)} ({took:.1f} s)",
-            flush=True)
+        logger.info(f"preflight: {len(report['columns'])} nodes, all checks passed{measured(report)} ({took:.1f} s)")
 
 
 def failure(settings: NodeSettings, timeout_s: float, report: dict) -> str:

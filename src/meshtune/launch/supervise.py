@@ -8,14 +8,18 @@ one stops its agent, since restarts cannot fix a bad config.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 
+from meshtune import logs
 from meshtune.errors import ConfigError, MeshtuneError
 from meshtune.mailbox import Mailbox
 from meshtune.worker_env import LAUNCHER_PID, torchrun_worker
+
+logger = logging.getLogger(__name__)
 
 # how gloo and NCCL report that another rank died: a consequence, never the cause of a repeated failure
 PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crash", "remote process exit",
@@ -26,7 +30,9 @@ def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
     """Train in this process, or start this node's torchrun whose workers re-enter with `argv`. `debug` keeps
     torchrun's own tracebacks. Returns the exit code: 0, or 128 + the signal that stopped the run early."""
     from meshtune.launch import detect_node_settings, needs_torchrun
+    from meshtune.train.trackers import check_installed
 
+    check_installed(cfg.report_to)  # report_to's packages: a named error before anything starts
     if torchrun_worker():
         return train_here(cfg)
     settings = detect_node_settings(cfg)
@@ -44,6 +50,7 @@ def train_here(cfg) -> int:
     from meshtune.train.loop import run
     from meshtune.train.preemption import exit_code
 
+    logs.show_all_ranks(cfg.log_level_all_ranks)
     if torchrun_worker():
         watch_parents()
     result = run(cfg)
@@ -67,7 +74,7 @@ def run_node(cfg, settings, argv: list[str], debug: bool, rejoining: bool = Fals
     from meshtune.launch import describe, launch_env
     from meshtune.launch.preflight import run_preflight
 
-    print(describe(settings), flush=True)
+    logger.info(describe(settings))
     run_preflight(cfg, settings, rejoining)  # its store on MASTER_PORT is closed before torchrun's takes the port
     prepare_data_once(cfg, settings.max_processes)
     if settings.multi_node:
@@ -108,8 +115,8 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, ma
         raise MeshtuneError(channel.cause)
     if stopped := mailbox.stopped_signal() or (ended.signal if ended.signal == signal.SIGTERM else None):
         end_workers_line()
-        print(f"meshtune: stopped by {signal.Signals(stopped).name} (exit code {exit_code(stopped)}); run the same "
-              f"command again to resume", flush=True)
+        logger.info(f"meshtune: stopped by {signal.Signals(stopped).name} (exit code {exit_code(stopped)}); run the "
+                    f"same command again to resume")
         return exit_code(stopped)
     if ended.signal == signal.SIGINT:
         return 130
@@ -136,10 +143,10 @@ def rejoin_after_store_loss(settings, cfg, rejoins: int) -> None:
     if rejoins > cfg.max_restarts:
         raise RendezvousError(f"node {settings.node_rank} lost the rendezvous store at {where} (node 0's launcher "
                               f"hosts it) again, and its max_restarts={cfg.max_restarts} rejoins are used up")
-    print(f"meshtune: node {settings.node_rank} lost the rendezvous store at {where}, which node 0's launcher "
-          f"hosts: node 0 died or was stopped (no worker here failed). Waiting up to rdzv_timeout="
-          f"{cfg.rdzv_timeout} s for node 0 to be relaunched, then rejoining (rejoin {rejoins} of max_restarts="
-          f"{cfg.max_restarts})", flush=True)
+    logger.warning(f"meshtune: node {settings.node_rank} lost the rendezvous store at {where}, which node 0's "
+                   f"launcher hosts: node 0 died or was stopped (no worker here failed). Waiting up to rdzv_timeout="
+                   f"{cfg.rdzv_timeout} s for node 0 to be relaunched, then rejoining (rejoin {rejoins} of "
+                   f"max_restarts={cfg.max_restarts})")
     try:
         wait_for_master(settings, cfg.rdzv_timeout)
     except RendezvousError:
@@ -188,7 +195,7 @@ def check_rendezvous(settings, cfg) -> None:
 
     if cfg.rdzv_backend == "etcd-v2":
         host, port = etcd_endpoint(cfg)
-        print(f"rendezvous: etcd-v2 at {host}:{port} (up to rdzv_timeout={cfg.rdzv_timeout} s)", flush=True)
+        logger.info(f"rendezvous: etcd-v2 at {host}:{port} (up to rdzv_timeout={cfg.rdzv_timeout} s)")
         wait_for_endpoint(host, port, cfg.rdzv_timeout, f"node {settings.node_rank} could not reach the etcd "
                           f"server at {host}:{port} (rdzv_endpoint)", "is etcd running there, with --enable-v2 and "
                           "--listen-client-urls on an address the nodes reach?")
@@ -225,8 +232,8 @@ def check_cpu_processes(nproc: int, cores: int | None = None, cuda: bool | None 
         raise ConfigError(f"nproc_per_node {nproc} on a machine with no GPU and {cores} CPU cores: each process "
                           f"trains on the cores, so {nproc} would only thrash them; use at most {cores} (one per "
                           f"core) or run on a GPU machine")
-    print(f"warning: nproc_per_node {nproc} is more than this machine's {cores} CPU cores (no GPU): the processes "
-          f"share the cores and train slower than {cores} would", flush=True)
+    logger.warning(f"warning: nproc_per_node {nproc} is more than this machine's {cores} CPU cores (no GPU): the "
+                   f"processes share the cores and train slower than {cores} would")
 
 
 def check_output_paths(cfg) -> None:
@@ -244,7 +251,7 @@ def prepare_data_once(cfg, nproc: int) -> None:
     from meshtune.model.loading import check_model_dir, load_tokenizer
 
     tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
-    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, log=lambda _line: None)
+    train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, report=False)  # rank 0 reports the data
     plan_steps(cfg, train_data, nproc, cfg.gradient_accumulation_steps)
 
 

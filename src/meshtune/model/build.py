@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,8 @@ from meshtune.model.rank0_weights import check_same_model, full_state, receive_r
 from meshtune.model.recompute import enable_checkpointing
 from meshtune.plan import MEASURE, RunPlan
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class BuiltModel:
@@ -30,7 +32,7 @@ class BuiltModel:
     plan: RunPlan           # the plan it was built to: what the model could not do turned off, with the reason
 
 
-def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[str], None]) -> BuiltModel:
+def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
     model_dir = Path(cfg.model_name_or_path).expanduser()
     # rank 0 reads the files; the others build the same modules on the meta device (no memory, no reads).
     # Q-LoRA: every process starts empty and reads the files block by block as it quantizes (data_parallel)
@@ -41,7 +43,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     if plan.padding_free:
         use_varlen(model)  # before compile: the blocks are traced with the attention they will run
     # the model's own head, before peft wraps it: same weight, same state-dict keys
-    plan = fuse_loss_into_head(model, cfg, plan, log)
+    plan = fuse_loss_into_head(model, cfg, plan)
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
     if cfg.is_lora:
         model = add_lora(model, cfg)
@@ -51,7 +53,8 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     if start and not empty:
         set_adapter(model, start)
     if start:
-        log(f"LoRA continues the adapter in {cfg.adapter_name_or_path} ({len(start)} weights, r {cfg.lora_rank})")
+        logger.info(f"LoRA continues the adapter in {cfg.adapter_name_or_path} ({len(start)} weights, "
+                    f"r {cfg.lora_rank})")
     # Q-LoRA's NF4 comes after LoRA (its frozen base layers only), as each block is filled: in data_parallel
     if plan.recompute:
         # measured: every block until the steps measured before training choose (train/memory_fit.py)
@@ -67,7 +70,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, log: Callable[[st
     wrapped = data_parallel(model, cfg, plan, env, loader)
     if loader is not None:
         loader.close()
-        log(loader.describe(wrapped))
+        logger.info(loader.describe(wrapped))
     return BuiltModel(wrapped, flops, plan)
 
 
@@ -106,8 +109,7 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
     return model
 
 
-def fuse_loss_into_head(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan,
-                        log: Callable[[str], None]) -> RunPlan:
+def fuse_loss_into_head(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan) -> RunPlan:
     """The output head computes the loss (LossHead) where the plan asks for the fused loss and the head allows it;
     where it does not, the plan amended: fused_loss off, and why."""
     if not plan.fused_loss:
@@ -120,7 +122,7 @@ def fuse_loss_into_head(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan,
         biased = " with a bias" if getattr(head, "bias", None) is not None else ""
         reason = (f"the output head is a {type(head).__name__}{biased}, not the bias-free linear layer whose loss is "
                   f"computed in chunks")
-    log(f"fused_loss: off, {reason}")
+    logger.info(f"fused_loss: off, {reason}")
     return plan.amended("fused_loss", reason, fused_loss=False)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import pickle
 import statistics
@@ -46,6 +47,8 @@ RECENT_STEPS = 200  # the median is of the last this many steps
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for the dump (TORCH_FR_BUFFER_SIZE)
 SLOW_STEP_NOTICE_S = 60  # while no hang timeout applies: rank 0's word on a step still running, this often
 
+logger = logging.getLogger(__name__)
+
 
 def enable_flight_recorder() -> None:
     """Before the NCCL process group exists: keep its recent collectives for a hang report (the user's value wins)."""
@@ -69,10 +72,9 @@ class HangWatchdog:
     """
 
     def __init__(self, timeout: int | None, ddp_timeout: int, output_dir: Path, env: DistEnv, places: list[Place],
-                 log=None, start_step: int = 0):
+                 start_step: int = 0):
         self.explicit, self.ddp_timeout = timeout, ddp_timeout
         self.output_dir, self.env, self.places = output_dir, env, places
-        self.log = log or above_progress_bar
         self.enabled = timeout != 0 and env.world_size > 1
         self.notices = timeout != 0 and env.is_main
         self._next_notice = SLOW_STEP_NOTICE_S
@@ -142,7 +144,7 @@ class HangWatchdog:
         limit = self.timeout()
         if limit is None:
             if self.notices and idle >= self._next_notice:
-                self.log(self.slow_step_notice(idle))
+                logger.info(self.slow_step_notice(idle))
                 self._next_notice += SLOW_STEP_NOTICE_S
             return False
         if self.enabled and idle > limit and not main_thread_compiling():
@@ -278,13 +280,6 @@ def kill_silent_local_workers(silent: set[int]) -> list[tuple[int, int]]:
 def torchrun_attempt(environ: Mapping[str, str]) -> tuple[str | None, str]:
     """The run id and restart count torchrun gave a worker."""
     return environ.get("TORCHELASTIC_RUN_ID"), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def above_progress_bar(text: str) -> None:
-    """A line printed from the watchdog's thread while rank 0's progress bar is drawn: above the bar, not into it."""
-    from tqdm import tqdm
-
-    tqdm.write(text, file=sys.stdout)
 
 
 def main_thread_compiling() -> bool:

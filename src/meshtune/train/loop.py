@@ -9,11 +9,10 @@ change the math.
 from __future__ import annotations
 
 import gc
+import logging
 import random
 import signal
 import time
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -54,6 +53,9 @@ from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.stragglers import Place, StepTimes
+from meshtune.train.trackers import open_trackers
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,19 +71,19 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.hang_timeout != 0:
         enable_flight_recorder()  # before the NCCL process group exists
     env = init_distributed(cfg.ddp_timeout)
-    log = print if env.is_main else quiet_other_ranks()
+    if not env.is_main:
+        quiet_other_ranks()
     # threads started from here on inherit the pinning
     pinned = apply_cpu_affinity(cfg.cpu_pinning, env.local_rank, env.local_world_size)
     if pinned:
-        log(f"{pinned} (rank 0)")
+        logger.info(f"{pinned} (rank 0)")
     if limit_gpu_memory(env.device, cfg.gpu_memory_limit):
-        log(f"gpu_memory_limit: each process allocates at most {cfg.gpu_memory_limit:g} GiB of its GPU")
-    with StopRequest(log, Mailbox.of_launcher()) as stop:
-        return train_until_done_or_stopped(cfg, env, log, stop)
+        logger.info(f"gpu_memory_limit: each process allocates at most {cfg.gpu_memory_limit:g} GiB of its GPU")
+    with StopRequest(Mailbox.of_launcher()) as stop:
+        return train_until_done_or_stopped(cfg, env, stop)
 
 
-def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..., None],
-                                stop: StopRequest) -> TrainResult:
+def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopRequest) -> TrainResult:
     places = [Place(node, host) for node, host in check_agreement(cfg, env)]  # config, versions, data, node ranks:
     # identical everywhere, or stop now; each rank's node and host for the straggler and hang reports
     output_dir = Path(cfg.output_dir)
@@ -92,42 +94,46 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
                                     save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0)
     wanted, named = resume_request(cfg, shared)  # auto: the newest complete, verified checkpoint
+    verify_began = time.monotonic()
     resume_path, manifest, notes = (checkpoints.find_resume(named, cfg.math(), cfg.resume_allow_changed) if wanted
                                     else (None, None, []))
+    verify_s = time.monotonic() - verify_began
     for note in notes:
-        log(note)
+        logger.info(note)
     model_dir = check_model_dir(cfg.model_name_or_path)
     plan = resolve(cfg, env, manifest, lambda: model_size(model_dir), resumed_from=resume_path, shared=shared)
 
     # data: tokenized once into the shared cache (other processes wait on its file lock)
     tokenizer = load_tokenizer(model_dir)
     chat_template = serving_chat_template(tokenizer, cfg.named_template)  # saved with final/ and in every checkpoint
-    train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main, log=log)
+    train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
     batches, total_steps = plan_steps(cfg, train_data, env.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
     by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
     epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
     if shared and cfg.save_strategy == "epoch":
         checkpoints.save_at(epoch_ends)
-    built = build_model(cfg, plan, env, log)
+    built = build_model(cfg, plan, env)
     model, plan = built.model, built.plan  # the plan as built: what the model could not do is off, with why
-    log(plan.describe())
+    logger.info(plan.describe())
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
     scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
-    log(describe_schedule(total_steps, warmup, cfg.lr_scheduler_type))
+    logger.info(describe_schedule(total_steps, warmup, cfg.lr_scheduler_type))
     progress = TrainingProgress()
     state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora)
     if resume_path:
+        load_began = time.monotonic()
         checkpoints.load(resume_path, state)
-        log(f"resumed from {resume_path} at step {progress.step} of {total_steps}")
+        logger.info(f"resumed from {resume_path} at step {progress.step} of {total_steps} "
+                    f"(verified in {verify_s:.1f} s, loaded in {time.monotonic() - load_began:.1f} s)")
     scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, progress)  # fp16's loss scale; else no-op
-    log(f"{cfg.finetuning_type} on {env.world_size} process(es): {total_steps} steps x global batch "
-        f"{batches.global_batch}{' packed rows' if cfg.packing else ''}; trainable parameters "
-        f"{sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,}")
+    logger.info(f"{cfg.finetuning_type} on {env.world_size} process(es): {total_steps} steps x global batch "
+                f"{batches.global_batch}{' packed rows' if cfg.packing else ''}; trainable parameters "
+                f"{sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,}")
     peak_flops = measure_peak_flops(env.device) if env.is_main else None
     if peak_flops:
-        log(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
+        logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     pad_id = tokenizer.pad_token_id
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
@@ -139,7 +145,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, env.rank, plan.padding_free)
         ratio, measured = fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch,
                                             cfg.memory_budget, cfg.gpu_memory_limit, env.device)
-        log(measured)
+        logger.info(measured)
         plan = plan.amended("gradient_checkpointing", measured, recompute=ratio)
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
@@ -149,13 +155,15 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                                   padding_free=plan.padding_free),
                           loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
-    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile)
+    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
+                         open_trackers(cfg, plan, progress.step, env.is_main))  # report_to's, on rank 0
+    checkpoints.on_published = metrics.trackers.checkpoint_published
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places, sample_ids(batches, train_data),
-                               progress.nonfinite_skipped, checkpoints.close, log)
+                               progress.nonfinite_skipped, checkpoints.close)
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
@@ -216,7 +224,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
     profiler.close()
     nonfinite.check()  # nothing after a non-finite step is saved: no checkpoint, no final/
     if stopped_by:
-        save_before_stopping(checkpoints, cfg, env, stop, progress, state, run_info, shared, total_steps, log)
+        save_before_stopping(checkpoints, cfg, env, stop, progress, state, run_info, shared, total_steps)
     checkpoints.close()
     metrics.close()
     if stopped_by:
@@ -230,7 +238,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, log: Callable[..
                                   env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template))
     if env.is_main:
         plot_losses(metrics.records, output_dir / "loss.png")
-        log(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
+        logger.info(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
     return TrainResult(model, metrics.records, final_dir)
 
 
@@ -243,8 +251,8 @@ def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vot
 
 
 def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: DistEnv, stop: StopRequest,
-                         progress: TrainingProgress, state: dict, run_info: dict, shared: bool, total_steps: int,
-                         log: Callable[..., None]) -> None:
+                         progress: TrainingProgress, state: dict, run_info: dict, shared: bool,
+                         total_steps: int) -> None:
     """Signalled: keep the steps done since the last checkpoint if the grace period leaves time to save them."""
     checkpoints.wait()  # an async save in flight is published first
     step, name = progress.step, signal.Signals(stop.signum).name
@@ -255,11 +263,12 @@ def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: 
     else:
         fits, why = stop.save_fits(cfg.stop_grace_period, checkpoints.last_save_s, env.device)
         saved = f"writing checkpoint-{step} ({why})" if fits else f"no checkpoint: {why}"
-    log(f"{name} received: stopping after step {step} of {total_steps}; {saved}")
+    logger.info(f"{name} received: stopping after step {step} of {total_steps}; {saved}")
     if fits:
         checkpoints.save(step, state, {**run_info, "epoch": progress.epoch})
         checkpoints.wait()
-    log(f"stopped by {name} at step {step} of {total_steps}; the same command resumes from the newest checkpoint")
+    logger.info(f"stopped by {name} at step {step} of {total_steps}; the same command resumes from the newest "
+                f"checkpoint")
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
@@ -306,13 +315,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def quiet_other_ranks() -> Callable[..., None]:
-    """Only global rank 0 prints: library warnings are silenced on the others, and their log is a no-op."""
+def quiet_other_ranks() -> None:
+    """transformers logs through its own handler, the same lines on every rank: rank 0's stand for them. (meshtune's
+    own records and Python warnings reach the console through meshtune.logs' rank filter.)"""
     import transformers
 
-    warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    return lambda *_: None
 
 
 def run(cfg: TrainConfig, keep_model: bool = False) -> TrainResult:

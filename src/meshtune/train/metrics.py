@@ -1,9 +1,10 @@
 """What a run measures and rank 0 shows: each logging interval's record (loss, tokens/s, TFLOP/s, MFU, memory), one
-progress bar, metrics.jsonl, loss.png and a closing summary."""
+progress bar, metrics.jsonl (and the trackers of report_to), loss.png and a closing summary."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
 import sys
@@ -14,6 +15,9 @@ import torch
 from tqdm import tqdm
 
 from meshtune.distributed import DistEnv
+from meshtune.train.trackers import Trackers
+
+logger = logging.getLogger(__name__)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -99,12 +103,15 @@ class CompileWatch:
 
 
 class MetricsLog:
-    """Rank 0's side of the metrics: appends each record to metrics.jsonl and drives the progress bar. On the other
-    ranks (`enabled` False) every method does nothing."""
+    """Rank 0's side of the metrics: appends each record to metrics.jsonl, hands it to the `trackers`, and drives
+    the progress bar. On the other ranks (`enabled` False) every method does nothing."""
 
-    def __init__(self, path: Path, total_steps: int, enabled: bool, start_step: int = 0, compiled: bool = False):
+    def __init__(self, path: Path, total_steps: int, enabled: bool, start_step: int = 0, compiled: bool = False,
+                 trackers: Trackers | None = None):
         """A resumed run keeps the records up to `start_step` and continues the file from there."""
         self.path, self.enabled = path, enabled
+        self.trackers = trackers or Trackers([])
+        self.step, self.total_steps = start_step, total_steps
         self.records: list[dict] = []
         self.compile_watch = CompileWatch() if compiled and enabled else None
         if not enabled:
@@ -120,28 +127,31 @@ class MetricsLog:
         """The step's record (if it made one), a note if it spent time compiling, and one more step on the bar."""
         if not self.enabled:
             return
+        self.step = step
         if record:
             self.write(record)
         note = self.compile_watch.after_step(step) if self.compile_watch else None
         if note:
-            self.bar.write(note)
+            logger.info(note)
         self.bar.update(1)
 
     def note(self, text: str | None) -> None:
-        """A line above the progress bar (rank 0)."""
+        """A warning, shown above the progress bar (rank 0)."""
         if self.enabled and text:
-            self.bar.write(text)
+            logger.warning(text)
 
     def write(self, record: dict) -> None:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.trackers.log(record)
         shown = {k: record[k] for k in ("loss", "eval_loss", "lr", "tokens_per_s") if k in record}
         self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()}, refresh=False)
 
     def close(self) -> None:
         if self.enabled:
             self.bar.close()
+        self.trackers.close(finished=self.step == self.total_steps)
 
 
 def plot_losses(records: list[dict], path: Path) -> None:

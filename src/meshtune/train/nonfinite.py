@@ -15,6 +15,7 @@ kept with the loop's counters (so in checkpoints) and the run stops once more th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,8 @@ from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv
 from meshtune.errors import MeshtuneError
 from meshtune.train.stragglers import Place
+
+logger = logging.getLogger(__name__)
 
 SHOWN_SAMPLES = 16
 
@@ -52,13 +55,13 @@ class NonFiniteSteps:
 
     def __init__(self, policy: str, max_skips: int, env: DistEnv, places: list[Place],
                  samples: Callable[[int, int | None], list[int]], skipped: list[int],
-                 before_stop: Callable[[], None], log: Callable[[str], None]):
+                 before_stop: Callable[[], None]):
         """`skipped`: the steps skipped so far, a list the loop's checkpointed counters hold (extended in place).
         `before_stop` runs on every rank before the error (it publishes a checkpoint in flight: an earlier,
         checked step)."""
         self.policy, self.max_skips = policy, max_skips
         self.env, self.places, self.samples = env, places, samples
-        self.skipped, self.before_stop, self.log = skipped, before_stop, log
+        self.skipped, self.before_stop = skipped, before_stop
         self.interval: list[int] = []  # steps skipped since the last logging record
         # first step whose own loss / gradient norm was not finite on this rank (0: none yet)
         self._first = torch.zeros(2, dtype=torch.int64, device=env.device)
@@ -83,8 +86,8 @@ class NonFiniteSteps:
                                  f"max_grad_norm, or raise max_nonfinite_skips")
         self.skipped.append(step)
         self.interval.append(step)
-        self.log(f"warning: {what}; skipped: no update, and the learning rate schedule waits "
-                 f"({len(self.skipped)} of at most {self.max_skips})")
+        logger.warning(f"warning: {what}; skipped: no update, and the learning rate schedule waits "
+                       f"({len(self.skipped)} of at most {self.max_skips})")
         return False
 
     def check(self) -> None:

@@ -23,10 +23,9 @@ from meshtune.mailbox import Mailbox
 
 
 class StopRequest:
-    """Installed for the run (`with StopRequest(log) as stop:`); the previous SIGTERM handler is restored after."""
+    """Installed for the run (`with StopRequest(mailbox) as stop:`); the previous SIGTERM handler is restored after."""
 
-    def __init__(self, log=print, mailbox: Mailbox | None = None):
-        self.log = log
+    def __init__(self, mailbox: Mailbox | None = None):
         self.signum: int | None = None
         self.received_at: float | None = None
         self._previous = None

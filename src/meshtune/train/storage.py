@@ -4,6 +4,7 @@ one (LLaMA-Factory #2398, DeepSpeed #2319), so meshtune checks at start."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -13,6 +14,8 @@ import torch.distributed as dist
 
 from meshtune.distributed import DistEnv, barrier
 from meshtune.errors import STORAGE_CAUSES, MeshtuneError, StorageError
+
+logger = logging.getLogger(__name__)
 
 TOKEN_PREFIX = ".meshtune-shared-"
 
@@ -63,6 +66,6 @@ def check_shared_output_dir(output_dir: Path, env: DistEnv, allow_local: bool) -
     if not allow_local:
         raise MeshtuneError(message + ", or set allow_local_checkpoints: true to train without periodic checkpoints")
     if env.is_main:
-        print(f"warning: {message}. allow_local_checkpoints: true, so this run writes no periodic checkpoint and "
-              f"does not resume; final/ is written by global rank 0 on its own node")
+        logger.warning(f"warning: {message}. allow_local_checkpoints: true, so this run writes no periodic "
+                       f"checkpoint and does not resume; final/ is written by global rank 0 on its own node")
     return False
