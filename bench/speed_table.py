@@ -142,6 +142,20 @@ def parse_peers(text: str, no_peer: bool) -> list[str]:
     return kinds
 
 
+# Keys that change nothing on one process: how gradients cross processes and how FSDP2 shards over them (one process
+# runs no wrapper). A 1-GPU row runs a variant that differs from an earlier one only in these once, and a scaling row
+# of that variant is judged against the run it stands for.
+CROSS_PROCESS_KEYS = {"parallel", "grad_reduce_dtype", "grad_sync", "fsdp_blocks_per_unit", "fsdp_prefetch",
+                      "hsdp_shard_size", "gc_interval"}
+
+
+def one_process_equivalent(variant: str, variants: list[str]) -> str:
+    """The first of `variants` that trains as `variant` does on one process."""
+    alone = {k: v for k, v in parse_variant(variant).items() if k not in CROSS_PROCESS_KEYS}
+    return next(v for v in variants
+                if {k: x for k, x in parse_variant(v).items() if k not in CROSS_PROCESS_KEYS} == alone)
+
+
 def parse_variant(text: str) -> dict:
     """'default' or 'key=value,key=value' (values as YAML) -> config overrides."""
     if text.strip() in ("", "default"):
@@ -418,7 +432,9 @@ def run_rows(args) -> None:
 
     for round_, name in ((r, name) for r in range(args.repeats) for name in args.rows.split(",")):
         row = ROWS[name]
-        runs = [("meshtune", index, variant) for index, variant in enumerate(args.variants.split(";"))]
+        variants = args.variants.split(";")
+        runs = [("meshtune", index, variant) for index, variant in enumerate(variants)
+                if row.gpus > 1 or one_process_equivalent(variant, variants) == variant]
         runs += [(kind, None, None) for kind in args.peer_kinds if row.peer]
         if args.at_peer_memory and row.peer and args.peer_kinds and row.mode != "qlora":
             runs.append(("at-peer-memory", None, None))
@@ -653,8 +669,12 @@ def render(results: list[dict], summary: dict) -> str:
             if against:
                 plain = versus(r, base.get((against, r.get("variant"))) or base.get((against, "default")), against)
             of = ROWS[r["row"]].scaling_of
-            if of and (of, r.get("variant")) in base:
-                scaling = scaling_text(r, base[(of, r.get("variant"))])
+            if of and ROWS[of].gpus == 1 and r.get("variant") is not None:
+                variant = one_process_equivalent(r["variant"], args.get("variants", "default").split(";"))
+            else:
+                variant = r.get("variant")
+            if of and (of, variant) in base:
+                scaling = scaling_text(r, base[(of, variant)])
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
         peak = r["peak_gib"] if r.get("peak_gib") is not None else ""
         cells = [tokens_text(r), f"{r['per_gpu']:,}", plain, liger, mfu, peak, scaling]

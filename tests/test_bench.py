@@ -153,6 +153,27 @@ def test_the_table_shows_our_speed_and_memory_against_each_peer():
     assert "| lora-tiny |  | hf_trainer+peft+liger | 1 | 8 | 2,000 | 2,000 |  |  |  | 1.0 |  |" in table
 
 
+def test_a_variant_that_changes_only_how_processes_share_runs_once_on_one_gpu_and_is_the_base_of_its_scaling():
+    """`--variants "default;parallel=ddp"` over a 1-GPU and a 2-GPU row: one process runs no wrapper, so the 1-GPU
+    row runs once, and both 2-GPU variants are judged against that run."""
+    from speed_table import one_process_equivalent, render
+
+    variants = ["default", "parallel=ddp", "parallel=ddp,grad_reduce_dtype=bf16", "master_weights=bf16",
+                "master_weights=bf16,parallel=zero2"]
+    assert [one_process_equivalent(v, variants) for v in variants] == [
+        "default", "default", "default", "master_weights=bf16", "master_weights=bf16"]
+    results = [dict(row="full-1.5b", system="meshtune", variant="default", gpus=1, bs=8, tokens_per_s=30000,
+                    per_gpu=30000, mfu=0.4, peak_gib=37.0),
+               dict(row="full-1.5b-2gpu", system="meshtune", variant="default", gpus=2, bs=8, tokens_per_s=42000,
+                    per_gpu=21000, mfu=0.28, peak_gib=26.0),
+               dict(row="full-1.5b-2gpu", system="meshtune", variant="parallel=ddp", gpus=2, bs=8, tokens_per_s=57000,
+                    per_gpu=28500, mfu=0.38, peak_gib=40.0)]
+    table = render(results, dict(device="cpu", gpus=2, peak_tflops=None,
+                                 args=dict(steps=12, minlen=128, maxlen=1024, variants="default;parallel=ddp")))
+    assert "| full-1.5b-2gpu | default | meshtune | 2 | 8 | 42,000 | 21,000 |  |  | 28.0% | 26.0 | 70.0% |" in table
+    assert "| full-1.5b-2gpu | parallel=ddp | meshtune | 2 | 8 | 57,000 | 28,500 |  |  | 38.0% | 40.0 | 95.0% |" in table
+
+
 @pytest.mark.timeout(120)
 def test_runs_past_the_time_limit_are_listed_as_not_run_and_the_table_is_written(tmp_path, monkeypatch):
     import speed_table
