@@ -480,13 +480,15 @@ def test_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model
     assert not (tmp_path / "output" / "checkpoint-4").exists(), "it trained before noticing"
 
 
-def wait_for_step(output: Path, step: int, nodes: list[Node], timeout: float = JOB_TIMEOUT) -> None:
+def wait_for_step(output: Path, step: int, nodes: list[Node], timeout: float = JOB_TIMEOUT) -> float:
+    """When metrics.jsonl first held `step` steps (monotonic time); every node must run until then."""
     deadline = time.monotonic() + timeout
     while not ((output / "metrics.jsonl").exists() and len(read_metrics(output)) >= step):
         for node in nodes:
             assert node.process.poll() is None, node.output()[-3000:]
         assert time.monotonic() < deadline, "the job never reached the step"
         time.sleep(0.05)
+    return time.monotonic()
 
 
 def published_after(output: Path, periodic: int, nodes: list[Node], timeout: float = 30) -> tuple[int, float]:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_tree, read_metrics
+from conftest import kill_tree
 from processes import alive, descendants
 from ranks import free_port
-from test_faults import EXIT_AFTER_SAVE_S, Cluster, Node, job_config, published_after
+from test_faults import EXIT_AFTER_SAVE_S, Cluster, Node, job_config, published_after, wait_for_step
 
 # ---- the parts
 
@@ -213,17 +213,6 @@ def start_pair(cluster: Cluster, config: Path, fault: str = "slow:0.3", port: in
     nodes = [cluster.start(0, config, port, env=env)]
     time.sleep(1)
     return nodes + [cluster.start(1, config, port, env=env)]
-
-
-def wait_for_step(output: Path, step: int, nodes: list[Node], timeout: float = 240) -> float:
-    """When metrics.jsonl first held `step` steps (monotonic time)."""
-    deadline = time.monotonic() + timeout
-    while not ((output / "metrics.jsonl").exists() and len(read_metrics(output)) >= step):
-        for node in nodes:
-            assert node.process.poll() is None, node.output()[-3000:]
-        assert time.monotonic() < deadline, "the job never reached the step"
-        time.sleep(0.05)
-    return time.monotonic()
 
 
 def last_line(node: Node) -> str:
