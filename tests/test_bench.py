@@ -171,7 +171,8 @@ def test_a_variant_that_changes_only_how_processes_share_runs_once_on_one_gpu_an
     table = render(results, dict(device="cpu", gpus=2, peak_tflops=None,
                                  args=dict(steps=12, minlen=128, maxlen=1024, variants="default;parallel=ddp")))
     assert "| full-1.5b-2gpu | default | meshtune | 2 | 8 | 42,000 | 21,000 |  |  | 28.0% | 26.0 | 70.0% |" in table
-    assert "| full-1.5b-2gpu | parallel=ddp | meshtune | 2 | 8 | 57,000 | 28,500 |  |  | 38.0% | 40.0 | 95.0% |" in table
+    ddp = "| full-1.5b-2gpu | parallel=ddp | meshtune | 2 | 8 | 57,000 | 28,500 |  |  | 38.0% | 40.0 | 95.0% |"
+    assert ddp in table
 
 
 @pytest.mark.timeout(120)
