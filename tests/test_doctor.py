@@ -36,8 +36,10 @@ def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             time.sleep(0.5)
         results = []
+        # a training job (two launchers, torchrun, workers importing torch) takes longer than the doctor on 2 busy cores
+        timeout = TIMEOUT if command == ("doctor",) else 3 * TIMEOUT
         for process in processes:
-            output, _ = process.communicate(timeout=TIMEOUT)
+            output, _ = process.communicate(timeout=timeout)
             results.append((process.returncode, output))
         return results
     finally:

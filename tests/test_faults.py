@@ -448,7 +448,7 @@ def never_joining_node(tmp_path_factory, model_dir: Path, dataset: Path) -> dict
     try:
         started = time.monotonic()
         node0 = c.start(0, config, free_port())  # node 1 never comes
-        code = node0.wait(120)
+        code = node0.wait(240)
         return {"code": code, "text": node0.output(), "seconds": time.monotonic() - started}
     finally:
         c.cleanup()
@@ -464,7 +464,7 @@ def test_node_that_never_joins_is_named_while_waiting_and_in_the_error(side_jobs
     assert "rendezvous: 1 of 2 nodes joined (node ranks 0); waiting for node ranks 1" in text, text[-3000:]
     last = text.strip().splitlines()[-1]
     assert "did not complete within rdzv_timeout=20 s" in last and "never joined: node ranks 1" in last, last
-    assert run["seconds"] < 120  # rdzv_timeout 20 s, after two launchers and torchrun start on a loaded machine
+    assert run["seconds"] < 180  # rdzv_timeout 20 s, beside another job's four processes on 2 busy cores
 
 
 def test_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model_dir, tiny_dataset):
