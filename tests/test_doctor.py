@@ -36,8 +36,10 @@ def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             time.sleep(0.5)
         results = []
+        # a training job (two launchers, torchrun, workers importing torch) takes longer than the doctor on 2 busy cores
+        timeout = TIMEOUT if command == ("doctor",) else 3 * TIMEOUT
         for process in processes:
-            output, _ = process.communicate(timeout=TIMEOUT)
+            output, _ = process.communicate(timeout=timeout)
             results.append((process.returncode, output))
         return results
     finally:
@@ -287,7 +289,7 @@ def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight
                                                                                            tiny_dataset):
     """Node 0 relaunched into its running job finds its own output_dir lock (same run id): it skips the preflight.
     Node 1, started next, finds node 0's rendezvous store on the port instead of a doctor: it skips too, and the
-    job trains. (A healthy preflight's one line: test_launch's two-node job.)"""
+    job trains. (A healthy preflight's one line: test_scheduler_files' PBS job.)"""
     from meshtune.launch.nodes import _derived_run_id
 
     config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=60)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import base_config, kill_tree, read_metrics, run_cli, run_cli_here, write_config
+from conftest import base_config, kill_tree, read_metrics, run_cli_here, write_config
 from meshtune.mailbox import Mailbox
 from meshtune.train.preemption import StopRequest, exit_code
 
@@ -47,18 +47,21 @@ def adapter_hash(output) -> str:
 @pytest.mark.alone
 @pytest.mark.slow
 def test_sigterm_to_a_one_process_run_saves_exits_143_and_the_relaunch_resumes_exactly(tmp_path, tiny_model_dir,
-                                                                                       tiny_dataset):
+                                                                                       tiny_dataset, capfd):
+    """The signalled run is a process of its own; the uninterrupted run and the relaunch train in this one (a run
+    on one process trains in `meshtune train`'s own), the signalled one with as many threads."""
     def config(name: str):
         (tmp_path / name).mkdir()
         return write_config(tmp_path / name, **base_config(tiny_model_dir, tiny_dataset, tmp_path / name / "out",
                                                            max_steps=12, save_steps=5))
     clean = config("clean")
-    assert run_cli(["train", str(clean)], timeout=180)[0].returncode == 0
+    assert run_cli_here(["train", str(clean)], capfd).returncode == 0
     stopped = config("stopped")
     output = tmp_path / "stopped" / "out"
     process = subprocess.Popen([sys.executable, "-m", "meshtune", "train", str(stopped)], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1", "MESHTUNE_FAULT": "slow:0.3"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "MESHTUNE_FAULT": "slow:0.3",
+                                    "OMP_NUM_THREADS": str(torch.get_num_threads())})
     try:
         deadline = time.monotonic() + 180
         while not ((output / "metrics.jsonl").exists() and len(read_metrics(output)) >= 2):
@@ -72,7 +75,7 @@ def test_sigterm_to_a_one_process_run_saves_exits_143_and_the_relaunch_resumes_e
     saved = max(int(p.name.split("-")[1]) for p in output.glob("checkpoint-*"))
     assert saved in (3, 4) and (output / f"checkpoint-{saved}" / "COMPLETE").exists(), text[-3000:]
     assert f"stopped by SIGTERM at step {saved} of 12" in text and not (output / "final").exists()
-    result, _ = run_cli(["train", str(stopped)], timeout=180)
+    result = run_cli_here(["train", str(stopped)], capfd)
     assert (result.returncode == 0
             and f"checkpoint-{saved} at step {saved} of 12" in result.stdout), result.stdout[-3000:]
     assert [r["loss"] for r in read_metrics(output)] == [r["loss"] for r in read_metrics(tmp_path / "clean" / "out")]

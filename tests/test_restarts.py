@@ -9,26 +9,38 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import base_config, read_metrics, run_cli, write_config
+from ranks import run_meshtune_ranks
 
 
-def job(tmp_path, model_dir, dataset, name: str, fault: str | None = None, timeout: float = 180):
+def job_config(tmp_path, model_dir, dataset, name: str):
     (tmp_path / name).mkdir()
     output = tmp_path / name / "output"
-    config = write_config(tmp_path / name, **base_config(model_dir, dataset, output, nproc_per_node=2, max_steps=6,
-                                                         save_steps=2, max_restarts=2))
-    result, seconds = run_cli(["train", str(config)], timeout=timeout, env={"MESHTUNE_FAULT": fault or ""})
+    return write_config(tmp_path / name, **base_config(model_dir, dataset, output, nproc_per_node=2, max_steps=6,
+                                                       save_steps=2, max_restarts=2)), output
+
+
+def job(tmp_path, model_dir, dataset, name: str, fault: str, timeout: float = 180):
+    """`meshtune train` with this fault injected: the launcher and torchrun that restart the workers."""
+    config, output = job_config(tmp_path, model_dir, dataset, name)
+    result, seconds = run_cli(["train", str(config)], timeout=timeout, env={"MESHTUNE_FAULT": fault})
     return result, seconds, output
+
+
+def uninterrupted(tmp_path, model_dir, dataset):
+    """The same job without a fault, on the ranks torchrun would start (forked: no launcher to test here)."""
+    config, output = job_config(tmp_path, model_dir, dataset, "clean")
+    return run_meshtune_ranks(["train", str(config)], 2, tmp_path / "clean" / "ranks"), output
 
 
 @pytest.mark.slow
 def test_a_worker_that_fails_once_is_restarted_and_the_job_ends_as_if_nothing_happened(tmp_path, tiny_model_dir,
                                                                                         tiny_dataset):
-    # the two jobs side by side (own output_dirs, ports and processes): most of each is single-threaded start-up,
-    # and nothing here is timed
-    with ThreadPoolExecutor(2) as pool:
-        clean_job = pool.submit(job, tmp_path, tiny_model_dir, tiny_dataset, "clean")
-        fault_job = pool.submit(job, tmp_path, tiny_model_dir, tiny_dataset, "fault", fault="raise:3:1")
-        (reference, _, clean), (result, _, output) = clean_job.result(), fault_job.result()
+    # the two jobs side by side (own output_dirs, ports and processes): most of the faulty one is single-threaded
+    # start-up, and nothing here is timed
+    with ThreadPoolExecutor(1) as pool:
+        clean_job = pool.submit(uninterrupted, tmp_path, tiny_model_dir, tiny_dataset)
+        result, _, output = job(tmp_path, tiny_model_dir, tiny_dataset, "fault", fault="raise:3:1")
+        reference, clean = clean_job.result()
     assert reference.returncode == 0, reference.stdout[-3000:]
     assert result.returncode == 0, result.stdout[-4000:]
     assert "fault injection: rank 1 fails after step 3" in result.stdout

@@ -313,6 +313,8 @@ def pbs_job(capsys, tmp_path: Path, config: Path, *options: str) -> Path:
 
 @pytest.mark.slow
 def test_the_pbs_script_runs_a_two_node_job(capsys, tmp_path, tiny_model_dir, tiny_dataset):
+    """Each node runs `meshtune launch cfg.yaml` with its rank, the node count and node 0's address: two agents on
+    this machine train as two nodes, after the preflight's checks passed."""
     out = tmp_path / "out"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -325,6 +327,7 @@ def test_the_pbs_script_runs_a_two_node_job(capsys, tmp_path, tiny_model_dir, ti
     assert code == 0, output
     assert "node 0: 127.0.0.1" in output and "node 1 (localhost) exited with code 0" in output
     assert "this node's rank    1" in output and f"127.0.0.1:{port}" in output
+    assert "preflight: 2 nodes, all checks passed" in output and "meshtune doctor" not in output
     log = (tmp_path / "stub.log").read_text()
     assert "pbsdsh -n 0 -- /bin/bash" in log and "pbsdsh -n 2 -- /bin/bash" in log  # the first line of each host
     assert [row["step"] for row in read_metrics(out)] == [1, 2, 3]
