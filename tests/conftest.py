@@ -74,28 +74,16 @@ def meshtune_console():
     logger.setLevel(logging.NOTSET)
 
 
-# Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) a test goes to whichever worker is free, except that
-# a module whose tests share what one process builds once (a module-scoped fixture: a run, a cluster) is one group,
-# which one worker runs from start to end: a worker that ran another module's test in between would tear the shared
-# fixture down and build it again. A module whose tests share a cache of their own says so with
-# `pytest.mark.xdist_group(<module name>)`. Modules that start the most training processes go first, longest first,
-# so that the workers end together.
+# Under pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`) each worker takes whole modules, so
+# the tests of a module that share what one process builds once (a module-scoped fixture: a run, a cluster) find it
+# built. Modules that start the most training processes go first, longest first, so that the workers end together.
 LONGEST_MODULES_FIRST = ("test_faults.py", "test_node_exits.py", "test_topology.py", "test_bench.py", "test_qlora.py",
                          "test_demo.py", "test_slurm.py", "test_fast_path.py", "test_doctor.py", "test_restarts.py")
 
 
-def shares_module_state(item) -> bool:
-    return any(definitions[-1].scope == "module" for definitions in item._fixtureinfo.name2fixturedefs.values())
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):  # a serial run keeps pytest's own order
         return
-    shared = {item.path for item in items if shares_module_state(item)}
-    for item in items:
-        if item.path in shared and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     order = {name: i for i, name in enumerate(LONGEST_MODULES_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each module's own order kept
 

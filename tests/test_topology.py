@@ -43,7 +43,6 @@ LAYOUTS_BY_MODE = [
 
 
 RUNS: dict[tuple, list[float]] = {}  # a layout two tests compare against runs once per session
-pytestmark = pytest.mark.xdist_group("test_topology")  # under pytest-xdist, one worker holds RUNS
 # Runs in flight at once. Most of a run is single-threaded: the launcher's and torchrun's start-up, then each
 # worker importing torch; two runs side by side keep both cores busy. Each run is its own job (own output_dir,
 # free port, processes); the tokenized cache they share is built under a file lock. The losses do not depend on
