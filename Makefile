@@ -23,10 +23,10 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(VENV)/bin/meshtune demo
 
-# two pytest-xdist workers, each taking whole modules, longest first (tests/conftest.py): most tests that start
-# processes wait on them part of the time
+# two pytest-xdist workers, the longest modules first (tests/conftest.py): most tests that start processes wait on
+# them part of the time
 test: install-dev
-	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -n 2 $(PYTEST_ARGS)
 
 # the tests that start no process (no torchrun, no ranks, no subprocess): for local iteration
 test-fast: install-dev

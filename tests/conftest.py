@@ -74,9 +74,9 @@ def meshtune_console():
     logger.setLevel(logging.NOTSET)
 
 
-# Under pytest-xdist (`make test`: `-n 2 --dist loadfile --no-loadscope-reorder`) each worker takes whole modules, so
-# the tests of a module that share what one process builds once (a module-scoped fixture: a run, a cluster) find it
-# built. Modules that start the most training processes go first, longest first, so that the workers end together.
+# Under pytest-xdist (`make test`: `-n 2`) each worker takes the next test as it frees up. Modules that start the
+# most training processes go first, longest first, so that the workers end together; a module-scoped fixture is
+# built by each worker that runs one of its tests.
 LONGEST_MODULES_FIRST = ("test_faults.py", "test_node_exits.py", "test_topology.py", "test_bench.py", "test_qlora.py",
                          "test_demo.py", "test_slurm.py", "test_fast_path.py", "test_doctor.py", "test_restarts.py")
 
