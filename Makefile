@@ -23,10 +23,8 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(VENV)/bin/meshtune demo
 
-# two pytest-xdist workers, the longest modules first (tests/conftest.py): most tests that start processes wait on
-# them part of the time
 test: install-dev
-	$(VPY) -m pytest -q -n 2 $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
 # the tests that start no process (no torchrun, no ranks, no subprocess): for local iteration
 test-fast: install-dev

@@ -74,7 +74,7 @@ def meshtune_console():
     logger.setLevel(logging.NOTSET)
 
 
-# Under pytest-xdist (`make test`: `-n 2`) each worker takes the next test as it frees up. Modules that start the
+# Under pytest-xdist (`python -m pytest -n 2`) each worker takes the next test as it frees up. Modules that start the
 # most training processes go first, longest first, so that the workers end together; a module-scoped fixture is
 # built by each worker that runs one of its tests.
 LONGEST_MODULES_FIRST = ("test_faults.py", "test_node_exits.py", "test_topology.py", "test_bench.py", "test_qlora.py",
