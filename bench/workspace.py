@@ -108,8 +108,8 @@ def timing_problem(steps: int, warmup: int, logging_steps: int) -> str | None:
     if steps <= warmup:
         return f"--steps {steps}: more than the {warmup} warm-up steps, or nothing is timed"
     if warmup % logging_steps:
-        return (f"--warmup {warmup}: a multiple of --logging-steps {logging_steps}, "
-                "so no timed interval holds a warm-up step")
+        return (f"--warmup {warmup} is not a multiple of --logging-steps {logging_steps}: a timed interval would "
+                "hold a warm-up step")
     return None
 
 

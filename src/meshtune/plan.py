@@ -474,8 +474,9 @@ def reshard_after_forward(cfg: TrainConfig, parallel: str, shard: int | None, mo
     """Whether FSDP2 frees each unit's gathered weights after its forward and gathers them again for backward: zero3
     does (least memory), zero2 does not (one gather a micro-step). hsdp gathers inside a node, over its fast links:
     for full fine-tuning it keeps the weights like zero2 where the node's GPUs hold them with the state, else
-    reshards like zero3; LoRA and Q-LoRA reshard (their point is memory). Whatever the mode, the last unit and the
-    root (embeddings, head) keep theirs: backward needs them first (model/parallel.py)."""
+    reshards like zero3; LoRA and Q-LoRA reshard (their point is memory). Whatever the mode, the last unit, the head
+    and the root keep theirs: backward needs them first (model/parallel.py). Weights kept from forward to backward
+    also stay whole from one micro-step to the next under gradient accumulation (parallel.py's gradient_sync)."""
     if parallel not in SHARDED:
         return None
     if parallel != "hsdp":

@@ -125,27 +125,59 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     reshard = parallel in ("zero3", "hsdp") if reshard_after_forward is None else reshard_after_forward
     offload = offload_policy(cpu_offload, env.device)
-    if mesh_layout and mesh_layout.get("tp", 1) > 1:
+    if mesh_layout_has_tp(mesh_layout):
         mesh = tensor_parallel_mesh(model, parallel, env, mesh_layout)
     else:
         mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
     blocks = transformer_blocks(model)
     units = fsdp_units(blocks, blocks_per_unit)
+    shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload)
+    # Q-LoRA's loader fills the blocks unit by unit, then the root; tensor parallel splits the edges over tp itself
+    split_edges = before_shard is None and not mesh_layout_has_tp(mesh_layout)
+    embedding, head = edge_units(model) if split_edges else (None, None)
+    if embedding is not None:
+        # used first in forward and last in backward: zero3 frees it in between
+        fully_shard(embedding, reshard_after_forward=reshard, **shard)
     for i, unit in enumerate(units):
         if before_shard is not None:
             before_shard(unit)
         # backward starts with the last unit: freeing its weights after forward would only gather them again at once
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard and i < len(units) - 1,
-                    mp_policy=mixed, offload_policy=offload)
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard and i < len(units) - 1, **shard)
+    if head is not None:
+        # its own unit, as torchtitan shards the output layer: its gradient, the first of backward, is reduced
+        # while the blocks' backward runs instead of with the root's after the last block
+        fully_shard(head, reshard_after_forward=False, **shard)
     if before_shard is not None:
         before_shard([model])
-    # the root (embeddings, final norm, head) is gathered for the whole forward and again from the start of backward
-    # (the head's gradient comes first) to its end (the embeddings' last): resharding it in between would cost a
-    # gather and save nothing, hence FSDP2's own default for a root
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+    # the root (the final norm; the embeddings and head where they are not units of their own) is gathered for the
+    # whole forward and again from the start of backward to its end: resharding it in between would cost a gather
+    # and save nothing, hence FSDP2's own default for a root
+    fully_shard(model, reshard_after_forward=False, **shard)
     if prefetch:
-        set_prefetch([unit[0] for unit in units], prefetch)
+        order = [embedding] * (embedding is not None) + [unit[0] for unit in units] + [head] * (head is not None)
+        set_prefetch(order, prefetch)
     return model
+
+
+def mesh_layout_has_tp(mesh_layout: dict[str, int] | None) -> bool:
+    return bool(mesh_layout) and mesh_layout.get("tp", 1) > 1
+
+
+def edge_units(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The input embedding and the output head, each to be sharded as a unit of its own; (None, None) when they
+    share one weight (tied embeddings: one tensor can belong to one FSDP2 unit only, the root's) or the model has no
+    such modules. For a 152k vocabulary they are a quarter of a 1.5B model's weights."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    try:
+        embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    if embedding is None or head is None:
+        return None, None
+    embedding_weights = {id(p) for p in embedding.parameters()}
+    if any(id(p) in embedding_weights for p in head.parameters()):
+        return None, None
+    return embedding, head
 
 
 def offload_policy(cpu_offload: bool, device: torch.device) -> OffloadPolicy:
@@ -190,12 +222,16 @@ def tensor_parallel_mesh(model: torch.nn.Module, parallel: str, env: DistEnv, la
     return mesh["dp_replicate", "dp_shard"] if parallel == "hsdp" else mesh["dp_shard"]
 
 
-def gradient_sync(model: torch.nn.Module, last: bool, reduction: str) -> ContextManager:
+def gradient_sync(model: torch.nn.Module, last: bool, reduction: str, keep_gathered: bool = False) -> ContextManager:
     """Around one micro-step's backward: whether its gradients cross the processes (plan.gradient_reduction).
-    `last`: the optimizer step's last micro-step, on which they always do."""
+    `last`: the optimizer step's last micro-step, on which they always do. `keep_gathered` (FSDP2 units that stay
+    whole from forward to backward, zero2's): they also stay whole from one micro-step to the next, so only the first
+    micro-step of an optimizer step all-gathers the weights; they hold no more than each backward does already."""
     if isinstance(model, DistributedDataParallel):
         return nullcontext() if last or reduction == EACH else model.no_sync()
     if isinstance(model, FSDPModule):
+        if keep_gathered:
+            model.set_reshard_after_backward(last)
         if reduction == ONCE:
             model.set_requires_gradient_sync(last)
         elif reduction == SHARD_EACH:  # reduce-scatter inside the replica always; across the replicas once

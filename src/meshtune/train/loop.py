@@ -186,7 +186,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
-                with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction):
+                with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction,
+                                   keep_gathered=plan.reshard_after_forward is False):
                     loss = faults.nan_loss(loss_of(batch.to(env.device)), step + 1, env.rank)
                     scaler.scale(loss * data.world_size / targets).backward()
                 loss_sum += loss.detach().double()
