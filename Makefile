@@ -23,8 +23,11 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(VENV)/bin/meshtune demo
 
+# two workers, each taking whole modules, the longest first (tests/conftest.py); PYTEST_WORKERS= runs serially
+PYTEST_WORKERS ?= -n 2 --dist loadscope --no-loadscope-reorder
+
 test: install-dev
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # the tests that start no process (no torchrun, no ranks, no subprocess): for local iteration
 test-fast: install-dev

@@ -74,11 +74,13 @@ def meshtune_console():
     logger.setLevel(logging.NOTSET)
 
 
-# Under pytest-xdist (`python -m pytest -n 2`) each worker takes the next test as it frees up. Modules that start the
-# most training processes go first, longest first, so that the workers end together; a module-scoped fixture is
-# built by each worker that runs one of its tests.
-LONGEST_MODULES_FIRST = ("test_faults.py", "test_node_exits.py", "test_topology.py", "test_bench.py", "test_qlora.py",
-                         "test_demo.py", "test_slurm.py", "test_fast_path.py", "test_doctor.py", "test_restarts.py")
+# `make test` runs two pytest-xdist workers, each taking a whole module at a time (`--dist loadscope`: a module's
+# fixtures, such as the fault tests' shared jobs, are built once), in the order below (`--no-loadscope-reorder`):
+# the longest modules first, by their measured seconds, so that the workers end together.
+LONGEST_MODULES_FIRST = ("test_faults.py", "test_bench.py", "test_node_exits.py", "test_fast_path.py",
+                         "test_doctor.py", "test_slurm.py", "test_demo.py", "test_topology.py", "test_qlora.py",
+                         "test_tensor_parallel.py", "test_restarts.py", "test_scheduler_files.py",
+                         "test_loop_options.py")
 
 
 def pytest_collection_modifyitems(config, items):
