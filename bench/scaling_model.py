@@ -8,8 +8,8 @@ For N nodes of G GPUs each, every GPU keeping its batch and accumulation (the gl
 - compute: the one-node step, measured (bench/two_node_speed.py's one-node runs, or --compute-step-s). Traffic
   inside a node rides NVLink and is counted in it.
 - what crosses the nodes each optimizer step: meshtune.doctor.traffic, the doctor's own estimate (ddp: the trainable
-  gradients' all-reduce; hsdp: the same between the replicas; zero2 / zero3: the weights' all-gathers every
-  micro-step and the gradients' reduce-scatter), in the mode `parallel: auto` picks for that many nodes;
+  gradients' all-reduce; hsdp: the same between the replicas; zero2: the weights' all-gather once a step, zero3:
+  twice a micro-step, and the gradients' reduce-scatter), in the mode `parallel: auto` picks for that many nodes;
   seconds = bytes x 2(N-1)/N (all-reduce) or (N-1)/N (all-gather, reduce-scatter) / the link's bus bandwidth.
 - the gradients cross once an optimizer step, during its last micro-step's backward (about 2/3 of a micro-step's
   compute); what does not fit that window is exposed, and at least the last unit's share always is (it starts when

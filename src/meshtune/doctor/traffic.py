@@ -6,7 +6,8 @@ an all-gather or reduce-scatter of S bytes (the whole buffer) S x (n-1)/n / busb
 measured bus bandwidth. Per optimizer step of A micro-steps (gradients cross once, on the last micro-step):
 
 - ddp: one all-reduce of the trainable gradients (LoRA: the adapters only);
-- zero2: A all-gathers of the weights (forward; kept for backward) + one reduce-scatter of the trainable gradients;
+- zero2: one all-gather of the weights (in the first micro-step's forward; kept whole until the last micro-step's
+  backward) + one reduce-scatter of the trainable gradients;
 - zero3: 2A all-gathers (forward and backward) + one reduce-scatter;
 - hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes.
 
@@ -85,7 +86,7 @@ def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node
     reduce = Collective("all-reduce", "gradients", gradients, 1)
     if mode == "ddp" or (mode == "hsdp" and hsdp_in_node):
         return [reduce]
-    gathers = micro if mode == "zero2" else 2 * micro
+    gathers = 1 if mode == "zero2" else 2 * micro  # zero2 keeps them whole across the micro-steps
     reduction = gradient_reduction(cfg, processes, mode, micro, lambda: model.size, lambda: gpu_bytes, {})
     return [Collective("all-gather", "weights", weights, gathers),
             Collective("reduce-scatter", "gradients", gradients, micro if reduction == EACH else 1)]
@@ -160,7 +161,8 @@ def advice(cfg, mode: str, seconds: float, others: dict[str, float]) -> str:
         tips.append(f"parallel: hsdp shards inside each node, so only the gradient all-reduce crosses nodes "
                     f"(~{duration_text(others['hsdp'])}, if the model's state fits one node)")
         if mode == "zero3":
-            tips.append(f"zero2 gathers the weights once a micro-step, not twice (~{duration_text(others['zero2'])})")
+            tips.append(f"zero2 gathers the weights once a step, not twice a micro-step "
+                        f"(~{duration_text(others['zero2'])})")
     if not cfg.is_lora:
         tips.append("LoRA (finetuning_type: lora) moves only the adapters' gradients")
     if cfg.grad_reduce_dtype == "fp32":
