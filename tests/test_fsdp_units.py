@@ -5,6 +5,8 @@ block."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,21 +31,26 @@ def five_block_model(tmp_path_factory) -> Path:
                             num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=5)
 
 
+@contextmanager
+def counted_all_gathers() -> Iterator[list[int]]:
+    """A list that gains one entry for each all-gather FSDP2 calls while the block runs."""
+    name = next(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n))
+    original, gathers = getattr(torch.distributed, name), []  # what FSDP2 calls: all_gather_single from torch 2.12 on
+    setattr(torch.distributed, name, lambda *a, **k: gathers.append(1) or original(*a, **k))
+    try:
+        yield gathers
+    finally:
+        setattr(torch.distributed, name, original)
+
+
 def units_job(rank: int, world_size: int, workdir: Path) -> None:
     task = json.loads((workdir / "task.json").read_text())
     env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"))
     blocks_per_unit = task["blocks_per_unit"] or default_blocks_per_unit(model_size(task["model"]).block_parameters)
     model = wrap_model(load_model(task["model"]), task["parallel"], env, bf16=False, blocks_per_unit=blocks_per_unit,
                        prefetch=task["prefetch"])
-    gathers = []  # one all-gather per unit (and one for the root) in a forward
-    name = next(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n))
-    original = getattr(torch.distributed, name)  # what FSDP2 calls: all_gather_single from torch 2.12 on
-    setattr(torch.distributed, name, lambda *a, **k: gathers.append(1) or original(*a, **k))
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.arange(12).reshape(1, 12) + 3)
-    finally:
-        setattr(torch.distributed, name, original)
+    with counted_all_gathers() as gathers, torch.no_grad():  # one per unit (and one for the root) in a forward
+        model(input_ids=torch.arange(12).reshape(1, 12) + 3)
     # the FSDP state each block belongs to: blocks of one unit share it
     states = [id(block._get_fsdp_state()) for block in model.model.layers]  # private: no public accessor
     edges = [id(module._get_fsdp_state()) for module in (model.get_input_embeddings(), model.get_output_embeddings())]
@@ -104,16 +111,11 @@ def regather_job(rank: int, world_size: int, workdir: Path) -> None:
     task = json.loads((workdir / "task.json").read_text())
     env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"))
     model = wrap_model(load_model(task["model"]), "zero3", env, bf16=False, blocks_per_unit=1)
-    name = next(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n))
-    original, gathers = getattr(torch.distributed, name), []
-    setattr(torch.distributed, name, lambda *a, **k: gathers.append(1) or original(*a, **k))
-    try:
+    with counted_all_gathers() as gathers:
         ids = torch.arange(24).reshape(2, 12) % 50 + 3
         loss = model(input_ids=ids, labels=ids).loss
         forward = len(gathers)
         loss.backward()
-    finally:
-        setattr(torch.distributed, name, original)
     (workdir / f"rank{rank}.json").write_text(json.dumps({"forward": forward, "backward": len(gathers) - forward}))
 
 
@@ -134,19 +136,14 @@ def accumulation_job(rank: int, world_size: int, workdir: Path) -> None:
     task = json.loads((workdir / "task.json").read_text())
     env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"))
     model = wrap_model(load_model(task["model"]), "zero2", env, bf16=False, blocks_per_unit=1)
-    name = next(n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n))
-    original, gathers = getattr(torch.distributed, name), []
-    setattr(torch.distributed, name, lambda *a, **k: gathers.append(1) or original(*a, **k))
     per_micro_step = []
-    try:
+    with counted_all_gathers() as gathers:
         for m in range(2):
             before = len(gathers)
             with gradient_sync(model, last=m == 1, reduction=task["reduction"], keep_gathered=task["keep"]):
                 ids = accumulation_batch(rank, m)
                 model(input_ids=ids, labels=ids).loss.backward()
             per_micro_step.append(len(gathers) - before)
-    finally:
-        setattr(torch.distributed, name, original)
     finish_gradient_sync(model)
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     torch.save({"gathers": per_micro_step, "grads": grads}, workdir / f"rank{rank}.pt")

@@ -125,7 +125,8 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     reshard = parallel in ("zero3", "hsdp") if reshard_after_forward is None else reshard_after_forward
     offload = offload_policy(cpu_offload, env.device)
-    if mesh_layout_has_tp(mesh_layout):
+    tensor_parallel = bool(mesh_layout) and mesh_layout.get("tp", 1) > 1
+    if tensor_parallel:
         mesh = tensor_parallel_mesh(model, parallel, env, mesh_layout)
     else:
         mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
@@ -133,8 +134,7 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     units = fsdp_units(blocks, blocks_per_unit)
     shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload)
     # Q-LoRA's loader fills the blocks unit by unit, then the root; tensor parallel splits the edges over tp itself
-    split_edges = before_shard is None and not mesh_layout_has_tp(mesh_layout)
-    embedding, head = edge_units(model) if split_edges else (None, None)
+    embedding, head = edge_units(model) if before_shard is None and not tensor_parallel else (None, None)
     if embedding is not None:
         # used first in forward and last in backward: zero3 frees it in between
         fully_shard(embedding, reshard_after_forward=reshard, **shard)
@@ -154,13 +154,9 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     # and save nothing, hence FSDP2's own default for a root
     fully_shard(model, reshard_after_forward=False, **shard)
     if prefetch:
-        order = [embedding] * (embedding is not None) + [unit[0] for unit in units] + [head] * (head is not None)
-        set_prefetch(order, prefetch)
+        order = [unit[0] for unit in units]
+        set_prefetch(order if embedding is None else [embedding, *order, head], prefetch)  # edges: both or neither
     return model
-
-
-def mesh_layout_has_tp(mesh_layout: dict[str, int] | None) -> bool:
-    return bool(mesh_layout) and mesh_layout.get("tp", 1) > 1
 
 
 def edge_units(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
