@@ -79,7 +79,7 @@ def test_without_tensor_parallel_the_plan_is_the_data_parallel_one():
     (4, 4, QWEN_7B, {"additional_target": "lm_head"}, "additional_target"),
     (4, 4, ModelSize(10, 1, 1, 4, 4, "gemma"), {}, "not model_type gemma"),
     (4, 4, ModelSize(10, 1, 1, 4, 4, "qwen2", tied_embeddings=True), {}, "tie_word_embeddings"),
-    (4, 4, QWEN_7B, {"tensor_parallel": 1, "context_parallel": 2}, "context parallel is not available yet"),
+    (4, 4, QWEN_7B, {"context_parallel": 2}, "context_parallel: 2 cannot be combined with tensor_parallel"),
 ])
 def test_impossible_layouts_are_refused_naming_what_works(world_size, local, size, values, message):
     with pytest.raises(ConfigError, match=message):

@@ -302,8 +302,12 @@ class TrainConfig(BaseModel):
                                           "the data-parallel mode (parallel) then runs over the processes / "
                                           "tensor_parallel groups. For full fine-tuning of models whose blocks crowd "
                                           "a GPU under zero3 alone; 1: off", gt=0)
-    context_parallel: int = PARALLELISM(1, "processes that split each sample's sequence between them; only 1 (off) is "
-                                           "available", gt=0)
+    context_parallel: int = PARALLELISM(1, "processes that split every row's positions between them (torch's ring "
+                                           "attention, CUDA GPUs), for samples whose activations do not fit one GPU: "
+                                           "each holds 1/context_parallel of them; rows padded to a multiple of 2 x "
+                                           "context_parallel. A divisor of the processes, consecutive ranks; the "
+                                           "data-parallel mode shards over them too. Not with packing, padding_free "
+                                           "or tensor_parallel; 1: off", gt=0)
 
     nproc_per_node: int | None = LAUNCH(None, "processes on this machine; default: env NPROC_PER_NODE, else visible "
                                               "GPUs (1 on CPU)", gt=0)

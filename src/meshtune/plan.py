@@ -81,10 +81,19 @@ class RunPlan:
     def tensor_parallel(self) -> int:
         return self.mesh.get("tp", 1)
 
+    @property
+    def context_parallel(self) -> int:
+        return self.mesh.get("cp", 1)
+
+    @property
+    def model_parallel(self) -> int:
+        """The consecutive processes that take the same micro-batches: a cp x tp group."""
+        return self.context_parallel * self.tensor_parallel
+
     def data_env(self, env: DistEnv) -> DistEnv:
-        """`env` as the data sees it: one data-parallel rank per tensor-parallel group, whose processes all take
-        the same micro-batches. The same `env` without tensor parallelism."""
-        return data_parallel_env(env, self.tensor_parallel)
+        """`env` as the data sees it: one data-parallel rank per cp x tp group, whose processes all take the same
+        micro-batches. The same `env` without tensor or context parallelism."""
+        return data_parallel_env(env, self.model_parallel)
 
     @property
     def load_dtype(self) -> torch.dtype:
@@ -107,6 +116,9 @@ class RunPlan:
                  f"{self.recompute:g} of the blocks" if self.recompute else "off")]
         if self.tensor_parallel > 1:
             rows.append(("tensor_parallel", str(self.tensor_parallel)))
+        if self.context_parallel > 1:
+            rows.append(("context_parallel", str(self.context_parallel)))
+        if self.model_parallel > 1:
             rows.append(("device_mesh", " x ".join(f"{name} {size}" for name, size in self.mesh.items())))
         if self.blocks_per_unit is not None:
             rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
@@ -158,11 +170,16 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     why: dict[str, str] = {}
     model_size = functools.cache(model_size)  # builds a model without weights: once, and only if a choice needs it
     tp = tensor_parallel_size(cfg, env, model_size)
-    dp = data_parallel_env(env, tp)  # the data-parallel choices count tensor-parallel groups as one process
+    cp = context_parallel_size(cfg, env, tp)
+    # the processes the data-parallel wrapper reduces gradients over (and FSDP2 shards over): a tensor-parallel
+    # group counts as one; a cp group's processes each hold partial gradients, so they count, as torchtitan's
+    # dp_shard x cp
+    procs = data_parallel_env(env, tp)
+    dp = data_parallel_env(procs, cp)  # the data's ranks: a cp x tp group takes the same micro-batches
     # the smallest GPU of the job (a collective, the same on every rank), once and only if a choice needs it
     gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
                                 if env.device.type == "cuda" else None)
-    parallel = choose_parallel(cfg, dp, model_size, gpu_bytes, why)
+    parallel = choose_parallel(cfg, procs, model_size, gpu_bytes, why)
     replicas_only = tp > 1 and parallel == "ddp"
     if replicas_only:  # DDP takes no DTensor parameters: FSDP2 holds whole replicas (a shard of one process)
         parallel = "hsdp"
@@ -184,6 +201,10 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         padding_free = False
         why["padding_free"] = ("off under tensor_parallel: rows are padded to a multiple of tensor_parallel, each "
                                "process holding an equal share of their positions (sequence parallel)")
+    if cp > 1 and padding_free:
+        padding_free = False
+        why["padding_free"] = ("off under context_parallel: rows are padded to a multiple of 2 x context_parallel, "
+                               "each process holding two of their chunks; the ring attention takes whole rows")
     # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
     # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
     recompute = recomputation(cfg, env, why)
@@ -192,11 +213,15 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     if tp > 1 and compile_:
         compile_ = False
         why["torch_compile"] = "off under tensor_parallel: the blocks run eagerly between their DTensor collectives"
+    if cp > 1 and compile_:
+        compile_ = False
+        why["torch_compile"] = ("off under context_parallel: the ring attention swaps the blocks' attention for "
+                                "DTensor collectives while a micro-step runs, and the blocks run eagerly around it")
     for key, value, default in (("padding_free", cfg.padding_free, "on with CUDA"),
                                 ("torch_compile", cfg.torch_compile, "on with CUDA" + (
                                     "; off for Q-LoRA sharded by FSDP2 with activation checkpointing, whose "
                                     "compiled blocks fail their recompute" if compile_clash else ""))):
-        if value is None and key not in why:  # tensor_parallel's reason stands
+        if value is None and key not in why:  # tensor_parallel's or context_parallel's reason stands
             why[key] = f"default, {default}"
     fused_adamw = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
     if cfg.optim == "auto":
@@ -215,18 +240,22 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         blocks_per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(model_size().block_parameters)
         if cfg.fsdp_blocks_per_unit is None:
             why["fsdp_blocks_per_unit"] = f"default: up to {MAX_BLOCKS_PER_UNIT} blocks within ~1B parameters a unit"
-    hsdp_shard = 1 if replicas_only else hsdp_shard_size(cfg, dp, parallel, why)
+    hsdp_shard = 1 if replicas_only else hsdp_shard_size(cfg, procs, parallel, why)
+    if cp > 1 and parallel == "hsdp" and hsdp_shard % cp:
+        raise ConfigError(f"context_parallel: {cp} does not divide hsdp_shard_size {hsdp_shard}: a cp group's "
+                          f"processes shard one replica together; set hsdp_shard_size to a multiple of {cp}")
     reshard = reshard_after_forward(cfg, parallel, hsdp_shard, model_size, gpu_bytes, why) if not replicas_only \
         else False
     if cfg.finetuning_type == "qlora" and parallel == "hsdp" and hsdp_shard == 1:
         raise ConfigError("parallel: hsdp with a shard of 1 process shards nothing, and torchao's NF4 weights cannot "
                           "be sharded over one: for qlora set hsdp_shard_size above 1, or parallel: ddp")
     if cfg.cpu_offload:  # the config allows it with zero2 / zero3 / hsdp only
-        why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or dp.world_size, dp)
+        why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or procs.world_size,
+                                            procs)
     accumulation = keep_global_batch(cfg, resume_manifest, dp.world_size, why)
     check_train_batch_size(cfg, accumulation, dp.world_size)
-    reduction = gradient_reduction(cfg, dp.world_size, parallel, accumulation, model_size, gpu_bytes, why)
-    grad_sync, reduce_dtype = gradient_crossing(cfg, dp.world_size, parallel, why)
+    reduction = gradient_reduction(cfg, procs.world_size, parallel, accumulation, model_size, gpu_bytes, why)
+    grad_sync, reduce_dtype = gradient_crossing(cfg, procs.world_size, parallel, why)
     prefetch = cfg.fsdp_prefetch if parallel in SHARDED else None
     if prefetch is None and cfg.fsdp_prefetch:
         why["fsdp_prefetch"] = "ddp: no FSDP2 units to gather ahead"
@@ -250,7 +279,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
-                   mesh=mesh_layout(parallel, dp.world_size, hsdp_shard, tp))
+                   mesh=mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp))
 
 
 TP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # the decoder blocks model/tensor_parallel.py splits
@@ -261,9 +290,6 @@ def tensor_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[]
     consecutive ranks inside one node (its links carry every block's activations four times a pass), and each holds
     an equal share of the attention and key-value heads. A layout that cannot work is refused, naming the counts that
     do."""
-    if cfg.context_parallel > 1:
-        raise ConfigError(f"context_parallel: {cfg.context_parallel}: context parallel is not available yet; set "
-                          f"context_parallel: 1 (the default)")
     tp = cfg.tensor_parallel
     if tp == 1:
         return 1
@@ -296,19 +322,48 @@ def tensor_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[]
     return tp
 
 
-def data_parallel_env(env: DistEnv, tp: int) -> DistEnv:
-    """The data-parallel view of `env`: each group of `tp` consecutive ranks counts as one process."""
-    if tp == 1:
+def context_parallel_size(cfg: TrainConfig, env: DistEnv, tp: int) -> int:
+    """`context_parallel`, checked against the job: the processes of a cp group are consecutive ranks (next to
+    tensor parallel's, which stay innermost), and each row is cut into 2 x cp chunks. A layout or an option that
+    cannot work with it is refused, with what to set."""
+    cp = cfg.context_parallel
+    if cp == 1:
+        return 1
+    refused = ("tensor_parallel above 1 (context parallel composes with data parallelism only)" if tp > 1 else
+               "packing (a packed row needs a block-diagonal mask, which torch's ring attention does not take)"
+               if cfg.packing else
+               "padding_free: true (the ring attention takes whole padded rows; leave padding_free unset)"
+               if cfg.padding_free else None)
+    if refused:
+        raise ConfigError(f"context_parallel: {cp} cannot be combined with {refused}; set context_parallel: 1")
+    if env.device.type != "cuda":
+        raise ConfigError(f"context_parallel: {cp} needs CUDA GPUs: torch's ring attention runs over the CUDA "
+                          f"attention kernels (flash, memory-efficient, cuDNN); set context_parallel: 1 on CPU")
+    if env.world_size % cp:
+        working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0]
+        raise ConfigError(f"context_parallel: {cp} does not divide the job's {env.world_size} processes; counts "
+                          f"that work here: {', '.join(map(str, working))}")
+    return cp
+
+
+def data_parallel_env(env: DistEnv, group: int) -> DistEnv:
+    """The data-parallel view of `env`: each `group` of consecutive ranks (a tensor- or context-parallel group)
+    counts as one process."""
+    if group == 1:
         return env
-    return replace(env, rank=env.rank // tp, world_size=env.world_size // tp, local_rank=env.local_rank // tp,
-                   local_world_size=max(env.local_world_size // tp, 1))
+    return replace(env, rank=env.rank // group, world_size=env.world_size // group,
+                   local_rank=env.local_rank // group, local_world_size=max(env.local_world_size // group, 1))
 
 
-def mesh_layout(parallel: str, dp_size: int, hsdp_shard: int | None, tp: int) -> dict[str, int]:
+def mesh_layout(parallel: str, procs: int, hsdp_shard: int | None, tp: int, cp: int = 1) -> dict[str, int]:
     """The device mesh's dimensions, outermost first: replicas, then shards (FSDP2's), then context parallel, then
-    tensor parallel innermost, so a tensor-parallel group is consecutive ranks of one node."""
-    shard = {"ddp": 1, "hsdp": hsdp_shard or 1}.get(parallel, dp_size)
-    return {"dp_replicate": dp_size // shard, "dp_shard": shard, "cp": 1, "tp": tp}
+    tensor parallel innermost, so a tensor-parallel group is consecutive ranks of one node. `procs`: the processes
+    gradients are reduced over (tensor-parallel groups counted as one), `hsdp_shard` among them; a cp group lies
+    inside a shard (sharded modes) or among the replicas (ddp)."""
+    shard = {"ddp": 1, "hsdp": hsdp_shard or 1}.get(parallel, procs)
+    if shard % cp:  # ddp: the cp group's processes are replicas of each other
+        return {"dp_replicate": procs // cp, "dp_shard": 1, "cp": cp, "tp": tp}
+    return {"dp_replicate": procs // shard, "dp_shard": shard // cp, "cp": cp, "tp": tp}
 
 
 def resume_request(cfg: TrainConfig, shared: bool) -> tuple[bool, Path | None]:

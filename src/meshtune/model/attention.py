@@ -52,18 +52,20 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     return out.unsqueeze(0), None
 
 
-def register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, varlen_attention_forward)
-
-
 def use_varlen(model: torch.nn.Module) -> None:
     """Switch a loaded model (every sub-config) to the padding-free attention."""
-    register()
+    use_attention(model, NAME, varlen_attention_forward)
+
+
+def use_attention(model: torch.nn.Module, name: str, forward) -> None:
+    """Register `forward` with transformers as attention implementation `name` and switch a loaded model (every
+    sub-config) to it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, forward)
     try:
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(name)
     except (AttributeError, ValueError):  # transformers versions without the setter, or that check names strictly
         for module in model.modules():
             if hasattr(getattr(module, "config", None), "_attn_implementation"):
-                module.config._attn_implementation = NAME
+                module.config._attn_implementation = name

@@ -13,6 +13,7 @@ from meshtune.distributed import DistEnv
 from meshtune.model.attention import use_varlen
 from meshtune.model.block_loading import BlockLoader
 from meshtune.model.compile import compile_blocks
+from meshtune.model.context_parallel import use_context_parallel_attention
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.lora import add_lora, set_adapter, starting_adapter
@@ -42,6 +43,8 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
     flops = FlopCounter.of(model)  # before LoRA adds parameters and FSDP2 shards them
     if plan.padding_free:
         use_varlen(model)  # before compile: the blocks are traced with the attention they will run
+    if plan.context_parallel > 1:
+        use_context_parallel_attention(model)  # causal, no mask: what the ring attention takes
     # the model's own head, before peft wraps it: same weight, same state-dict keys
     plan = fuse_loss_into_head(model, cfg, plan)
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout

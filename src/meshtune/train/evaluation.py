@@ -17,9 +17,11 @@ class Evaluator:
 
     def __init__(self, dataset, batch_size: int, eval_steps: int | None, total_steps: int, env: DistEnv,
                  collate: Callable[[list[list[int]]], Batch], loss: Callable[[Batch], torch.Tensor],
-                 also_at: frozenset[int] = frozenset()):
+                 also_at: frozenset[int] = frozenset(), target_share: float = 1.0):
         self.dataset, self.batch_size, self.eval_steps, self.total_steps = dataset, batch_size, eval_steps, total_steps
         self.env, self.collate, self.loss, self.also_at = env, collate, loss, also_at
+        # 1 / cp under context parallel: each process of a cp group sums the loss of its share of the batch's targets
+        self.target_share = target_share
 
     def due(self, step: int) -> bool:
         if self.dataset is None:
@@ -40,8 +42,8 @@ class Evaluator:
             if not mine:
                 batch.ignore_all()
             loss = self.loss(batch.to(env.device))
-            sums += torch.stack([loss.double(), torch.tensor(float(batch.num_targets), dtype=torch.float64,
-                                                             device=env.device)])
+            sums += torch.stack([loss.double(), torch.tensor(batch.num_targets * self.target_share,
+                                                             dtype=torch.float64, device=env.device)])
         all_reduce_sum(sums)
         model.train()
         return (sums[0] / sums[1].clamp(min=1)).item()

@@ -52,6 +52,7 @@ from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
+from meshtune.train.sequence_split import SequenceSplit, row_multiple
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.stragglers import Place, StepTimes
 from meshtune.train.trackers import open_trackers
@@ -108,7 +109,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     tokenizer = load_tokenizer(model_dir)
     chat_template = serving_chat_template(tokenizer, cfg.named_template)  # saved with final/ and in every checkpoint
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
-    data = plan.data_env(env)  # a tensor-parallel group's processes take the same micro-batches
+    data = plan.data_env(env)  # a cp x tp group's processes take the same micro-batches
     batches, total_steps = plan_steps(cfg, train_data, data.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free)
     by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
@@ -138,16 +139,18 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
 
     pad_id = tokenizer.pad_token_id
-    # tensor parallel: every process holds an equal share of a row's positions
+    # tensor and context parallel: every process holds an equal share of a row's positions
+    row_length_multiple = row_multiple(plan.context_parallel, plan.tensor_parallel)
     rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
-                            pad_to_multiple=plan.tensor_parallel, padding_free=plan.padding_free)
+                            pad_to_multiple=row_length_multiple, padding_free=plan.padding_free)
+    split = SequenceSplit(plan.context_parallel, env)  # context parallel: each process's share of the positions
     loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
                       autocast_fp16=plan.fp16, vocab=vocab_shard(model))
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
         ratio, measured = fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch,
-                                            cfg.memory_budget, cfg.gpu_memory_limit, env.device)
+                                            cfg.memory_budget, cfg.gpu_memory_limit, env.device, split)
         logger.info(measured)
         plan = plan.amended("gradient_checkpointing", measured, recompute=ratio)
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
@@ -155,8 +158,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
                           partial(collate, dataset=eval_data, pad_id=pad_id, packed=False,
-                                  pad_to_multiple=plan.tensor_parallel, padding_free=plan.padding_free),
-                          loss_of, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset())
+                                  pad_to_multiple=row_length_multiple, padding_free=plan.padding_free),
+                          split.around(loss_of), also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
+                          target_share=1 / plan.context_parallel)
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
                          open_trackers(cfg, plan, progress.step, env.is_main))  # report_to's, on rank 0
@@ -166,9 +170,13 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
-                               sample_ids(batches, train_data, plan.tensor_parallel), progress.nonfinite_skipped,
+                               sample_ids(batches, train_data, plan.model_parallel), progress.nonfinite_skipped,
                                checkpoints.close)
-    own = float(env.rank == data.rank * plan.tensor_parallel)  # 0: a tensor-parallel peer counts this group's sums
+    own = float(env.rank == data.rank * plan.model_parallel)  # 0: a cp x tp peer counts this group's batches
+    # a cp group's processes each hold the loss of their share of the positions; a tensor-parallel peer, a copy
+    own_loss = float(env.rank % plan.tensor_parallel == 0)
+    # the wrapper averages gradients over data ranks x cp: each cp process's loss is a partial sum of its row's
+    reducing = data.world_size * plan.context_parallel
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:
@@ -188,8 +196,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             for m, batch in enumerate(micro):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction,
                                    keep_gathered=plan.reshard_after_forward is False):
-                    loss = faults.nan_loss(loss_of(batch.to(env.device)), step + 1, env.rank)
-                    scaler.scale(loss * data.world_size / targets).backward()
+                    with split(batch.to(env.device)) as local:  # forward and backward on this process's share
+                        loss = faults.nan_loss(loss_of(local), step + 1, env.rank)
+                        scaler.scale(loss * reducing / targets).backward()
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
@@ -206,7 +215,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             done, last = step + 1, step + 1 == total_steps
             faults.after_step(done, env.rank)
             watch.at(done, "summing the step's loss (all-reduce)")
-            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum * own)) / targets, tokens, flops, counted=updated)
+            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum * own_loss)) / targets, tokens, flops,
+                      counted=updated)
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
@@ -251,7 +261,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
 def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vote: float = 0.0,
                 own: float = 1.0) -> torch.Tensor:
     """Target tokens, tokens, FLOPs of an optimizer step and the ranks voting to stop, summed over all ranks in
-    one all-reduce. `own` 0: this rank's batches are those of the first rank of its tensor-parallel group, which
+    one all-reduce. `own` 0: this rank's batches are those of the first rank of its cp x tp group, which
     counts them (its stop vote still counts)."""
     counts = torch.tensor([own * sum(b.num_targets for b in batches), own * sum(b.num_tokens for b in batches),
                            own * sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote],

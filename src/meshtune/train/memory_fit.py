@@ -13,6 +13,7 @@ dropped and the random state put back afterwards, so the run trains exactly as i
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -181,12 +182,13 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
 def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
                       optimizer: torch.optim.Optimizer, largest: Callable[[], list[Row]],
                       to_batch: Callable[[list[Row]], object], memory_budget: float | None,
-                      gpu_memory_limit: float | None, device: torch.device) -> tuple[float, str]:
+                      gpu_memory_limit: float | None, device: torch.device,
+                      split: Callable = nullcontext) -> tuple[float, str]:
     """Choose the recomputed blocks of an `auto` run (the model in train mode); returns the share of blocks
     recomputed, as gradient_checkpointing_ratio would set it, and the line to log (the run plan's reason).
     `largest()` finds the run's largest micro-batch (`largest_micro_batch`, a scan of the steps left, done only
     where memory is measured), which `to_batch` collates. Every rank has one, or none, alike: a run's steps are the
-    same on every rank."""
+    same on every rank. `split(batch)`: the context giving this process's share of it (context parallel)."""
     if not can_measure(device):
         return 1.0, "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
     largest_rows = largest()
@@ -195,9 +197,10 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
     batch = to_batch(largest_rows).to(device)
 
     def step() -> float:
-        loss = loss_of(batch)
-        held = allocated(device)  # the saved activations are all alive here
-        (loss / max(batch.num_targets, 1)).backward()
+        with split(batch) as local:
+            loss = loss_of(local)
+            held = allocated(device)  # the saved activations are all alive here
+            (loss / max(batch.num_targets, 1)).backward()
         finish_gradient_sync(model)
         for p in params:
             p.grad = None
