@@ -26,7 +26,10 @@ demo: install
 # two workers, each taking whole modules, the longest first (tests/conftest.py); PYTEST_WORKERS= runs serially
 PYTEST_WORKERS ?= -n 2 --dist loadscope --no-loadscope-reorder
 
+# the sources' bytecode written once: where PYTHONDONTWRITEBYTECODE is set, each of the suite's hundreds of
+# processes would otherwise compile meshtune again
 test: install-dev
+	$(VPY) -m compileall -q src tests
 	$(VPY) -m pytest -q $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # the tests that start no process (no torchrun, no ranks, no subprocess): for local iteration
