@@ -116,6 +116,17 @@ def test_the_ring_attentions_causal_sdpa_gives_the_models_losses_on_right_padded
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_an_attention_beyond_causal_sdpa_is_named_not_dropped():
+    from meshtune.errors import ModelError
+    from meshtune.model.context_parallel import causal_attention_forward
+
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ModelError, match="asks for sliding_window 4096; set context_parallel: 1"):
+        causal_attention_forward(torch.nn.Identity(), q, q, q, None, sliding_window=4096)
+    out, _ = causal_attention_forward(torch.nn.Identity(), q, q, q, None, sliding_window=None)
+    assert out.shape == (1, 4, 2, 8)
+
+
 def test_evaluation_counts_a_cp_groups_targets_once():
     """Each of the 2 processes of a cp group sums the loss of half the targets: the mean is over the batch's."""
     class Data(list):

@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshtune.errors import ModelError
 from meshtune.model.attention import use_attention
 
 NAME = "meshtune_context_parallel"
+# what some models' layers pass their attention beyond causal sdpa: refused, never silently dropped
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
 
 
 def causal_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -29,7 +32,11 @@ def causal_attention_forward(module, query, key, value, attention_mask, dropout:
     out. Key-value heads are repeated for grouped-query attention: the ring's flash and memory-efficient kernels take
     equal head counts."""
     if dropout:
-        raise RuntimeError("context parallel attention has no attention dropout; set attention_dropout to 0")
+        raise ModelError("context parallel attention has no attention dropout; set attention_dropout to 0")
+    asked = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if asked:
+        raise ModelError(f"context_parallel runs plain causal attention, and {type(module).__name__} asks for "
+                         f"{', '.join(f'{name} {kwargs[name]}' for name in asked)}; set context_parallel: 1")
     groups = query.size(1) // key.size(1)
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
