@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerCallback
 
 from meshtune.config import TrainConfig, build_config, load_yaml
 from meshtune.data.pipeline import plan_steps, prepare_datasets
-from meshtune.model.loading import load_tokenizer
+from meshtune.model.model_dir import load_tokenizer
 
 
 class InMeshtuneOrder(Trainer):

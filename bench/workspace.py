@@ -73,7 +73,7 @@ def peer_samples(vocab: int, n: int, minlen: int, maxlen: int) -> list[np.ndarra
 def write_cached_dataset(model_dir: Path, work: Path, samples: list[np.ndarray], cutoff_len: int) -> Path:
     from meshtune.data.formats import file_spec
     from meshtune.data.tokenized import TokenizedDataset, cache_key
-    from meshtune.model.loading import load_tokenizer
+    from meshtune.model.model_dir import load_tokenizer
 
     data_file = work / "synthetic.jsonl"
     data_file.write_text(json.dumps({"synthetic": len(samples), "lengths": [len(s) for s in samples]}) + "\n")

@@ -175,7 +175,7 @@ def test_a_truncated_weights_file_is_named_by_the_model_directory_check(tmp_path
     import shutil
 
     from meshtune.errors import ModelError
-    from meshtune.model.loading import check_model_dir
+    from meshtune.model.model_dir import check_model_dir
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)

@@ -21,7 +21,7 @@ from meshtune.config import build_config
 from meshtune.data.chat_template import ChatTemplate
 from meshtune.errors import MeshtuneError
 from meshtune.export.merge import export
-from meshtune.model.loading import load_tokenizer
+from meshtune.model.model_dir import load_tokenizer
 from meshtune.train.loop import run
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64, 2, 31]]

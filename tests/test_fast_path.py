@@ -222,7 +222,7 @@ def test_varlen_attention_keeps_samples_apart():
 
 def test_padding_free_batch_holds_every_sample_once(tiny_model_dir, tiny_dataset, tmp_path):
     from meshtune.data.tokenized import load_or_build
-    from meshtune.model.loading import load_tokenizer
+    from meshtune.model.model_dir import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     data = load_or_build([tiny_dataset], tokenizer, fmt=None, template=None, cutoff_len=64, skip_invalid=False,

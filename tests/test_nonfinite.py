@@ -15,7 +15,7 @@ from conftest import base_config, read_metrics, run_cli, write_config
 from meshtune.checkpoint import list_checkpoints
 from meshtune.config import build_config
 from meshtune.data.pipeline import plan_steps, prepare_datasets
-from meshtune.model.loading import load_tokenizer
+from meshtune.model.model_dir import load_tokenizer
 from meshtune.train.loop import run
 from meshtune.train.nonfinite import NonFiniteError, NonFiniteSteps
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from meshtune.data.collate import IGNORE, collate
 from meshtune.data.sampler import pack_rows
 from meshtune.data.tokenized import load_or_build
-from meshtune.model.loading import load_model, load_tokenizer
+from meshtune.model.loading import load_model
+from meshtune.model.model_dir import load_tokenizer
 
 
 @pytest.fixture(scope="module")

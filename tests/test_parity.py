@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, 
 
 from conftest import base_config
 from meshtune.config import TrainConfig, build_config
-from meshtune.model.loading import load_tokenizer
+from meshtune.model.model_dir import load_tokenizer
 from meshtune.model.parallel import unwrap
 from meshtune.train.loop import run
 

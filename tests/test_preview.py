@@ -23,7 +23,7 @@ from meshtune.data.formats import read_dataset
 from meshtune.data.pipeline import prepare_datasets
 from meshtune.data.tokenized import TokenizedDataset
 from meshtune.errors import MeshtuneError
-from meshtune.model.loading import load_tokenizer
+from meshtune.model.model_dir import load_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -18,7 +18,7 @@ from conftest import base_config, run_cli_here
 from meshtune.config import build_config
 from meshtune.errors import ModelError
 from meshtune.launch.supervise import prepare_data_once
-from meshtune.model.loading import check_model_dir
+from meshtune.model.model_dir import check_model_dir
 
 QUANTIZED = {  # quantization_config as the released -AWQ, -GPTQ / -Int4, AQLM and bnb-4bit models carry it
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},

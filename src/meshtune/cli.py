@@ -426,7 +426,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
     import json
 
     from meshtune.data.preview import preview, render_text, use_color
-    from meshtune.model.loading import check_model_dir, load_tokenizer
+    from meshtune.model.model_dir import check_model_dir, load_tokenizer
 
     if args.index is not None and args.seed is not None:
         raise MeshtuneError("--index and --seed both choose the samples shown; give one of them")

@@ -6,32 +6,16 @@ for nodes with different cards) and the card's measured bf16 matmul rate (the de
 
 from __future__ import annotations
 
-import inspect
+import importlib.util
 
 import torch
 import torch.distributed as dist
 
 
-def _find_varlen():
-    """torch's varlen attention and the keywords this torch spells causal with (2.10: `is_causal=True`; 2.11+:
-    `window_size=(-1, 0)`, plus `enable_gqa` for grouped-query attention). Looked up once, at import: inside a
-    compiled block, `inspect` or an import would break the graph at every layer."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None, {}
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    return varlen_attn, kwargs
-
-
-VARLEN_ATTN, VARLEN_KWARGS = _find_varlen()
-
-
 def varlen_available(device: torch.device) -> bool:
-    return device.type == "cuda" and VARLEN_ATTN is not None
+    """Whether this torch has variable-length flash attention for `device`. Found without importing it: its import
+    brings in torch's compiler (seconds), which only the training processes need (model/attention.py)."""
+    return device.type == "cuda" and importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 def bf16_supported(device: torch.device) -> bool:

@@ -19,7 +19,8 @@ import torch
 from meshtune.data.chat_template import IGNORE_INDEX, TEMPLATES, ChatTemplate
 from meshtune.errors import ConfigError, ModelError
 from meshtune.export.chat_source import ChatModel, locate
-from meshtune.model.loading import load_model, load_tokenizer
+from meshtune.model.loading import load_model
+from meshtune.model.model_dir import load_tokenizer
 
 RESET, EXIT = "/reset", ("/exit", "/quit")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

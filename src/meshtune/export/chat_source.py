@@ -17,7 +17,7 @@ from meshtune.checkpoint.resume import list_checkpoints
 from meshtune.errors import ModelError
 from meshtune.export.merge import export, source_of
 from meshtune.model.final_weights import export_kind
-from meshtune.model.loading import TOKENIZER_FILES
+from meshtune.model.model_dir import TOKENIZER_FILES
 
 WHAT_DIR_IS = ("a Hugging Face model directory (config.json and *.safetensors: a full fine-tuning run's final/ or a "
                "merged export), a PEFT adapter directory (adapter_config.json: a LoRA run's final/ or an export), "

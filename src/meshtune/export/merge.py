@@ -168,7 +168,7 @@ def copy_tokenizer(source: Path, base: Path, output: Path) -> None:
     """The tokenizer saved with final/ (it carries the chat template trained with); for a checkpoint-N, the base's
     with the template its run trained with, so `apply_chat_template` on the export renders prompts as trained;
     for an adapter directory of another origin, the base's."""
-    from meshtune.model.loading import load_tokenizer
+    from meshtune.model.model_dir import load_tokenizer
 
     if (source / "tokenizer_config.json").is_file():
         load_tokenizer(source).save_pretrained(str(output))

@@ -248,12 +248,13 @@ def check_output_paths(cfg) -> None:
 def prepare_data_once(cfg, nproc: int) -> None:
     """Tokenize and plan in the launching process: data errors show before any worker starts, workers hit the cache."""
     from meshtune.data.pipeline import plan_steps, prepare_datasets
-    from meshtune.model.loading import check_model_dir, load_tokenizer
+    from meshtune.model.model_dir import check_model_dir, load_tokenizer
 
     tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
     train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, report=False)  # rank 0 reports the data
-    # a tensor-parallel group's processes train the same rows: one data-parallel process
-    plan_steps(cfg, train_data, max(nproc // cfg.tensor_parallel, 1), cfg.gradient_accumulation_steps)
+    # a cp x tp group's processes train the same rows: one data-parallel process
+    plan_steps(cfg, train_data, max(nproc // (cfg.tensor_parallel * cfg.context_parallel), 1),
+               cfg.gradient_accumulation_steps)
 
 
 def worker_label() -> str | None:

@@ -10,12 +10,31 @@ math, which is how the CPU tests check this path (and what fp32 runs on CUDA use
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
-from meshtune.hardware import VARLEN_ATTN, VARLEN_KWARGS, varlen_available
 
 NAME = "meshtune_varlen"
+
+
+def _find_varlen():
+    """torch's varlen attention and the keywords this torch spells causal with (2.10: `is_causal=True`; 2.11+:
+    `window_size=(-1, 0)`, plus `enable_gqa` for grouped-query attention). Looked up once, at import: inside a
+    compiled block, `inspect` or an import would break the graph at every layer."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, {}
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return varlen_attn, kwargs
+
+
+VARLEN_ATTN, VARLEN_KWARGS = _find_varlen()
 
 
 def causal_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -26,7 +45,7 @@ def causal_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
         # autocast leaves RoPE's fp32 products alone (sdpa would cast them; a custom op is not on its list)
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    if varlen_available(query.device) and query.dtype in (torch.float16, torch.bfloat16):
+    if VARLEN_ATTN is not None and query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16):
         return VARLEN_ATTN(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale,
                            **VARLEN_KWARGS)
     out = torch.empty_like(query)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from meshtune.model.loading import TOKENIZER_FILES, safetensors_problem
+from meshtune.model.model_dir import TOKENIZER_FILES, safetensors_problem
 from meshtune.model.parallel import unwrap
 
 

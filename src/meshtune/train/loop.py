@@ -35,7 +35,8 @@ from meshtune.mailbox import Mailbox
 from meshtune.model.build import build_model
 from meshtune.model.final_weights import gather_state_dict, save_final
 from meshtune.model.flops import FlopCounter
-from meshtune.model.loading import check_model_dir, load_tokenizer, model_size
+from meshtune.model.loading import model_size
+from meshtune.model.model_dir import check_model_dir, load_tokenizer
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
 from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_loss_sum, vocab_shard

@@ -12,11 +12,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshtune.config import TRACKERS, TrainConfig
 from meshtune.errors import ConfigError
-from meshtune.plan import RunPlan
 from meshtune.train.sinks import SINKS, Sink
+
+if TYPE_CHECKING:  # the launcher checks the trackers' packages without the training stack
+    from meshtune.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 IDENTITIES = "trackers.json"
