@@ -20,7 +20,8 @@ from meshtune.model.loss_head import linear_cross_entropy
 from meshtune.train.bf16_adamw import StochasticBf16AdamW
 from meshtune.train.loop import run
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# slow: Triton and the compiler start processes to build their kernels
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.slow]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
