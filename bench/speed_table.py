@@ -26,6 +26,9 @@ A machine held for a fixed time window: a part per window (a preset or a list of
   python3 bench/speed_table.py --rows table-1gpu --streams --time-limit 540 --out results/a
   python3 bench/speed_table.py --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --streams --time-limit 540 --out results/b
   python3 bench/speed_table.py --merge results/a/speed.json results/b/speed.json --out results
+Long samples under context parallel (each GPU holds a quarter of every row; the zero3 row shows what fits without):
+  python3 bench/speed_table.py --rows long-context --no-peer --minlen 30000 \
+    --maxlen 32768 --steps 6
 Ablations and profiles:
   python3 bench/speed_table.py --rows lora-1.5b --no-peer --variants "default;padding_free=false;fused_loss=false"
   python3 bench/speed_table.py --rows lora-1.5b-2gpu --no-peer --variants profile_steps=12-13   (rank 0's
@@ -108,6 +111,9 @@ ROWS = {
     "full-7b-2gpu-zero3": Row("7b", "full", 2, 4, settings=FULL_7B_ZERO3),
     "full-7b-8gpu-zero3": Row("7b", "full", 8, 4, settings=FULL_7B_ZERO3, scaling_of="full-7b-2gpu-zero3"),
     "full-7b-2gpu-hsdp": Row("7b", "full", 2, 4, settings=FULL_7B_HSDP),
+    # long samples (run with --minlen / --maxlen in the tens of thousands): each GPU holds 1/cp of every row
+    "full-7b-4gpu-cp4": Row("7b", "full", 4, 1, settings={"parallel": "zero3", "context_parallel": 4}),
+    "lora-7b-4gpu-cp4": Row("7b", "lora", 4, 1, settings={"context_parallel": 4}),
     "full-7b-8gpu-hsdp": Row("7b", "full", 8, 4, settings=FULL_7B_HSDP, scaling_of="full-7b-2gpu-hsdp"),
 }
 TABLE_1GPU = ["lora-1.5b", "full-1.5b", "lora-7b", "qlora-7b"]
@@ -118,8 +124,9 @@ DEFAULT_ROWS = ["lora-1.5b", "lora-7b", "full-1.5b", "qlora-7b", "full-7b-4gpu-z
 SCALING_8GPU = ["lora-1.5b", "lora-1.5b-2gpu", "lora-1.5b-4gpu", "lora-1.5b-8gpu", "full-7b-2gpu-zero3",
                 "full-7b-4gpu-zero3", "full-7b-8gpu-zero3", "full-7b-2gpu-hsdp", "full-7b-4gpu-hsdp",
                 "full-7b-8gpu-hsdp"]
+LONG_CONTEXT = ["full-7b-4gpu-zero3", "full-7b-4gpu-cp4", "lora-7b-4gpu-cp4"]  # with --minlen / --maxlen ~32k
 PRESETS = {"table": DEFAULT_ROWS, "table-1gpu": TABLE_1GPU, "scaling-2gpu": SCALING_2GPU,
-           "scaling-8gpu": SCALING_8GPU}
+           "scaling-8gpu": SCALING_8GPU, "long-context": LONG_CONTEXT}
 PEERS = {"plain": ("hf_trainer+peft", []), "liger": ("hf_trainer+peft+liger", ["--liger", "1"])}
 
 
