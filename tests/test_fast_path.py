@@ -46,21 +46,13 @@ def test_fast_path_gives_the_losses_of_the_plain_path(tmp_path, tiny_model_dir, 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
-def test_compiled_blocks_give_the_losses_of_the_plain_path(tmp_path, tiny_model_dir, tiny_dataset):
-    plain = records(tmp_path, tiny_model_dir, tiny_dataset, "plain", "lora", **PLAIN)
-    compiled = records(tmp_path, tiny_model_dir, tiny_dataset, "compiled", "lora", **FAST, torch_compile=True)
-    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
-    seconds = [r["compile_s"] for r in compiled]  # time spent compiling so far, logged with every step
-    assert seconds[0] > 0 and seconds == sorted(seconds) and "compile_s" not in plain[0]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
-def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(monkeypatch, tmp_path, tiny_model_dir,
-                                                                               tiny_dataset):
-    """activation_memory_budget: the partitioner recomputes inside each compiled block's backward graph.
-    compile_combo_kernels: inductor's scheduler groups independent kernels (on GPUs; the CPU backend forms no
-    groups, so here the test shows the key reaches every compile and leaves the losses alone)."""
+def test_compiled_blocks_with_the_compilers_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(
+        monkeypatch, tmp_path, tiny_model_dir, tiny_dataset):
+    """Compiled blocks with every other lever of the fast path on (padding-free rows, the fused loss, half the blocks
+    checkpointed), and the compiler's own: activation_memory_budget (the partitioner recomputes inside each compiled
+    block's backward graph) and compile_combo_kernels (inductor's scheduler groups independent kernels; on GPUs: the
+    CPU backend forms no groups, so here the test shows the key reaches every compile and leaves the losses alone).
+    One compiled run for all of them: a compile from scratch is most of this test's minute."""
     from torch._functorch import partitioners
     from torch._inductor.scheduler import Scheduler
 
@@ -88,11 +80,13 @@ def test_compiler_recompute_and_combo_kernels_give_the_losses_of_the_plain_path(
     # on exit it also restores combo_kernels, which compile_blocks sets for the whole process
     with inductor_config.patch(fx_graph_cache=False, combo_kernels=False), \
             functorch_config.patch(enable_autograd_cache=False):
-        budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", padding_free=True,
-                         torch_compile=True, activation_memory_budget=0.05, compile_combo_kernels=True)
+        budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", **FAST, torch_compile=True,
+                         activation_memory_budget=0.05, compile_combo_kernels=True)
     assert not inductor_config.combo_kernels
     assert [r["loss"] for r in budget] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
     assert [r["grad_norm"] for r in budget] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-3)
+    seconds = [r["compile_s"] for r in budget]  # time spent compiling so far, logged with every step
+    assert seconds[0] > 0 and seconds == sorted(seconds) and "compile_s" not in plain[0]
     assert budgets and set(budgets) == {0.05}  # every block's backward was partitioned under the budget
     assert len(combos) >= 2  # the block's forward and backward graphs were scheduled with combo kernels on
 
