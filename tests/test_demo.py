@@ -10,7 +10,8 @@ import pytest
 from conftest import read_metrics, run_cli, run_cli_here
 
 
-@pytest.mark.slow  # beside other tests: "under 2 minutes on 2 cores" then holds with the cores shared
+@pytest.mark.alone
+@pytest.mark.slow
 def test_demo_loss_falls_and_heldout_answers_improve(tmp_path):
     result, seconds = run_cli(["demo", "--dir", str(tmp_path / "demo")], timeout=240)
     assert result.returncode == 0, result.stdout[-4000:]
