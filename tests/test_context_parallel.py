@@ -97,7 +97,7 @@ def test_without_context_parallel_a_micro_batch_is_its_own_share(tiny_model_dir,
 
 def test_the_ring_attentions_causal_sdpa_gives_the_models_losses_on_right_padded_rows(tiny_model_dir):
     """The attention the ring replaces (causal, no mask, key-value heads repeated) against the model's own sdpa with
-    its padding mask, on rows of unequal lengths padded to a multiple of 2 x cp: the same loss on every target."""
+    its padding mask, on rows of unequal lengths padded as cp 4 pads them: the same loss on every target."""
     from meshtune.model.context_parallel import use_context_parallel_attention
     from meshtune.model.loading import load_model
     from meshtune.train.loop import token_loss_sum

@@ -304,7 +304,7 @@ class TrainConfig(BaseModel):
                                           "a GPU under zero3 alone; 1: off", gt=0)
     context_parallel: int = PARALLELISM(1, "processes that split every row's positions between them (torch's ring "
                                            "attention, CUDA GPUs), for samples whose activations do not fit one GPU: "
-                                           "each holds 1/context_parallel of them; rows padded to a multiple of 2 x "
+                                           "each holds 1/context_parallel of them; rows padded to a multiple of 64 x "
                                            "context_parallel. A divisor of the processes, consecutive ranks; the "
                                            "data-parallel mode shards over them too. Not with packing, padding_free "
                                            "or tensor_parallel; 1: off", gt=0)

@@ -203,8 +203,9 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                                "process holding an equal share of their positions (sequence parallel)")
     if cp > 1 and padding_free:
         padding_free = False
-        why["padding_free"] = ("off under context_parallel: rows are padded to a multiple of 2 x context_parallel, "
-                               "each process holding two of their chunks; the ring attention takes whole rows")
+        why["padding_free"] = ("off under context_parallel: rows are padded to a multiple of 64 x context_parallel, "
+                               "each process holding two of their 2 x context_parallel chunks; the ring attention "
+                               "takes whole rows")
     # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
     # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
     recompute = recomputation(cfg, env, why)

@@ -25,11 +25,16 @@ class Batch:
     sample_lengths: tuple[int, ...] = ()  # every sample's length (the attention term of the FLOP count)
 
     def __post_init__(self) -> None:
-        # where the targets sit in the flattened row(s), found here on the host so the step never waits on the GPU
+        # found here on the host, so the step never waits on the GPU for them
         if self.targets.device.type == "cpu":
-            flat = self.targets.reshape(-1)
-            self.target_positions = (flat != IGNORE).nonzero().squeeze(1)
-            self.target_ids = flat.index_select(0, self.target_positions)
+            self.locate_targets()
+
+    def locate_targets(self) -> None:
+        """Where the targets sit in the flattened row(s), and their ids. On a device tensor it waits for the device:
+        for targets that exist only there (context parallel's share of a row)."""
+        flat = self.targets.reshape(-1)
+        self.target_positions = (flat != IGNORE).nonzero().squeeze(1)
+        self.target_ids = flat.index_select(0, self.target_positions)
 
     @property
     def num_targets(self) -> int:

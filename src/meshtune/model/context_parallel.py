@@ -3,8 +3,9 @@ the activations, and attention runs as torch's ring attention (`context_parallel
 keys and values pass around the group while each process computes its queries' share.
 
 The rows are cut into 2 x cp chunks and process i keeps chunks i and 2cp-1-i (torch's load balancing), so every
-process does the same share of causal attention. Rows are padded at their end to a multiple of 2 x cp; a causal
-row never attends forward, so the padding changes nothing the targets see. The model's attention runs as
+process does the same share of causal attention. Rows are padded at their end so that each chunk is a multiple of
+32 positions (train/sequence_split.py's `row_multiple`); a causal row never attends forward, so the padding changes
+nothing the targets see. The model's attention runs as
 `meshtune_context_parallel`: causal SDPA with no mask (transformers builds none for it, and would otherwise read the
 split positions as packed samples), which the ring replaces while a micro-step runs (train/sequence_split.py).
 

@@ -8,7 +8,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from meshtune.data.collate import IGNORE, Batch
+from meshtune.data.collate import Batch
 from meshtune.distributed import DistEnv
 
 CHUNK_MULTIPLE = 32  # positions
@@ -51,9 +51,7 @@ class SequenceSplit:
         with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
             local = Batch(input_ids=input_ids, targets=targets, position_ids=position_ids, attention_mask=None,
                           num_tokens=batch.num_tokens, sample_lengths=batch.sample_lengths)
-            flat = targets.reshape(-1)
-            local.target_positions = (flat != IGNORE).nonzero().squeeze(1)  # this share's; waits for the GPU
-            local.target_ids = flat.index_select(0, local.target_positions)
+            local.locate_targets()  # this share's
             yield local
 
 
