@@ -99,6 +99,23 @@ def test_output_dir_turning_read_only_mid_run_stops_at_once_naming_the_cause(tmp
     assert "Restarting" not in out and stopped_in < 30, (stopped_in, out[-3000:])
 
 
+def test_a_write_failure_on_a_full_storage_says_so_even_when_the_error_lost_its_errno(tmp_path, monkeypatch):
+    """torch's zip writer reports a full disk as "unexpected pos": the storage's free space names the cause."""
+    from meshtune.checkpoint import manager
+
+    saves = manager.CheckpointManager(tmp_path, save_total_limit=1, async_save=False, rank=0, world_size=1)
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    usage = {"free": 0}
+    monkeypatch.setattr(manager.shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(1_126_400, 1_126_400 - usage["free"], usage["free"]))
+    message = saves._write_failure(tmp_path / "checkpoint-4.tmp", lost)
+    assert "failed: No space left on device (0 B free of 1.1 MiB" in message, message
+    assert "free space or lower save_total_limit" in message and "unexpected pos 704 vs 598" in message
+    usage["free"] = 900_000  # room left: the write failed for another reason, and the message does not guess
+    message = saves._write_failure(tmp_path / "checkpoint-4.tmp", lost)
+    assert "No space left" not in message and "save_total_limit" not in message, message
+
+
 def test_a_save_failing_on_several_ranks_is_named_in_one_line_with_its_ranks():
     """DCP's CheckpointException holds every failing rank's traceback: the message names each error once."""
     from torch.distributed.checkpoint.api import CheckpointException

@@ -260,18 +260,21 @@ class CheckpointManager:
 
     def _write_failure(self, tmp: Path, error: Exception) -> str:
         """What a failed write tells the user: the path, the space left there, and what still stands."""
+        full = "No space left" in str(error) or "Disk quota exceeded" in str(error)
         try:
             usage = shutil.disk_usage(self.output_dir)
             space = f"{byte_size(usage.free)} free of {byte_size(usage.total)}"
+            # torch's zip writer loses the errno ("unexpected pos 704 vs 598"): the storage's own count says it
+            full = full or usage.free < min(usage.total // 100, 64 << 20)
         except OSError:
             space = "free space unknown"
-        full = "No space left" in str(error) or "Disk quota exceeded" in str(error)
         newest = max((c.step for c in list_checkpoints(self.output_dir) if c.complete), default=None)
         keeps = (f"checkpoint-{newest} stays the resume point" if newest is not None
                  else "no earlier checkpoint exists to resume from")
-        advice = "; free space or lower save_total_limit" if full else ""
-        return (f"writing {tmp} failed ({space} on that storage{advice}); it is not published and {keeps}: "
-                f"{one_line(error)}")
+        if full:
+            return (f"writing {tmp} failed: No space left on device ({space} on that storage; free space or lower "
+                    f"save_total_limit); it is not published and {keeps}: {one_line(error)}")
+        return f"writing {tmp} failed ({space} on that storage); it is not published and {keeps}: {one_line(error)}"
 
     def _publish(self, pending: _Pending, reports: list[tuple[str | None, dict[str, Any]]]) -> str | None:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns what went wrong, or None."""
