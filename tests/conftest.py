@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import random
@@ -15,6 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+# the tests' own processes import torch, transformers and peft and build models in-process: collected as rarely as
+# meshtune's commands are (meshtune.cli.COMMAND_GC_THRESHOLD), not every 700 new objects
+gc.set_threshold(100_000, 50, 100)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))  # the bench scripts' process-tree helpers serve the tests too

@@ -81,8 +81,8 @@ def test_compiled_blocks_with_the_compilers_recompute_and_combo_kernels_give_the
     # on exit it also restores combo_kernels, which compile_blocks sets for the whole process
     with inductor_config.patch(fx_graph_cache=False, combo_kernels=False), \
             functorch_config.patch(enable_autograd_cache=False):
-        budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", val_size=0, **FAST, torch_compile=True,
-                         activation_memory_budget=0.05, compile_combo_kernels=True)
+        budget = records(tmp_path, tiny_model_dir, tiny_dataset, "budget", "lora", val_size=0, **FAST,
+                         torch_compile=True, activation_memory_budget=0.05, compile_combo_kernels=True)
     assert not inductor_config.combo_kernels
     assert [r["loss"] for r in budget] == pytest.approx([r["loss"] for r in plain], rel=1e-4)
     assert [r["grad_norm"] for r in budget] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-3)

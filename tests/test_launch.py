@@ -399,3 +399,25 @@ def test_the_launchers_last_line_starts_on_a_line_of_its_own_after_a_cut_progres
     capsys.readouterr()
     end_workers_line()
     assert capsys.readouterr().err == "\n"
+
+
+def test_a_command_runs_with_rare_collections_and_gives_the_callers_thresholds_back(monkeypatch, capfd, tmp_path):
+    """Every command's imports run with the first generation collected every 100,000 new objects, not 700; a caller
+    of main() (a test, a notebook) gets its own thresholds back, also when the command fails."""
+    import gc
+
+    from meshtune import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "run_command", lambda args: seen.append(gc.get_threshold()) or 0)
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        assert run_cli_here(["launch", "--dry-run", str(tmp_path / "cfg.yaml")], capfd).returncode == 0
+        assert seen == [cli.COMMAND_GC_THRESHOLD] and gc.get_threshold() == (700, 10, 10)
+        monkeypatch.setattr(cli, "run_command", lambda args: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            cli.main(["launch", "--dry-run", str(tmp_path / "cfg.yaml")])
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)

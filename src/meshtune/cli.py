@@ -4,6 +4,8 @@ shows it)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import logging
 import shlex
 import sys
@@ -551,11 +553,30 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return set(parser._option_string_actions)
 
 
+# A command imports torch, transformers and peft on its way: hundreds of thousands of objects that live as long as
+# the process. At Python's default first-generation threshold (700 new objects) the collector walks them again
+# and again while they are created, a sixth of a worker's start-up on 2 cores (measured in docs/benchmarks.md).
+# The training loop collects at fixed steps on its own (train/garbage_collection.py).
+COMMAND_GC_THRESHOLD = (100_000, 50, 100)
+
+
+@contextlib.contextmanager
+def rare_collections():
+    """Python's automatic collection at COMMAND_GC_THRESHOLD while a command runs; the caller's thresholds after."""
+    before = gc.get_threshold()
+    gc.set_threshold(*COMMAND_GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    quiet_libraries()
-    mark_worker_started()
-    code = run_command(args)
+    with rare_collections():
+        args = parse_args(argv)
+        quiet_libraries()
+        mark_worker_started()
+        code = run_command(args)
     if ran_torchrun():  # a node's launcher: nothing is left to do but the interpreter's slow teardown
         leave_launcher(code)
     return code
