@@ -32,9 +32,9 @@ if sys.argv[2] == "python-default":
 raise SystemExit(cli.main(["train", sys.argv[1]]))
 """
 IMPORT = """
-import gc, sys
+import contextlib, sys
 from meshtune import cli
-with cli.rare_collections() if sys.argv[2] == "meshtune" else open("/dev/null"):
+with cli.rare_collections() if sys.argv[2] == "meshtune" else contextlib.nullcontext():
     import meshtune.train.loop
 """
 SIDES = ("meshtune", "python-default")

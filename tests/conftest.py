@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from meshtune.cli import COMMAND_GC_THRESHOLD
+
 # the tests' own processes import torch, transformers and peft and build models in-process: collected as rarely as
-# meshtune's commands are (meshtune.cli.COMMAND_GC_THRESHOLD), not every 700 new objects
-gc.set_threshold(100_000, 50, 100)
+# meshtune's commands are, not every 700 new objects
+gc.set_threshold(*COMMAND_GC_THRESHOLD)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))  # the bench scripts' process-tree helpers serve the tests too

@@ -271,10 +271,9 @@ class CheckpointManager:
         newest = max((c.step for c in list_checkpoints(self.output_dir) if c.complete), default=None)
         keeps = (f"checkpoint-{newest} stays the resume point" if newest is not None
                  else "no earlier checkpoint exists to resume from")
-        if full:
-            return (f"writing {tmp} failed: No space left on device ({space} on that storage; free space or lower "
-                    f"save_total_limit); it is not published and {keeps}: {one_line(error)}")
-        return f"writing {tmp} failed ({space} on that storage); it is not published and {keeps}: {one_line(error)}"
+        cause, advice = (": No space left on device", "; free space or lower save_total_limit") if full else ("", "")
+        return (f"writing {tmp} failed{cause} ({space} on that storage{advice}); it is not published and {keeps}: "
+                f"{one_line(error)}")
 
     def _publish(self, pending: _Pending, reports: list[tuple[str | None, dict[str, Any]]]) -> str | None:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns what went wrong, or None."""
