@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.plan import (ModelSize, default_blocks_per_unit, resolve, resume_request, sharding_for_full,
                            sharding_for_qlora)
-from meshtune.train.garbage_collection import StepGarbageCollection
+from meshtune.train.garbage_collection import StepGarbageCollection, libraries_frozen
 from meshtune.train.loop import run
 
 GIB = 2**30
@@ -133,6 +134,33 @@ def test_interval_zero_leaves_python_alone():
         assert gc.isenabled()
         collection.after_step(50)
     assert collection.collections == 0
+
+
+def test_what_lives_before_training_is_out_of_the_collectors_reach_until_it_ends():
+    """The libraries' objects are frozen while a run trains, so a full collection walks only what the run made; a
+    cycle the run leaves behind is still collected, and every object is the collector's again after, also after a
+    failure."""
+    before = gc.get_freeze_count()
+    with libraries_frozen():
+        assert gc.get_freeze_count() > before + 10_000  # torch's and transformers' objects, imported by this module
+        watcher = garbage_cycle()
+        freed = gc.collect()  # (not inside an assert: pytest's rewriting would hold the objects it shows)
+        assert freed >= 2 and watcher() is None
+    assert gc.get_freeze_count() == before
+    with pytest.raises(RuntimeError), libraries_frozen():
+        raise RuntimeError("a step failed")
+    assert gc.get_freeze_count() == before
+
+
+class Node:
+    pass
+
+
+def garbage_cycle() -> weakref.ref:
+    """Two objects that only hold each other: garbage that only a collection frees. A weak reference to one."""
+    first, second = Node(), Node()
+    first.other, second.other = second, first
+    return weakref.ref(first)
 
 
 def test_training_collects_at_the_interval_and_says_what_auto_chose(tmp_path, tiny_model_dir, tiny_dataset,

@@ -7,6 +7,7 @@ for that one at the next collective. torchtitan (gc_freq), torchtnt and NeMo do 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 FULL_EVERY = 10  # every 10th collection also walks the oldest generation, so long-lived cycles are freed too
@@ -37,3 +38,17 @@ class StepGarbageCollection:
     def __exit__(self, *exc) -> None:
         if self.interval and self._was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def libraries_frozen():
+    """What is alive when training starts, out of the collector's reach until it ends (gc.freeze): mostly the
+    modules, classes and functions of torch, transformers and peft, about 400,000 objects that live as long as the
+    process. A full collection walks only what the run created: under a millisecond instead of 0.6 s on a CPU core
+    (every full collection of a run: before its first step, every FULL_EVERY-th at the steps, and at its end). They
+    come back into the oldest generation on the way out, so a caller that trains in its own process loses nothing."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

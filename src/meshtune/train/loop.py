@@ -43,7 +43,7 @@ from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_loss_s
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.evaluation import Evaluator
-from meshtune.train.garbage_collection import StepGarbageCollection
+from meshtune.train.garbage_collection import StepGarbageCollection, libraries_frozen
 from meshtune.train.hang_watchdog import HangWatchdog, enable_flight_recorder
 from meshtune.train.loss_scale import LossScaler
 from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
@@ -354,10 +354,11 @@ def run(cfg: TrainConfig, keep_model: bool = False) -> TrainResult:
     started by the CLI also skips interpreter finalisation, see launch/supervise.leave_worker).
     """
     try:
-        result = train(cfg)
-        if not keep_model:
-            result.model = None
-        gc.collect()
+        with libraries_frozen():
+            result = train(cfg)
+            if not keep_model:
+                result.model = None
+            gc.collect()
         barrier()
         return result
     finally:
