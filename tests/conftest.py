@@ -191,7 +191,8 @@ def base_config(model_dir: Path, dataset: Path, output_dir: Path, **extra) -> di
     values = dict(model_name_or_path=str(model_dir), dataset=str(dataset), output_dir=str(output_dir),
                   finetuning_type="lora", lora_rank=4, lora_dropout=0.0, per_device_train_batch_size=2,
                   gradient_accumulation_steps=2, learning_rate=5e-3, max_steps=5, logging_steps=1,
-                  cutoff_len=64, seed=7, parallel="ddp", nproc_per_node=1)
+                  cutoff_len=64, seed=7, parallel="ddp", nproc_per_node=1,
+                  plot_loss=False)  # matplotlib's import, a second of CPU a run; tests of loss.png turn it on
     values.update(extra)
     return values
 

@@ -138,6 +138,8 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
         "its newest complete checkpoint (resume_from_checkpoint: auto); set resume_from_checkpoint: none to start over",
         "logging_dir is HF TrainingArguments'; ignored because metrics go to output_dir/metrics.jsonl, and with "
         "report_to: tensorboard to output_dir/tensorboard/"]
+    config.write_text("model_name_or_path: /m\ndataset: d.json\nplot_loss: false\n")
+    assert load_job_config(config).config.plot_loss is False  # LLaMA-Factory's key, meshtune's too: no loss.png
     config.write_text("model_name_or_path: /m\ndataset: d.json\nstage: ppo\nuse_dft_loss: true\npure_bf16: true\n"
                       "quantization_bit: 8\ntemplate: qwen2_vl\nlearning_rat: 1\n")
     with pytest.raises(ConfigError) as err:

@@ -29,7 +29,7 @@ def probe_logits(model, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_final_dir_reloads_with_the_trained_logits(tmp_path, tiny_model_dir, tiny_dataset, method):
     cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", finetuning_type=method,
-                                   max_steps=3, learning_rate=1e-2, val_size=4))
+                                   max_steps=3, learning_rate=1e-2, val_size=4, plot_loss=True))
     result = run(cfg, keep_model=True)
     final = result.final_dir
     ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])

@@ -221,14 +221,14 @@ def test_a_tracker_not_installed_is_named_before_anything_starts(tmp_path, capfd
 
 
 def test_none_writes_nothing_beside_metrics_jsonl(tmp_path, capfd, tiny_model_dir, tiny_dataset):
+    """(With plot_loss false, as the tests' base config has it, not even loss.png.)"""
     out = tmp_path / "out"
     config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, out, max_steps=2, save_final=False,
                                                   report_to="none"))
     result = run_cli_here(["train", str(config)], capfd)
     assert result.returncode == 0, result.stdout[-4000:]
     assert len(read_metrics(out)) == 2
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "loss.png", "metrics.jsonl", "run_plan.json",
-                                                    "tokenized"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl", "run_plan.json", "tokenized"]
 
 
 def test_a_failing_tracker_is_dropped_with_one_warning_and_training_goes_on(tmp_path, capfd, caplog, monkeypatch,

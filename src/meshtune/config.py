@@ -367,6 +367,9 @@ class TrainConfig(BaseModel):
                                           "eval_dataset", gt=0)
     save_final: bool = OUTPUT(True, "write the trained model (or LoRA adapter) to output_dir/final at the end; false "
                                     "for throughput runs and smoke tests, where only the metrics matter")
+    plot_loss: bool = OUTPUT(True, "draw output_dir/loss.png (train and eval loss by step) at the end of the run; "
+                                   "false leaves it out, and with it matplotlib's import (about a second of CPU) from "
+                                   "every run: smoke tests, sweeps of short runs")
     save_strategy: Literal["steps", "epoch", "no"] = OUTPUT(
         "steps", "when to write sharded checkpoints: steps (every save_steps) | epoch (at the end of every epoch and "
                  "at the last step; save_steps is not read) | no (none: only final/)")

@@ -121,7 +121,6 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "overwrite_output_dir": (HF, ignored("output_dir is never cleared: a run resumes its newest complete checkpoint "
                                          "(resume_from_checkpoint: auto); set resume_from_checkpoint: none to start "
                                          "over", False)),
-    "plot_loss": (LF, ignored("output_dir/loss.png is always written", True)),
     "logging_dir": (HF, ignored("metrics go to output_dir/metrics.jsonl, and with report_to: tensorboard to "
                                 "output_dir/tensorboard/")),
     "logging_strategy": (HF, only({"steps": {}}, "meshtune logs every logging_steps optimizer steps")),

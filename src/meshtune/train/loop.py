@@ -254,7 +254,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         final_dir = publish_final(output_dir, {**run_info, "step": progress.step, "epoch": progress.epoch},
                                   env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template))
     if env.is_main:
-        plot_losses(metrics.records, output_dir / "loss.png")
+        if cfg.plot_loss:
+            plot_losses(metrics.records, output_dir / "loss.png")
         logger.info(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
     return TrainResult(model, metrics.records, final_dir)
 
