@@ -36,8 +36,8 @@ would change what is trained are errors. docs/migration.md has the full tables.
 
 With nproc_per_node > 1 meshtune starts torchrun itself; under torchrun it trains directly.
 Outputs in output_dir: config.yaml (the keys as given), run_plan.json (every auto and default as resolved for this
-run, with the reason), metrics.jsonl, loss.png, checkpoint-N/ (with save_steps), final/ (PEFT adapter or HF model
-dir).
+run, with the reason), metrics.jsonl, loss.png (unless plot_loss: false), checkpoint-N/ (with save_steps), final/
+(PEFT adapter or HF model dir).
 """
 
 DOCTOR_HELP = """\
