@@ -55,7 +55,9 @@ def test_fused_loss_trains_the_heads_trainable_copy_as_the_plain_loss_does(tiny_
     assert fused_loss.ndim == 0 and torch.allclose(fused_loss, plain_loss, rtol=1e-6)
     for name in BOTH:
         got, want = trained_copy(fused, name).weight.grad, trained_copy(plain, name).weight.grad
-        assert got.abs().sum() > 0 and torch.allclose(got, want, rtol=1e-4, atol=1e-7), name
+        # fp32 sums in another order: an entry near 0 of a gradient whose largest is ~5 may be off by ~4e-7 (AMD EPYC)
+        atol = 1e-6 * want.abs().max().item()
+        assert got.abs().sum() > 0 and torch.allclose(got, want, rtol=1e-4, atol=atol), name
     originals = [m.original_module for m in fused.modules() if hasattr(m, "original_module")]
     assert len(originals) == 2 and all(p.grad is None and not p.requires_grad
                                        for m in originals for p in m.parameters())
