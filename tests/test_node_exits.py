@@ -89,6 +89,26 @@ def test_each_launcher_learns_when_every_nodes_workers_are_done(tmp_path):
         assert wait_until(lambda: channels[0].all_done() and channels[1].all_done(), 5)
 
 
+def test_a_store_gone_once_the_workers_are_done_leaves_no_cpp_trace_in_the_output(tmp_path, capfd):
+    """The end of a good job: node 0's agent, which hosts the store, leaves while the launchers still poll it.
+    torch's C++ client logs each failed read with a stack trace; once its node's workers are done, a launcher's
+    channel reads on in silence (the end it would report is torchrun's)."""
+    import torch.distributed as dist
+
+    from meshtune.launch.job_channel import JobChannel
+    from meshtune.mailbox import Mailbox
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    channel = JobChannel(settings(1, port, nnodes="3"), Mailbox(tmp_path), lambda: True, True)  # nodes 0, 2 not done
+    with channel:
+        assert wait_until(lambda: channel._done_posted, 5) and not channel.all_done()
+        del store  # node 0's agent leaves: the store's port closes while this launcher polls it
+        time.sleep(1)
+    err = capfd.readouterr().err
+    assert "recvValue failed" not in err and "TCPStore" not in err, err[-2000:]
+
+
 def test_a_report_with_nobody_to_tell_is_acknowledged_at_once(tmp_path):
     from meshtune.launch.job_channel import JobChannel, await_told
     from meshtune.mailbox import TOLD, Mailbox

@@ -16,10 +16,14 @@ acknowledged at once.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
+import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 from meshtune.doctor.joining import connect, join_key
 from meshtune.launch.nodes import NodeSettings
@@ -107,6 +111,8 @@ class JobChannel:
 
     def _exchange(self, store) -> None:
         run_id = self.settings.run_id
+        if self.workers_done():  # node 0's store may go at any read from now on: the end torchrun reports is the job's
+            quiet_cpp_log()
         if not self._posted and self.cause is None and store.check([error_key(run_id)]):
             posted = json.loads(store.get(error_key(run_id)))
             store.add(known_key(run_id), 1)
@@ -123,6 +129,25 @@ class JobChannel:
         """The nodes in the job: those whose launcher left its rank in the store (doctor/joining.py)."""
         joined = sum(store.check([join_key(self.settings.run_id, rank)]) for rank in range(self.settings.max_nodes))
         return max(joined, self.settings.min_nodes)
+
+
+@functools.cache
+def quiet_cpp_log() -> None:
+    """torch's C++ log at ERROR for the rest of this launcher. Its store client logs every read of a store that has
+    gone with a C++ stack trace ("recvValue failed ... Did the remote server shutdown or crash?"), which node 0's
+    agent does at the end of every good job. TORCH_CPP_LOG_LEVEL is read only as torch loads; c10 checks the flags
+    it sets at each message. A level the user set there, and a torch without those symbols, keep their log."""
+    import torch
+
+    if os.environ.get("TORCH_CPP_LOG_LEVEL"):
+        return
+    for library in sorted((Path(torch.__file__).parent / "lib").glob("libc10.*")):
+        for flag in ("FLAGS_caffe2_log_level", "FLAGS_minloglevel"):
+            try:
+                level = ctypes.c_int.in_dll(ctypes.CDLL(str(library)), flag)
+            except (OSError, ValueError):
+                continue
+            level.value = max(level.value, 2)  # 0 info, 1 warning, 2 error
 
 
 def await_told(mailbox: Mailbox, timeout_s: float = READ_WAIT_S + 10) -> None:
