@@ -648,3 +648,35 @@ def test_parity_memory_probe_stops_the_run_and_its_workers_at_the_fit_line(tmp_p
     assert not alive(worker) and alive(os.getpid())
     line, _ = run_until([sys.executable, "-c", "print('no fit here')"], FIT_LINE, 50, ENV, tmp_path / "none.log")
     assert line is None
+
+
+def test_command_startup_refuses_freeze_without_a_run_and_patches_names_meshtune_still_has(monkeypatch, capsys):
+    """The script swaps meshtune's collection choices by name in its child process: a renamed one would leave both
+    sides the same, and the report would compare a run with itself."""
+    import command_startup
+
+    from meshtune import cli
+    from meshtune.train import loop
+
+    assert "cli.COMMAND_GC_THRESHOLD" in command_startup.RUN and cli.COMMAND_GC_THRESHOLD != (700, 10, 10)
+    assert "loop.libraries_frozen" in command_startup.RUN and loop.libraries_frozen.__module__.endswith("collection")
+    assert "cli.rare_collections()" in command_startup.IMPORT and callable(cli.rare_collections)
+    monkeypatch.setattr(sys, "argv", ["command_startup.py", "--import-only", "--compare", "freeze"])
+    with pytest.raises(SystemExit) as exit_:
+        command_startup.main()
+    assert exit_.value.code == 2 and "--compare freeze needs --config" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_command_startup_alternates_the_two_sides_and_reports_their_medians(tmp_path, tiny_model_dir, tiny_dataset):
+    from conftest import base_config, write_config
+
+    config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2,
+                                                  gc_interval=50))
+    proc = run([sys.executable, str(REPO / "bench" / "command_startup.py"), "--config", str(config), "--compare",
+                "freeze", "--repeats", "1", "--json", str(tmp_path / "runs.json")], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "runs.json").read_text())
+    assert [run["side"] for run in report["runs"]] == ["frozen", "unfrozen"]
+    assert all(run["cpu_s"] > 0 for run in report["runs"]) and "cpu_ratio" in report["summary"]
+    assert "cpu frozen / unfrozen, paired:" in proc.stdout
