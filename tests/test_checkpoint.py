@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +194,21 @@ def test_tmp_never_selected_missing_complete_skipped_and_steps_sorted_as_numbers
     assert select_resume(tmp_path / "empty", None) == (None, [])
     listing = format_listing(tmp_path)
     assert "checkpoint-13.tmp" in listing and "no COMPLETE marker" in listing
+
+
+@pytest.mark.slow
+def test_ckpt_list_reads_the_checkpoints_without_importing_torch_or_transformers(tmp_path, world_of_one):
+    """`meshtune ckpt list` answers in a fraction of a second: manifests and markers are JSON and files."""
+    save_steps(tmp_path, [1, 2])
+    code = ("import sys\nfrom meshtune.cli import main\ncode = main(['ckpt', 'list', sys.argv[1]])\n"
+            "print('imported:', *[name for name in ('torch', 'transformers') if name in sys.modules])\n"
+            "raise SystemExit(code)")
+    process = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert process.returncode == 0, process.stderr[-3000:]
+    lines = process.stdout.splitlines()
+    assert [line.split()[:3] for line in lines[1:3]] == [["1", "checkpoint-1", "complete"],
+                                                         ["2", "checkpoint-2", "complete"]]
+    assert lines[-1] == "imported:"
 
 
 def test_flipped_byte_fails_verify_and_auto_falls_back(tmp_path, world_of_one):

@@ -286,11 +286,14 @@ def test_describe_says_where_each_value_came_from():
 def test_dry_run_prints_settings_and_the_command(tmp_path):
     path = write_config(tmp_path, model_name_or_path=str(tmp_path / "no-model"), dataset="no-data.jsonl",
                         nproc_per_node=1)
-    process = subprocess.run([sys.executable, "-m", "meshtune", "launch", "--dry-run", str(path), "max_steps=3"],
-                             env=clean_env(**TWO_NODES), capture_output=True, text=True, timeout=60)
-    assert process.returncode == 0, process.stderr
+    process = subprocess.run([sys.executable, "-X", "importtime", "-m", "meshtune", "launch", "--dry-run", str(path),
+                              "max_steps=3"], env=clean_env(**TWO_NODES), capture_output=True, text=True, timeout=60)
+    assert process.returncode == 0, process.stderr[-3000:]
     assert "--rdzv-endpoint 10.1.2.3:29555" in process.stdout and "MESHTUNE_NODE_RANK=1" in process.stdout
     assert "env NODE_RANK" in process.stdout and process.stdout.rstrip().endswith(f"train {path} max_steps=3")
+    # it starts nothing: neither torch nor transformers is imported (a fraction of a second)
+    imported = {line.rsplit("|", 1)[1].strip() for line in process.stderr.splitlines() if line.count("|") == 2}
+    assert "meshtune.launch.torchrun" in imported and not imported & {"torch", "transformers"}
 
 
 def test_launch_help_explains_env_and_schedulers(capfd):

@@ -446,13 +446,14 @@ def cmd_preview(args: argparse.Namespace) -> int:
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
     from meshtune.checkpoint.manifest import MANIFEST
-    from meshtune.model.final_weights import export_kind, verify_export
 
     if args.ckpt_command == "list":
         if not Path(args.output_dir).is_dir():
             raise MeshtuneError(f"{args.output_dir} is not a directory")
         print(format_listing(Path(args.output_dir)))
         return 0
+    from meshtune.model.final_weights import export_kind, verify_export  # torch: only a final export needs it
+
     path = Path(args.checkpoint)
     kind = export_kind(path)
     if kind:  # output_dir/final: a model to load, not a checkpoint to resume
@@ -497,6 +498,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from meshtune.demo.run import run_demo
 
     return run_demo(prepare_only=args.prepare, work_dir=args.dir)
+
+
+def loads_models(args: argparse.Namespace) -> bool:
+    """Whether the command may load a model or a tokenizer. `ckpt` and `launch --dry-run / --scheduler` never do:
+    they start without transformers (and torch) in a fraction of a second."""
+    if args.command == "ckpt":
+        return False
+    return not (args.command == "launch" and (args.dry_run or args.scheduler))
 
 
 def quiet_libraries() -> None:
@@ -574,7 +583,8 @@ def rare_collections():
 def main(argv: list[str] | None = None) -> int:
     with rare_collections():
         args = parse_args(argv)
-        quiet_libraries()
+        if loads_models(args):
+            quiet_libraries()
         mark_worker_started()
         code = run_command(args)
     if ran_torchrun():  # a node's launcher: nothing is left to do but the interpreter's slow teardown

@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from meshtune.checksums import file_checksum
 from meshtune.errors import MeshtuneError
 
@@ -141,6 +139,8 @@ def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[s
     if DCP_METADATA not in listed:
         problems.append(f"the manifest lists no DCP {DCP_METADATA} file")
     elif not problems:
+        from torch.distributed.checkpoint import FileSystemReader  # here: listing checkpoints needs no torch
+
         try:
             storage = FileSystemReader(str(path)).read_metadata().storage_data
         except Exception as error:  # e.g. written by a newer torch: report it, `meshtune ckpt verify` must not crash
