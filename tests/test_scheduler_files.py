@@ -264,7 +264,9 @@ def test_the_slurm_script_stops_the_training_before_the_time_limit_and_requeues(
         assert code == 143, output
         assert "scancel --signal=TERM 4242" in log and "stopped" in log and "requeue 4242" in log
     else:  # SLURM itself ends the run (scancel, requeue, preemption): the script neither signals nor requeues
-        assert code == 128 + signal.SIGKILL, output
+        # srun's own code (its task killed); 255 where bash lost it: srun ended while the script ran its TERM trap,
+        # and bash 5.2's last `wait` then finds no status (seen under load, srun having exited 137)
+        assert code in (128 + signal.SIGKILL, 255), output
         assert "SLURM is ending this run" in output
         assert "scancel" not in log and "requeue" not in log
 
