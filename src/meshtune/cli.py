@@ -452,7 +452,7 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             raise MeshtuneError(f"{args.output_dir} is not a directory")
         print(format_listing(Path(args.output_dir)))
         return 0
-    from meshtune.model.final_weights import export_kind, verify_export  # torch: only a final export needs it
+    from meshtune.model.final_weights import export_kind, verify_export  # imports torch: `verify` needs it, `list` not
 
     path = Path(args.checkpoint)
     kind = export_kind(path)
