@@ -111,14 +111,15 @@ class JobChannel:
 
     def _exchange(self, store) -> None:
         run_id = self.settings.run_id
-        if self.workers_done():  # node 0's store may go at any read from now on: the end torchrun reports is the job's
+        workers_done = self._done_posted or self.workers_done()  # the mailbox read once a poll, none once posted
+        if workers_done:  # node 0's store may go at any read from now on: the end torchrun reports is the job's
             quiet_cpp_log()
         if not self._posted and self.cause is None and store.check([error_key(run_id)]):
             posted = json.loads(store.get(error_key(run_id)))
             store.add(known_key(run_id), 1)
             self.cause = (f"node {posted['node']} ({posted['host']}) stopped the job, and this node with it: "
                           f"{posted['message']}")
-        if not self._done_posted and self.workers_done():
+        if workers_done and not self._done_posted:
             store.add(done_key(run_id), 1)
             self._done_posted = True
         if self._done_posted:
@@ -142,10 +143,14 @@ def quiet_cpp_log() -> None:
     if os.environ.get("TORCH_CPP_LOG_LEVEL"):
         return
     for library in sorted((Path(torch.__file__).parent / "lib").glob("libc10.*")):
+        try:
+            c10 = ctypes.CDLL(str(library))  # the copy torch loaded: dlopen hands back its handle
+        except OSError:
+            continue
         for flag in ("FLAGS_caffe2_log_level", "FLAGS_minloglevel"):
             try:
-                level = ctypes.c_int.in_dll(ctypes.CDLL(str(library)), flag)
-            except (OSError, ValueError):
+                level = ctypes.c_int.in_dll(c10, flag)
+            except ValueError:  # a build without the symbol
                 continue
             level.value = max(level.value, 2)  # 0 info, 1 warning, 2 error
 
