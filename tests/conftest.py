@@ -214,6 +214,28 @@ def run_cli(args: list[str], timeout: float = 240, cwd: Path | None = None, env:
     return subprocess.CompletedProcess(args, process.returncode, output, None), time.monotonic() - started
 
 
+HEAVY_LIBRARIES = ("torch", "transformers")
+IMPORTED = "imported:"
+RUN_AND_LIST_IMPORTS = f"""
+import sys
+from meshtune.cli import main
+code = main(sys.argv[1:])
+print({IMPORTED!r}, *[name for name in {HEAVY_LIBRARIES!r} if name in sys.modules])
+raise SystemExit(code)
+"""
+
+
+def heavy_imports_of(args: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`meshtune ARGS` in a fresh process, and which of torch and transformers it imported (read from sys.modules
+    as it ends: `-X importtime` misses what importlib.import_module loads). stdout without that last line."""
+    process = subprocess.run([sys.executable, "-c", RUN_AND_LIST_IMPORTS, *args], capture_output=True, text=True,
+                             timeout=60, env=env)
+    *lines, last = process.stdout.splitlines() or [""]
+    assert last.startswith(IMPORTED), process.stdout[-3000:] + process.stderr[-3000:]
+    process.stdout = "".join(f"{line}\n" for line in lines)
+    return process, last.split()[1:]
+
+
 def run_cli_here(args: list[str], capfd) -> subprocess.CompletedProcess:
     """`meshtune ARGS` through `meshtune.cli.main` in this process: the code path of `run_cli` without a Python
     start-up (seconds of imports), for a command that stops early (an error, --help) or trains on one process
