@@ -29,6 +29,8 @@ A machine held for a fixed time window: a part per window (a preset or a list of
 Long samples under context parallel (each GPU holds a quarter of every row; the zero3 row shows what fits without):
   python3 bench/speed_table.py --rows long-context --no-peer --minlen 30000 \
     --maxlen 32768 --steps 6
+Tensor parallel 2 (tp 2, and tp 2 x dp 2 on 4 GPUs) beside zero3, full 7B at the same global batch:
+  python3 bench/speed_table.py --rows tensor-parallel --no-peer --minlen 1024 --maxlen 1024 --steps 15
 Ablations and profiles:
   python3 bench/speed_table.py --rows lora-1.5b --no-peer --variants "default;padding_free=false;fused_loss=false"
   python3 bench/speed_table.py --rows lora-1.5b-2gpu --no-peer --variants profile_steps=12-13   (rank 0's
@@ -88,6 +90,7 @@ LORA_7B: dict = {}
 QLORA_7B = {"gradient_checkpointing_ratio": 1.0}  # Q-LoRA's aim is memory: every block recomputed
 FULL_7B_ZERO3 = {"parallel": "zero3"}  # auto recomputation: none on 4 GPUs, what 2 GPUs' memory asks for
 FULL_7B_HSDP = {"parallel": "hsdp", "hsdp_shard_size": 2}  # replicas of 2 GPUs each, checkpointing on
+FULL_7B_TP2 = {"parallel": "zero3", "tensor_parallel": 2}  # zero3 shards over the tp pairs (dp_shard)
 FULL_15B = {}  # parallel auto: no wrapper on one GPU, zero2 on several
 ROWS = {
     "lora-tiny": Row("tiny", "lora", 1, 8, peer=True),  # CPU smoke test
@@ -115,6 +118,9 @@ ROWS = {
     "full-7b-4gpu-cp4": Row("7b", "full", 4, 1, settings={"parallel": "zero3", "context_parallel": 4}),
     "lora-7b-4gpu-cp4": Row("7b", "lora", 4, 1, settings={"context_parallel": 4}),
     "full-7b-8gpu-hsdp": Row("7b", "full", 8, 4, settings=FULL_7B_HSDP, scaling_of="full-7b-2gpu-hsdp"),
+    # tensor parallel 2 beside zero3 at the same global batch: a tp pair takes one micro-batch of 8 rows (4 a GPU)
+    "full-7b-2gpu-tp2": Row("7b", "full", 2, 8, settings=FULL_7B_TP2),
+    "full-7b-4gpu-tp2": Row("7b", "full", 4, 8, settings=FULL_7B_TP2, scaling_of="full-7b-2gpu-tp2"),
 }
 TABLE_1GPU = ["lora-1.5b", "full-1.5b", "lora-7b", "qlora-7b"]
 SCALING_2GPU = ["lora-1.5b", "full-1.5b", "lora-1.5b-2gpu", "full-1.5b-2gpu"]
@@ -125,8 +131,9 @@ SCALING_8GPU = ["lora-1.5b", "lora-1.5b-2gpu", "lora-1.5b-4gpu", "lora-1.5b-8gpu
                 "full-7b-4gpu-zero3", "full-7b-8gpu-zero3", "full-7b-2gpu-hsdp", "full-7b-4gpu-hsdp",
                 "full-7b-8gpu-hsdp"]
 LONG_CONTEXT = ["full-7b-4gpu-zero3", "full-7b-4gpu-cp4", "lora-7b-4gpu-cp4"]  # with --minlen / --maxlen ~32k
+TENSOR_PARALLEL = ["full-7b-2gpu-zero3", "full-7b-2gpu-tp2", "full-7b-4gpu-zero3", "full-7b-4gpu-tp2"]
 PRESETS = {"table": DEFAULT_ROWS, "table-1gpu": TABLE_1GPU, "scaling-2gpu": SCALING_2GPU,
-           "scaling-8gpu": SCALING_8GPU, "long-context": LONG_CONTEXT}
+           "scaling-8gpu": SCALING_8GPU, "long-context": LONG_CONTEXT, "tensor-parallel": TENSOR_PARALLEL}
 PEERS = {"plain": ("hf_trainer+peft", []), "liger": ("hf_trainer+peft+liger", ["--liger", "1"])}
 
 

@@ -260,12 +260,13 @@ def test_presets_name_rows_and_every_scaling_row_has_its_base_in_the_table():
     assert expand_rows("table") == DEFAULT_ROWS
     assert expand_rows("lora-tiny,scaling-8gpu") == ["lora-tiny", *SCALING_8GPU]
     assert all(ROWS[name].gpus <= 4 for name in DEFAULT_ROWS) and "full-7b-2gpu-zero3" not in DEFAULT_ROWS
-    every = set(DEFAULT_ROWS) | set(SCALING_8GPU) | set(PRESETS["long-context"]) | {"lora-tiny"}
+    every = (set(DEFAULT_ROWS) | set(SCALING_8GPU) | set(PRESETS["long-context"]) | set(PRESETS["tensor-parallel"])
+             | {"lora-tiny"})
     assert every == set(ROWS)  # every row is in a preset
     for preset in PRESETS.values():  # the default table has no 2-GPU 7B rows: its 7B rows show no scaling
         for name in preset:
             base = ROWS[name].scaling_of
-            if base and (preset is SCALING_8GPU or ROWS[name].size == "1.5b"):
+            if base and (preset in (SCALING_8GPU, PRESETS["tensor-parallel"]) or ROWS[name].size == "1.5b"):
                 assert base in preset and ROWS[base].gpus < ROWS[name].gpus, (name, base)
     results = [dict(row="full-7b-2gpu-zero3", system="meshtune", variant="default", gpus=2, bs=4, tokens_per_s=12000,
                     per_gpu=6000, mfu=0.3, peak_gib=70.0),
