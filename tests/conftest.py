@@ -182,6 +182,7 @@ def _processes_only_in_slow_tests(request):
 
 
 def write_config(directory: Path, **values) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
