@@ -10,7 +10,8 @@ process, so the attention code runs unchanged on its share of the heads.
 
 LoRA adapters are split to match their base layer, so the adapter's output adds to the base's share exactly:
 beside a column-wise base, A is replicated and B column-wise; beside a row-wise base, A row-wise (its partial
-product reduce-scattered like the base's) and B replicated, applied to each process's positions.
+product reduce-scattered like the base's) and B replicated, applied to each process's positions
+(`PositionShareParallel`).
 
 Every parameter becomes a DTensor on the tensor-parallel mesh, so FSDP2 then shards all of them over the
 data-parallel dimensions of one mesh, and the optimizer and gradient clipping see tensors of one mesh.
@@ -63,6 +64,29 @@ class ReplicateParallel(ParallelStyle):
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
+class PositionShareParallel(ParallelStyle):
+    """A module with replicated weights applied to this process's share of the positions (LoRA's B beside a
+    row-wise base, on A's reduce-scattered output: Shard(1) of [batch, positions, rank]). The share reaches the
+    module as Shard(0) of [positions, batch, rank]: a linear flattens its input's leading dims, which DTensor allows
+    when the first of them is the sharded one (torch before 2.13 refuses a flatten over a sharded second dim). The
+    weight's gradient, a partial sum over each process's positions, is summed across them as DTensor's mm gives it;
+    the output returns to [batch, positions, out] as a plain tensor, the share the base's output holds."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        return distribute_module(module, device_mesh, partition_fn=ReplicateParallel._replicate,
+                                 input_fn=self._input, output_fn=self._output)
+
+    @staticmethod
+    def _input(module: torch.nn.Module, inputs: Any, mesh: DeviceMesh) -> tuple:
+        share = inputs[0].to_local() if isinstance(inputs[0], DTensor) else inputs[0]
+        positions_first = share.transpose(0, 1).contiguous()  # a copy of rank-wide rows: small beside the base's
+        return (DTensor.from_local(positions_first, mesh, [Shard(0)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _output(module: torch.nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        return outputs.to_local().transpose(0, 1)
+
+
 def block_plan(block: torch.nn.Module) -> dict[str, ParallelStyle]:
     """How each module of one decoder block is split, by its name in the block; with LoRA (peft's layers hold the
     frozen `base_layer` and the adapters `lora_A.<adapter>`, `lora_B.<adapter>`), the adapters matched to it.
@@ -94,8 +118,7 @@ def block_plan(block: torch.nn.Module) -> dict[str, ParallelStyle]:
                 # beside a row-wise base, B maps each position of A's reduce-scattered share on its own
                 plan[f"{name}.lora_A.{adapter}"] = (ReplicateParallel() if column else
                                                     RowwiseParallel(output_layouts=Shard(1)))
-                plan[f"{name}.lora_B.{adapter}"] = (ColwiseParallel() if column else
-                                                    SequenceParallel(use_local_output=True))
+                plan[f"{name}.lora_B.{adapter}"] = ColwiseParallel() if column else PositionShareParallel()
     return plan
 
 
