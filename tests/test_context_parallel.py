@@ -231,7 +231,7 @@ def test_context_parallel_2_trains_as_one_process_and_its_checkpoint_resumes_on_
     assert json.loads((out / "run_plan.json").read_text())["mesh"]["cp"] == 2
     assert [r["loss"] for r in cp2] == pytest.approx([r["loss"] for r in one], rel=1e-4)
     evals, evals_one = ([(r["step"], r["eval_loss"]) for r in run if "eval_loss" in r] for run in (cp2, one))
-    assert [step for step, _ in evals] == [step for step, _ in evals_one] == [3, 6]
+    assert evals and [step for step, _ in evals] == [step for step, _ in evals_one]
     assert [loss for _, loss in evals] == pytest.approx([loss for _, loss in evals_one], rel=1e-4)
     _, resumed = job("resumed", 1, resume_from_checkpoint=str(out / "checkpoint-3"))
     assert [r["step"] for r in resumed] == [4, 5, 6]
