@@ -146,7 +146,8 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
                                                   "(gradient_checkpointing, gradient_checkpointing_ratio)")),
     "load_best_model_at_end": (HF, only({False: {}}, "final/ holds the last step's model; pick an earlier "
                                                       "checkpoint-N yourself from metrics.jsonl's eval_loss")),
-    "tf32": (HF, ignored("meshtune sets matmul precision itself")),
+    "tf32": (HF, ignored("meshtune computes its matmuls in bf16 (bf16: true, the default) and keeps fp32 matmuls at "
+                         "full fp32 precision under bf16: false", False, None)),
     "flash_attn": (LF, ignored("meshtune picks the attention kernel itself (torch's flash and variable-length "
                                "kernels where the GPU has them)", "auto")),
     "enable_liger_kernel": (LF, ignored("meshtune's fused output head and loss (fused_loss: true) does the same job",
