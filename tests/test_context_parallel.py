@@ -1,7 +1,7 @@
 """Context parallelism: the run plan's mesh, data ranks and refusals (no processes, a CUDA job described to the
 plan); the attention the ring replaces, against the model's own on padded rows (one process); and on a machine with
-2 GPUs, `meshtune train` under context_parallel 2 against one process (skipped elsewhere: torch's ring attention runs
-over the CUDA attention kernels; run `python3 -m pytest tests/test_context_parallel.py` on a device machine)."""
+2 or 4 GPUs, `meshtune train` under context_parallel 2 and 4 against one process (skipped elsewhere: torch's ring
+attention runs over the CUDA attention kernels; run `python3 -m pytest tests/test_context_parallel.py` there)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from meshtune.train.sequence_split import SequenceSplit, row_multiple
 
 QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 
 
 def gpu_env(world_size: int, local_world_size: int | None = None, rank: int = 0, device: str = "cuda") -> DistEnv:
@@ -207,14 +208,14 @@ def test_the_ring_over_a_split_batch_gives_the_whole_batchs_loss_and_gradients(t
     assert bf16_loss < 1e-4 and bf16_grads < 1e-2, results
 
 
-@two_gpus
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_context_parallel_2_trains_as_one_process_and_its_checkpoint_resumes_on_one(tmp_path, tiny_model_dir,
-                                                                                   tiny_dataset):
-    """fp32 (the ring's memory-efficient kernel), zero3 over the 2 processes of one cp group, against the same job
-    on one process: the same losses within fp32's tolerance, and an evaluation on the held-out rows; then the cp 2
-    job's checkpoint-3, resumed by one process, continues with the one-process losses."""
+@pytest.mark.parametrize("cp", [pytest.param(2, marks=two_gpus), pytest.param(4, marks=four_gpus)])
+def test_context_parallel_trains_as_one_process_and_its_checkpoint_resumes_on_one(tmp_path, tiny_model_dir,
+                                                                                 tiny_dataset, cp):
+    """fp32 (the ring's memory-efficient kernel), zero3 over the processes of one cp group (2 or 4), against the
+    same job on one process: the same losses within fp32's tolerance, and an evaluation on the held-out rows; then
+    the cp job's checkpoint-3, resumed by one process, continues with the one-process losses."""
     def job(name: str, cp: int, **extra):
         out = tmp_path / name
         config = write_config(tmp_path / f"cfg-{name}", **base_config(
@@ -227,10 +228,10 @@ def test_context_parallel_2_trains_as_one_process_and_its_checkpoint_resumes_on_
         return out, read_metrics(out)
 
     _, one = job("one", 1)
-    out, cp2 = job("cp2", 2)
-    assert json.loads((out / "run_plan.json").read_text())["mesh"]["cp"] == 2
-    assert [r["loss"] for r in cp2] == pytest.approx([r["loss"] for r in one], rel=1e-4)
-    evals, evals_one = ([(r["step"], r["eval_loss"]) for r in run if "eval_loss" in r] for run in (cp2, one))
+    out, split = job(f"cp{cp}", cp)
+    assert json.loads((out / "run_plan.json").read_text())["mesh"]["cp"] == cp
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in one], rel=1e-4)
+    evals, evals_one = ([(r["step"], r["eval_loss"]) for r in run if "eval_loss" in r] for run in (split, one))
     assert evals and [step for step, _ in evals] == [step for step, _ in evals_one]
     assert [loss for _, loss in evals] == pytest.approx([loss for _, loss in evals_one], rel=1e-4)
     _, resumed = job("resumed", 1, resume_from_checkpoint=str(out / "checkpoint-3"))

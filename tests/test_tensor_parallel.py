@@ -1,7 +1,7 @@
 """Tensor parallelism: the run plan's device mesh and its refusals (no processes), how a block is split (one process,
 a mesh of one), and on gloo ranks the losses of one process, full and LoRA, under tp 2 and tp 2 x dp 2; a checkpoint
 of tp 2 x dp 2 resumed on 4 data-parallel processes and on one, and its final/ the full model; on a machine with 2
-GPUs, tp 2 over NCCL against one GPU (skipped elsewhere)."""
+or 4 GPUs, tp 2 and tp 2 x dp 2 over NCCL against one GPU (skipped elsewhere)."""
 
 from __future__ import annotations
 
@@ -271,32 +271,36 @@ def test_a_tp2_x_dp2_checkpoint_resumes_on_dp4_and_on_one_process_and_exports_th
 # ---- on 2 CUDA GPUs (NCCL): the same equality where tensor parallel is meant to run ------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+LAYOUTS = [pytest.param(2, id="tp2", marks=two_gpus), pytest.param(4, id="tp2xdp2", marks=four_gpus)]
 
 
-@two_gpus
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("gpus", LAYOUTS)
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_tp2_on_two_gpus_trains_as_one_gpu(tmp_path, tiny_model_dir, tiny_dataset, method):
-    """`meshtune train` through torchrun: tp 2 over NCCL against one GPU, in fp32 (the same losses within 1e-4: the
-    split matmuls and the vocabulary-parallel loss sum in another order) and in bf16 (within bf16's 2e-2)."""
+def test_tensor_parallel_on_gpus_trains_as_one_gpu(tmp_path, tiny_model_dir, tiny_dataset, method, gpus):
+    """`meshtune train` through torchrun: tp 2 over NCCL (on 4 GPUs tp 2 x dp 2, zero3 for full fine-tuning)
+    against one GPU at the same global batch, in fp32 (the same losses within 1e-4: the split matmuls and the
+    vocabulary-parallel loss sum in another order) and in bf16 (within bf16's 2e-2)."""
     from conftest import run_cli
 
-    def job(name: str, tp: int, bf16: bool) -> list[float]:
+    def job(name: str, nproc: int, bf16: bool) -> list[float]:
         out = tmp_path / name
         config = write_config(tmp_path / f"cfg-{name}", **base_config(
-            tiny_model_dir, tiny_dataset, out, finetuning_type=method, tensor_parallel=tp, nproc_per_node=tp,
-            bf16=bf16, torch_compile=False, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            tiny_model_dir, tiny_dataset, out, finetuning_type=method, tensor_parallel=min(nproc, 2),
+            nproc_per_node=nproc, parallel="zero3" if method == "full" and nproc > 2 else "ddp", bf16=bf16,
+            torch_compile=False, per_device_train_batch_size=2, gradient_accumulation_steps=4 // max(nproc // 2, 1),
             learning_rate=5e-3 if method == "lora" else 1e-3, max_steps=5, save_final=False,
             tokenized_path=str(tmp_path / "tokenized")))
         result, _ = run_cli(["train", str(config)], timeout=400)
         assert result.returncode == 0, result.stdout[-4000:]
-        if tp > 1:
-            assert json.loads((out / "run_plan.json").read_text())["mesh"]["tp"] == tp
+        if nproc > 1:
+            assert json.loads((out / "run_plan.json").read_text())["mesh"]["tp"] == 2
         return [r["loss"] for r in read_metrics(out)]
 
     for bf16, tolerance in ((False, 1e-4), (True, 2e-2)):
         one = job(f"one-{bf16}", 1, bf16)
         assert one[-1] < one[0], f"the loss should fall: {one}"
-        tp2 = job(f"tp2-{bf16}", 2, bf16)
-        assert tp2 == pytest.approx(one, rel=tolerance), f"bf16={bf16}: tp 2 {tp2} vs one GPU {one}"
+        split = job(f"tp-{bf16}", gpus, bf16)
+        assert split == pytest.approx(one, rel=tolerance), f"bf16={bf16}: {gpus} GPUs {split} vs one GPU {one}"
