@@ -181,6 +181,13 @@ def _processes_only_in_slow_tests(request):
                          f"(@pytest.mark.slow): {started[:3]}")
 
 
+def needs_gpus(count: int) -> pytest.MarkDecorator:
+    """Skips a test, or one of its parameters, on a machine with fewer than `count` CUDA GPUs."""
+    import torch
+
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} CUDA GPUs")
+
+
 def write_config(directory: Path, **values) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "config.yaml"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import base_config, read_metrics, run_cli, write_config
+from conftest import base_config, needs_gpus, read_metrics, run_cli, write_config
 from meshtune.config import build_config
 from meshtune.data.collate import IGNORE, collate
 from meshtune.distributed import DistEnv
@@ -22,8 +22,6 @@ from meshtune.train.evaluation import Evaluator
 from meshtune.train.sequence_split import SequenceSplit, row_multiple
 
 QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 
 
 def gpu_env(world_size: int, local_world_size: int | None = None, rank: int = 0, device: str = "cuda") -> DistEnv:
@@ -210,7 +208,7 @@ def test_the_ring_over_a_split_batch_gives_the_whole_batchs_loss_and_gradients(t
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("cp", [pytest.param(2, marks=two_gpus), pytest.param(4, marks=four_gpus)])
+@pytest.mark.parametrize("cp", [pytest.param(2, marks=needs_gpus(2)), pytest.param(4, marks=needs_gpus(4))])
 def test_context_parallel_trains_as_one_process_and_its_checkpoint_resumes_on_one(tmp_path, tiny_model_dir,
                                                                                  tiny_dataset, cp):
     """fp32 (the ring's memory-efficient kernel), zero3 over the processes of one cp group (2 or 4), against the

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import base_config, read_metrics, run_cli, write_config
+from conftest import base_config, needs_gpus, read_metrics, run_cli, write_config
 from meshtune.config import build_config
 from meshtune.data.collate import IGNORE
 from meshtune.model import attention
@@ -193,7 +193,7 @@ def test_cpu_offload_keeps_pinned_host_shards_and_trains_as_without_it(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@needs_gpus(2)
 def test_cpu_offload_on_two_gpus_receives_rank_0s_weights_into_host_shards(tmp_path, tiny_model_dir, tiny_dataset):
     """Two processes through torchrun and NCCL: rank 1 builds the model empty and receives its shards of rank 0's
     weights into host memory; a checkpoint without offload resumes with it. The losses of zero3 without offload."""

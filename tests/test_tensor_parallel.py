@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import base_config, read_metrics, write_config
+from conftest import base_config, needs_gpus, read_metrics, run_cli, write_config
 from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.distributed import DistEnv
@@ -268,11 +268,9 @@ def test_a_tp2_x_dp2_checkpoint_resumes_on_dp4_and_on_one_process_and_exports_th
         torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-# ---- on 2 CUDA GPUs (NCCL): the same equality where tensor parallel is meant to run ------------------------------
+# ---- on 2 or 4 CUDA GPUs (NCCL): the same equality where tensor parallel is meant to run -------------------------
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-four_gpus = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
-LAYOUTS = [pytest.param(2, id="tp2", marks=two_gpus), pytest.param(4, id="tp2xdp2", marks=four_gpus)]
+LAYOUTS = [pytest.param(2, id="tp2", marks=needs_gpus(2)), pytest.param(4, id="tp2xdp2", marks=needs_gpus(4))]
 
 
 @pytest.mark.slow
@@ -283,14 +281,13 @@ def test_tensor_parallel_on_gpus_trains_as_one_gpu(tmp_path, tiny_model_dir, tin
     """`meshtune train` through torchrun: tp 2 over NCCL (on 4 GPUs tp 2 x dp 2, zero3 for full fine-tuning)
     against one GPU at the same global batch, in fp32 (the same losses within 1e-4: the split matmuls and the
     vocabulary-parallel loss sum in another order) and in bf16 (within bf16's 2e-2)."""
-    from conftest import run_cli
-
     def job(name: str, nproc: int, bf16: bool) -> list[float]:
         out = tmp_path / name
+        data_ranks = max(nproc // 2, 1)  # tp 2 pairs; global batch 8 = 2 rows x accumulation x data ranks
         config = write_config(tmp_path / f"cfg-{name}", **base_config(
             tiny_model_dir, tiny_dataset, out, finetuning_type=method, tensor_parallel=min(nproc, 2),
-            nproc_per_node=nproc, parallel="zero3" if method == "full" and nproc > 2 else "ddp", bf16=bf16,
-            torch_compile=False, per_device_train_batch_size=2, gradient_accumulation_steps=4 // max(nproc // 2, 1),
+            nproc_per_node=nproc, parallel="zero3" if method == "full" and data_ranks > 1 else "ddp", bf16=bf16,
+            torch_compile=False, per_device_train_batch_size=2, gradient_accumulation_steps=4 // data_ranks,
             learning_rate=5e-3 if method == "lora" else 1e-3, max_steps=5, save_final=False,
             tokenized_path=str(tmp_path / "tokenized")))
         result, _ = run_cli(["train", str(config)], timeout=400)
