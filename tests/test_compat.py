@@ -346,16 +346,25 @@ def test_qwen_q_lora_without_use_lora_is_refused():
         load_job_config(None, ["model_name_or_path=m"], {"data_path": "train.json", "q_lora": True})
 
 
-def test_qwen1_lora_target_names_mean_the_same_layers_of_other_models(tiny_model_dir):
+def test_a_lora_target_naming_no_layer_of_the_model_is_refused_naming_its_layers(tiny_model_dir):
+    """As peft refuses it; Qwen(1)'s names on a Qwen2 model are not read as other layers, the error says which."""
     from meshtune.model.lora import linear_module_names, lora_targets
     from meshtune.model.loading import load_model
 
     available = linear_module_names(load_model(tiny_model_dir))
-    assert lora_targets(["c_attn", "c_proj", "w1", "w2"], available) == [
-        "q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj", "gate_proj"]
-    assert lora_targets(["c_attn", "o_proj"], available) == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    with pytest.raises(ConfigError, match="lora_target: c_attn, qkv not found in the model"):
-        lora_targets(["c_attn", "qkv"], available)
+    layers = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
+    with pytest.raises(ConfigError) as error:
+        lora_targets(["c_attn"], available)
+    assert str(error.value) == (f"lora_target: c_attn names no linear layer of the model; its linear layers are "
+                                f"{layers} (or use lora_target: all). c_attn is Qwen(1)'s name for q_proj, k_proj, "
+                                f"v_proj here: lora_target: q_proj,k_proj,v_proj trains those")
+    with pytest.raises(ConfigError, match=r"lora_target: c_attn, w2 names no linear layer .*: lora_target: "
+                                          r"q_proj,k_proj,v_proj,o_proj,gate_proj trains those"):
+        lora_targets(["c_attn", "o_proj", "w2"], available)
+    with pytest.raises(ConfigError, match=rf"lora_target: qkv names no linear layer of the model; its linear layers "
+                                          rf"are {layers} \(or use lora_target: all\)$"):
+        lora_targets(["qkv"], available)
+    assert lora_targets(["q_proj", "v_proj"], available) == ["q_proj", "v_proj"]
 
 
 def test_migration_guide_lists_every_key_of_the_other_tools():

@@ -123,3 +123,25 @@ def test_zero3_trains_the_same_with_and_without_offload_and_resumes_across_it(tm
     # final/ gathered from the host shards holds the same weights
     plain, offloaded = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("full", "full_offload"))
     assert plain.keys() == offloaded.keys() and all(torch.equal(plain[k], offloaded[k]) for k in plain)
+
+
+def test_lora_under_zero2_runs_as_ddp_and_the_plan_says_nothing_is_offloaded():
+    """DeepSpeed's ZeRO-2 offload with LoRA (LLaMA-Factory's ds_z2_offload_config.json): LoRA's zero2 runs as ddp,
+    where FSDP2 has no shards to offload; the plan says off and why, and the optimizer is not told it steps host
+    tensors."""
+    from meshtune.compat.job_config import load_job_config
+
+    ds = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "examples" / "deepspeed"
+    loaded = load_job_config(None, ["model_name_or_path=/m", "dataset=d.jsonl", "finetuning_type=lora",
+                                    f"deepspeed={ds / 'ds_z2_offload_config.json'}"])
+    assert (loaded.config.parallel, loaded.config.cpu_offload) == ("zero2", True)
+    assert any("offload_optimizer under ZeRO stage 2 with LoRA: nothing is offloaded" in line
+               for line in loaded.warnings), loaded.warnings
+    plan = resolve(loaded.config, env(2, "cuda"), None, lambda: SEVEN_B)
+    assert (plan.parallel, plan.cpu_offload) == ("ddp", False)
+    assert "cpu_offload                  off  (zero2 with lora runs as ddp, where FSDP2's offload has no shards" \
+        in plan.describe()
+    assert plan.why["optim"] == "auto: fused on CUDA"
+    full = load_job_config(None, ["model_name_or_path=/m", "dataset=d.jsonl", "finetuning_type=full",
+                                  f"deepspeed={ds / 'ds_z2_offload_config.json'}"])
+    assert any("offload_optimizer → cpu_offload: FSDP2 keeps" in line for line in full.warnings), full.warnings

@@ -134,8 +134,8 @@ class RunPlan:
                 rows.append((key, getattr(self, key) or "none"))
         if self.gradient_accumulation_steps > 1:
             rows.append(("gradient_reduction", self.gradient_reduction))
-        if self.cpu_offload:
-            rows.append(("cpu_offload", "on"))
+        if self.cpu_offload or "cpu_offload" in self.why:
+            rows.append(("cpu_offload", on(self.cpu_offload)))
         rows += [("gradient_accumulation_steps", str(self.gradient_accumulation_steps)),
                  ("optim", "meshtune bf16 AdamW, stochastic rounding" if self.bf16_weights else
                   "adamw_torch_fused" if self.fused_adamw else "adamw_torch"),
@@ -225,9 +225,11 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         if value is None and key not in why:  # tensor_parallel's or context_parallel's reason stands
             why[key] = f"default, {default}"
     fused_adamw = cfg.optim == "adamw_torch_fused" or (cfg.optim == "auto" and env.device.type == "cuda")
+    # FSDP2's offload: a mode that runs as ddp (LoRA's zero2) has no shards to keep in host memory
+    offload = cfg.cpu_offload and parallel in SHARDED
     if cfg.optim == "auto":
         why["optim"] = ("auto: fused on CUDA; the offloaded shards step in torch's fused CPU kernel" if
-                        cfg.cpu_offload and fused_adamw else "auto: fused on CUDA")
+                        offload and fused_adamw else "auto: fused on CUDA")
     gc_interval = cfg.gc_interval if cfg.gc_interval is not None else (50 if env.world_size > 1 else 0)
     if cfg.gc_interval is None:
         why["gc_interval"] = ("default: all ranks collect at the same steps" if gc_interval else
@@ -250,9 +252,14 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     if cfg.finetuning_type == "qlora" and parallel == "hsdp" and hsdp_shard == 1:
         raise ConfigError("parallel: hsdp with a shard of 1 process shards nothing, and torchao's NF4 weights cannot "
                           "be sharded over one: for qlora set hsdp_shard_size above 1, or parallel: ddp")
-    if cfg.cpu_offload:  # the config allows it with zero2 / zero3 / hsdp only
+    if offload:  # the config allows it with zero2 / zero3 / hsdp only
         why["cpu_offload"] = offload_reason(cfg.is_lora, model_size().parameters, hsdp_shard or procs.world_size,
                                             procs)
+    elif cfg.cpu_offload:
+        why["cpu_offload"] = (f"{cfg.parallel} with {cfg.finetuning_type} runs as {parallel}, where FSDP2's offload "
+                              f"has no shards to move: the frozen base stays on the GPU, as under DeepSpeed's ZeRO-2, "
+                              f"and what ZeRO-2's offload would move, the adapters' gradients and AdamW moments, is "
+                              f"a few MB")
     accumulation = keep_global_batch(cfg, resume_manifest, dp.world_size, why)
     check_train_batch_size(cfg, accumulation, dp.world_size)
     reduction = gradient_reduction(cfg, procs.world_size, parallel, accumulation, model_size, gpu_bytes, why)
@@ -276,7 +283,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    padding_free=padding_free,
                    fused_loss=fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,
                    hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
-                   cpu_offload=cfg.cpu_offload,
+                   cpu_offload=offload,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtune.config import without_autos
+from meshtune.config import TrainConfig, without_autos
 from meshtune.errors import ConfigError
 
 STAGE_TO_PARALLEL = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
@@ -67,7 +67,8 @@ def translate_deepspeed(ds: dict[str, Any], name: str, given: dict[str, Any], so
         elif key not in given:
             out.values[key] = value
 
-    _zero(entries.pop("zero_optimization", None) or {}, name, take, out)
+    lora = given.get("finetuning_type", TrainConfig.model_fields["finetuning_type"].default) == "lora"
+    _zero(entries.pop("zero_optimization", None) or {}, name, lora, take, out)
     _precision(entries.pop("bf16", None), entries.pop("fp16", None), name, take, out)
     for entry, key in (("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
                        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
@@ -83,7 +84,7 @@ def translate_deepspeed(ds: dict[str, Any], name: str, given: dict[str, Any], so
     return out
 
 
-def _zero(zero: dict[str, Any], name: str, take, out: Translation) -> None:
+def _zero(zero: dict[str, Any], name: str, lora: bool, take, out: Translation) -> None:
     zero = dict(zero)
     stage = zero.pop("stage", 0)
     if stage not in STAGE_TO_PARALLEL:  # "auto" too: HF Trainer has no stage to fill in
@@ -108,8 +109,14 @@ def _zero(zero: dict[str, Any], name: str, take, out: Translation) -> None:
                             f"set zero_optimization.stage")
     elif offloaded:
         take("cpu_offload", True, f"zero_optimization.{offloaded[0]}")
-        out.notes.append(f"{name}: {' and '.join(offloaded)} → cpu_offload: FSDP2 keeps parameters, gradients and "
-                         f"optimizer state in CPU memory and steps the optimizer there")
+        if lora and stage in (1, 2):
+            out.notes.append(f"{name}: {' and '.join(offloaded)} under ZeRO stage {stage} with LoRA: nothing is "
+                             f"offloaded: DeepSpeed moves the adapters' few MB of gradients and AdamW state to the "
+                             f"CPU, meshtune runs LoRA's zero2 as ddp and keeps them on the GPU (the run plan's "
+                             f"cpu_offload row says why)")
+        else:
+            out.notes.append(f"{name}: {' and '.join(offloaded)} → cpu_offload: FSDP2 keeps parameters, gradients "
+                             f"and optimizer state in CPU memory and steps the optimizer there")
     out.unhonoured += [f"zero_optimization.{key}" for key in sorted(zero)]
 
 

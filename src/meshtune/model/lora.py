@@ -24,7 +24,8 @@ def linear_module_names(model: torch.nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
-# Qwen(1)'s layer names (its finetune.py's lora_target_modules) and the same layers in Qwen2 and Llama-style models
+# Qwen(1)'s layer names (its finetune.py's lora_target_modules) and the same layers in Qwen2 and Llama-style models,
+# named in the error when a target names no layer of the model
 QWEN1_LINEARS = {"c_attn": ("q_proj", "k_proj", "v_proj"), "c_proj": ("o_proj", "down_proj"), "w1": ("up_proj",),
                  "w2": ("gate_proj",)}
 
@@ -66,16 +67,20 @@ def trained_in_full(names: list[str], model: torch.nn.Module) -> list[str]:
 
 
 def lora_targets(names: list[str], available: set[str]) -> list[str]:
-    """The model's linear layers `names` means: as given, or Qwen(1)'s names (c_attn, c_proj, w1, w2) as the same
-    layers of a model that names them otherwise."""
+    """`names` as given: each must be a linear layer of the model (by the last part of its name), or the run stops
+    naming the model's linear layers, as peft refuses targets it cannot find. Qwen(1)'s names (c_attn, c_proj, w1, w2)
+    on a model that names its layers otherwise are refused too, with the layers they would mean."""
     unknown = [name for name in names if name not in available]
-    translated = [new for name in names for new in (QWEN1_LINEARS.get(name, (name,)) if name in unknown else (name,))]
-    if unknown and all(name in QWEN1_LINEARS for name in unknown) and set(translated) <= available:
-        return list(dict.fromkeys(translated))
-    if unknown:
-        raise ConfigError(f"lora_target: {', '.join(unknown)} not found in the model; its linear layers are "
-                          f"{', '.join(sorted(available))} (or use lora_target: all)")
-    return list(names)
+    if not unknown:
+        return list(names)
+    hints = [f"{name} is Qwen(1)'s name for {', '.join(QWEN1_LINEARS[name])}"
+             for name in unknown if name in QWEN1_LINEARS and set(QWEN1_LINEARS[name]) <= available]
+    hint = ""
+    if len(hints) == len(unknown):
+        meant = [layer for name in names for layer in (QWEN1_LINEARS[name] if name in unknown else (name,))]
+        hint = f". {'; '.join(hints)} here: lora_target: {','.join(dict.fromkeys(meant))} trains those"
+    raise ConfigError(f"lora_target: {', '.join(unknown)} names no linear layer of the model; its linear layers are "
+                      f"{', '.join(sorted(available))} (or use lora_target: all){hint}")
 
 
 def initial_adapter_weight(name: str, shape: torch.Size, seed: int) -> torch.Tensor | None:
