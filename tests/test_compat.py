@@ -452,3 +452,47 @@ def test_deepspeed_train_batch_size_is_checked_against_the_job(tmp_path, tiny_mo
                                           r"per_device_train_batch_size 1 x gradient_accumulation_steps 2 x 1 "
                                           r"processes = 2"):
         run(cfg)
+
+
+# ---- features of LLaMA-Factory and HF that meshtune does not have: each key said as what it is
+
+@pytest.mark.parametrize("key, value, whose, what", [
+    ("neftune_noise_alpha", 5.0, "HF TrainingArguments'", "NEFTune (uniform noise of that scale added to the input "
+                                                          "embeddings while training)"),
+    ("rope_scaling", "linear", "LLaMA-Factory's", "rescales the model's rotary position embeddings"),
+    ("label_smoothing_factor", 0.1, "HF TrainingArguments'", "smooths the labels"),
+    ("resize_vocab", True, "LLaMA-Factory's", "resizes the tokenizer's vocabulary and the model's embeddings"),
+    ("new_special_tokens", "<tool>", "LLaMA-Factory's", "adds special tokens to the tokenizer"),
+    ("shift_attn", True, "LLaMA-Factory's", "LongLoRA's shifted sparse attention"),
+    ("upcast_layernorm", True, "LLaMA-Factory's", "keeps the norm layers' weights in fp32"),
+    ("enable_thinking", False, "LLaMA-Factory's", "strips the thoughts from the records' answers"),
+    ("moe_aux_loss_coef", 0.001, "LLaMA-Factory's", "a mixture-of-experts router's auxiliary loss"),
+    ("full_determinism", True, "HF TrainingArguments'", "deterministic algorithms for every kernel"),
+    ("use_reentrant_gc", True, "LLaMA-Factory's", "reentrant activation checkpointing"),
+    ("buffer_size", 16384, "LLaMA-Factory's", "the shuffle buffer of streaming: true"),
+    ("eval_on_each_dataset", True, "LLaMA-Factory's", "a loss for each eval_dataset apart"),
+    ("average_tokens_across_devices", False, "HF TrainingArguments'",
+     "averages each process's loss over its own tokens"),
+    ("image_max_pixels", 589824, "LLaMA-Factory's", "caps the pixels of each image a multimodal model reads"),
+])
+def test_a_feature_meshtune_lacks_is_named_as_what_it_is(key, value, whose, what):
+    """Not a bare unknown key: what the key is in its tool, that meshtune does not have it, and what meshtune does;
+    refused where leaving it out would train something else, a warning otherwise."""
+    try:
+        loaded = load_job_config(None, ["model_name_or_path=m", "dataset=d.json"], {key: value})
+        said = "\n".join(loaded.warnings)
+    except ConfigError as error:
+        said = str(error)
+    line = next(line for line in said.splitlines() if key in line)
+    assert f"{key}" in line and whose in line and what in line and "which meshtune does not have" in line, line
+    assert "unknown key" not in said and "did you mean" not in said
+
+
+@pytest.mark.parametrize("key, value", [("neftune_noise_alpha", None), ("neftune_noise_alpha", 0.0),
+                                        ("label_smoothing_factor", 0), ("rope_scaling", None), ("resize_vocab", False),
+                                        ("shift_attn", False), ("upcast_layernorm", False), ("enable_thinking", True),
+                                        ("full_determinism", False), ("average_tokens_across_devices", True)])
+def test_such_a_key_at_the_value_meshtune_runs_anyway_says_nothing(key, value):
+    loaded = load_job_config(None, ["model_name_or_path=m", "dataset=d.json"], {key: value})
+    assert loaded.warnings == [] and loaded.config == load_job_config(None, ["model_name_or_path=m",
+                                                                             "dataset=d.json"]).config

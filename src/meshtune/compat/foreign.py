@@ -42,6 +42,14 @@ def only(accepted: dict[Any, dict[str, Any]], refusal: str) -> Handler:
     return handle
 
 
+def off_at_zero(refusal: str) -> Handler:
+    """A strength: unset or 0 asks for nothing; any other value is refused with `refusal`."""
+    def handle(value: Any) -> Outcome:
+        zero = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
+        return Outcome() if zero else Outcome(refused=refusal)
+    return handle
+
+
 def replica_log_level(value: Any) -> Outcome:
     """HF's level for the processes other than the main one: log_level_all_ranks; passive keeps meshtune's default
     (rank 0 logs, the others only the warnings they alone see)."""
@@ -170,6 +178,56 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "compute_accuracy": (LF, ignored("evaluation reports eval_loss, the exact token mean", False)),
     "include_effective_tokens_per_second": (LF, ignored("metrics.jsonl always has tokens/s", False)),
     "use_mca": (LF, ignored("meshtune trains through DDP or FSDP2, not Megatron Core", False)),
+    # features of the other tools that meshtune does not have, each said as what it is
+    "neftune_noise_alpha": (HF, off_at_zero("it turns on NEFTune (uniform noise of that scale "
+                                     "added to the input embeddings while training), which meshtune does not have: "
+                                     "its embeddings are never perturbed; drop the key")),
+    "label_smoothing_factor": (HF, off_at_zero("it smooths the labels (part of each target token's loss "
+                                        "spread over the whole vocabulary), which meshtune does not have: its loss "
+                                        "is the plain cross-entropy of the target tokens; set it to 0 or drop it")),
+    "rope_scaling": (LF, only({None: {}}, "it rescales the model's rotary position embeddings (linear, dynamic, "
+                                          "yarn, llama3) to extend its context, which meshtune does not have: the "
+                                          "model runs as its config.json says; write rope_scaling into a copy of the "
+                                          "model folder's config.json instead")),
+    "resize_vocab": (LF, only({False: {}}, "it resizes the tokenizer's vocabulary and the model's embeddings, which "
+                                           "meshtune does not have: the model keeps the vocabulary it was saved "
+                                           "with")),
+    "new_special_tokens": (LF, only({None: {}}, "it adds special tokens to the tokenizer (and rows to the "
+                                                "embeddings), which meshtune does not have: add them to the model "
+                                                "folder's tokenizer and resize its embeddings before training")),
+    "add_special_tokens": (LF, only({None: {}}, "it adds special tokens to the tokenizer (and rows to the "
+                                                "embeddings), which meshtune does not have: add them to the model "
+                                                "folder's tokenizer and resize its embeddings before training")),
+    "add_tokens": (LF, only({None: {}}, "it adds tokens to the tokenizer (and rows to the embeddings), which "
+                                        "meshtune does not have: add them to the model folder's tokenizer and resize "
+                                        "its embeddings before training")),
+    "shift_attn": (LF, only({False: {}}, "it turns on LongLoRA's shifted sparse attention (S²-Attn), which meshtune "
+                                         "does not have: every token attends to its whole sample")),
+    "upcast_layernorm": (LF, ignored("it keeps the norm layers' weights in fp32, which meshtune does not have: "
+                                     "weights that train are fp32 master weights anyway, a frozen base keeps its "
+                                     "dtype, and transformers' RMSNorm computes in fp32 either way", False)),
+    "enable_thinking": (LF, only({True: {}, None: {}}, "enable_thinking: false strips the thoughts from the "
+                                                       "records' answers for a reasoning template, which meshtune "
+                                                       "does not have; use template: qwen3_nothink for answers "
+                                                       "without a thinking block, or strip the <think> blocks from "
+                                                       "the data")),
+    "moe_aux_loss_coef": (LF, only({None: {}}, "it adds a mixture-of-experts router's auxiliary loss at that weight, "
+                                               "which meshtune does not have: its loss is the cross-entropy of the "
+                                               "target tokens alone; drop the key")),
+    "full_determinism": (HF, ignored("it switches torch to deterministic algorithms for every kernel, which meshtune "
+                                     "does not have: every random stream is seeded from seed, runs on CPU repeat bit "
+                                     "for bit, and GPU runs use torch's default kernels", False)),
+    "use_reentrant_gc": (LF, ignored("it picks reentrant activation checkpointing, which meshtune does not have: it "
+                                     "recomputes with torch's non-reentrant checkpoint, the same math", False)),
+    "buffer_size": (LF, ignored("it is the shuffle buffer of streaming: true, which meshtune does not have: each "
+                                "epoch is a permutation of the whole dataset drawn from the seed")),
+    "eval_on_each_dataset": (LF, ignored("it reports a loss for each eval_dataset apart, which meshtune does not "
+                                         "have: eval_loss is the exact token mean over all of them", False)),
+    "average_tokens_across_devices": (HF, ignored("false averages each process's loss over its own tokens, which "
+                                                  "meshtune does not have: it always divides the summed token loss "
+                                                  "by the global batch's target-token count (what true does)", True)),
+    "image_max_pixels": (LF, ignored("it caps the pixels of each image a multimodal model reads, which meshtune "
+                                     "does not have: it trains text models only")),
     # Axolotl
     "micro_batch_size": (AXOLOTL, renamed("per_device_train_batch_size")),  # Axolotl's batch per GPU per micro-step
 }
@@ -210,7 +268,9 @@ FAMILIES = (
            keys=("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules"),
            read_with="finetuning_type: freeze"),
     Family(LF, "a multimodal setting", "meshtune trains text models only",
-           keys=("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "train_mm_proj_only")),
+           keys=("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "train_mm_proj_only",
+                 "image_min_pixels", "image_do_pan_and_scan", "crop_to_patches", "video_max_pixels",
+                 "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video", "audio_sampling_rate")),
     Family(LF, "a PiSSA setting", "meshtune's LoRA starts as peft's default (B zero, A Kaiming-uniform)",
            ("pissa_",), switch="pissa_init", method="PiSSA initialisation"),
     Family(LF, "a LoRA+ setting", "every trainable parameter has the one learning_rate", ("loraplus_",),
