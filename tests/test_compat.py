@@ -247,6 +247,18 @@ def test_flags_are_split_from_the_command_and_parsed_as_yaml():
                      "--weight_decay", "0.1"]
 
 
+def test_a_bare_flag_ends_at_the_commands_own_short_option():
+    """`meshtune preview ... --use_lora -n 1`: -n is preview's, not a value of --use_lora; -1 stays a value."""
+    from meshtune.cli import parse_args
+
+    args = parse_args(["preview", "--data_path", "t.json", "--use_lora", "-n", "1", "--max_steps", "-1",
+                       "--learning_rate", "-1e-5"])
+    assert args.flags == {"data_path": "t.json", "use_lora": True, "max_steps": -1, "learning_rate": -1e-5}
+    assert args.samples == 1
+    rest, flags, _ = split_flags(["--use_lora", "-x", "--weight_decay", "-.5"], set())
+    assert (rest, flags) == (["-x"], {"use_lora": True, "weight_decay": -0.5})
+
+
 def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny_model_dir, monkeypatch, capfd):
     """The flags of Qwen's finetune_lora_ds.sh, with its ZeRO-2 DeepSpeed JSON and data format."""
     out = tmp_path / "out"

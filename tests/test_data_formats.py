@@ -264,6 +264,9 @@ def test_load_records_jsonl_skips_blank_lines(tmp_path):
         ("d.jsonl", '{"a": 1}\n\n{"a": \n', r"d\.jsonl: line 3: invalid JSON"),
         ("d.json", '{"a": 1}', "expected a JSON list.*jsonl"),
         ("d.csv", "a,b", r"unsupported file type '\.csv'; use \.json or \.jsonl"),
+        ("d.json", "", r"d\.json: the file is empty; a dataset file holds a JSON list of records"),
+        ("d.jsonl", "", r"d\.jsonl: the file is empty"),
+        ("d.json", " \n\n", r"d\.json: the file is empty"),
     ],
 )
 def test_load_records_errors(tmp_path, name, text, problem):

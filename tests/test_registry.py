@@ -227,6 +227,22 @@ def test_name_without_dataset_info(tmp_path):
         resolve(["identity"], tmp_path)
 
 
+def test_a_missing_eval_dataset_is_named_with_its_key(tmp_path, monkeypatch):
+    """What the launcher, the doctor and the workers' agreement check read: each entry under its config key."""
+    from meshtune.data.pipeline import prepare_datasets
+    from meshtune.data.registry import resolve_all
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    cfg = TrainConfig(model_name_or_path="m", dataset=["train.jsonl"], eval_dataset=["eval.jsonl"],
+                      output_dir=str(tmp_path / "out"))
+    for read in (lambda: resolve_all(cfg), lambda: prepare_datasets(cfg, train_tokenizer(["a b"] * 4), False)):
+        with pytest.raises(DataError, match=r"^eval_dataset 'eval\.jsonl': no file or folder of that name in "):
+            read()
+    with pytest.raises(DataError, match=r"^dataset 'nope\.jsonl': no file or folder"):
+        resolve_all(cfg.model_copy(update={"dataset": ["nope.jsonl"]}))
+
+
 @pytest.mark.parametrize("data_dir", DATA_DIRS)
 @pytest.mark.parametrize(
     "name, problem",

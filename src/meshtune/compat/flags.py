@@ -2,7 +2,8 @@
 
 `--bf16 True`, `--bf16` (alone: true), `--learning_rate 1e-5`, `--key=value` and `--lora_target_modules a b c`
 (several values: a list) are all accepted; values are parsed as YAML, as `key=value` overrides are, which may
-stand before, between or after the flags.
+stand before, between or after the flags. A flag's values end at the next option, `--flag` or the command's own
+`-n 1`; a negative number (`--max_steps -1`) is a value.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from meshtune.config import parse_overrides
 
 
 OVERRIDE = re.compile(r"[A-Za-z_]\w*=")  # a key=value override, never a flag's value
+NUMBER = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")  # `--max_steps -1`: a value, not an option
+
+
+def is_option(token: str) -> bool:
+    """`--flag`, or a short option of the command (`-n 1`): it ends the values of the flag before it."""
+    return token.startswith("-") and token != "-" and not NUMBER.fullmatch(token)
 
 
 def split_flags(tokens: list[str], own: set[str]) -> tuple[list[str], dict[str, Any], list[str]]:
@@ -32,7 +39,7 @@ def split_flags(tokens: list[str], own: set[str]) -> tuple[list[str], dict[str, 
         name, sep, inline = token[2:].partition("=")
         raw = [inline] if sep else []
         i += 1
-        while not sep and i < len(tokens) and not tokens[i].startswith("--") and not OVERRIDE.match(tokens[i]):
+        while not sep and i < len(tokens) and not is_option(tokens[i]) and not OVERRIDE.match(tokens[i]):
             raw.append(tokens[i])
             i += 1
         given += [token, *([] if sep else raw)]

@@ -106,6 +106,9 @@ def located_records(path: Path, keep_unparseable: bool) -> list[tuple[Any, str]]
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e}); re-save the file as UTF-8") from None
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty; a dataset file holds a JSON list of records (.json) or one JSON "
+                        f"record a line (.jsonl)")
     if suffix == ".jsonl":
         return _parse_jsonl(text, path, keep_unparseable)
     try:

@@ -20,11 +20,12 @@ def cache_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.tokenized_path) if cfg.tokenized_path else Path(cfg.output_dir) / "tokenized"
 
 
-def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool):
+def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool, key: str = "dataset"):
     """Files and dataset_info.json names → one tokenized dataset; max_samples cuts each entry, train and eval
     alike, as LLaMA-Factory does."""
-    return load_or_build(resolve(entries, cfg.dataset_dir, cfg.named_format), tokenizer, template=cfg.named_template,
-                         cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
+    return load_or_build(resolve(entries, cfg.dataset_dir, cfg.named_format, key), tokenizer,
+                         template=cfg.named_template, cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid,
+                         max_samples=cfg.max_samples,
                          train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
                          cache_dir=cache_dir(cfg), show_progress=show_progress)
 
@@ -63,7 +64,7 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
     _report(describe("train data", full.stats), report)
     if cfg.eval_dataset:
-        evaluation = _load(cfg, cfg.eval_dataset, tokenizer, show_progress)
+        evaluation = _load(cfg, cfg.eval_dataset, tokenizer, show_progress, "eval_dataset")
         _report(describe("eval data", evaluation.stats), report)
         return full, evaluation
     if cfg.val_size > 0:

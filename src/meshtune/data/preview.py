@@ -57,7 +57,7 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
         datasets["train"]["held_out"] = {"count": len(held_out),
                                          "reason": f"for evaluation (val_size {cfg.val_size:g}), never trained"}
     if cfg.eval_dataset:
-        eval_sources = read_dataset(resolve(cfg.eval_dataset, cfg.dataset_dir, cfg.named_format),
+        eval_sources = read_dataset(resolve(cfg.eval_dataset, cfg.dataset_dir, cfg.named_format, "eval_dataset"),
                                     skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples)
         datasets["eval"] = dataset_report(cfg, cfg.eval_dataset, evaluation, trained_flags(evaluation), eval_sources,
                                           reasons)

@@ -24,14 +24,23 @@ COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", 
 MEDIA_COLUMNS = ("images", "videos", "audios")
 
 
-def resolve(entries: list[str], dataset_dir: str | Path, fmt: str | None = None) -> list[DatasetSpec]:
+def resolve(entries: list[str], dataset_dir: str | Path, fmt: str | None = None, key: str = "dataset"
+            ) -> list[DatasetSpec]:
     """One spec per entry, in order. An entry that exists as a file or folder is read with `fmt` (dataset_format;
-    None: detected per file); any other is a name in `<dataset_dir>/dataset_info.json`."""
+    None: detected per file); any other is a name in `<dataset_dir>/dataset_info.json`. Errors name the config
+    `key` the entries come from (dataset, eval_dataset)."""
     dataset_dir = Path(dataset_dir)
     named = [entry for entry in entries if not Path(entry).exists()]
-    info = _read_info(dataset_dir, named[0]) if named else {}
-    return [_path_spec(entry, fmt) if Path(entry).exists() else _named_spec(entry, info, dataset_dir)
+    info = _read_info(dataset_dir, named[0], key) if named else {}
+    return [_path_spec(entry, fmt) if Path(entry).exists() else _named_spec(entry, info, dataset_dir, key)
             for entry in entries]
+
+
+def resolve_all(cfg) -> list[DatasetSpec]:
+    """The specs of a config's training and held-out data (`dataset`, then `eval_dataset`), each error naming its
+    key."""
+    return (resolve(cfg.dataset, cfg.dataset_dir, cfg.named_format)
+            + resolve(cfg.eval_dataset or [], cfg.dataset_dir, cfg.named_format, "eval_dataset"))
 
 
 def _path_spec(entry: str, fmt: str | None) -> DatasetSpec:
@@ -57,10 +66,10 @@ def _folder_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_info(dataset_dir: Path, entry: str) -> dict:
+def _read_info(dataset_dir: Path, entry: str, key: str) -> dict:
     path = dataset_dir / INFO_FILE
     if not path.is_file():
-        raise DataError(f"dataset '{entry}': no file or folder of that name in {Path.cwd()}, and {path} does not "
+        raise DataError(f"{key} '{entry}': no file or folder of that name in {Path.cwd()}, and {path} does not "
                         f"exist to look the name up in; give the path of a {' or '.join(EXTENSIONS)} file or "
                         f"folder, or set dataset_dir to the folder that holds LLaMA-Factory's {INFO_FILE}")
     try:
@@ -76,7 +85,7 @@ def _read_info(dataset_dir: Path, entry: str) -> dict:
     return info
 
 
-def _named_spec(name: str, info: dict, dataset_dir: Path) -> DatasetSpec:
+def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSpec:
     """An entry read as LLaMA-Factory's parser and loader read it; subset and folder name parts of a hub dataset,
     which LLaMA-Factory ignores for a local file, and so does this."""
     info_path = dataset_dir / INFO_FILE
@@ -84,11 +93,11 @@ def _named_spec(name: str, info: dict, dataset_dir: Path) -> DatasetSpec:
         close = difflib.get_close_matches(name, list(info), n=5) or difflib.get_close_matches(Path(name).stem,
                                                                                                list(info), n=5)
         hint = f"close names: {', '.join(close)}" if close else f"none of its {len(info)} names is close"
-        raise DataError(f"dataset '{name}': no file or folder of that name in {Path.cwd()}, and no entry '{name}' "
+        raise DataError(f"{key} '{name}': no file or folder of that name in {Path.cwd()}, and no entry '{name}' "
                         f"in {info_path} ({hint}); give an existing {' or '.join(EXTENSIONS)} path or a name "
                         f"that file defines")
     entry = info[name]
-    where = f"{info_path}: dataset '{name}'"
+    where = f"{info_path}: dataset '{name}'" + ("" if key == "dataset" else f" ({key})")
     if not isinstance(entry, dict):
         raise DataError(f"{where} must be an object with file_name (and formatting, columns, tags), found "
                         f"{type(entry).__name__}")

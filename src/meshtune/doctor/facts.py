@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from meshtune.checksums import RememberedChecksums, dataset_checksum
-from meshtune.data.registry import resolve
+from meshtune.data.registry import resolve_all
 from meshtune.errors import StorageError
 from meshtune.train.agreement import package_versions, shared_config
 from meshtune.train.storage import ensure_writable_dir
@@ -105,7 +105,7 @@ def directory_checksum(directory: Path) -> dict:
 def dataset_facts(cfg) -> dict:
     """The checksum training's agreement check compares (the data files and how they are read), with remembered
     file checksums."""
-    specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.named_format)
+    specs = resolve_all(cfg)
     remembered = RememberedChecksums(cache_file())
     checksum = dataset_checksum(specs, remembered.sha256)[:16]
     remembered.save()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from meshtune.checksums import dataset_checksum
 from meshtune.config import JOB, MATH, TrainConfig
-from meshtune.data.registry import resolve
+from meshtune.data.registry import resolve_all
 from meshtune.distributed import DistEnv
 from meshtune.errors import MeshtuneError
 
@@ -56,7 +56,7 @@ def local_facts(cfg: TrainConfig, env: DistEnv) -> dict:
              "device type": env.device.type, **{f"{name} version": v for name, v in package_versions().items()}}
     if env.is_local_main:  # hashing the data once per node is enough
         try:
-            specs = resolve(cfg.dataset + (cfg.eval_dataset or []), cfg.dataset_dir, cfg.named_format)
+            specs = resolve_all(cfg)
             facts["dataset checksum"] = dataset_checksum(specs)[:16]
         except (MeshtuneError, OSError) as exc:
             facts["dataset checksum"] = f"unreadable ({exc})"
