@@ -70,14 +70,15 @@ def test_deepspeed_explicit_values_apply_and_conflicts_name_both():
           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
                                                      "weight_decay": 0.1}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100,
-                                                             "warmup_type": "linear"}},
+                                                             "warmup_type": "linear", "warmup_max_lr": "auto"}},
           "zero_optimization": {"stage": 1}}
     out = translate_deepspeed(ds, "ds.json", {}, {})
     assert out.problems == []
     assert out.values == {"parallel": "zero2", "bf16": True, "per_device_train_batch_size": 4,
                           "gradient_accumulation_steps": 2, "train_batch_size": 64, "max_grad_norm": 0.5,
                           "learning_rate": 3e-4, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_epsilon": 1e-6,
-                          "weight_decay": 0.1, "lr_scheduler_type": "linear", "warmup_steps": 10, "max_steps": 100}
+                          "weight_decay": 0.1, "lr_scheduler_type": "deepspeed_warmup_decay_lr", "warmup_steps": 10,
+                          "max_steps": 100, "warmup_type": "linear"}
     same = translate_deepspeed(ds, "ds.json", {"per_device_train_batch_size": 4}, {})
     assert same.problems == [] and "per_device_train_batch_size" not in same.values
     clash = translate_deepspeed(ds, "ds.json", {"per_device_train_batch_size": 2, "parallel": "zero3"},
@@ -107,10 +108,71 @@ def test_deepspeed_scheduler_gives_way_to_an_explicit_lr_scheduler_type_and_says
     out = translate_deepspeed(json.loads((FIXTURES / "qwen" / "ds_config_zero2.json").read_text()), "z2.json",
                               {"lr_scheduler_type": "cosine"}, {"lr_scheduler_type": "command line"})
     assert "lr_scheduler_type" not in out.values and out.problems == []
-    assert any("scheduler WarmupLR (lr_scheduler_type constant_with_warmup) is not used: lr_scheduler_type 'cosine' "
+    assert any("scheduler WarmupLR (lr_scheduler_type deepspeed_warmup_lr) is not used: lr_scheduler_type 'cosine' "
                "(command line)" in note for note in out.notes)
     alone = translate_deepspeed(json.loads((FIXTURES / "qwen" / "ds_config_zero2.json").read_text()), "z2.json", {}, {})
-    assert alone.values["lr_scheduler_type"] == "constant_with_warmup"  # HF's constant has no warmup
+    assert alone.values["lr_scheduler_type"] == "deepspeed_warmup_lr"
+    assert "warmup_type" not in alone.values  # not written: DeepSpeed's log
+
+
+def test_deepspeed_schedulers_without_warmup_type_warm_up_as_deepspeed_does(tmp_path, tiny_model_dir, capfd):
+    """WarmupDecayLR with warmup_type left out trains DeepSpeed's log warmup, step for step: the lr of every step in
+    metrics.jsonl against DeepSpeed's lr_schedules.py arithmetic (the first step at warmup_min_lr, then step k at
+    log(k) / log(W) of the peak, then (T - k + 1) / (T - W))."""
+    import math
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": "auto",
+                              "scheduler": {"type": "WarmupDecayLR", "params": {
+                                  "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                                  "total_num_steps": "auto"}}}))
+    peak, total, warmup = 1e-3, 8, 4
+    (tmp_path / "train.yaml").write_text(f"model_name_or_path: {tiny_model_dir}\n"
+                                         f"dataset: {FIXTURES / 'qwen' / 'train.json'}\ndeepspeed: {ds}\n")
+    result = run_cli_here(["train", str(tmp_path / "train.yaml"), f"output_dir={tmp_path / 'out'}",
+                           f"max_steps={total}", f"warmup_steps={warmup}", f"learning_rate={peak}", "logging_steps=1",
+                           "save_final=false", "plot_loss=false"], capfd)
+    assert result.returncode == 0, result.stdout
+    assert "lr schedule (deepspeed_warmup_decay_lr, as DeepSpeed's WarmupDecayLR computes it): log warmup" \
+        in result.stdout
+    deepspeed = [0.0] + [math.log(k) / math.log(warmup) for k in range(1, warmup + 1)] + [
+        (total - k + 1) / (total - warmup) for k in range(warmup + 1, total)]
+    assert [r["lr"] for r in read_metrics(tmp_path / "out") if "loss" in r] == pytest.approx(
+        [peak * ratio for ratio in deepspeed], rel=1e-12, abs=0)
+    for kind in ("WarmupLR", "WarmupCosineLR"):
+        out = translate_deepspeed({"scheduler": {"type": kind, "params": {"warmup_num_steps": 5}}}, "ds.json", {}, {})
+        assert (out.values["lr_scheduler_type"], out.problems) == (
+            f"deepspeed_{'warmup_lr' if kind == 'WarmupLR' else 'warmup_cosine_lr'}", [])
+        assert not [note for note in out.notes if "warmup_type" in note]
+
+
+def test_deepspeed_scheduler_entries_left_out_take_deepspeeds_defaults():
+    """Absent (not "auto", which HF Trainer fills in): DeepSpeed's constructor defaults, 1000 warmup steps and
+    WarmupDecayLR's peak of 0.001; WarmupCosineLR ends at its cos_min_ratio."""
+    out = translate_deepspeed({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 2000}}}, "ds.json",
+                              {}, {})
+    assert out.values == {"parallel": "ddp", "lr_scheduler_type": "deepspeed_warmup_decay_lr", "warmup_steps": 1000,
+                          "learning_rate": 0.001, "max_steps": 2000}
+    assert any("gives no warmup_num_steps: 1000 warmup steps, DeepSpeed's default" in note for note in out.notes)
+    overruled = translate_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "scheduler": {
+        "type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}}, "ds.json", {}, {})
+    assert overruled.problems == ["ds.json: scheduler WarmupDecayLR gives no warmup_max_lr, so DeepSpeed peaks at its "
+                                  "default 0.001, not optimizer.params.lr 0.0003; set scheduler.params.warmup_max_lr "
+                                  "to the peak you mean (or \"auto\")"]
+    clash = translate_deepspeed({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
+                                "ds.json", {"learning_rate": 2e-5}, {})
+    assert clash.problems == ["ds.json: scheduler.params.warmup_max_lr (absent: DeepSpeed's default) is 0.001 but "
+                              "learning_rate is 2e-05 (config); set one of them to the other's value, or the "
+                              "DeepSpeed entry to \"auto\""]
+    cosine = translate_deepspeed({"scheduler": {"type": "WarmupCosineLR", "params": {
+        "warmup_num_steps": 10, "cos_min_ratio": 0.1, "warmup_type": "linear"}}}, "ds.json", {}, {})
+    assert cosine.values == {"parallel": "ddp", "lr_scheduler_type": "deepspeed_warmup_cosine_lr", "warmup_steps": 10,
+                             "warmup_type": "linear", "cos_min_ratio": 0.1}
+    odd = translate_deepspeed({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                                                                            "warmup_type": "exp"}}}, "ds.json", {}, {})
+    assert odd.values["warmup_type"] == "log" and "is neither log nor linear: log" in odd.notes[0]
+    with pytest.raises(ConfigError, match="warmup_type: log shapes the warmup of DeepSpeed's schedules"):
+        load_job_config(None, ["model_name_or_path=m", "dataset=d.json", "warmup_type=log"])
 
 
 def test_deepspeed_file_is_found_next_to_the_config_and_errors_name_it(tmp_path, monkeypatch):
@@ -275,7 +337,7 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
     assert result.returncode == 0, result.stdout
     plan = json.loads((out / "run_plan.json").read_text())
     assert plan["parallel"] == "ddp" and "zero2 with LoRA runs as ddp" in plan["why"]["parallel"]  # the ZeRO-2 JSON
-    assert "scheduler WarmupLR (lr_scheduler_type constant_with_warmup) is not used: lr_scheduler_type 'cosine'" \
+    assert "scheduler WarmupLR (lr_scheduler_type deepspeed_warmup_lr) is not used: lr_scheduler_type 'cosine'" \
         in result.stdout
     saved = (out / "config.yaml").read_text()
     for line in ("finetuning_type: lora", "cutoff_len: 128", "adam_beta2: 0.95", "lr_scheduler_type: cosine",
@@ -298,8 +360,8 @@ def test_qwen_full_parameter_script_trains_every_parameter(tmp_path, tiny_model_
         ["train", "--model_name_or_path", str(tiny_model_dir), "--data_path", str(FIXTURES / "qwen" / "train.json"),
          "--bf16", "True", "--output_dir", str(out), "--per_device_train_batch_size", "1",
          "--gradient_accumulation_steps", "2", "--learning_rate", "1e-5", "--weight_decay", "0.1",
-         "--adam_beta2", "0.95", "--model_max_length", "128", "--gradient_checkpointing", "True",
-         "--lazy_preprocess", "True", "--deepspeed", str(FIXTURES / "qwen" / "ds_config_zero3.json"),
+         "--adam_beta2", "0.95", "--warmup_ratio", "0.01", "--model_max_length", "128", "--gradient_checkpointing",
+         "True", "--lazy_preprocess", "True", "--deepspeed", str(FIXTURES / "qwen" / "ds_config_zero3.json"),
          "--max_steps", "1"], capfd)
     assert result.returncode == 0, result.stdout
     assert "finetuning_type: full" in (out / "config.yaml").read_text()

@@ -13,7 +13,8 @@ from transformers import TrainingArguments
 
 from meshtune.checkpoint import CheckpointManager, TrainingProgress, training_state
 from meshtune.config import TrainConfig
-from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
+from meshtune.errors import ConfigError
+from meshtune.train.schedule import DEEPSPEED_SCHEDULES, build_scheduler, describe_schedule, warmup_steps
 
 TOTAL, WARMUP = 10, 4
 
@@ -40,9 +41,57 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("kind", typing.get_args(TrainConfig.model_fields["lr_scheduler_type"].annotation))
+@pytest.mark.parametrize("kind", [kind for kind in typing.get_args(TrainConfig.model_fields["lr_scheduler_type"]
+                                                                    .annotation) if kind not in DEEPSPEED_SCHEDULES])
 def test_each_schedule_the_config_accepts_is_hfs(kind):
     assert rates(kind) == pytest.approx(EXPECTED[kind], abs=1e-12)
+
+
+# DeepSpeed's lr_schedules.py, by its arithmetic: the scheduler sets the first step's lr when built
+# (last_batch_iteration -1: warmup_min_lr, 0 here; WarmupCosineLR 0.0) and steps after every optimizer step, so step
+# k trains at its value for last_batch_iteration i = k - 1. Warmup (i < W): log: log(i + 1) / log(W), linear: i / W.
+# WarmupDecayLR then (T - i) / (T - W); WarmupCosineLR cos_min_ratio + (1 - cos_min_ratio) (1 + cos(pi (i - W + 1) /
+# (T - W))) / 2, cos_min_ratio 0.0001 by default; WarmupLR 1. W is at least 2.
+LOG4 = [0.0, 0.0, math.log(2) / math.log(4), math.log(3) / math.log(4), 1.0]  # steps 0-4: the peak at step W
+LINEAR4 = [0.0, 0.0, 0.25, 0.5, 0.75]
+
+
+def ds_cosine(i: int, floor: float = 0.0001) -> float:
+    return floor + (1 - floor) * (1 + math.cos(math.pi * (i - WARMUP + 1) / (TOTAL - WARMUP))) / 2
+
+
+DEEPSPEED_EXPECTED = {
+    ("deepspeed_warmup_lr", None): LOG4 + [1.0] * 5,
+    ("deepspeed_warmup_lr", "linear"): LINEAR4 + [1.0] * 5,
+    ("deepspeed_warmup_decay_lr", None): LOG4 + [(TOTAL - i) / (TOTAL - WARMUP) for i in range(4, 9)],
+    ("deepspeed_warmup_decay_lr", "log"): LOG4 + [(TOTAL - i) / (TOTAL - WARMUP) for i in range(4, 9)],
+    ("deepspeed_warmup_decay_lr", "linear"): LINEAR4 + [(TOTAL - i) / (TOTAL - WARMUP) for i in range(4, 9)],
+    ("deepspeed_warmup_cosine_lr", None): LOG4 + [ds_cosine(i) for i in range(4, 9)],
+}
+
+
+@pytest.mark.parametrize("kind, warmup_type", list(DEEPSPEED_EXPECTED))
+def test_deepspeed_schedules_give_each_step_deepspeeds_rate(kind, warmup_type):
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = build_scheduler(optimizer, TOTAL, WARMUP, kind, warmup_type)
+    assert rates(kind, scheduler=scheduler, optimizer=optimizer) == pytest.approx(
+        DEEPSPEED_EXPECTED[kind, warmup_type], abs=1e-12)
+
+
+def test_deepspeeds_cosine_floor_and_its_shortest_warmup():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = build_scheduler(optimizer, TOTAL, WARMUP, "deepspeed_warmup_cosine_lr", "linear", 0.1)
+    assert rates("", scheduler=scheduler, optimizer=optimizer) == pytest.approx(
+        LINEAR4 + [ds_cosine(i, 0.1) for i in range(4, 9)], abs=1e-12)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    one = build_scheduler(optimizer, TOTAL, 1, "deepspeed_warmup_lr")  # DeepSpeed warms up over 2 steps at least
+    assert rates("", scheduler=one, optimizer=optimizer)[:4] == [0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ConfigError, match=r"deepspeed_warmup_decay_lr \(DeepSpeed's WarmupDecayLR\) with no warmup: "
+                                          r"DeepSpeed refuses it"):
+        build_scheduler(optimizer, TOTAL, 0, "deepspeed_warmup_decay_lr")
+    assert describe_schedule(TOTAL, WARMUP, "deepspeed_warmup_decay_lr") == (
+        "lr schedule (deepspeed_warmup_decay_lr, as DeepSpeed's WarmupDecayLR computes it): log warmup over 4 step(s) "
+        "from 0 (the first step at 0, as DeepSpeed steps it), then linear decay")
 
 
 @pytest.mark.parametrize("total, ratio, steps", [(30, 0.1, 0), (100, 0.07, 0), (1000, 0.03, 0), (7, 0.5, 0),
@@ -74,7 +123,7 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["cosine", "constant_with_warmup"])
+@pytest.mark.parametrize("kind", ["cosine", "constant_with_warmup", "deepspeed_warmup_decay_lr"])
 def test_a_checkpoint_taken_in_the_warmup_resumes_the_same_rates(tmp_path, world_of_one, kind):
     def fresh():
         model = torch.nn.Linear(3, 3)
@@ -91,4 +140,5 @@ def test_a_checkpoint_taken_in_the_warmup_resumes_the_same_rates(tmp_path, world
     manager.close()
     model, optimizer, scheduler = fresh()
     manager.load(tmp_path / "checkpoint-2", training_state(model, optimizer, scheduler, TrainingProgress(), 0, False))
-    assert rates(kind, scheduler=scheduler, optimizer=optimizer) == pytest.approx(EXPECTED[kind][2:], abs=1e-12)
+    expected = EXPECTED.get(kind) or DEEPSPEED_EXPECTED[kind, None]
+    assert rates(kind, scheduler=scheduler, optimizer=optimizer) == pytest.approx(expected[2:], abs=1e-12)

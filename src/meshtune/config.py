@@ -184,9 +184,18 @@ class TrainConfig(BaseModel):
     adam_epsilon: float = OPTIMIZATION(1e-8, "AdamW epsilon", gt=0.0)
     num_train_epochs: float = OPTIMIZATION(3.0, "epochs, used when max_steps is -1", gt=0.0)
     max_steps: int = OPTIMIZATION(-1, "optimizer steps; -1 = from num_train_epochs", ge=-1)
-    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = OPTIMIZATION(
+    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup", "deepspeed_warmup_lr",
+                               "deepspeed_warmup_decay_lr", "deepspeed_warmup_cosine_lr"] = OPTIMIZATION(
         "cosine", "HF's schedule of that name, warmup from lr 0 included: cosine | linear (decay to 0 after the "
-                  "warmup) | constant (no warmup, as in HF) | constant_with_warmup")
+                  "warmup) | constant (no warmup, as in HF) | constant_with_warmup | DeepSpeed's WarmupLR, "
+                  "WarmupDecayLR, WarmupCosineLR as DeepSpeed computes them (what a DeepSpeed JSON's scheduler "
+                  "becomes): deepspeed_warmup_lr | deepspeed_warmup_decay_lr | deepspeed_warmup_cosine_lr")
+    warmup_type: Literal["log", "linear"] | None = OPTIMIZATION(
+        None, "the deepspeed_* schedules' warmup (DeepSpeed's warmup_type): log (DeepSpeed's default) | linear. HF's "
+              "schedules warm up linearly")
+    cos_min_ratio: float | None = OPTIMIZATION(
+        None, "deepspeed_warmup_cosine_lr: the share of learning_rate it decays to (DeepSpeed's cos_min_ratio); "
+              "default DeepSpeed's 0.0001", ge=0.0, le=1.0)
     warmup_ratio: float = OPTIMIZATION(0.0, "warmup as a fraction of all steps, rounded up", ge=0.0, lt=1.0)
     warmup_steps: float = OPTIMIZATION(0, "warmup steps; overrides warmup_ratio when > 0. A fraction below 1 is a "
                                           "share of all steps, as in transformers 5", ge=0)
@@ -566,6 +575,15 @@ class TrainConfig(BaseModel):
             raise ValueError(f"memory_budget: {self.memory_budget:g} is read only by gradient_checkpointing_ratio: "
                              f"auto, not {self.gradient_checkpointing_ratio:g}; leave the ratio out (auto is its "
                              f"default) or drop memory_budget")
+        deepspeed_schedule = self.lr_scheduler_type.startswith("deepspeed_")
+        if self.warmup_type is not None and not deepspeed_schedule:
+            raise ValueError(f"warmup_type: {self.warmup_type} shapes the warmup of DeepSpeed's schedules "
+                             f"(lr_scheduler_type deepspeed_warmup_lr, deepspeed_warmup_decay_lr, "
+                             f"deepspeed_warmup_cosine_lr); lr_scheduler_type {self.lr_scheduler_type} is HF's, "
+                             f"which warms up linearly: drop warmup_type")
+        if self.cos_min_ratio is not None and self.lr_scheduler_type != "deepspeed_warmup_cosine_lr":
+            raise ValueError(f"cos_min_ratio: {self.cos_min_ratio:g} is where deepspeed_warmup_cosine_lr ends; "
+                             f"lr_scheduler_type {self.lr_scheduler_type} does not read it: drop it")
         if self.val_size >= 1 and self.val_size != int(self.val_size):
             raise ValueError(f"val_size: {self.val_size} is neither a fraction below 1 nor a whole count")
         return self

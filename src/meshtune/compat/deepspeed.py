@@ -18,7 +18,11 @@ from meshtune.config import TrainConfig, without_autos
 from meshtune.errors import ConfigError
 
 STAGE_TO_PARALLEL = {0: "ddp", 1: "zero2", 2: "zero2", 3: "zero3"}
-SCHEDULERS = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+# DeepSpeed's schedules, run as DeepSpeed computes them (train/schedule.py)
+SCHEDULERS = {"WarmupLR": "deepspeed_warmup_lr", "WarmupDecayLR": "deepspeed_warmup_decay_lr",
+              "WarmupCosineLR": "deepspeed_warmup_cosine_lr"}
+# what DeepSpeed's scheduler takes where its entry is absent (not "auto", which HF Trainer fills in)
+WARMUP_NUM_STEPS, WARMUP_DECAY_MAX_LR = 1000, 0.001
 # Entries that tune how DeepSpeed runs, not what it computes: FSDP2 decides these by itself.
 TUNING = ("overlap_comm", "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "reduce_bucket_size",
           "contiguous_gradients", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
@@ -167,22 +171,45 @@ def _scheduler(block: dict[str, Any], name: str, given: dict[str, Any], sources:
         return
     params = dict(block.get("params") or {})
     ours = SCHEDULERS[kind]
-    if "lr_scheduler_type" in given and given["lr_scheduler_type"] != ours:
+    used = "lr_scheduler_type" not in given or given["lr_scheduler_type"] == ours
+    if used:
+        take("lr_scheduler_type", ours, "scheduler.type")
+    else:
         # HF Trainer lets the file's scheduler win silently; the user's explicit choice is what meshtune follows
         out.notes.append(f"{name}: scheduler {kind} (lr_scheduler_type {ours}) is not used: lr_scheduler_type "
                          f"{given['lr_scheduler_type']!r} ({sources.get('lr_scheduler_type', 'config')}) is; HF "
                          f"Trainer would have run the file's {kind}")
-    else:
-        take("lr_scheduler_type", ours, "scheduler.type")
+    if used and "warmup_num_steps" not in params:
+        take("warmup_steps", WARMUP_NUM_STEPS, "scheduler.params.warmup_num_steps (absent: DeepSpeed's default)")
+        out.notes.append(f"{name}: scheduler {kind} gives no warmup_num_steps: {WARMUP_NUM_STEPS} warmup steps, "
+                         f"DeepSpeed's default (\"auto\" takes warmup_steps / warmup_ratio)")
     take("warmup_steps", params.pop("warmup_num_steps", None), "scheduler.params.warmup_num_steps")
+    if used and kind == "WarmupDecayLR" and "warmup_max_lr" not in params:
+        if "learning_rate" in out.values:  # DeepSpeed's scheduler would overrule the optimizer's lr
+            lr = out.values["learning_rate"]
+            out.problems.append(f"{name}: scheduler WarmupDecayLR gives no warmup_max_lr, so DeepSpeed peaks at its "
+                                f"default {WARMUP_DECAY_MAX_LR}, not optimizer.params.lr {lr}; set "
+                                f"scheduler.params.warmup_max_lr to the peak you mean (or \"auto\")")
+        else:
+            take("learning_rate", WARMUP_DECAY_MAX_LR, "scheduler.params.warmup_max_lr (absent: DeepSpeed's default)")
     take("learning_rate", params.pop("warmup_max_lr", None), "scheduler.params.warmup_max_lr")
     take("max_steps", params.pop("total_num_steps", None), "scheduler.params.total_num_steps")
-    for entry in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio"):
+    for entry in ("warmup_min_lr", "warmup_min_ratio"):
         value = params.pop(entry, None)
         if value not in (None, 0, 0.0):
-            out.problems.append(f"{name}: scheduler.params.{entry} {value!r}: meshtune's schedules start and end at "
-                                f"0; set it to 0 or \"auto\"")
-    warmup_type = params.pop("warmup_type", "log" if kind == "WarmupLR" else "linear")
-    if warmup_type != "linear":
-        out.notes.append(f"{name}: scheduler warmup_type {warmup_type!r} runs as linear warmup")
+            out.problems.append(f"{name}: scheduler.params.{entry} {value!r}: meshtune's warmups start at 0; set it "
+                                f"to 0 or \"auto\"")
+    warmup_type = params.pop("warmup_type", None)
+    cos_min_ratio = params.pop("cos_min_ratio", None)
     out.unhonoured += [f"scheduler.params.{key}" for key in sorted(params)]
+    if not used:  # its warmup_type and cos_min_ratio shape a schedule that does not run
+        return
+    if warmup_type not in (None, "log", "linear"):  # DeepSpeed warns and warms up as log
+        out.notes.append(f"{name}: scheduler.params.warmup_type {warmup_type!r} is neither log nor linear: log, as "
+                         f"DeepSpeed falls back to")
+        warmup_type = "log"
+    take("warmup_type", warmup_type, "scheduler.params.warmup_type")
+    if kind == "WarmupCosineLR":
+        take("cos_min_ratio", cos_min_ratio, "scheduler.params.cos_min_ratio")
+    elif cos_min_ratio is not None:
+        out.unhonoured.append("scheduler.params.cos_min_ratio")

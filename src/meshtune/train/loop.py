@@ -122,8 +122,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     logger.info(plan.describe())
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
-    scheduler = build_scheduler(optimizer, total_steps, warmup, cfg.lr_scheduler_type)
-    logger.info(describe_schedule(total_steps, warmup, cfg.lr_scheduler_type))
+    schedule = (total_steps, warmup, cfg.lr_scheduler_type, cfg.warmup_type, cfg.cos_min_ratio)
+    scheduler = build_scheduler(optimizer, *schedule)
+    logger.info(describe_schedule(*schedule))
     progress = TrainingProgress()
     state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora)
     if resume_path:
