@@ -146,6 +146,53 @@ def test_the_pytorchjob_validates_against_the_training_operators_schema(capsys, 
         assert specs["Worker"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == 16
 
 
+def test_the_configs_model_and_data_are_mounted_or_named_in_a_warning(capsys, tmp_path):
+    """The pods read the config's paths as written: --mount puts the claims that hold them there; what no volume of
+    the job holds is named on stderr and in the manifest, since the pods would not find it."""
+    config = small_config(tmp_path, eval_dataset="eval.jsonl", tokenized_path="/cache/tokens")
+    base = ["--scheduler", "k8s", str(config), "--nodes", "2", "--gpus-per-node", "8", "--image", "meshtune:1",
+            "--pvc", "shared-rwx"]
+    code = main(["launch", *base])
+    bare = capsys.readouterr()
+    assert code == 0
+    missing = ("model_name_or_path /shared/models/qwen, dataset /shared/data/train.jsonl, eval_dataset eval.jsonl "
+               "(relative: in the image's working directory), tokenized_path /cache/tokens")
+    assert bare.err == (f"meshtune: warning: the PyTorchJob mounts output_dir (--pvc shared-rwx) and the config, not "
+                        f"{missing}: the pods find them only if the image holds them; mount the claim that holds them "
+                        f"with --mount CLAIM:PATH[:ro]\n")
+    assert f"# not on any volume above, so the image must hold them: {missing}\n" in bare.out
+
+    text = generate(capsys, *base, "--mount", "models:/shared/models:ro", "--mount", "data:/shared/data/",
+                    "--mount", "cache:/cache", "eval_dataset=/shared/data/eval.jsonl")
+    _, job = pytorchjob(text)
+    assert schema_errors(job) == [] and "not on any volume" not in text
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():
+        pod = spec["template"]["spec"]
+        mounts = {mount["name"]: mount for mount in pod["containers"][0]["volumeMounts"]}
+        claims = {volume["name"]: volume.get("persistentVolumeClaim") for volume in pod["volumes"]}
+        assert [(mounts[name]["mountPath"], mounts[name].get("readOnly", False), claims[name])
+                for name in ("mount-0", "mount-1", "mount-2")] == [
+            ("/shared/models", True, {"claimName": "models", "readOnly": True}),
+            ("/shared/data", False, {"claimName": "data"}), ("/cache", False, {"claimName": "cache"})]
+    named = small_config(tmp_path, dataset="alpaca_en_demo,identity", dataset_dir="/lf/data")
+    code = main(["launch", *base[:2], str(named), *base[3:], "--mount", "models:/shared/models"])
+    assert code == 0 and "not dataset_dir /lf/data:" in capsys.readouterr().err  # where dataset_info.json names them
+
+
+@pytest.mark.parametrize("mount, message", [
+    ("models", "--mount models: write CLAIM:PATH or CLAIM:PATH:ro"),
+    ("Models:/m", "--mount Models:/m: write CLAIM:PATH"),
+    ("models:relative", "--mount models:relative: write CLAIM:PATH"),
+    ("models:/m:rw", "--mount models:/m:rw: write CLAIM:PATH"),
+    ("models:/shared/runs/qwen-lora", "/shared/runs/qwen-lora is where output_dir (--pvc) is mounted"),
+    ("models:/etc/meshtune", "/etc/meshtune is where the config is mounted"),
+])
+def test_a_mount_that_cannot_work_is_refused(capsys, tmp_path, mount, message):
+    code = main(["launch", "--scheduler", "k8s", str(small_config(tmp_path)), "--nodes", "2", "--gpus-per-node", "8",
+                 "--image", "meshtune:1", "--pvc", "shared-rwx", "--mount", mount])
+    assert code == 1 and message in capsys.readouterr().err
+
+
 def test_a_malformed_pytorchjob_fails_the_schema(capsys, tmp_path):
     text = generate(capsys, "--scheduler", "k8s", str(small_config(tmp_path)), "--nodes", "2", "--gpus-per-node",
                     "8", "--image", "img", "--pvc", "shared")
@@ -463,7 +510,8 @@ PAGES = {"slurm.md": ("bash", "qwen7b.sbatch", ["--scheduler", "slurm", "--nodes
                                            "--cpus-per-node", "32", "--time", "12:00:00", "--queue", "gpu"]),
          "kubernetes.md": ("yaml", "qwen7b.yaml", ["--scheduler", "k8s", "--nodes", "2", "--gpus-per-node", "8",
                                                    "--image", "registry.example.com/meshtune:0.1", "--pvc",
-                                                   "shared-rwx"])}
+                                                   "shared-rwx", "--mount", "models:/shared/models:ro", "--mount",
+                                                   "data:/shared/data:ro"])}
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -293,7 +293,7 @@ def positions(text: str) -> list[int]:
 
 SCHEDULER_OPTIONS = ("--scheduler", "--nodes", "--gpus-per-node", "--cpus-per-node", "--time", "--job-name",
                      "--output", "--python", "--partition", "--account", "--queue", "--image", "--pvc", "--namespace",
-                     "--elastic")
+                     "--elastic", "--mount")
 
 
 def add_scheduler_options(launch: argparse.ArgumentParser) -> None:
@@ -318,6 +318,9 @@ def add_scheduler_options(launch: argparse.ArgumentParser) -> None:
                                                      "output_dir")
     group.add_argument("--namespace", help="k8s: the namespace")
     group.add_argument("--elastic", metavar="MIN:MAX", help="k8s: an elastic job of MIN to MAX pods")
+    group.add_argument("--mount", action="append", metavar="CLAIM:PATH[:ro]",
+                       help="k8s: a PersistentVolumeClaim mounted at PATH in every pod (read-only with :ro), for the "
+                            "model and data the config names; repeat it for several")
 
 
 def load_training_config(args: argparse.Namespace):
@@ -380,7 +383,7 @@ def write_job_file(args: argparse.Namespace, given: list[str]) -> int:
     """`launch --scheduler`: the config checked as for training, then the job file written, nothing started."""
     import os
 
-    from meshtune.launch.scheduler_files import JobRequest, job_file
+    from meshtune.launch.scheduler_files import JobRequest, job_file, unmounted_warning
 
     if args.dry_run:
         raise MeshtuneError("--dry-run and --scheduler: --scheduler starts nothing either; leave out --dry-run")
@@ -394,9 +397,11 @@ def write_job_file(args: argparse.Namespace, given: list[str]) -> int:
         python=args.python or (None if args.scheduler == "k8s" else sys.executable),
         command_line=args.command_line, job_name=args.job_name, time=args.time, cpus_per_node=args.cpus_per_node,
         partition=args.partition, account=args.account, queue=args.queue, image=args.image, pvc=args.pvc,
-        namespace=args.namespace, elastic=args.elastic,
+        namespace=args.namespace, elastic=args.elastic, mount=tuple(args.mount) if args.mount else None,
         given=tuple(option[2:].replace("-", "_") for option in given))
     text = job_file(job, cfg)
+    if warning := unmounted_warning(job, cfg):
+        print(f"meshtune: warning: {warning}", file=sys.stderr)
     if not args.output:
         sys.stdout.write(text)
         return 0

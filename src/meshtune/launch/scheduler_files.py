@@ -31,7 +31,7 @@ SCHEDULERS = ("slurm", "pbs", "k8s")
 DEFAULT_MASTER_PORT = 29500
 # SLURM's options, PBS's and Kubernetes': each is refused under another scheduler, naming the one that has it
 OWN_OPTIONS = {"slurm": ("partition", "account", "time"), "pbs": ("queue", "account", "time"),
-               "k8s": ("image", "pvc", "namespace", "elastic")}
+               "k8s": ("image", "pvc", "namespace", "elastic", "mount")}
 CONFIG_MOUNT = "/etc/meshtune"  # where a pod sees the config, from the ConfigMap
 K8S_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 K8S_NAME_MAX = 40  # pods are named <job>-worker-<index>, which must stay within 63 characters
@@ -60,6 +60,7 @@ class JobRequest:
     pvc: str | None = None
     namespace: str | None = None
     elastic: str | None = None
+    mount: tuple[str, ...] | None = None  # k8s: CLAIM:PATH[:ro], more claims mounted in every pod
     given: tuple[str, ...] = field(default=())  # the scheduler options given on the command line, by name
 
 
@@ -121,12 +122,82 @@ def check_kubernetes(job: JobRequest, cfg) -> None:
     if job.job_name is not None and not (K8S_NAME.fullmatch(job.job_name) and len(job.job_name) <= K8S_NAME_MAX):
         raise ConfigError(f"--job-name {job.job_name}: a PyTorchJob's name is lowercase letters, digits and '-', "
                           f"starts with a letter, ends with a letter or digit, at most {K8S_NAME_MAX} characters")
+    claims = claim_mounts(job)
+    taken = {cfg.output_dir: "output_dir (--pvc)", CONFIG_MOUNT: "the config", "/dev/shm": "shared memory"}
+    for claim in claims:
+        if claim.path in taken:
+            raise ConfigError(f"--mount {claim.claim}:{claim.path}: {claim.path} is where {taken[claim.path]} is "
+                              f"mounted; mount the claim elsewhere")
+        taken[claim.path] = f"--mount {claim.claim}"
     if job.elastic is not None:
         low, high = elastic_range(job.elastic)
         if not 1 <= low <= job.nodes <= high or job.nodes < 2:
             raise ConfigError(f"--elastic {job.elastic} with --nodes {job.nodes}: write MIN:MAX with "
                               f"1 <= MIN <= --nodes <= MAX, and --nodes at least 2 (an elastic PyTorchJob needs a "
                               f"Worker)")
+
+
+@dataclass(frozen=True)
+class ClaimMount:
+    claim: str       # a PersistentVolumeClaim's name
+    path: str        # where every pod sees it
+    read_only: bool
+
+
+def claim_mounts(job: JobRequest) -> list[ClaimMount]:
+    """`--mount CLAIM:PATH[:ro]`, each checked: a claim's name, an absolute path."""
+    mounts = []
+    for text in job.mount or ():
+        claim, _, rest = text.partition(":")
+        path, _, mode = rest.partition(":")
+        if not (K8S_NAME.fullmatch(claim) and len(claim) <= 253) or not path.startswith("/") or mode not in ("", "ro"):
+            raise ConfigError(f"--mount {text}: write CLAIM:PATH or CLAIM:PATH:ro, a PersistentVolumeClaim's name "
+                              f"and the absolute path every pod sees it at, e.g. --mount models:/shared/models:ro")
+        mounts.append(ClaimMount(claim, path.rstrip("/") or "/", mode == "ro"))
+    return mounts
+
+
+def paths_in_pods(cfg) -> list[tuple[str, str]]:
+    """(key, path) for every file or folder the config names, which each pod reads at that path: the model, an
+    adapter, the data (a dataset name: dataset_dir, where its dataset_info.json is) and the token cache."""
+    paths = [("model_name_or_path", cfg.model_name_or_path)]
+    if cfg.adapter_name_or_path:
+        paths.append(("adapter_name_or_path", cfg.adapter_name_or_path))
+    named = False
+    for key in ("dataset", "eval_dataset"):
+        for entry in getattr(cfg, key) or []:
+            if "/" in entry or Path(entry).suffix.lower() in (".json", ".jsonl"):
+                paths.append((key, entry))
+            else:
+                named = True
+    if named:
+        paths.append(("dataset_dir", cfg.dataset_dir))
+    if cfg.tokenized_path:
+        paths.append(("tokenized_path", cfg.tokenized_path))
+    return paths
+
+
+def unmounted_paths(job: JobRequest, cfg) -> list[str]:
+    """The config's paths that no volume of the PyTorchJob holds (output_dir's claim, a --mount): a pod finds them
+    only if its image has them. Relative paths are read from the image's working directory."""
+    holders = [cfg.output_dir, *(claim.path for claim in claim_mounts(job))]
+    missing = []
+    for key, path in paths_in_pods(cfg):
+        if not Path(path).is_absolute():
+            missing.append(f"{key} {path} (relative: in the image's working directory)")
+        elif not any(Path(path) == Path(holder) or Path(holder) in Path(path).parents for holder in holders):
+            missing.append(f"{key} {path}")
+    return missing
+
+
+def unmounted_warning(job: JobRequest, cfg) -> str | None:
+    """One line naming what the pods would not find, and how to mount it; None where every path is mounted."""
+    missing = unmounted_paths(job, cfg) if job.scheduler == "k8s" else []
+    if not missing:
+        return None
+    return (f"the PyTorchJob mounts output_dir (--pvc {job.pvc}){', the --mount claims' if job.mount else ''} and "
+            f"the config, not {', '.join(missing)}: the pods find them only if the image holds them; mount the "
+            f"claim that holds them with --mount CLAIM:PATH[:ro]")
 
 
 def expected_nnodes(job: JobRequest) -> str:
@@ -266,4 +337,5 @@ def pytorchjob_manifest(job: JobRequest, cfg) -> str:
                   config_map=config_map, config_path=config_path, config_mount=CONFIG_MOUNT, command=command,
                   nproc=cfg.nproc_per_node or job.gpus_per_node or 1, replicas=replicas, limits=limits,
                   elastic=elastic_range(job.elastic) if job.elastic else None, master_port=master_port(cfg),
-                  stop_grace_period=cfg.stop_grace_period)
+                  stop_grace_period=cfg.stop_grace_period, claims=claim_mounts(job),
+                  unmounted=unmounted_paths(job, cfg))
