@@ -252,3 +252,37 @@ def test_a_failing_tracker_is_dropped_with_one_warning_and_training_goes_on(tmp_
     warnings = [r.getMessage() for r in caplog.records if "tensorboard failed" in r.getMessage()]
     assert warnings == ["warning: tensorboard failed logging step 1 (RuntimeError: the tracker's server went away); "
                         "nothing more goes to tensorboard in this run, output_dir/metrics.jsonl keeps every record"]
+
+
+@pytest.mark.slow  # runs the mlflow command line
+@pytest.mark.timeout(180)
+def test_the_readmes_commands_list_the_mlflow_run_from_a_fresh_shell(tmp_path, monkeypatch):
+    """The README's block, run as written in a shell that has none of meshtune's MLflow settings, finds the run a
+    meshtune run wrote to output_dir/mlruns; the UI line names the full package, which mlflow-skinny is not."""
+    import os
+    import subprocess
+    import sys
+
+    from meshtune.train.sinks import MlflowSink
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.setenv(name, "")  # so that what the sink sets in this process is undone after the test
+        monkeypatch.delenv(name)
+    sink = MlflowSink(tmp_path / "output", None, 0, "output")
+    sink.log(1, {"loss": 1.5}, {})
+    sink.close(True)
+    experiment = sink.client.get_run(sink.run_id).info.experiment_id
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("#### Looking at meshtune's MLflow runs", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.splitlines()
+    assert lines[-1].startswith("pip install mlflow && mlflow ui --backend-store-uri output/mlruns")
+    shell = "\n".join(["set -e", *lines[:-1]]).replace("--experiment-id ID", f"--experiment-id {experiment}")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MLFLOW_")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # this environment's mlflow
+    done = subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "meshtune" in done.stdout and sink.run_id in done.stdout
+    without = subprocess.run(["bash", "-c", shell.replace("export MLFLOW_ALLOW_FILE_STORE=true ", "export ")],
+                             env=env, capture_output=True, text=True, timeout=150)
+    assert without.returncode != 0 and "MLFLOW_ALLOW_FILE_STORE" in without.stderr  # why the README sets it

@@ -112,7 +112,8 @@ class WandbSink:
 
 class MlflowSink:
     """An MLflow run in experiment MLFLOW_EXPERIMENT_NAME (default meshtune), named by output_dir, in the store at
-    MLFLOW_TRACKING_URI, else in a file store in output_dir/mlruns/ (`mlflow ui --backend-store-uri` it)."""
+    MLFLOW_TRACKING_URI, else in a file store in output_dir/mlruns/, which MLflow 3 opens only with
+    MLFLOW_ALLOW_FILE_STORE=true (README: "Looking at meshtune's MLflow runs")."""
 
     name = "mlflow"
 
