@@ -174,6 +174,11 @@ def test_the_configs_model_and_data_are_mounted_or_named_in_a_warning(capsys, tm
                 for name in ("mount-0", "mount-1", "mount-2")] == [
             ("/shared/models", True, {"claimName": "models", "readOnly": True}),
             ("/shared/data", False, {"claimName": "data"}), ("/cache", False, {"claimName": "cache"})]
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    code = main(["launch", *base, "--mount", "models:/shared/models", "--mount", "data:/shared/data",
+                 "--mount", "cache:/cache", "eval_dataset=/shared/data/eval.jsonl",
+                 f"deepspeed={tmp_path / 'ds.json'}"])
+    assert code == 0 and f"not deepspeed {tmp_path / 'ds.json'}:" in capsys.readouterr().err  # read by every pod
     named = small_config(tmp_path, dataset="alpaca_en_demo,identity", dataset_dir="/lf/data")
     code = main(["launch", *base[:2], str(named), *base[3:], "--mount", "models:/shared/models"])
     assert code == 0 and "not dataset_dir /lf/data:" in capsys.readouterr().err  # where dataset_info.json names them

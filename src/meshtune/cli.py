@@ -398,6 +398,7 @@ def write_job_file(args: argparse.Namespace, given: list[str]) -> int:
         command_line=args.command_line, job_name=args.job_name, time=args.time, cpus_per_node=args.cpus_per_node,
         partition=args.partition, account=args.account, queue=args.queue, image=args.image, pvc=args.pvc,
         namespace=args.namespace, elastic=args.elastic, mount=tuple(args.mount) if args.mount else None,
+        deepspeed=deepspeed_named(args),
         given=tuple(option[2:].replace("-", "_") for option in given))
     text = job_file(job, cfg)
     if warning := unmounted_warning(job, cfg):
@@ -411,6 +412,14 @@ def write_job_file(args: argparse.Namespace, given: list[str]) -> int:
     submit = {"slurm": "sbatch", "pbs": "qsub", "k8s": "kubectl apply -f"}[args.scheduler]
     print(f"meshtune: wrote {args.output}; submit it with: {submit} {args.output}")
     return 0
+
+
+def deepspeed_named(args: argparse.Namespace) -> str | None:
+    """The DeepSpeed JSON the job's config, flags or overrides name (the last wins, as for every key)."""
+    from meshtune.config import load_yaml, parse_overrides
+
+    values = {**(load_yaml(args.config) if args.config else {}), **args.flags, **parse_overrides(args.overrides)}
+    return str(values["deepspeed"]) if values.get("deepspeed") else None
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -61,6 +61,7 @@ class JobRequest:
     namespace: str | None = None
     elastic: str | None = None
     mount: tuple[str, ...] | None = None  # k8s: CLAIM:PATH[:ro], more claims mounted in every pod
+    deepspeed: str | None = None  # the DeepSpeed JSON the config names, which every node reads too
     given: tuple[str, ...] = field(default=())  # the scheduler options given on the command line, by name
 
 
@@ -157,10 +158,13 @@ def claim_mounts(job: JobRequest) -> list[ClaimMount]:
     return mounts
 
 
-def paths_in_pods(cfg) -> list[tuple[str, str]]:
+def paths_in_pods(job: JobRequest, cfg) -> list[tuple[str, str]]:
     """(key, path) for every file or folder the config names, which each pod reads at that path: the model, an
-    adapter, the data (a dataset name: dataset_dir, where its dataset_info.json is) and the token cache."""
+    adapter, the DeepSpeed JSON, the data (a dataset name: dataset_dir, where its dataset_info.json is) and the
+    token cache."""
     paths = [("model_name_or_path", cfg.model_name_or_path)]
+    if job.deepspeed:
+        paths.append(("deepspeed", job.deepspeed))
     if cfg.adapter_name_or_path:
         paths.append(("adapter_name_or_path", cfg.adapter_name_or_path))
     named = False
@@ -182,7 +186,7 @@ def unmounted_paths(job: JobRequest, cfg) -> list[str]:
     only if its image has them. Relative paths are read from the image's working directory."""
     holders = [cfg.output_dir, *(claim.path for claim in claim_mounts(job))]
     missing = []
-    for key, path in paths_in_pods(cfg):
+    for key, path in paths_in_pods(job, cfg):
         if not Path(path).is_absolute():
             missing.append(f"{key} {path} (relative: in the image's working directory)")
         elif not any(Path(path) == Path(holder) or Path(holder) in Path(path).parents for holder in holders):
