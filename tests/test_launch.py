@@ -340,8 +340,9 @@ def test_a_named_error_in_the_workers_is_printed_once_without_torchruns_tracebac
                                                   lora_target="q_projx"))
     result, _ = run_cli(["train", str(config)], timeout=180)
     assert result.returncode == 1, result.stdout[-3000:]
-    assert result.stdout.count("lora_target: q_projx not found in the model") == 1, result.stdout[-3000:]
-    assert result.stdout.strip().splitlines()[-1].startswith("meshtune: error: lora_target: q_projx not found")
+    assert result.stdout.count("lora_target: q_projx names no linear layer of the model") == 1, result.stdout[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith(
+        "meshtune: error: lora_target: q_projx names no linear layer")
     assert "Traceback" not in result.stdout and "SignalException" not in result.stdout
 
 
