@@ -38,7 +38,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total: int, warmup: int, k
                           f"DeepSpeed refuses it (warmup_num_steps must be a positive integer); set warmup_steps or "
                           f"warmup_ratio, or the DeepSpeed file's scheduler.params.warmup_num_steps")
     ratio = functools.partial(deepspeed_lr_ratio, kind=kind, total=total, warmup=warmup,
-                              log=(warmup_type or "log") == "log", floor=deepspeed_floor(kind, cos_min_ratio))
+                              log_warmup=(warmup_type or "log") == "log", floor=deepspeed_floor(kind, cos_min_ratio))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, ratio)
 
 
@@ -49,7 +49,7 @@ def deepspeed_floor(kind: str, cos_min_ratio: float | None) -> float:
     return DEEPSPEED_COS_MIN_RATIO if cos_min_ratio is None else cos_min_ratio
 
 
-def deepspeed_lr_ratio(step: int, kind: str, total: int, warmup: int, log: bool, floor: float) -> float:
+def deepspeed_lr_ratio(step: int, kind: str, total: int, warmup: int, log_warmup: bool, floor: float) -> float:
     """The learning rate of optimizer step `step` (from 0) as a share of the peak, operation for operation as
     DeepSpeed's lr_schedules.py computes it. DeepSpeed sets the first step's rate when the scheduler is built
     (its start, 0) and advances after every step, so step k trains at its value for last_batch_iteration k - 1:
@@ -60,7 +60,7 @@ def deepspeed_lr_ratio(step: int, kind: str, total: int, warmup: int, log: bool,
         return 0.0
     warmup = max(2, warmup)
     if last < warmup:
-        return (1.0 / math.log(warmup)) * math.log(last + 1) if log else last / warmup
+        return (1.0 / math.log(warmup)) * math.log(last + 1) if log_warmup else last / warmup
     if kind == "deepspeed_warmup_lr":
         return 1.0
     if kind == "deepspeed_warmup_decay_lr":
