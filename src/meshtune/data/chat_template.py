@@ -24,7 +24,9 @@ TOOL_TEMPLATES = ", ".join(FORMATS)  # every written-out format renders tools
 # render_chatml as a jinja chat template, plus LLaMA-Factory's tool format for chatml
 CHATML_JINJA = template_jinja("chatml")
 
-# A tokenizer's own template stands in for a format only if it renders these prefix-stably, tools included.
+# The tokenizer's own template stands in for a named format only if it renders and trains these exactly as the
+# format does (the default system prompt, several turns, a tool call and its result); under auto, it is used if it
+# renders them prefix-stably.
 _PROBE = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi."},
@@ -41,6 +43,8 @@ _PROBE_TOOL_CALL = [
     {"role": "tool", "content": "probe_result"},
     {"role": "assistant", "content": "Found."},
 ]
+_SAME_TEXT_PROBES = [(_PROBE, None), (_PROBE[1:], None), (_PROBE_TOOL_CALL, _PROBE_TOOLS),
+                     (_PROBE_TOOL_CALL[1:], _PROBE_TOOLS)]
 
 
 def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -51,7 +55,7 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> 
 
 def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> str | None:
     """The chat template to save with the trained model when training used a written-out one; None when the
-    tokenizer's own is the one trained (under qwen3_nothink, serve that one with enable_thinking=False)."""
+    tokenizer's own is the one trained."""
     chat = ChatTemplate(tokenizer, template)
     return None if chat.own else chat.jinja
 
@@ -74,11 +78,9 @@ class ChatTemplate:
     """A tokenizer plus the template that turns conversations into (input_ids, labels).
 
     `template`: None (the config's auto, `TrainConfig.named_template`) uses the tokenizer's own chat template when
-    it has one, else ChatML; "tokenizer" requires
-    the tokenizer's own; formats without a family marker (chatml, default, empty, alpaca, deepseek, glm4, baichuan2,
-    intern2, cohere) are always written out; the model-family names (qwen, qwen3, qwen3_nothink, llama3, llama2,
-    mistral, gemma, gemma3, phi, phi4, deepseek3, yi) use the tokenizer's own template when it is that family's
-    and renders plain and tool conversations prefix-stably, else the written-out format.
+    it has one, else ChatML; "tokenizer" requires the tokenizer's own; a format's name (chatml and LLaMA-Factory's
+    names) renders as that format: written out as LLaMA-Factory renders it, or through the tokenizer's own
+    template only where that renders and trains the probe conversations exactly as the format does.
     `name` is the format ("tokenizer" for the tokenizer's own under None/tokenizer), `own` whether the tokenizer's
     template renders, `description` both in words for the run log, `jinja` the template text in use.
     """
@@ -95,26 +97,39 @@ class ChatTemplate:
                 "(tokenizer_config.json / chat_template.jinja); use template: chatml or auto"
             )
         self.tokenizer = tokenizer
-        self._kwargs: dict = {}
         self.takes_tools = True
         if template in (None, "tokenizer") and own:
             self._use_own("tokenizer", "the tokenizer's own")
             self.takes_tools = self._renders(_PROBE_TOOL_CALL, _PROBE_TOOLS)
             return
-        self.name = template or "chatml"
-        marker = FORMATS[self.name].family_marker
-        if marker and own and marker in str(own):
-            self._use_own(self.name, f"{self.name} (tokenizer's own)")
-            if self.name == "qwen3_nothink" and "enable_thinking" in str(own):
-                self._kwargs = {"enable_thinking": False}
-            if self._renders(_PROBE) and self._renders(_PROBE_TOOL_CALL, _PROBE_TOOLS):
-                return
-        self.own, self.jinja, self._kwargs = False, template_jinja(self.name), {}
-        self.description = f"{self.name} (written out)"
+        self._write_out(template or "chatml")
         if train_on_prompt and FORMATS[self.name].efficient_eos:
             raise DataError(f"train_on_prompt: true with template: {self.name}: its turns have no end-of-turn text and "
                             f"the eos token that ends an assistant turn is the label of the next prompt's first token, "
                             f"so prompts cannot be trained (LLaMA-Factory refuses it too); drop train_on_prompt")
+        if own and self._own_is_the_same():
+            self._use_own(self.name, f"{self.name} (the tokenizer's own, which renders it the same)")
+
+    def _write_out(self, name: str) -> None:
+        self.name, self.own, self.jinja = name, False, template_jinja(name)
+        self.description = f"{name} (written out)"
+
+    def _own_is_the_same(self) -> bool:
+        """Whether the tokenizer's own template encodes every probe conversation as the written-out format does:
+        the same tokens, the same ones trained (or both refuse it)."""
+        written_out = [self._probe(messages, tools) for messages, tools in _SAME_TEXT_PROBES]
+        name = self.name
+        self._use_own(name, "")
+        same = [self._probe(messages, tools) for messages, tools in _SAME_TEXT_PROBES] == written_out
+        if not same:
+            self._write_out(name)
+        return same
+
+    def _probe(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]] | None:
+        try:
+            return self._encode(messages, tools)
+        except DataError:
+            return None
 
     def _use_own(self, name: str, description: str) -> None:
         self.name, self.description, self.own, self.jinja = name, description, True, self.tokenizer.chat_template
@@ -144,7 +159,7 @@ class ChatTemplate:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=None if self.own else self.jinja, tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **self._kwargs,
+                add_generation_prompt=add_generation_prompt,
             )
         except (TemplateError, ValueError, TypeError) as e:
             fix = "fix the record, or use template: chatml" if self.own else "fix the record"

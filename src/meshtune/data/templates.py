@@ -29,7 +29,6 @@ class Format:
     default_system: str = ""
     system_in_first_user: bool = False  # llama2 / mistral fold the system prompt into the first user turn
     empty_thought: bool = False  # qwen3: an assistant turn without reasoning gets an empty, trained <think></think>
-    family_marker: str = ""  # text that marks a tokenizer's own template as this family's ("" = never use it)
     # glm4, baichuan2 (LLaMA-Factory's efficient_eos): an assistant turn has no end marker of its own; the eos token
     # is trained after each one (as the label of the next turn's first token) and appended to the conversation
     efficient_eos: bool = False
@@ -45,7 +44,6 @@ _QWEN = dict(
     _CHATML,
     observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
     tools="qwen",
-    family_marker="<|im_start|>",
 )
 
 _GEMMA = dict(  # gemma, gemma3: the system prompt folded into the first user turn
@@ -56,7 +54,6 @@ _GEMMA = dict(  # gemma, gemma3: the system prompt folded into the first user tu
     assistant="{content}<end_of_turn>\n",
     observation="<start_of_turn>tool\n{content}<end_of_turn>\n",
     system_in_first_user=True,
-    family_marker="<start_of_turn>",
 )
 
 FORMATS: dict[str, Format] = {
@@ -72,14 +69,12 @@ FORMATS: dict[str, Format] = {
         assistant="{content}<|eot_id|>",
         observation="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>",
         tools="llama3",
-        family_marker="<|start_header_id|>",
     ),
     "llama2": Format(
         user="{bos}[INST] {content} [/INST]",
         assistant="{content}{eos}",
         system="<<SYS>>\n{content}\n<</SYS>>\n\n",
         system_in_first_user=True,
-        family_marker="[INST]",
     ),
     "mistral": Format(
         prefix="{bos}",
@@ -90,7 +85,6 @@ FORMATS: dict[str, Format] = {
         observation='[TOOL_RESULTS] {"content": {content}}[/TOOL_RESULTS]',
         tools="mistral",
         system_in_first_user=True,
-        family_marker="[INST]",
     ),
     "default": Format(
         system="System: {content}{eos}\n",
@@ -106,14 +100,12 @@ FORMATS: dict[str, Format] = {
         user="<|user|>\n{content}<|end|>\n",
         header="<|assistant|>\n",
         assistant="{content}<|end|>\n",
-        family_marker="<|end|>",
     ),
     "phi4": Format(
         system="<|im_start|>system<|im_sep|>{content}<|im_end|>",
         user="<|im_start|>user<|im_sep|>{content}<|im_end|>",
         header="<|im_start|>assistant<|im_sep|>",
         assistant="{content}<|im_end|>",
-        family_marker="<|im_sep|>",
     ),
     "deepseek": Format(
         prefix="{bos}",
@@ -127,7 +119,6 @@ FORMATS: dict[str, Format] = {
         user="<｜User｜>{content}",
         header="<｜Assistant｜>",
         assistant="{content}{eos}",
-        family_marker="<｜Assistant｜>",
     ),
     "glm4": Format(
         prefix="[gMASK]<sop>",
@@ -140,7 +131,7 @@ FORMATS: dict[str, Format] = {
         tools="glm4",
         efficient_eos=True,
     ),
-    "yi": Format(**_CHATML, family_marker="<|im_start|>"),
+    "yi": Format(**_CHATML),
     # LLaMA-Factory dropped baichuan2 as obsolete; this is its last definition there
     "baichuan2": Format(user="<reserved_106>{content}", header="<reserved_107>", assistant="{content}",
                         efficient_eos=True),
