@@ -332,3 +332,21 @@ def test_saved_template_serves_prompts_as_trained(tokenizer, name, tmp_path):
                                             add_generation_prompt=True)
         assert prompt == template.render_prompt(messages, tools=tools)
     assert served.apply_chat_template(SYSTEM + CHAT, tokenize=False) == EXPECTED[name][0]  # eos: training only
+
+
+@pytest.mark.parametrize("own", [None, QWEN25_INSTRUCT], ids=["written-out", "tokenizer's own"])
+@pytest.mark.parametrize("name", [None, "qwen", "chatml"])
+def test_default_system_replaces_the_templates_default_as_llamafactorys_key_does(tokenizer, tmp_path, name, own):
+    """A conversation without a system message (or with an empty one) gets default_system; one with its own keeps
+    it; final/'s template serves prompts the same."""
+    tok = tokenizer if own is None else with_template(tokenizer, own)
+    template = ChatTemplate(tok, name, default_system="Be kind.")
+    system = "<|im_start|>system\nBe kind.<|im_end|>\n"
+    assert rendered(tokenizer, template, CHAT)[0] == system + CHATML
+    assert rendered(tokenizer, template, [{"role": "system", "content": ""}] + CHAT)[0] == system + CHATML
+    assert rendered(tokenizer, template, SYSTEM + CHAT) == (CHATML_SYSTEM + CHATML, ["Hello.<|im_end|>\n"])
+    assert "Be kind." in template.description
+    with_template(tok, serving_chat_template(tok, name, "Be kind.")).save_pretrained(tmp_path)
+    served = AutoTokenizer.from_pretrained(tmp_path)
+    assert served.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True) == \
+        template.render_prompt(CHAT[:1]) == system + "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"

@@ -50,12 +50,12 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         values.update(given)
         sources.update({key: COMMAND_LINE for key in given})
     deepspeed = values.pop("deepspeed", None)
-    qwen_defaults, qwen_note, problems = finetune_py_defaults(values, sources, source)
+    qwen_defaults, qwen_notes, problems = finetune_py_defaults(values, sources, source)
     values, warnings, foreign_problems = translate_foreign(values, sources, source)
     problems += foreign_problems
     for key, value in qwen_defaults.items():
         values.setdefault(key, value)
-    warnings += [qwen_note] if qwen_note else []
+    warnings += qwen_notes
     vision = refuse_vision_template(values.get("template"), sources.get("template", source))
     if vision:
         problems += vision

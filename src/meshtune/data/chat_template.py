@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
-from meshtune.data.templates import FORMATS, template_jinja
+from meshtune.data.templates import FORMATS, template_jinja, with_default_system
 from meshtune.errors import DataError
 
 if TYPE_CHECKING:
@@ -53,11 +53,11 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> 
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> str | None:
-    """The chat template to save with the trained model when training used a written-out one; None when the
-    tokenizer's own is the one trained."""
-    chat = ChatTemplate(tokenizer, template)
-    return None if chat.own else chat.jinja
+def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None,
+                          default_system: str | None = None) -> str | None:
+    """The chat template to save with the trained model when training used a written-out one (or the tokenizer's
+    own with another default system prompt); None when the tokenizer's own, as it is, is the one trained."""
+    return ChatTemplate(tokenizer, template, default_system=default_system).saved
 
 
 def _hf_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -81,12 +81,15 @@ class ChatTemplate:
     it has one, else ChatML; "tokenizer" requires the tokenizer's own; a format's name (chatml and LLaMA-Factory's
     names) renders as that format: written out as LLaMA-Factory renders it, or through the tokenizer's own
     template only where that renders and trains the probe conversations exactly as the format does.
+    `default_system` (LLaMA-Factory's key) is the system prompt of a conversation without one, in place of the
+    template's own default.
     `name` is the format ("tokenizer" for the tokenizer's own under None/tokenizer), `own` whether the tokenizer's
-    template renders, `description` both in words for the run log, `jinja` the template text in use.
+    template renders, `description` both in words for the run log, `jinja` the template text in use, `saved` the
+    one to save with the model (None: the tokenizer's own, as it is).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None = None, *,
-                 train_on_prompt: bool = False, mask_history: bool = False) -> None:
+                 train_on_prompt: bool = False, mask_history: bool = False, default_system: str | None = None) -> None:
         if template is not None and template not in TEMPLATES:  # named as the config's key takes them
             raise DataError(f"unknown template '{template}'; use one of auto, {', '.join(TEMPLATES)}")
         self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
@@ -96,7 +99,7 @@ class ChatTemplate:
                 "template: tokenizer was asked for, but this tokenizer has no chat_template "
                 "(tokenizer_config.json / chat_template.jinja); use template: chatml or auto"
             )
-        self.tokenizer = tokenizer
+        self.tokenizer, self.default_system = tokenizer, default_system
         self.takes_tools = True
         if template in (None, "tokenizer") and own:
             self._use_own("tokenizer", "the tokenizer's own")
@@ -111,8 +114,12 @@ class ChatTemplate:
             self._use_own(self.name, f"{self.name} (the tokenizer's own, which renders it the same)")
 
     def _write_out(self, name: str) -> None:
-        self.name, self.own, self.jinja = name, False, template_jinja(name)
-        self.description = f"{name} (written out)"
+        self.name, self.own, self.jinja = name, False, template_jinja(name, self.default_system)
+        self.saved = self.jinja
+        self.description = f"{name} (written out){self._system_note()}"
+
+    def _system_note(self) -> str:
+        return "" if self.default_system is None else f", default system prompt {self.default_system!r}"
 
     def _own_is_the_same(self) -> bool:
         """Whether the tokenizer's own template encodes every probe conversation as the written-out format does:
@@ -132,7 +139,11 @@ class ChatTemplate:
             return None
 
     def _use_own(self, name: str, description: str) -> None:
-        self.name, self.description, self.own, self.jinja = name, description, True, self.tokenizer.chat_template
+        self.name, self.description, self.own = name, description + self._system_note(), True
+        self.jinja = self.tokenizer.chat_template
+        if self.default_system is not None:
+            self.jinja = with_default_system(self.jinja, self.default_system)
+        self.saved = None if self.default_system is None else self.jinja
 
     def _renders(self, messages: list[dict], tools: list[dict] | None = None) -> bool:
         """Whether the template in use masks `messages` and shows their tools, calls and results."""
@@ -158,7 +169,7 @@ class ChatTemplate:
             messages = [{"role": "system", "content": ""}]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=None if self.own else self.jinja, tools=tools, tokenize=False,
+                messages, chat_template=self.saved, tools=tools, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
         except (TemplateError, ValueError, TypeError) as e:

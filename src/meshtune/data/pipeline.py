@@ -26,7 +26,7 @@ def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool):
     return load_or_build(resolve(entries, cfg.dataset_dir, cfg.named_format), tokenizer, template=cfg.named_template,
                          cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
                          train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
-                         cache_dir=cache_dir(cfg), show_progress=show_progress)
+                         default_system=cfg.default_system, cache_dir=cache_dir(cfg), show_progress=show_progress)
 
 
 def describe(name: str, stats: dict) -> list[str]:
@@ -59,7 +59,8 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
     their rank 0)."""
     trains = ", trained on prompts too" if cfg.train_on_prompt else ""
     trains += ", only the last assistant turn trained" if cfg.mask_history else ""
-    _report([f"chat template: {ChatTemplate(tokenizer, cfg.named_template).description}{trains}"], report)
+    template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
+    _report([f"chat template: {template.description}{trains}"], report)
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
     _report(describe("train data", full.stats), report)
     if cfg.eval_dataset:

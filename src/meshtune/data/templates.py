@@ -260,13 +260,15 @@ def _emit(slot: str, content: str = "content") -> str:
     return "{{- " + _expr(slot, content) + " -}}" if slot else ""
 
 
-def template_jinja(name: str) -> str:
+def template_jinja(name: str, default_system: str | None = None) -> str:
     """The jinja chat template of format `name`; it reads messages, tools, add_generation_prompt, bos/eos_token.
 
-    As in LLaMA-Factory's training: the system prompt is the first message's or else the default one, with the
-    tools appended to it; a tool-call turn is its text content followed by the calls.
+    As in LLaMA-Factory's training: the system prompt is the first message's or else the default one (the format's,
+    or `default_system` in its place, as LLaMA-Factory's key replaces it), with the tools appended to it; a
+    tool-call turn is its text content followed by the calls.
     """
     f = FORMATS[name]
+    default = f.default_system if default_system is None else default_system
     system_block = f"{{%- if system -%}}{_emit(f.system, 'system')}{{%- endif -%}}"
     thought = ("{%- if '<think>' not in content and '</think>' not in content -%}"
                r"{%- set content = '<think>\n\n</think>\n\n' + content -%}{%- endif -%}")
@@ -274,7 +276,7 @@ def template_jinja(name: str) -> str:
         TOOL_FORMATS[f.tools],
         "{%- set has_system = messages and messages[0].role == 'system' -%}",
         "{%- set loop_messages = messages[1:] if has_system else messages -%}",
-        f"{{%- set system = (messages[0].content if has_system else '') or {_quote(f.default_system)} -%}}",
+        f"{{%- set system = (messages[0].content if has_system else '') or {_quote(default)} -%}}",
         "{%- if tools -%}{%- set system = system + tools_text(tools) -%}{%- endif -%}",
         _emit(f.prefix),
         "" if f.system_in_first_user else system_block,
@@ -302,3 +304,11 @@ def template_jinja(name: str) -> str:
         f"{{%- if add_generation_prompt -%}}{_emit(f.header)}{{%- endif -%}}" if f.header else "",
     ]
     return "\n".join(line for line in lines if line)
+
+
+def with_default_system(jinja: str, default_system: str) -> str:
+    """`jinja` (any chat template) rendering `default_system` as the system message of a conversation without one
+    (or with an empty one), as LLaMA-Factory's default_system does."""
+    return ("{%- if not (messages and messages[0].role == 'system' and messages[0].content) -%}"
+            "{%- set messages = [{'role': 'system', 'content': " + _quote(default_system) + "}] + "
+            "(messages[1:] if messages and messages[0].role == 'system' else messages) -%}{%- endif -%}\n" + jinja)
