@@ -127,7 +127,8 @@ class ChatTemplate:
         written_out = [self._probe(messages, tools) for messages, tools in _SAME_TEXT_PROBES]
         name = self.name
         self._use_own(name, "")
-        same = [self._probe(messages, tools) for messages, tools in _SAME_TEXT_PROBES] == written_out
+        own = [self._probe(messages, tools) for messages, tools in _SAME_TEXT_PROBES]
+        same = any(written_out) and own == written_out
         if not same:
             self._write_out(name)
         return same
