@@ -419,3 +419,22 @@ def test_preview_of_qwen_flags_shows_finetune_pys_system_prompt(qwen25_model_dir
     assert first_sample(report) == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + FIRST_TURN
                                     + "Paris is the capital of France.<|im_end|>\n",
                                     ["Paris is the capital of France.<|im_end|>\n"])
+
+
+def test_a_named_template_that_is_not_the_tokenizers_says_what_final_saves(qwen25_model_dir, tmp_path, caplog):
+    """LLaMA-Factory keeps the tokenizer's own template in the saved model under qwen3_nothink; meshtune saves the
+    one it trained with, and says so in one line."""
+    cfg = load_config(write_config(tmp_path, **base_config(qwen25_model_dir, QWEN_DATA, tmp_path / "out",
+                                                           template="qwen3_nothink", cutoff_len=256)))
+    with caplog.at_level("INFO", logger="meshtune.data.pipeline"):
+        prepare_datasets(cfg, load_tokenizer(qwen25_model_dir), show_progress=False)
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("template: qwen3_nothink:")]
+    assert notes == ["template: qwen3_nothink: LLaMA-Factory saves the model with the tokenizer's own chat template, "
+                     "which renders other text than this one; meshtune saves the template it trained with in final/, "
+                     "so apply_chat_template renders prompts as trained"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="meshtune.data.pipeline"):
+        prepare_datasets(load_config(write_config(tmp_path, **base_config(
+            qwen25_model_dir, QWEN_DATA, tmp_path / "out", template="qwen", cutoff_len=256))),
+            load_tokenizer(qwen25_model_dir), show_progress=False)
+    assert not [r for r in caplog.records if r.getMessage().startswith("template: ")]  # its own: the same text

@@ -160,6 +160,10 @@ FORMATS: dict[str, Format] = {
     ),
 }
 
+# The formats whose jinja LLaMA-Factory writes into the saved tokenizer in place of its own (replace_jinja_template);
+# under the others it keeps the tokenizer's own, whatever text the training rendered
+LLAMAFACTORY_SAVES_ITS_FORMAT = ("alpaca", "chatml", "default")
+
 # Per tool format: `tools_text(tools)`, appended to the system prompt, and `calls_text(calls)`, the tool-call turn.
 # Both take tools and calls in the form chat templates are given ({"type": "function", "function": ...}) or bare.
 _FUNCTION = "{%- set f = tool.function if tool.type == 'function' else tool -%}"
