@@ -182,7 +182,7 @@ def test_a_qwen_flags_adapter_continues_with_its_embedding_and_head(tmp_path, ti
              "--use_lora", "--model_max_length", "128", "--per_device_train_batch_size", "1",
              "--gradient_accumulation_steps", "2", "--report_to", "none", "--seed", "7"]
     written = tmp_path / "written"
-    first = run_cli_here(["train", *flags, "--learning_rate", "5e-3", "--max_steps", "2",
+    first = run_cli_here(["train", *flags, "--learning_rate", "5e-3", "--max_steps", "2", "--save_steps", "2",
                           "--output_dir", str(written)], capfd)
     assert first.returncode == 0, first.stdout[-3000:]
     assert json.loads((written / "final" / "adapter_config.json").read_text())["modules_to_save"] == [
@@ -194,6 +194,14 @@ def test_a_qwen_flags_adapter_continues_with_its_embedding_and_head(tmp_path, ti
     assert "is replaced by the adapter's own" not in result.stdout  # finetune.py's defaults are the adapter's
     assert eval_loss(again) == pytest.approx(eval_loss(written), rel=1e-6)
     assert_same_adapter(again / "final", written / "final")
+    # the same adapter as `meshtune export` writes it from the run's last checkpoint
+    exported = tmp_path / "exported"
+    assert run_cli_here(["export", str(written / "checkpoint-2"), "--output", str(exported)], capfd).returncode == 0
+    from_export = tmp_path / "from-export"
+    result = run_cli_here(["train", *flags, "--learning_rate", str(STILL), "--max_steps", "1",
+                           "--lora_weight_path", str(exported), "--output_dir", str(from_export)], capfd)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert eval_loss(from_export) == pytest.approx(eval_loss(written), rel=1e-6)
 
 
 def test_a_llamafactory_adapter_continues_from_its_leaf_names_and_modules_to_save(first_run, tmp_path,
