@@ -112,7 +112,7 @@ def test_the_adapters_lora_settings_are_the_runs_and_a_given_value_it_replaces_i
 
 @pytest.mark.parametrize("change, error", [
     ({"use_dora": True}, r"has use_dora: true, which meshtune's LoRA does not compute"),
-    ({"modules_to_save": ["lm_head"]}, r"has modules_to_save: \[\"lm_head\"\]"),
+    ({"modules_to_save": "lm_head"}, r"has modules_to_save: \"lm_head\"; meshtune continues a list of module names"),
     ({"target_modules": ".*q_proj"}, r"selects its target_modules by the pattern"),
     ({"target_modules": None}, r"names no target_modules"),
     ({"init_lora_weights": "pissa"}, r"init_lora_weights: \"pissa\" \(its base is a changed copy"),
@@ -146,3 +146,82 @@ def test_an_adapter_that_does_not_fit_the_run_is_named(first_run, tmp_path, tiny
         starting_adapter(model, build_config({**values, "lora_target": ["q_proj", "k_proj"]}))
     with pytest.raises(ModelError, match=r"the run's lora_rank 8 \(the adapter's is 4\)"):
         starting_adapter(model, build_config({**values, "lora_rank": 8}))
+
+
+def test_the_demos_adapter_continues_at_its_last_evaluation_loss(tmp_path, capfd):
+    """`meshtune demo`'s config (lora_target: all, whose adapter peft writes with every layer's module path),
+    shortened: the run continuing its final/ evaluates, on the same held-out samples, to the loss it ended at."""
+    from conftest import run_cli_here
+
+    work = tmp_path / "demo"
+    assert run_cli_here(["demo", "--prepare", str(work)], capfd).returncode == 0
+    config = work / "config.yaml"
+    short = ["nproc_per_node=1", "max_steps=4", "eval_steps=4", "logging_steps=1"]
+    first = run_cli_here(["train", str(config), *short], capfd)
+    assert first.returncode == 0, first.stdout[-3000:]
+    written = work / "output"
+    targets = json.loads((written / "final" / "adapter_config.json").read_text())["target_modules"]
+    assert "model.layers.0.mlp.down_proj" in targets  # full module paths, as peft writes all-linear
+    again = tmp_path / "again"
+    result = run_cli_here(["train", str(config), "nproc_per_node=1", "max_steps=1", f"learning_rate={STILL}",
+                           f"adapter_name_or_path={written / 'final'}", f"output_dir={again}"], capfd)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "LoRA continues the adapter" in result.stdout
+    assert eval_loss(again) == pytest.approx(eval_loss(written), rel=1e-6)
+    assert_same_adapter(again / "final", written / "final")
+
+
+def test_a_qwen_flags_adapter_continues_with_its_embedding_and_head(tmp_path, tiny_model_dir, capfd, monkeypatch):
+    """finetune.py's flags on a base model (its path does not say "chat"): the adapter trains the embedding and the
+    head in full (peft's modules_to_save: embed_tokens, lm_head). --lora_weight_path continues all of it."""
+    from conftest import run_cli_here
+
+    data = Path(__file__).parent / "fixtures" / "compat" / "qwen" / "train.json"
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model_name_or_path", str(tiny_model_dir), "--data_path", str(data), "--eval_data_path", str(data),
+             "--use_lora", "--model_max_length", "128", "--per_device_train_batch_size", "1",
+             "--gradient_accumulation_steps", "2", "--report_to", "none", "--seed", "7"]
+    written = tmp_path / "written"
+    first = run_cli_here(["train", *flags, "--learning_rate", "5e-3", "--max_steps", "2", "--save_steps", "2",
+                          "--output_dir", str(written)], capfd)
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert json.loads((written / "final" / "adapter_config.json").read_text())["modules_to_save"] == [
+        "embed_tokens", "lm_head"]
+    again = tmp_path / "again"
+    result = run_cli_here(["train", *flags, "--learning_rate", str(STILL), "--max_steps", "1",
+                           "--lora_weight_path", str(written / "final"), "--output_dir", str(again)], capfd)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "is replaced by the adapter's own" not in result.stdout  # finetune.py's defaults are the adapter's
+    assert eval_loss(again) == pytest.approx(eval_loss(written), rel=1e-6)
+    assert_same_adapter(again / "final", written / "final")
+    # the same adapter as `meshtune export` writes it from the run's last checkpoint
+    exported = tmp_path / "exported"
+    assert run_cli_here(["export", str(written / "checkpoint-2"), "--output", str(exported)], capfd).returncode == 0
+    from_export = tmp_path / "from-export"
+    result = run_cli_here(["train", *flags, "--learning_rate", str(STILL), "--max_steps", "1",
+                           "--lora_weight_path", str(exported), "--output_dir", str(from_export)], capfd)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert eval_loss(from_export) == pytest.approx(eval_loss(written), rel=1e-6)
+
+
+def test_a_llamafactory_adapter_continues_from_its_leaf_names_and_modules_to_save(first_run, tmp_path,
+                                                                                  tiny_model_dir, tiny_dataset):
+    """LLaMA-Factory writes target_modules as leaf names and modules_to_save as its additional_target gives them."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = tmp_path / "lf"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(load_model(tiny_model_dir), lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name or ".modules_to_save." in name:  # a trained adapter: B and the head's copy moved
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    model.save_pretrained(adapter)
+    cfg = load_job_config(None, ["model_name_or_path=" + str(tiny_model_dir), "dataset=d.json",
+                                 f"adapter_name_or_path={adapter}"]).config
+    assert (cfg.lora_target, cfg.additional_target) == (["q_proj", "v_proj"], ["lm_head"])
+    out = tmp_path / "continued"
+    run(build_config(continued(tiny_model_dir, tiny_dataset, out, adapter, additional_target=["lm_head"],
+                               lora_alpha=8)))
+    assert_same_adapter(out / "final", adapter)

@@ -350,6 +350,8 @@ def test_qwen_finetune_flags_train_as_its_lora_script_passes_them(tmp_path, tiny
     assert sorted(adapter["modules_to_save"]) == ["embed_tokens", "lm_head"]
     assert ("its defaults apply where no flag sets them: lora_rank: 64, lora_alpha: 16, lora_dropout: 0.05"
             in result.stdout)
+    assert "template: chatml, default_system: 'You are a helpful assistant.'" in result.stdout
+    assert "Qwen's finetune.py also trains each turn's <|im_start|>" in result.stdout
 
 
 def test_qwen_full_parameter_script_trains_every_parameter(tmp_path, tiny_model_dir, monkeypatch, capfd):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -366,3 +367,74 @@ def test_what_the_loss_trains_where_labels_are_not_the_tokens(chat_config, tmp_p
     block = sample_blocks(preview_text(capfd, *args))[0]
     assert block.count("⟦→<|im_end|>⟧") == 2 and "⟦→<|im_end|>⟧<|user|>" in block
     assert block.endswith("<|im_end|>⟧")
+
+
+@pytest.fixture(scope="module")
+def qwen25_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with Qwen2.5-Instruct's chat template (ChatML, a default system prompt of its own)."""
+    directory = tmp_path_factory.mktemp("qwen25")
+    shutil.copytree(tiny_model_dir, directory, dirs_exist_ok=True)
+    tokenizer = load_tokenizer(directory)
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures" / "templates" / "qwen2.5_instruct.jinja").read_text()
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def first_sample(report: dict) -> tuple[str, list[str]]:
+    """The first sample's text and its trained spans."""
+    segments = report["samples"][0]["segments"]
+    return "".join(s["text"] for s in segments), [s["text"] for s in segments if s["kind"] == "trained"]
+
+
+QWEN_DATA = Path(__file__).parent / "fixtures" / "compat" / "qwen" / "train.json"
+FIRST_TURN = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("template, text, trained", [
+    ("qwen3_nothink", FIRST_TURN + "Paris is the capital of France.<|im_end|>\n",
+     ["Paris is the capital of France.<|im_end|>\n"]),
+    ("qwen3", FIRST_TURN + "<think>\n\n</think>\n\nParis is the capital of France.<|im_end|>\n",
+     ["<think>\n\n</think>\n\nParis is the capital of France.<|im_end|>\n"]),
+])
+def test_preview_of_a_named_template_on_a_chatml_tokenizer_is_llamafactorys(qwen25_model_dir, tmp_path, capfd,
+                                                                           template, text, trained):
+    """No tokenizer's default system prompt; qwen3's empty think block is trained (LLaMA-Factory's ReasoningTemplate
+    with enable_thinking, its default). The first token is never a target, so the trained text is the reply's."""
+    config = write_config(tmp_path, **base_config(qwen25_model_dir, QWEN_DATA, tmp_path / "out", template=template,
+                                                  cutoff_len=256))
+    report = preview_json(capfd, str(config), "-n", "1")
+    assert report["template"]["description"] == f"{template} (written out)"
+    assert first_sample(report) == (text, trained)
+
+
+def test_preview_of_qwen_flags_shows_finetune_pys_system_prompt(qwen25_model_dir, tmp_path, capfd, monkeypatch):
+    """finetune.py's preprocess: ChatML after the system prompt "You are a helpful assistant.", whatever the
+    tokenizer's own template says."""
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    report = preview_json(capfd, "--model_name_or_path", str(qwen25_model_dir), "--data_path", str(QWEN_DATA),
+                          "--use_lora", "True", "--model_max_length", "256", "--output_dir", str(tmp_path / "out"))
+    assert report["template"]["description"] == "chatml (written out), default system prompt 'You are a helpful " \
+                                                "assistant.'"
+    assert first_sample(report) == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + FIRST_TURN
+                                    + "Paris is the capital of France.<|im_end|>\n",
+                                    ["Paris is the capital of France.<|im_end|>\n"])
+
+
+def test_a_named_template_that_is_not_the_tokenizers_says_what_final_saves(qwen25_model_dir, tmp_path, caplog):
+    """LLaMA-Factory keeps the tokenizer's own template in the saved model under qwen3_nothink; meshtune saves the
+    one it trained with, and says so in one line."""
+    cfg = load_config(write_config(tmp_path, **base_config(qwen25_model_dir, QWEN_DATA, tmp_path / "out",
+                                                           template="qwen3_nothink", cutoff_len=256)))
+    with caplog.at_level("INFO", logger="meshtune.data.pipeline"):
+        prepare_datasets(cfg, load_tokenizer(qwen25_model_dir), show_progress=False)
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("template: qwen3_nothink:")]
+    assert notes == ["template: qwen3_nothink: LLaMA-Factory saves the model with the tokenizer's own chat template, "
+                     "which renders other text than this one; meshtune saves the template it trained with in final/, "
+                     "so apply_chat_template renders prompts as trained"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="meshtune.data.pipeline"):
+        prepare_datasets(load_config(write_config(tmp_path, **base_config(
+            qwen25_model_dir, QWEN_DATA, tmp_path / "out", template="qwen", cutoff_len=256))),
+            load_tokenizer(qwen25_model_dir), show_progress=False)
+    assert not [r for r in caplog.records if r.getMessage().startswith("template: ")]  # its own: the same text

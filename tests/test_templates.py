@@ -1,10 +1,11 @@
-"""LLaMA-Factory template names: the exact text each renders, what is trained, tool calls, the choice of the
-tokenizer's own template, and the template saved for serving."""
+"""LLaMA-Factory template names: the exact text each renders, what is trained, tool calls, when the tokenizer's own
+template stands in for one (only where it renders the same), and the template saved for serving."""
 
 from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -15,6 +16,7 @@ from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
 from test_chat_template import trained_spans, with_template
 
+FIXTURES = Path(__file__).parent / "fixtures" / "templates"
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "You are a helpful assistant. Be brief.",
@@ -267,43 +269,48 @@ def test_tokenizer_own_template_without_tool_format_refuses_tools(tokenizer):
     assert template.encode(CHAT)  # conversations without tools still train
 
 
-def test_family_name_uses_the_tokenizers_own_template(tokenizer):
-    tok = with_template(tokenizer, QWEN25_TOOLS_TEMPLATE)
+LF_EXPECTED = json.loads((FIXTURES / "llamafactory.json").read_text())["templates"]
+QWEN25_INSTRUCT = (FIXTURES / "qwen2.5_instruct.jinja").read_text()  # Qwen2.5-Instruct's chat template
+
+
+@pytest.mark.parametrize("own", [None, QWEN25_INSTRUCT, PLAIN_CHATML_TEMPLATE, NOTHINK_TEMPLATE,
+                                 QWEN3_UNSTABLE_TEMPLATE, LLAMA_TEMPLATE],
+                         ids=["none", "qwen2.5", "plain-chatml", "enable-thinking", "qwen3-style", "llama"])
+@pytest.mark.parametrize("name", sorted(LF_EXPECTED))
+def test_a_named_template_renders_as_llamafactory_whatever_the_tokenizer_has(tokenizer, name, own):
+    """LLaMA-Factory's text and trained spans (a fixture from its register_template entries), on a tokenizer with
+    no template, Qwen2.5's (its default system prompt), plain ChatML, one taking enable_thinking, a Qwen3-style one
+    and another family's."""
+    template = ChatTemplate(tokenizer if own is None else with_template(tokenizer, own), name)
+    for case in LF_EXPECTED[name]:
+        assert rendered(tokenizer, template, case["messages"]) == (case["text"], case["trained"]), template.description
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_nothink", "yi", "chatml"])
+def test_a_named_template_is_not_the_tokenizers_own_when_that_renders_other_text(tokenizer, name):
+    template = ChatTemplate(with_template(tokenizer, QWEN25_INSTRUCT), name)
+    assert (template.own, template.description) == (False, f"{name} (written out)")
+    assert serving_chat_template(with_template(tokenizer, QWEN25_INSTRUCT), name) == template.jinja
+
+
+def test_the_tokenizers_own_stands_in_where_it_renders_the_same(tokenizer):
+    """Qwen2.5's template renders LLaMA-Factory's qwen (default system prompt and tools included): it is used, so
+    final/ keeps the model's own template."""
+    tok = with_template(tokenizer, QWEN25_INSTRUCT)
     template = ChatTemplate(tok, "qwen")
-    assert (template.own, template.description) == (True, "qwen (tokenizer's own)")
+    assert (template.own, template.description) == (True, "qwen (the tokenizer's own, which renders it the same)")
     assert serving_chat_template(tok, "qwen") is None
-    assert rendered(tok, template, CHAT)[0].startswith("<|im_start|>system\nYou are Qwen, a helpful assistant.")
-    text, trained = rendered(tok, template, TOOL_CHAT, TOOLS)
-    assert '\n<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
-    assert trained == [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
-        "It is 20.<|im_end|>\n",
-    ]
+    assert rendered(tok, template, TOOL_CHAT, TOOLS) == rendered(tokenizer, ChatTemplate(tokenizer, "qwen"),
+                                                                 TOOL_CHAT, TOOLS)
 
 
-@pytest.mark.parametrize("own, why", [
-    (LLAMA_TEMPLATE, "another family's"),
-    (PLAIN_CHATML_TEMPLATE, "no tool format"),
-    (QWEN3_UNSTABLE_TEMPLATE, "not prefix-stable"),
-])
-def test_family_name_writes_the_format_out_otherwise(tokenizer, own, why):
-    tok = with_template(tokenizer, own)
-    template = ChatTemplate(tok, "qwen3")
-    assert (template.own, template.description) == (False, "qwen3 (written out)"), why
-    assert rendered(tok, template, CHAT) == (EXPECTED["qwen3"][1], [EXPECTED["qwen3"][2]])
-
-
-def test_chatml_and_unrelated_names_never_use_the_tokenizers_own(tokenizer):
-    tok = with_template(tokenizer, QWEN25_TOOLS_TEMPLATE)
-    for name in ("chatml", "default", "empty", "alpaca", "deepseek", "glm4", "baichuan2", "intern2", "cohere"):
-        assert ChatTemplate(tok, name).description == f"{name} (written out)"
-
-
-def test_qwen3_nothink_passes_enable_thinking_false(tokenizer):
-    template = ChatTemplate(with_template(tokenizer, NOTHINK_TEMPLATE), "qwen3_nothink")
-    assert template.description == "qwen3_nothink (tokenizer's own)"
-    assert template.render_prompt(CHAT[:1]) == \
-        "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+def test_a_template_that_differs_only_in_tools_is_not_the_same(tokenizer):
+    tok = with_template(tokenizer, QWEN25_TOOLS_TEMPLATE.replace("You are Qwen, a helpful assistant.",
+                                                                  "You are Qwen, created by Alibaba Cloud. You are a "
+                                                                  "helpful assistant."))
+    template = ChatTemplate(tok, "qwen")
+    assert rendered(tok, template, CHAT) == rendered(tokenizer, ChatTemplate(tokenizer, "qwen"), CHAT)
+    assert template.description == "qwen (written out)"  # its tool text is not LLaMA-Factory's qwen tool format
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -325,3 +332,21 @@ def test_saved_template_serves_prompts_as_trained(tokenizer, name, tmp_path):
                                             add_generation_prompt=True)
         assert prompt == template.render_prompt(messages, tools=tools)
     assert served.apply_chat_template(SYSTEM + CHAT, tokenize=False) == EXPECTED[name][0]  # eos: training only
+
+
+@pytest.mark.parametrize("own", [None, QWEN25_INSTRUCT], ids=["written-out", "tokenizer's own"])
+@pytest.mark.parametrize("name", [None, "qwen", "chatml"])
+def test_default_system_replaces_the_templates_default_as_llamafactorys_key_does(tokenizer, tmp_path, name, own):
+    """A conversation without a system message (or with an empty one) gets default_system; one with its own keeps
+    it; final/'s template serves prompts the same."""
+    tok = tokenizer if own is None else with_template(tokenizer, own)
+    template = ChatTemplate(tok, name, default_system="Be kind.")
+    system = "<|im_start|>system\nBe kind.<|im_end|>\n"
+    assert rendered(tokenizer, template, CHAT)[0] == system + CHATML
+    assert rendered(tokenizer, template, [{"role": "system", "content": ""}] + CHAT)[0] == system + CHATML
+    assert rendered(tokenizer, template, SYSTEM + CHAT) == (CHATML_SYSTEM + CHATML, ["Hello.<|im_end|>\n"])
+    assert "Be kind." in template.description
+    with_template(tok, serving_chat_template(tok, name, "Be kind.")).save_pretrained(tmp_path)
+    served = AutoTokenizer.from_pretrained(tmp_path)
+    assert served.apply_chat_template(CHAT[:1], tokenize=False, add_generation_prompt=True) == \
+        template.render_prompt(CHAT[:1]) == system + "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"

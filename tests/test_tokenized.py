@@ -157,6 +157,8 @@ def test_cache_key_inputs(tokenizer, data_file):
     masked = {cache_key(*base, train_on_prompt=True), cache_key(*base, mask_history=True),
               cache_key(*base, train_on_prompt=True, mask_history=True)}
     assert len(masked) == 3 and key not in masked
+    prompts = {cache_key(*base, default_system="Be brief."), cache_key(*base, default_system="Be kind.")}
+    assert len(prompts) == 2 and key not in prompts
     lf_alpaca = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
                  "tools": None}
     registered = DatasetSpec("d", [data_file], "alpaca", lf_alpaca, None, data_file.parent / "dataset_info.json")

@@ -427,8 +427,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from meshtune.launch import detect_node_settings
     from meshtune.doctor.meeting import run_doctor
+    from meshtune.model.custom_code import refuse_custom_code
 
     cfg, _ = load_training_config(args)
+    refuse_custom_code(cfg.model_name_or_path)  # a job that could never start: said before the nodes meet
     code, report = run_doctor(cfg, detect_node_settings(cfg), args.timeout, bandwidth=args.bandwidth,
                               progress=lambda line: print(f"meshtune doctor: {line}", flush=True))
     if "skipped" in report:

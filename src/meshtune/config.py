@@ -156,9 +156,12 @@ class TrainConfig(BaseModel):
                       "cohere", "default", "empty", "alpaca"] = DATA(
         "auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | "
                 "LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, phi4, "
-                "deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (the tokenizer's "
-                "own template when it is that family's, else the format written out as LLaMA-Factory renders it; "
+                "deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (rendered as "
+                "LLaMA-Factory renders them: the tokenizer's own template only where it renders the same text; "
                 "final/ saves the one trained)")
+    default_system: str | None = DATA(None, "the system prompt of a conversation that has none (LLaMA-Factory's key): "
+                                            "replaces the template's own default; Qwen's finetune.py flags set "
+                                            "'You are a helpful assistant.', as finetune.py renders")
     train_on_prompt: bool = DATA(False, "also train on the prompt: system, user and tool turns and the assistant "
                                         "header (LLaMA-Factory's key); default: assistant turns only")
     mask_history: bool = DATA(False, "train only the last assistant turn of each conversation, earlier ones are "

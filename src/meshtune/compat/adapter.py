@@ -2,7 +2,10 @@
 
 LLaMA-Factory continues an adapter as it was trained, whatever lora_rank or lora_target its YAML says; so does
 meshtune, and a value given that the adapter contradicts is named in a warning. The settings enter the config,
-so checkpoints, the cross-node check and `meshtune export` see the adapter the run trains.
+so checkpoints, the cross-node check and `meshtune export` see the adapter the run trains. Its target_modules
+are taken as PEFT wrote them: leaf names (LLaMA-Factory's `q_proj`) or module paths (PEFT's expansion of
+`all-linear`, which meshtune's `lora_target: all` writes); its modules_to_save (LLaMA-Factory's additional_target,
+Qwen's finetune.py's wte and lm_head) become `additional_target`, trained on from the adapter's copies.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 ADAPTER_CONFIG = "adapter_config.json"
 # adapter_config.json entries that change what a LoRA layer computes, with the value meshtune's LoRA has
 UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
-               "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+               "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
                "exclude_modules": None, "target_parameters": None, "layer_replication": None,
                "trainable_token_indices": None}
 
@@ -68,9 +71,15 @@ def adapter_settings(path: str, given: dict[str, Any], where: str) -> AdapterSet
         out.problems.append(f"{where}: adapter_name_or_path: {config_file} names no target_modules; meshtune "
                             f"continues an adapter whose config lists the modules it adapts")
         return out
+    in_full = config.get("modules_to_save") or []
+    if isinstance(in_full, str) or not all(isinstance(name, str) for name in in_full):
+        out.problems.append(f"{where}: adapter_name_or_path: {config_file} has modules_to_save: "
+                            f"{json.dumps(in_full)}; meshtune continues a list of module names")
+        return out
     out.values = {"lora_rank": config.get("r", 8), "lora_alpha": config.get("lora_alpha", 8),  # peft's defaults
                   "lora_dropout": config.get("lora_dropout", 0.0),
-                  "lora_target": ["all"] if targets == "all-linear" else sorted(targets)}
+                  "lora_target": ["all"] if targets == "all-linear" else sorted(targets),
+                  "additional_target": list(in_full)}
     for key, value in out.values.items():
         if given.get(key) is not None and not same_setting(key, given[key], value):
             out.warnings.append(f"{key}: {given[key]!r} is replaced by the adapter's own {value!r}: the run "
@@ -80,8 +89,8 @@ def adapter_settings(path: str, given: dict[str, Any], where: str) -> AdapterSet
 
 def same_setting(key: str, given: Any, adapter: Any) -> bool:
     """`lora_target: all` names no modules: the adapter's list is taken without a word."""
-    if key == "lora_target":
+    if key in ("lora_target", "additional_target"):
         names = given.split(",") if isinstance(given, str) else list(given or [])
         names = sorted(name.strip() for name in names if str(name).strip())
-        return names == ["all"] or names == adapter
+        return (key == "lora_target" and names == ["all"]) or names == sorted(adapter)
     return given == adapter

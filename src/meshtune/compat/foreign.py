@@ -96,7 +96,9 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "quantization_type": (LF, only({"nf4": {}}, "the 4-bit base is NF4; fp4 is not supported")),
     "double_quantization": (LF, only({True: {}}, "meshtune's NF4 always double-quantizes its scales")),
     "trust_remote_code": (LF, ignored("meshtune builds only architectures transformers has built in: code shipped in "
-                                      "a model folder never runs", False)),
+                                      "a model folder never runs (a folder whose config.json or "
+                                      "tokenizer_config.json has an auto_map is refused before anything starts)",
+                                      False)),
     "use_lora": (QWEN, only({True: {"finetuning_type": "lora"}, False: {}}, "it takes True or False")),
     "q_lora": (QWEN, only({True: {"finetuning_type": "qlora"}, False: {}}, "it takes True or False")),
     "lora_r": (QWEN, renamed("lora_rank")),

@@ -50,12 +50,13 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         values.update(given)
         sources.update({key: COMMAND_LINE for key in given})
     deepspeed = values.pop("deepspeed", None)
-    qwen_defaults, qwen_note, problems = finetune_py_defaults(values, sources, source)
+    qwen_defaults, qwen_notes, problems = finetune_py_defaults(values, sources, source)
     values, warnings, foreign_problems = translate_foreign(values, sources, source)
     problems += foreign_problems
+    defaulted = {key for key in qwen_defaults if key not in values}  # finetune.py's, not the user's
     for key, value in qwen_defaults.items():
         values.setdefault(key, value)
-    warnings += [qwen_note] if qwen_note else []
+    warnings += qwen_notes
     vision = refuse_vision_template(values.get("template"), sources.get("template", source))
     if vision:
         problems += vision
@@ -73,7 +74,8 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
                             f"{', '.join(translation.unhonoured)}")
     adapter = values.get("adapter_name_or_path")
     if isinstance(adapter, str) and adapter.strip() and "," not in adapter:  # several: the config names the error
-        settings = adapter_settings(adapter.strip(), values, sources.get("adapter_name_or_path", source))
+        given = {key: value for key, value in values.items() if key not in defaulted}
+        settings = adapter_settings(adapter.strip(), given, sources.get("adapter_name_or_path", source))
         values.update(settings.values)
         warnings += settings.warnings
         problems += settings.problems

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
-from meshtune.data.templates import FORMATS, template_jinja
+from meshtune.data.templates import FORMATS, template_jinja, with_default_system
 from meshtune.errors import DataError
 
 if TYPE_CHECKING:
@@ -24,7 +24,9 @@ TOOL_TEMPLATES = ", ".join(FORMATS)  # every written-out format renders tools
 # render_chatml as a jinja chat template, plus LLaMA-Factory's tool format for chatml
 CHATML_JINJA = template_jinja("chatml")
 
-# A tokenizer's own template stands in for a format only if it renders these prefix-stably, tools included.
+# The tokenizer's own template stands in for a named format only if it renders and trains these exactly as the
+# format does (the default system prompt, several turns, a tool call and its result); under auto, it is used if it
+# renders them prefix-stably.
 _PROBE = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi."},
@@ -41,6 +43,8 @@ _PROBE_TOOL_CALL = [
     {"role": "tool", "content": "probe_result"},
     {"role": "assistant", "content": "Found."},
 ]
+_SAME_TEXT_PROBES = [(_PROBE, None), (_PROBE[1:], None), (_PROBE_TOOL_CALL, _PROBE_TOOLS),
+                     (_PROBE_TOOL_CALL[1:], _PROBE_TOOLS)]
 
 
 def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -49,11 +53,11 @@ def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> 
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
-def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> str | None:
-    """The chat template to save with the trained model when training used a written-out one; None when the
-    tokenizer's own is the one trained (under qwen3_nothink, serve that one with enable_thinking=False)."""
-    chat = ChatTemplate(tokenizer, template)
-    return None if chat.own else chat.jinja
+def serving_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None,
+                          default_system: str | None = None) -> str | None:
+    """The chat template to save with the trained model when training used a written-out one (or the tokenizer's
+    own with another default system prompt); None when the tokenizer's own, as it is, is the one trained."""
+    return ChatTemplate(tokenizer, template, default_system=default_system).saved
 
 
 def _hf_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -74,17 +78,18 @@ class ChatTemplate:
     """A tokenizer plus the template that turns conversations into (input_ids, labels).
 
     `template`: None (the config's auto, `TrainConfig.named_template`) uses the tokenizer's own chat template when
-    it has one, else ChatML; "tokenizer" requires
-    the tokenizer's own; formats without a family marker (chatml, default, empty, alpaca, deepseek, glm4, baichuan2,
-    intern2, cohere) are always written out; the model-family names (qwen, qwen3, qwen3_nothink, llama3, llama2,
-    mistral, gemma, gemma3, phi, phi4, deepseek3, yi) use the tokenizer's own template when it is that family's
-    and renders plain and tool conversations prefix-stably, else the written-out format.
+    it has one, else ChatML; "tokenizer" requires the tokenizer's own; a format's name (chatml and LLaMA-Factory's
+    names) renders as that format: written out as LLaMA-Factory renders it, or through the tokenizer's own
+    template only where that renders and trains the probe conversations exactly as the format does.
+    `default_system` (LLaMA-Factory's key) is the system prompt of a conversation without one, in place of the
+    template's own default.
     `name` is the format ("tokenizer" for the tokenizer's own under None/tokenizer), `own` whether the tokenizer's
-    template renders, `description` both in words for the run log, `jinja` the template text in use.
+    template renders, `description` both in words for the run log, `jinja` the template text in use, `saved` the
+    one to save with the model (None: the tokenizer's own, as it is).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None = None, *,
-                 train_on_prompt: bool = False, mask_history: bool = False) -> None:
+                 train_on_prompt: bool = False, mask_history: bool = False, default_system: str | None = None) -> None:
         if template is not None and template not in TEMPLATES:  # named as the config's key takes them
             raise DataError(f"unknown template '{template}'; use one of auto, {', '.join(TEMPLATES)}")
         self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
@@ -94,30 +99,52 @@ class ChatTemplate:
                 "template: tokenizer was asked for, but this tokenizer has no chat_template "
                 "(tokenizer_config.json / chat_template.jinja); use template: chatml or auto"
             )
-        self.tokenizer = tokenizer
-        self._kwargs: dict = {}
+        self.tokenizer, self.default_system = tokenizer, default_system
         self.takes_tools = True
         if template in (None, "tokenizer") and own:
             self._use_own("tokenizer", "the tokenizer's own")
             self.takes_tools = self._renders(_PROBE_TOOL_CALL, _PROBE_TOOLS)
             return
-        self.name = template or "chatml"
-        marker = FORMATS[self.name].family_marker
-        if marker and own and marker in str(own):
-            self._use_own(self.name, f"{self.name} (tokenizer's own)")
-            if self.name == "qwen3_nothink" and "enable_thinking" in str(own):
-                self._kwargs = {"enable_thinking": False}
-            if self._renders(_PROBE) and self._renders(_PROBE_TOOL_CALL, _PROBE_TOOLS):
-                return
-        self.own, self.jinja, self._kwargs = False, template_jinja(self.name), {}
-        self.description = f"{self.name} (written out)"
+        self._write_out(template or "chatml")
         if train_on_prompt and FORMATS[self.name].efficient_eos:
             raise DataError(f"train_on_prompt: true with template: {self.name}: its turns have no end-of-turn text and "
                             f"the eos token that ends an assistant turn is the label of the next prompt's first token, "
                             f"so prompts cannot be trained (LLaMA-Factory refuses it too); drop train_on_prompt")
+        if own and self._own_is_the_same():
+            self._use_own(self.name, f"{self.name} (the tokenizer's own, which renders it the same)")
+
+    def _write_out(self, name: str) -> None:
+        self.name, self.own, self.jinja = name, False, template_jinja(name, self.default_system)
+        self.saved = self.jinja
+        self.description = f"{name} (written out){self._system_note()}"
+
+    def _system_note(self) -> str:
+        return "" if self.default_system is None else f", default system prompt {self.default_system!r}"
+
+    def _own_is_the_same(self) -> bool:
+        """Whether the tokenizer's own template encodes every probe conversation as the written-out format does:
+        the same tokens, the same ones trained (or both refuse it)."""
+        written_out = [self._probe(messages, tools) for messages, tools in _SAME_TEXT_PROBES]
+        name = self.name
+        self._use_own(name, "")
+        own = [self._probe(messages, tools) for messages, tools in _SAME_TEXT_PROBES]
+        same = any(written_out) and own == written_out
+        if not same:
+            self._write_out(name)
+        return same
+
+    def _probe(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]] | None:
+        try:
+            return self._encode(messages, tools)
+        except DataError:
+            return None
 
     def _use_own(self, name: str, description: str) -> None:
-        self.name, self.description, self.own, self.jinja = name, description, True, self.tokenizer.chat_template
+        self.name, self.description, self.own = name, description + self._system_note(), True
+        self.jinja = self.tokenizer.chat_template
+        if self.default_system is not None:
+            self.jinja = with_default_system(self.jinja, self.default_system)
+        self.saved = None if self.default_system is None else self.jinja
 
     def _renders(self, messages: list[dict], tools: list[dict] | None = None) -> bool:
         """Whether the template in use masks `messages` and shows their tools, calls and results."""
@@ -143,8 +170,8 @@ class ChatTemplate:
             messages = [{"role": "system", "content": ""}]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=None if self.own else self.jinja, tools=tools, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **self._kwargs,
+                messages, chat_template=self.saved, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except (TemplateError, ValueError, TypeError) as e:
             fix = "fix the record, or use template: chatml" if self.own else "fix the record"

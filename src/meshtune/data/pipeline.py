@@ -9,6 +9,7 @@ from meshtune.config import TrainConfig
 from meshtune.errors import ConfigError
 from meshtune.data.registry import resolve
 from meshtune.data.chat_template import ChatTemplate
+from meshtune.data.templates import LLAMAFACTORY_SAVES_ITS_FORMAT
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
 from meshtune.data.tokenized import load_or_build
@@ -27,7 +28,7 @@ def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool, 
                          template=cfg.named_template, cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid,
                          max_samples=cfg.max_samples,
                          train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
-                         cache_dir=cache_dir(cfg), show_progress=show_progress)
+                         default_system=cfg.default_system, cache_dir=cache_dir(cfg), show_progress=show_progress)
 
 
 def describe(name: str, stats: dict) -> list[str]:
@@ -60,7 +61,8 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
     their rank 0)."""
     trains = ", trained on prompts too" if cfg.train_on_prompt else ""
     trains += ", only the last assistant turn trained" if cfg.mask_history else ""
-    _report([f"chat template: {ChatTemplate(tokenizer, cfg.named_template).description}{trains}"], report)
+    template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
+    _report([f"chat template: {template.description}{trains}", *saved_template_note(template)], report)
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
     _report(describe("train data", full.stats), report)
     if cfg.eval_dataset:
@@ -72,6 +74,15 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
         _report([f"held out {len(evaluation):,} samples for evaluation (val_size={cfg.val_size})"], report)
         return train, evaluation
     return full, None
+
+
+def saved_template_note(template: ChatTemplate) -> list[str]:
+    """The line saying where final/'s chat template differs from the one LLaMA-Factory saves under that name."""
+    if template.own or template.name in LLAMAFACTORY_SAVES_ITS_FORMAT or not template.tokenizer.chat_template:
+        return []
+    return [f"template: {template.name}: LLaMA-Factory saves the model with the tokenizer's own chat template, "
+            f"which renders other text than this one; meshtune saves the template it trained with in final/, so "
+            f"apply_chat_template renders prompts as trained"]
 
 
 def _report(lines: list[str], report: bool) -> None:

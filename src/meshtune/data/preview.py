@@ -42,7 +42,7 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
     """The report: template, datasets with their statistics, and the samples chosen (`indices`: positions in the
     tokenized training data; else `samples` of them, the first ones or, with `seed`, drawn at random)."""
     template = ChatTemplate(tokenizer, cfg.named_template, train_on_prompt=cfg.train_on_prompt,
-                            mask_history=cfg.mask_history)
+                            mask_history=cfg.mask_history, default_system=cfg.default_system)
     cache = cache_dir(cfg)
     cached_before = set(cache.glob("*/meta.json"))
     train, evaluation = prepare_datasets(cfg, tokenizer, show_progress=show_progress, report=False)

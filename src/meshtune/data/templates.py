@@ -29,7 +29,6 @@ class Format:
     default_system: str = ""
     system_in_first_user: bool = False  # llama2 / mistral fold the system prompt into the first user turn
     empty_thought: bool = False  # qwen3: an assistant turn without reasoning gets an empty, trained <think></think>
-    family_marker: str = ""  # text that marks a tokenizer's own template as this family's ("" = never use it)
     # glm4, baichuan2 (LLaMA-Factory's efficient_eos): an assistant turn has no end marker of its own; the eos token
     # is trained after each one (as the label of the next turn's first token) and appended to the conversation
     efficient_eos: bool = False
@@ -45,7 +44,6 @@ _QWEN = dict(
     _CHATML,
     observation="<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n",
     tools="qwen",
-    family_marker="<|im_start|>",
 )
 
 _GEMMA = dict(  # gemma, gemma3: the system prompt folded into the first user turn
@@ -56,7 +54,6 @@ _GEMMA = dict(  # gemma, gemma3: the system prompt folded into the first user tu
     assistant="{content}<end_of_turn>\n",
     observation="<start_of_turn>tool\n{content}<end_of_turn>\n",
     system_in_first_user=True,
-    family_marker="<start_of_turn>",
 )
 
 FORMATS: dict[str, Format] = {
@@ -72,14 +69,12 @@ FORMATS: dict[str, Format] = {
         assistant="{content}<|eot_id|>",
         observation="<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>",
         tools="llama3",
-        family_marker="<|start_header_id|>",
     ),
     "llama2": Format(
         user="{bos}[INST] {content} [/INST]",
         assistant="{content}{eos}",
         system="<<SYS>>\n{content}\n<</SYS>>\n\n",
         system_in_first_user=True,
-        family_marker="[INST]",
     ),
     "mistral": Format(
         prefix="{bos}",
@@ -90,7 +85,6 @@ FORMATS: dict[str, Format] = {
         observation='[TOOL_RESULTS] {"content": {content}}[/TOOL_RESULTS]',
         tools="mistral",
         system_in_first_user=True,
-        family_marker="[INST]",
     ),
     "default": Format(
         system="System: {content}{eos}\n",
@@ -106,14 +100,12 @@ FORMATS: dict[str, Format] = {
         user="<|user|>\n{content}<|end|>\n",
         header="<|assistant|>\n",
         assistant="{content}<|end|>\n",
-        family_marker="<|end|>",
     ),
     "phi4": Format(
         system="<|im_start|>system<|im_sep|>{content}<|im_end|>",
         user="<|im_start|>user<|im_sep|>{content}<|im_end|>",
         header="<|im_start|>assistant<|im_sep|>",
         assistant="{content}<|im_end|>",
-        family_marker="<|im_sep|>",
     ),
     "deepseek": Format(
         prefix="{bos}",
@@ -127,7 +119,6 @@ FORMATS: dict[str, Format] = {
         user="<｜User｜>{content}",
         header="<｜Assistant｜>",
         assistant="{content}{eos}",
-        family_marker="<｜Assistant｜>",
     ),
     "glm4": Format(
         prefix="[gMASK]<sop>",
@@ -140,7 +131,7 @@ FORMATS: dict[str, Format] = {
         tools="glm4",
         efficient_eos=True,
     ),
-    "yi": Format(**_CHATML, family_marker="<|im_start|>"),
+    "yi": Format(**_CHATML),
     # LLaMA-Factory dropped baichuan2 as obsolete; this is its last definition there
     "baichuan2": Format(user="<reserved_106>{content}", header="<reserved_107>", assistant="{content}",
                         efficient_eos=True),
@@ -168,6 +159,10 @@ FORMATS: dict[str, Format] = {
                        "Write a response that appropriately completes the request.\n\n",
     ),
 }
+
+# The formats whose jinja LLaMA-Factory writes into the saved tokenizer in place of its own (replace_jinja_template);
+# under the others it keeps the tokenizer's own, whatever text the training rendered
+LLAMAFACTORY_SAVES_ITS_FORMAT = ("alpaca", "chatml", "default")
 
 # Per tool format: `tools_text(tools)`, appended to the system prompt, and `calls_text(calls)`, the tool-call turn.
 # Both take tools and calls in the form chat templates are given ({"type": "function", "function": ...}) or bare.
@@ -269,13 +264,15 @@ def _emit(slot: str, content: str = "content") -> str:
     return "{{- " + _expr(slot, content) + " -}}" if slot else ""
 
 
-def template_jinja(name: str) -> str:
+def template_jinja(name: str, default_system: str | None = None) -> str:
     """The jinja chat template of format `name`; it reads messages, tools, add_generation_prompt, bos/eos_token.
 
-    As in LLaMA-Factory's training: the system prompt is the first message's or else the default one, with the
-    tools appended to it; a tool-call turn is its text content followed by the calls.
+    As in LLaMA-Factory's training: the system prompt is the first message's or else the default one (the format's,
+    or `default_system` in its place, as LLaMA-Factory's key replaces it), with the tools appended to it; a
+    tool-call turn is its text content followed by the calls.
     """
     f = FORMATS[name]
+    default = f.default_system if default_system is None else default_system
     system_block = f"{{%- if system -%}}{_emit(f.system, 'system')}{{%- endif -%}}"
     thought = ("{%- if '<think>' not in content and '</think>' not in content -%}"
                r"{%- set content = '<think>\n\n</think>\n\n' + content -%}{%- endif -%}")
@@ -283,7 +280,7 @@ def template_jinja(name: str) -> str:
         TOOL_FORMATS[f.tools],
         "{%- set has_system = messages and messages[0].role == 'system' -%}",
         "{%- set loop_messages = messages[1:] if has_system else messages -%}",
-        f"{{%- set system = (messages[0].content if has_system else '') or {_quote(f.default_system)} -%}}",
+        f"{{%- set system = (messages[0].content if has_system else '') or {_quote(default)} -%}}",
         "{%- if tools -%}{%- set system = system + tools_text(tools) -%}{%- endif -%}",
         _emit(f.prefix),
         "" if f.system_in_first_user else system_block,
@@ -311,3 +308,11 @@ def template_jinja(name: str) -> str:
         f"{{%- if add_generation_prompt -%}}{_emit(f.header)}{{%- endif -%}}" if f.header else "",
     ]
     return "\n".join(line for line in lines if line)
+
+
+def with_default_system(jinja: str, default_system: str) -> str:
+    """`jinja` (any chat template) rendering `default_system` as the system message of a conversation without one
+    (or with an empty one), as LLaMA-Factory's default_system does."""
+    return ("{%- if not (messages and messages[0].role == 'system' and messages[0].content) -%}"
+            "{%- set messages = [{'role': 'system', 'content': " + _quote(default_system) + "}] + "
+            "(messages[1:] if messages and messages[0].role == 'system' else messages) -%}{%- endif -%}\n" + jinja)

@@ -191,6 +191,7 @@ def cache_key(
     max_samples: int | None = None,
     train_on_prompt: bool = False,
     mask_history: bool = False,
+    default_system: str | None = None,
 ) -> str:
     """Hash of every input that determines the tokenized arrays; a change in any of them means a new cache.
     The datasets count by the checksum the nodes compare: their files' bytes and how they are read (format,
@@ -201,7 +202,8 @@ def cache_key(
         dataset_checksum(datasets),
         _tokenizer_identity(tokenizer),
         template_name or "",  # None: the tokenizer's own, else ChatML
-        ChatTemplate(tokenizer, template_name).jinja or "",  # the format itself: a changed built-in one re-tokenizes
+        # the format itself (a changed built-in one re-tokenizes), with default_system's prompt in it
+        ChatTemplate(tokenizer, template_name, default_system=default_system).jinja or "",
         str(cutoff_len),
         str(bool(skip_invalid)),
         str(max_samples),
@@ -226,18 +228,20 @@ def load_or_build(
     max_samples: int | None = None,
     train_on_prompt: bool = False,
     mask_history: bool = False,
+    default_system: str | None = None,
 ) -> TokenizedDataset:
     """Return the cached tokenized dataset, building it first if no process has yet. A plain path is one file
     read with `fmt` (None: detected from its records); `template` as ChatTemplate takes it (None: the tokenizer's
     own, else ChatML); `max_samples` keeps the first N records of each dataset; `train_on_prompt` and
-    `mask_history` decide the labels (ChatTemplate).
+    `mask_history` decide the labels, `default_system` the system prompt of a conversation without one
+    (ChatTemplate).
 
     Safe to call from every rank of every node at once, with `cache_dir` local or on a shared filesystem
     that supports flock (NFSv4 does; Lustre needs the `flock` mount option).
     """
     cache_dir = Path(cache_dir)
     specs = [d if isinstance(d, DatasetSpec) else file_spec(d, fmt) for d in datasets]
-    masking = {"train_on_prompt": train_on_prompt, "mask_history": mask_history}
+    masking = {"train_on_prompt": train_on_prompt, "mask_history": mask_history, "default_system": default_system}
     key = cache_key(specs, tokenizer, template, cutoff_len, skip_invalid, max_samples, **masking)
     final = cache_dir / key
     if (final / "meta.json").is_file():

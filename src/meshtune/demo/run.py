@@ -22,8 +22,8 @@ def answers_of(model_dir: Path, adapter_dir: Path | None, prompts: list[str]) ->
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir))
     return generate_answers(model.eval(), tokenizer, prompts)

@@ -24,6 +24,7 @@ from meshtune.errors import MeshtuneError
 from meshtune.export.adapters import PEFT_PREFIX, Adapters, read_adapters
 from meshtune.export.full_weights import (DTYPES, base_dtype, export_full_checkpoint, full_checkpoint_base,
                                           is_full_checkpoint, write_model_config)
+from meshtune.model.custom_code import refuse_custom_code
 from meshtune.model.final_weights import export_kind
 
 HEAD = "lm_head.weight"  # the output head's weight in transformers' causal LM files
@@ -67,6 +68,7 @@ def export(source: Path, output: Path, merge: bool, dtype: str | None, force: bo
     source = source_of(source, note)
     if is_full_checkpoint(source):
         base = full_checkpoint_base(source, base_model)
+        refuse_custom_code(base, "the base model")
         dtype = dtype or base_dtype(base)
         count = export_full_checkpoint(source, output, DTYPES[dtype], base,
                                        prepare=lambda: prepare_output(output, force))
@@ -77,6 +79,7 @@ def export(source: Path, output: Path, merge: bool, dtype: str | None, force: bo
                             f"load it as it is; export one of the run's checkpoint-N for an earlier step")
     adapters = read_adapters(source)
     base = Path(base_model or adapters.base_model)
+    refuse_custom_code(base, "the base model")
     if merge and not (base / "config.json").is_file():
         raise MeshtuneError(f"the base model folder {base} (where the adapters were trained from) has no "
                             f"config.json; pass --base-model DIR with the original model files")

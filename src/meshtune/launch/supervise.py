@@ -30,9 +30,11 @@ def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
     """Train in this process, or start this node's torchrun whose workers re-enter with `argv`. `debug` keeps
     torchrun's own tracebacks. Returns the exit code: 0, or 128 + the signal that stopped the run early."""
     from meshtune.launch import detect_node_settings, needs_torchrun
+    from meshtune.model.custom_code import refuse_custom_code
     from meshtune.train.trackers import check_installed
 
     check_installed(cfg.report_to)  # report_to's packages: a named error before anything starts
+    refuse_custom_code(cfg.model_name_or_path)  # transformers would ask to run the folder's code: never
     if torchrun_worker():
         return train_here(cfg)
     settings = detect_node_settings(cfg)

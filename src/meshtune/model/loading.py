@@ -8,14 +8,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from meshtune.errors import ModelError
+from meshtune.model.custom_code import refuse_custom_code
 from meshtune.plan import ModelSize
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """fp32 master weights; bf16 compute comes from autocast (DDP) or FSDP2's MixedPrecisionPolicy."""
+    refuse_custom_code(path)
     try:
         return AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+            str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa", trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the model in {path}: {exc}") from None
 
@@ -35,9 +37,11 @@ def model_size(path: str | Path) -> ModelSize:
 def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model of `path` built on the meta device: its modules, names, shapes and dtypes, and no weights (the
     processes that receive rank 0's weights instead of reading the files)."""
-    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    refuse_custom_code(path)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                                trust_remote_code=False)
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -35,8 +35,10 @@ def add_lora(model: PreTrainedModel, cfg: TrainConfig) -> torch.nn.Module:
     available = linear_module_names(model)
     if cfg.lora_target == ["all"]:
         targets: str | list[str] = "all-linear"  # peft: every linear layer except the output head
-    else:
-        targets = lora_targets(cfg.lora_target, available)
+    else:  # module paths: an adapter's own list, as peft expands all-linear (model.layers.0.mlp.down_proj, ...)
+        paths = [name for name in cfg.lora_target if "." in name]
+        targets = lora_targets([name for name in cfg.lora_target if "." not in name], available)
+        targets += linear_paths(paths, model)
     in_full = trained_in_full(cfg.additional_target, model)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM", bias="none", modules_to_save=in_full or None)
@@ -83,6 +85,18 @@ def lora_targets(names: list[str], available: set[str]) -> list[str]:
                       f"{', '.join(sorted(available))} (or use lora_target: all){hint}")
 
 
+def linear_paths(paths: list[str], model: torch.nn.Module) -> list[str]:
+    """`paths` (module paths, as peft writes an adapter's target_modules), each checked to name a linear layer of
+    the model as peft matches it: the module's name, or its end after a dot."""
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    missing = [path for path in paths if not any(name == path or name.endswith(f".{path}") for name in linears)]
+    if missing:
+        raise ConfigError(f"lora_target: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} names no "
+                          f"linear layer of the model ({len(missing)} of {len(paths)} module paths); an adapter "
+                          f"continues on the model it was trained on")
+    return list(paths)
+
+
 def initial_adapter_weight(name: str, shape: torch.Size, seed: int) -> torch.Tensor | None:
     """The starting value of an adapter weight built without values (on the meta device): B zeros and A
     Kaiming-uniform, as peft initialises them, A drawn from a generator seeded by `seed` and the adapter's name, so
@@ -99,9 +113,16 @@ def initial_adapter_weight(name: str, shape: torch.Size, seed: int) -> torch.Ten
     return weight
 
 
+def saved_name(name: str) -> str:
+    """A peft-wrapped model's trainable parameter by its name in a saved adapter: LoRA's `lora_A.default.weight` as
+    `lora_A.weight`, a module trained in full (`modules_to_save.default.weight`) by the base's own name."""
+    return re.sub(r"\.(lora_[AB])\.default\.", r".\1.", name).replace(".modules_to_save.default.", ".")
+
+
 def starting_adapter(model: torch.nn.Module, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """The weights of the adapter the run continues (`adapter_name_or_path`), by the names of `model`'s adapter
-    parameters (`model`: after `add_lora`, built empty or not), each checked against the parameter it replaces."""
+    parameters and trainable copies of modules trained in full (`model`: after `add_lora`, built empty or not),
+    each checked against the parameter it replaces."""
     folder = Path(cfg.adapter_name_or_path).expanduser()
     config = json.loads((folder / "adapter_config.json").read_text())
     settings = {"lora_rank": (config.get("r"), cfg.lora_rank),
@@ -115,10 +136,11 @@ def starting_adapter(model: torch.nn.Module, cfg: TrainConfig) -> dict[str, torc
         raise ModelError(f"{folder / ADAPTER_WEIGHTS} not found: adapter_name_or_path needs the adapter's weights in "
                          f"safetensors (an adapter_model.bin: load it with peft and save it again)")
     saved = load_file(str(folder / ADAPTER_WEIGHTS))
-    wanted = {name: param for name, param in model.named_parameters() if ".lora_" in name}
+    wanted = {name: param for name, param in model.named_parameters()
+              if ".lora_" in name or ".modules_to_save.default." in name}
     weights, missing = {}, []
     for name, param in wanted.items():
-        key = re.sub(r"\.(lora_[AB])\.default\.", r".\1.", name)
+        key = saved_name(name)
         if key not in saved:
             missing.append(key)
         elif saved[key].shape != param.shape:

@@ -10,6 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from meshtune.errors import ModelError
+from meshtune.model.custom_code import refuse_custom_code
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -40,6 +41,7 @@ def check_model_dir(path: str | Path) -> Path:
         raise ModelError(f"model directory {directory} is incomplete or damaged: " + "; ".join(
             item if " is " in item else f"missing {item}" for item in missing) + ". Copy or download it again")
     check_not_prequantized(directory)
+    refuse_custom_code(directory)
     return directory
 
 
@@ -85,7 +87,8 @@ def safetensors_problem(path: Path) -> str | None:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    refuse_custom_code(path)  # never prompted for, never run
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         # Llama-style tokenizers ship without one; padding is masked out of the loss and attention anyway
         tokenizer.pad_token = tokenizer.eos_token

@@ -108,7 +108,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
 
     # data: tokenized once into the shared cache (other processes wait on its file lock)
     tokenizer = load_tokenizer(model_dir)
-    chat_template = serving_chat_template(tokenizer, cfg.named_template)  # saved with final/ and in every checkpoint
+    # saved with final/ and in every checkpoint
+    chat_template = serving_chat_template(tokenizer, cfg.named_template, cfg.default_system)
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
     data = plan.data_env(env)  # a cp x tp group's processes take the same micro-batches
     batches, total_steps = plan_steps(cfg, train_data, data.world_size, plan.gradient_accumulation_steps,
