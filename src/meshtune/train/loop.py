@@ -194,12 +194,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             stop.tally(votes)
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+            reported = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction,
                                    keep_gathered=plan.reshard_after_forward is False):
                     with split(batch.to(env.device)) as local:  # forward and backward on this process's share
                         loss = faults.nan_loss(objective.loss_sum(local), step + 1, env.rank)
                         scaler.scale(normalised(loss * reducing, targets)).backward()
+                        reported += objective.metric_sums(local)
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
@@ -216,8 +218,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             done, last = step + 1, step + 1 == total_steps
             faults.after_step(done, env.rank)
             watch.at(done, "summing the step's loss (all-reduce)")
-            meter.add(normalised(times.line_up(lambda: all_reduce_sum(loss_sum * own_loss)), targets), tokens, flops,
-                      counted=updated)
+            sums = times.line_up(lambda: all_reduce_sum(torch.cat([loss_sum.view(1), reported]) * own_loss))
+            meter.add(normalised(sums[0], targets), tokens, flops, counted=updated,
+                      reported=dict(zip(objective.metric_names, normalised(sums[1:], targets))))
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if record:  # the ranks compare their step times and non-finite marks (small all-gathers)

@@ -4,8 +4,9 @@ An objective owns its unit of data (what one index of the tokenized dataset is; 
 how units become a micro-batch (`collate`), the loss of a micro-batch as a sum (`loss_sum`) with its share of the
 normaliser (`count`), and what it reports. A step's loss is the sum over its whole global batch / the count summed
 over every rank and micro-step, so the layout never changes the math; `normalised` is that one division, for
-training, evaluation and the measured steps of the memory fit alike. Every reported value is a ratio of sums
-all-reduced across ranks, never a mean of means. The loop, the evaluator and the memory fit call an objective and
+training, evaluation and the measured steps of the memory fit alike. What it reports besides the loss
+(`metric_names`) is summed the same way (`metric_sums`) and divided by the same count: a ratio of sums all-reduced
+across ranks, never a mean of means. The loop, the evaluator and the memory fit call an objective and
 compute no loss themselves.
 """
 
@@ -28,6 +29,13 @@ class Objective(Protocol):
 
     def count(self, batch: Batch) -> float:
         """The micro-batch's share of the normaliser."""
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """What the objective reports besides the loss, each a sum over the step / its normaliser."""
+
+    def metric_sums(self, batch: Batch) -> torch.Tensor:
+        """The numerators of `metric_names` for the micro-batch `loss_sum` last computed (fp64, one value a name)."""
 
 
 def normalised(total: torch.Tensor, count: torch.Tensor | float) -> torch.Tensor:

@@ -46,6 +46,13 @@ class TokenLoss:
     def count(self, batch: Batch) -> int:
         return batch.num_targets
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return ()  # the loss says it all
+
+    def metric_sums(self, batch: Batch) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64, device=self.env.device)
+
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
                  fused_loss: bool, autocast_fp16: bool = False, vocab: VocabShard | None = None) -> torch.Tensor:
