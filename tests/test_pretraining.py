@@ -152,3 +152,19 @@ def test_preview_shows_raw_text_rows_with_their_document_boundaries(tmp_path, ti
     assert f" {BOUNDARY} [sample " in text and "t.jsonl: record " in text
     long_pieces = [p for p in pieces_shown if p["source"].endswith("record 2 (line 2)")]
     assert all(p["pieces"] == 2 and f"piece {p['piece']} of 2]" in text for p in long_pieces)
+
+
+@pytest.mark.slow
+def test_pretraining_losses_are_the_same_on_one_process_and_on_two(tmp_path, tiny_model_dir):
+    """Packed raw-text rows dealt to 2 ranks x 1 micro-step train as 1 rank x 2: every step's loss and the final
+    eval loss."""
+    from test_topology import assert_close, train_losses
+
+    rng = np.random.default_rng(1)
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(4, 90)))) for _ in range(60)]
+    data = write_texts(tmp_path / "pt.jsonl", texts)
+    one = train_losses(tmp_path, tiny_model_dir, data, "lora", "ddp", 1, 2, stage="pt", cutoff_len=48)
+    two = train_losses(tmp_path, tiny_model_dir, data, "lora", "ddp", 2, 1, stage="pt", cutoff_len=48)
+    assert one[4] < one[0]
+    assert_close(two, one, "stage pt on 2 processes x 1 micro-step")
