@@ -164,8 +164,8 @@ def _refuse_unsupported(entry: dict, where: str, dataset_dir: Path) -> None:
                         f"({dataset_dir})")
     if entry.get("ranking"):
         raise DataError(f"{where} has ranking: true: preference pairs (chosen / rejected) for LLaMA-Factory's rm and "
-                        f"dpo stages, which meshtune does not train; it fine-tunes on conversations (sft): use a "
-                        f"dataset without ranking")
+                        f"dpo stages, which meshtune does not train; it trains on conversations (stage: sft) and raw "
+                        f"text (stage: pt): use a dataset without ranking")
     fmt = entry.get("formatting", "alpaca")
     if fmt not in FORMATTINGS:
         raise DataError(f"{where} has formatting: {json.dumps(fmt)}; meshtune reads {' or '.join(FORMATTINGS)} "
@@ -209,7 +209,7 @@ def _refuse_columns(columns: dict, where: str) -> None:
                         f"dataset without images, videos or audios")
     if columns.get("kto_tag"):
         raise DataError(f"{where} maps kto_tag ({columns['kto_tag']}): data for LLaMA-Factory's kto stage "
-                        f"(answers marked desirable or not), which meshtune does not train; use sft data")
+                        f"(answers marked desirable or not), which meshtune does not train; use sft or pt data")
 
 
 def _entry_files(entry: dict, where: str, dataset_dir: Path, extensions: tuple[str, ...] = EXTENSIONS) -> list[Path]:
