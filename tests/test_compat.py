@@ -208,8 +208,8 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
         load_job_config(config)
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
-    for expected in ("stage: 'ppo' is LLaMA-Factory's; meshtune cannot run it: meshtune trains supervised "
-                     "fine-tuning (stage: sft) only", "use_dft_loss: True", "pure_bf16: True",
+    for expected in ("ppo: PPO is another trainer's; meshtune trains supervised fine-tuning (sft) and continued "
+                     "pre-training on raw text (pt)", "use_dft_loss: True", "pure_bf16: True",
                      "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
@@ -249,14 +249,18 @@ def test_accelerate_fsdp_config_is_refused_with_meshtune_equivalents(source):
         assert key in message
 
 
-REFUSED = {"dpo.yaml": "stage: 'dpo' is LLaMA-Factory's; meshtune cannot run it",
+REFUSED = {"dpo.yaml": "dpo: DPO preference training is another trainer's; meshtune trains supervised fine-tuning",
+           "qwen3_lora_dpo.yaml": "dpo: DPO preference training is another trainer's",
+           "qwen3_lora_kto.yaml": "kto: KTO preference training is another trainer's",
+           "qwen3_lora_reward.yaml": r"rm: reward-model training \(rm\) is another trainer's",
            "fsdp_config.yaml": "is an accelerate launch config",
            "fsdp_config_multiple_nodes.yaml": "is an accelerate launch config"}
 EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
     "lora_sft.yaml": ("auto", "lora", False), "full_sft_ds3.yaml": ("zero3", "full", False),
     "lora_sft_otfq.yaml": ("auto", "qlora", False), "toolcall_lora_sft.yaml": ("ddp", "lora", False),
     "qwen3_lora_sft.yaml": ("auto", "lora", False), "qwen3_full_sft.yaml": ("zero3", "full", False),
-    "qwen3_lora_sft_ds3.yaml": ("zero3", "lora", False), "qwen3_lora_sft_otfq.yaml": ("auto", "qlora", False)}
+    "qwen3_lora_sft_ds3.yaml": ("zero3", "lora", False), "qwen3_lora_sft_otfq.yaml": ("auto", "qlora", False),
+    "lora_pretrain.yaml": ("auto", "lora", False), "qwen3_lora_pretrain.yaml": ("auto", "lora", False)}
 
 
 @pytest.mark.slow

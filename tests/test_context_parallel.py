@@ -99,7 +99,7 @@ def test_the_ring_attentions_causal_sdpa_gives_the_models_losses_on_right_padded
     its padding mask, on rows of unequal lengths padded as cp 4 pads them: the same loss on every target."""
     from meshtune.model.context_parallel import use_context_parallel_attention
     from meshtune.model.loading import load_model
-    from meshtune.train.loop import token_loss_sum
+    from meshtune.train.objectives.token_loss import token_loss_sum
 
     dataset = [(np.arange(3, 3 + n), np.array([IGNORE] * 2 + list(range(5, 3 + n)))) for n in (9, 14, 6)]
     batch = collate([[0], [1], [2]], dataset=dataset, pad_id=0, packed=False, pad_to_multiple=row_multiple(4, 1),
@@ -135,7 +135,7 @@ def test_evaluation_counts_a_cp_groups_targets_once():
     batch = collate([[0]], dataset=[(np.arange(4, 8), np.arange(4, 8))], pad_id=0, packed=False, pad_to_multiple=1,
                     padding_free=False)
     evaluator = Evaluator(dataset, 1, None, 1, gpu_env(1, device="cpu"), lambda rows: batch,
-                          lambda b: torch.tensor(3.0), target_share=1 / 2)
+                          lambda b: torch.tensor(3.0), lambda b: b.num_targets, target_share=1 / 2)
     assert evaluator.run(torch.nn.Linear(1, 1)) == pytest.approx(3.0 / (3 * 0.5))
 
 
@@ -150,7 +150,7 @@ def ring_job(rank: int, world_size: int, workdir) -> None:
 
     from meshtune.model.context_parallel import use_context_parallel_attention
     from meshtune.model.loss_head import install_loss_head
-    from meshtune.train.loop import forward_loss
+    from meshtune.train.objectives.token_loss import forward_loss
 
     torch.cuda.set_device(0)
     set_rotate_method("alltoall")

@@ -145,6 +145,6 @@ def test_checkpoints_and_evaluations_are_due_at_the_steps_each_strategy_names(tm
     by_epoch.save_at(frozenset({3, 6}))
     assert saved(by_epoch, 8) == [3, 6, 8]
     assert saved(CheckpointManager(tmp_path, None, False, 0, 1), 8) == []
-    evaluator = Evaluator(object(), 1, None, 8, None, None, None, also_at=frozenset({3, 6}))
+    evaluator = Evaluator(object(), 1, None, 8, None, None, None, None, also_at=frozenset({3, 6}))
     assert [step for step in range(1, 9) if evaluator.due(step)] == [3, 6, 8]
-    assert [step for step in range(1, 9) if Evaluator(object(), 1, 4, 8, None, None, None).due(step)] == [4, 8]
+    assert [step for step in range(1, 9) if Evaluator(object(), 1, 4, 8, None, None, None, None).due(step)] == [4, 8]

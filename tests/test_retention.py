@@ -48,3 +48,19 @@ def test_resuming_under_another_math_is_an_error_naming_the_keys_unless_allowed(
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # resumed at 2, trained to 4
     with pytest.raises(ConfigError, match="resume_allow_changed: save_steps is not a key of the run's math"):
         build_config({**values, "resume_allow_changed": ["save_steps"]})
+
+
+def test_a_checkpoint_from_before_a_new_key_resumes_when_the_key_is_at_its_default(tmp_path, tiny_model_dir,
+                                                                                   tiny_dataset):
+    """A checkpoint whose config predates a math key (here `stage`) computed what the key's default computes."""
+    out = tmp_path / "out"
+    values = base_config(tiny_model_dir, tiny_dataset, out, max_steps=2, save_steps=2, save_final=False)
+    run(build_config(values))
+    manifest_path = out / "checkpoint-2" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["config"]["stage"]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"stage: None -> 'pt'"):  # not the default: a change
+        run(build_config({**values, "max_steps": 3, "stage": "pt", "resume_allow_changed": ["max_steps"]}))
+    records = run(build_config({**values, "max_steps": 3, "resume_allow_changed": ["max_steps"]})).records
+    assert [r["step"] for r in records] == [1, 2, 3]

@@ -72,6 +72,9 @@ class Section:
 
 
 MATH, JOB, NODE = "math", "job", "node"
+TEXT_FORMAT = "text"  # how stage: pt reads its datasets (data/raw_text.py)
+OTHER_STAGES = {"rm": "reward-model training (rm)", "ppo": "PPO", "grpo": "GRPO",
+                "dpo": "DPO preference training", "kto": "KTO preference training"}
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to's trackers (train/sinks.py)
 # the other trackers HF's and LLaMA-Factory's report_to know
 OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "neptune", "swanlab",
@@ -94,6 +97,12 @@ class TrainConfig(BaseModel):
 
     model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, "
                                                 "tokenizer); meshtune never downloads")
+    stage: Literal["sft", "pt"] = MODEL(
+        "sft", "what the run trains (LLaMA-Factory's key): sft (supervised fine-tuning on conversations: the "
+               "assistant's replies are trained) | pt (continued pre-training on raw text: LLaMA-Factory's columns "
+               "{prompt: text}, a JSONL or JSON of records with a 'text' field, or .txt files read a document a line; "
+               "every token trained, an EOS after each document, a document longer than cutoff_len split into pieces "
+               "that overlap by one token, packed by default with no attention across documents)")
     finetuning_type: Literal["full", "lora", "qlora"] = MODEL(
         "lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose "
                 "transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do "
@@ -173,7 +182,7 @@ class TrainConfig(BaseModel):
     tokenized_path: str | None = DATA(None, "where the tokenized cache lives (default: output_dir/tokenized); put it "
                                             "on storage all nodes share to tokenize once", scope=NODE)
     packing: bool = DATA(False, "pack samples into rows of up to cutoff_len (no attention across samples): fewer, "
-                                "fuller rows")
+                                "fuller rows; default true for stage: pt")
     group_by_length: bool = DATA(False, "without packing: micro-batches of similar lengths inside each global batch "
                                         "(less padding)")
 
@@ -534,14 +543,41 @@ class TrainConfig(BaseModel):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _stage_meshtune_trains(cls, value: Any) -> Any:
+        """The stages of LLaMA-Factory and TRL meshtune has no trainer for, refused by name."""
+        if isinstance(value, str) and value.lower() in OTHER_STAGES:
+            raise ValueError(f"{value}: {OTHER_STAGES[value.lower()]} is another trainer's; meshtune trains "
+                             f"supervised fine-tuning (sft) and continued pre-training on raw text (pt)")
+        return value
+
     @field_validator("warmup_steps")
     @classmethod
     def _whole_steps_stay_whole(cls, value: float) -> float:
         """A count of steps is kept an int (the run's identity hashes `10`, not `10.0`); a fraction is a share."""
         return int(value) if value == int(value) else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pretraining_packs(cls, values: Any) -> Any:
+        """stage: pt packs unless told not to, as LLaMA-Factory's pre-training does: its pieces are short documents
+        and the tails of long ones."""
+        if isinstance(values, dict) and values.get("stage") == "pt" and values.get("packing") is None:
+            return {**values, "packing": True}
+        return values
+
     @model_validator(mode="after")
     def _check_supported(self) -> "TrainConfig":
+        if self.stage == "pt":
+            sft_only = [key for key in ("train_on_prompt", "mask_history") if getattr(self, key)]
+            if sft_only:
+                raise ValueError(f"{' and '.join(sft_only)} choose which turns of a conversation train; stage: pt "
+                                 f"trains every token of raw text: drop {' and '.join(sft_only)}")
+            if self.dataset_format != "auto":
+                raise ValueError(f"dataset_format: {self.dataset_format} reads conversations; stage: pt reads raw text "
+                                 f"(a 'text' field, LLaMA-Factory's columns {{prompt: text}}, or .txt files): drop "
+                                 f"dataset_format")
         if self.finetuning_type == "qlora" and self.cpu_offload:
             raise ValueError("cpu_offload: true with finetuning_type: qlora is not supported: the 4-bit shards stay on "
                              "the GPU. Shard them over more GPUs instead (parallel: zero3 across nodes)")
@@ -604,7 +640,10 @@ class TrainConfig(BaseModel):
     # The values stay as written: they are the run's identity (`hash()`) and what config.yaml shows.
     @property
     def named_format(self) -> str | None:
-        """dataset_format, or None (auto): each file's format is detected from its records."""
+        """dataset_format, or None (auto): each file's format is detected from its records; `text` (raw text) for
+        stage: pt."""
+        if self.stage == "pt":
+            return TEXT_FORMAT
         return None if self.dataset_format == "auto" else self.dataset_format
 
     @property
@@ -664,6 +703,12 @@ def without_autos(tree: Any) -> Any:
     if isinstance(tree, list):
         return [without_autos(value) for value in tree]
     return None if tree == "auto" else tree
+
+
+def key_default(key: str) -> Any:
+    """A key's default value (None for a key without one, or not of TrainConfig)."""
+    field = TrainConfig.model_fields.get(key)
+    return None if field is None or field.is_required() else field.get_default(call_default_factory=True)
 
 
 def math_hash(values: dict[str, Any]) -> str:

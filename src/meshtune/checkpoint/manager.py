@@ -29,7 +29,7 @@ from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, delete_seal
                                           hash_file, read_manifest, share, verify, write_manifest)
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume, set_aside
 from meshtune.checkpoint.state import RNGState
-from meshtune.config import math_hash
+from meshtune.config import key_default, math_hash
 from meshtune.faults import maybe_die
 from meshtune.logs import RankWarning
 from meshtune.units import byte_size
@@ -220,7 +220,9 @@ class CheckpointManager:
                 notes.append(f"warning: {path.name} was written with another config (its manifest keeps only the "
                              f"hash); resuming anyway")
             return path, manifest, notes
-        changed = {key: (saved.get(key), value) for key, value in config.items() if saved.get(key) != value}
+        # a key the checkpoint predates counts at its default: the run computed what that default computes
+        changed = {key: (saved.get(key), value) for key, value in config.items()
+                   if saved.get(key) != value and not (key not in saved and value == key_default(key))}
         refused = [key for key in changed if key not in allowed]
         if refused:
             listing = "; ".join(f"{key}: {changed[key][0]!r} -> {changed[key][1]!r}" for key in refused)

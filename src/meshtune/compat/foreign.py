@@ -73,15 +73,12 @@ def _same(a: Any, b: Any) -> bool:
 NO_DOWNLOAD = "meshtune reads local files only and never downloads"
 CACHE = ("the data is tokenized once per job into a shared cache, rebuilt by itself when data, tokenizer, template or "
          "cutoff_len change")
-SFT_ONLY = "meshtune trains supervised fine-tuning (stage: sft) only"
 SHARDING = ("meshtune shards with FSDP2 through its own keys: parallel: zero3 (or zero2, hsdp), cpu_offload: true, "
             "and nnodes / nproc_per_node / master_addr / master_port (or the launcher's environment)")
 
 # key -> (whose key it is, what meshtune does with its value)
 FOREIGN: dict[str, tuple[str, Handler]] = {
     # method
-    "stage": (LF, only({"sft": {}}, f"{SFT_ONLY}: pre-training (pt), reward models (rm), PPO, DPO and KTO are "
-                                    f"other trainers")),
     "do_train": (LF, only({True: {}}, "meshtune train always trains; do_train: false asks it not to")),
     "do_eval": (HF, ignored("evaluation runs when val_size or eval_dataset is set: every eval_steps and at the end",
                             True, False)),
@@ -289,8 +286,8 @@ FAMILIES = (
     Family(LF, "a SwanLab setting", "metrics go to output_dir/metrics.jsonl and loss.png", ("swanlab_",),
            ("use_swanlab",)),
     Family(LF, "a preference or RL training setting", "read only by stage: dpo, kto, ppo or rm, and meshtune trains "
-                                                      "sft", ("pref_", "dpo_", "kto_", "ppo_", "simpo_", "ref_model",
-                                                              "reward_model"), ("ld_alpha",)),
+                                                      "sft and pt", ("pref_", "dpo_", "kto_", "ppo_", "simpo_",
+                                                                     "ref_model", "reward_model"), ("ld_alpha",)),
 )
 
 

@@ -9,6 +9,7 @@ from meshtune.config import TrainConfig
 from meshtune.errors import ConfigError
 from meshtune.data.registry import resolve
 from meshtune.data.chat_template import ChatTemplate
+from meshtune.data.raw_text import load_or_build_raw_text
 from meshtune.data.templates import LLAMAFACTORY_SAVES_ITS_FORMAT
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
@@ -23,10 +24,14 @@ def cache_dir(cfg: TrainConfig) -> Path:
 
 def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool, key: str = "dataset"):
     """Files and dataset_info.json names → one tokenized dataset; max_samples cuts each entry, train and eval
-    alike, as LLaMA-Factory does."""
-    return load_or_build(resolve(entries, cfg.dataset_dir, cfg.named_format, key), tokenizer,
-                         template=cfg.named_template, cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid,
-                         max_samples=cfg.max_samples,
+    alike, as LLaMA-Factory does. stage: pt reads them as raw text (data/raw_text.py)."""
+    specs = resolve(entries, cfg.dataset_dir, cfg.named_format, key)
+    if cfg.stage == "pt":
+        return load_or_build_raw_text(specs, tokenizer, cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid,
+                                      max_samples=cfg.max_samples, cache_dir=cache_dir(cfg),
+                                      show_progress=show_progress)
+    return load_or_build(specs, tokenizer, template=cfg.named_template, cutoff_len=cfg.cutoff_len,
+                         skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
                          train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
                          default_system=cfg.default_system, cache_dir=cache_dir(cfg), show_progress=show_progress)
 
@@ -42,6 +47,9 @@ def describe(name: str, stats: dict) -> list[str]:
         lines.append(f"warning: {name}: dropped {stats['n_dropped_no_target']:,} samples with no assistant token "
                      f"left after truncation to cutoff_len"
                      f"{examples(stats.get('dropped_examples'), stats['n_dropped_no_target'])}")
+    if stats.get("n_split_documents"):
+        lines.append(f"{name}: {stats['n_split_documents']:,} of {stats['n_documents']:,} documents longer than "
+                     f"cutoff_len split into pieces")
     if stats.get("n_truncated"):
         lines.append(f"{name}: {stats['n_truncated']:,} samples truncated to cutoff_len")
     return lines
@@ -61,8 +69,11 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
     their rank 0)."""
     trains = ", trained on prompts too" if cfg.train_on_prompt else ""
     trains += ", only the last assistant turn trained" if cfg.mask_history else ""
-    template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
-    _report([f"chat template: {template.description}{trains}", *saved_template_note(template)], report)
+    if cfg.stage == "pt":
+        _report(["raw text (stage: pt): every token trained, an EOS after each document"], report)
+    else:
+        template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
+        _report([f"chat template: {template.description}{trains}", *saved_template_note(template)], report)
     full = _load(cfg, cfg.dataset, tokenizer, show_progress)
     _report(describe("train data", full.stats), report)
     if cfg.eval_dataset:

@@ -18,7 +18,9 @@ from meshtune.config import TrainConfig
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import Conversations, read_dataset
 from meshtune.data.pipeline import cache_dir, examples, prepare_datasets
+from meshtune.data.raw_text import Documents, read_documents
 from meshtune.data.registry import resolve
+from meshtune.data.sampler import pack_rows, permutation
 from meshtune.data.split import Subset
 from meshtune.data.tokenized import TokenizedDataset, cut_reasons
 from meshtune.errors import ConfigError
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"  # around trained text
 TARGET_MARK = "→"  # ⟦→x⟧: the loss trains x where the input has another token (written after the mark)
+BOUNDARY = "¦"  # raw text: where a packed row passes from one document (or piece of one) to the next
 GREEN, RESET = "\x1b[32m", "\x1b[0m"
 
 
@@ -49,20 +52,21 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
     full = train.dataset if isinstance(train, Subset) else train  # val_size holds some of the samples out
     held_out = set(evaluation.indices.tolist()) if isinstance(evaluation, Subset) else set()
     reasons = cut_reasons(cfg.cutoff_len, cfg.mask_history)
-    train_sources = read_dataset(resolve(cfg.dataset, cfg.dataset_dir, cfg.named_format),
-                                 skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples)
+    read = read_documents if cfg.stage == "pt" else read_dataset
+    train_sources = read(resolve(cfg.dataset, cfg.dataset_dir, cfg.named_format), skip_invalid=cfg.skip_invalid,
+                         max_samples=cfg.max_samples)
     flags = trained_flags(full)
     datasets = {"train": dataset_report(cfg, cfg.dataset, full, flags, train_sources, reasons)}
     if held_out:
         datasets["train"]["held_out"] = {"count": len(held_out),
                                          "reason": f"for evaluation (val_size {cfg.val_size:g}), never trained"}
     if cfg.eval_dataset:
-        eval_sources = read_dataset(resolve(cfg.eval_dataset, cfg.dataset_dir, cfg.named_format, "eval_dataset"),
-                                    skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples)
+        eval_sources = read(resolve(cfg.eval_dataset, cfg.dataset_dir, cfg.named_format, "eval_dataset"),
+                            skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples)
         datasets["eval"] = dataset_report(cfg, cfg.eval_dataset, evaluation, trained_flags(evaluation), eval_sources,
                                           reasons)
     chosen = choose(len(full), samples, indices, seed)
-    return {
+    report = {
         "template": {"name": template.name, "description": template.description, "trains": trains(cfg)},
         "settings": {key: getattr(cfg, key) for key in ("cutoff_len", "train_on_prompt", "mask_history", "packing",
                                                         "skip_invalid", "max_samples", "val_size")},
@@ -71,10 +75,41 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
         "samples": [sample_report(full, flags, position, tokenizer, train_sources.sources, position in held_out)
                     for position in chosen],
     }
+    if cfg.stage == "pt":
+        report["template"] = {"name": None, "description": "none: raw text (stage: pt)", "trains": trains(cfg)}
+        report["rows"] = [] if indices is not None else raw_text_rows(cfg, train, samples, tokenizer, train_sources)
+    return report
+
+
+def raw_text_rows(cfg: TrainConfig, train, count: int, tokenizer: PreTrainedTokenizerBase, read: Documents
+                  ) -> list[dict]:
+    """The first `count` rows of the first epoch as training makes them (packed: several pieces a row), each piece
+    with its document and its place among that document's pieces."""
+    order = permutation(len(train), cfg.seed, 0)
+    rows = pack_rows(order, train.lengths, cfg.cutoff_len) if cfg.packing else [[i] for i in order]
+    full = train.dataset if isinstance(train, Subset) else train
+    position = (lambda i: int(train.indices[i])) if isinstance(train, Subset) else int  # noqa: E731
+    report = []
+    for row in rows[:max(count, 0)]:
+        parts = []
+        for i in row:
+            at = position(i)
+            document = int(full.record_index[at])
+            first = int(np.searchsorted(full.record_index, document, side="left"))
+            last = int(np.searchsorted(full.record_index, document, side="right"))
+            ids = np.asarray(full[at][0], dtype=np.int64)
+            parts.append({"position": at, "source": read.sources[document], "piece": at - first + 1,
+                          "pieces": last - first, "tokens": len(ids),
+                          "text": tokenizer.decode(ids, skip_special_tokens=False,
+                                                   clean_up_tokenization_spaces=False)})
+        report.append({"tokens": sum(part["tokens"] for part in parts), "pieces": parts})
+    return report
 
 
 def trains(cfg: TrainConfig) -> str:
     """Which turns the labels train, in words (ChatTemplate.encode decides it)."""
+    if cfg.stage == "pt":
+        return "every token of the raw text, the EOS ending each document included"
     if cfg.train_on_prompt:
         return "every turn, prompts too (train_on_prompt: true)"
     answers = "the last assistant turn (mask_history: true)" if cfg.mask_history else "each assistant turn"
@@ -112,11 +147,21 @@ def trained_flags(data: TokenizedDataset) -> np.ndarray:
 
 
 def dataset_report(cfg: TrainConfig, entries: list[str], data: TokenizedDataset, flags: np.ndarray,
-                   read: Conversations, reasons: dict) -> dict:
+                   read: Conversations | Documents, reasons: dict) -> dict:
     """Files, counts and token statistics of one tokenized dataset (`flags`: its trained_flags), and what
     cutoff_len and skip_invalid cut."""
     stats = data.stats
     trained = np.add.reduceat(flags, np.asarray(data.offsets[:-1]))  # per sample; no sample is empty
+    if "n_split_documents" in stats:  # raw text: documents split into pieces, none truncated or dropped
+        return {"entries": entries_report(entries, cfg, read), "records": stats["n_records"], "samples": len(data),
+                "documents": stats["n_documents"], "tokens": int(data.lengths.sum()),
+                "trained_tokens": int(trained.sum()), "tokens_per_sample": distribution(data.lengths),
+                "tokens_before_cutoff": distribution(data.full_lengths), "trained_per_sample": distribution(trained),
+                "split": {"count": stats["n_split_documents"],
+                          "reason": f"longer than cutoff_len {cfg.cutoff_len:,} tokens, split into pieces that "
+                                    f"overlap by one token (none dropped)"},
+                "skipped": {"count": stats["n_skipped_invalid"], "reason": reasons["skipped"],
+                            "examples": stats["skipped_examples"]}}
     return {
         "entries": entries_report(entries, cfg, read),
         "records": stats["n_records"],
@@ -134,7 +179,7 @@ def dataset_report(cfg: TrainConfig, entries: list[str], data: TokenizedDataset,
     }
 
 
-def entries_report(entries: list[str], cfg: TrainConfig, read: Conversations) -> list[dict]:
+def entries_report(entries: list[str], cfg: TrainConfig, read: Conversations | Documents) -> list[dict]:
     """Each dataset entry with its files: the format read and the records in each (None: not read, max_samples
     was reached before it)."""
     files = {str(f.path): f for f in read.files}
@@ -200,6 +245,14 @@ def render_text(report: dict, color: bool) -> str:
     for name, dataset in report["datasets"].items():
         lines += [""] + dataset_lines(name, dataset)
     total = report["datasets"]["train"]["samples"]
+    if report.get("rows"):
+        lines += ["", f"rows of the first epoch as training packs them; {BOUNDARY} marks where one document, or "
+                      f"piece of one, ends and the next begins (no attention crosses it):"]
+        for n, row in enumerate(report["rows"]):
+            count = len(row["pieces"])
+            lines += ["", f"--- row {n}: {row['tokens']:,} tokens, {count} piece{'s' if count > 1 else ''} ---"]
+            lines.append(f" {BOUNDARY} ".join(f"[{piece_label(p)}] {p['text']}" for p in row["pieces"]))
+        return "\n".join(lines)
     for sample in report["samples"]:
         lines += ["", sample_header(sample, total), marked_text(sample["segments"], color)]
     return "\n".join(lines)
@@ -226,19 +279,27 @@ def dataset_lines(name: str, d: dict) -> list[str]:
                 continue
             read = f", {f['read']:,} read (max_samples)" if f["read"] < f["records"] else ""
             lines.append(f"{indent}{f['path']}: {f['format'] or 'no format (empty)'}, {f['records']:,} records{read}")
-    lines.append(f"  {d['records']:,} records -> {d['samples']:,} samples, {d['tokens']:,} tokens, "
+    documents = f"{d['documents']:,} documents -> " if "documents" in d else ""
+    lines.append(f"  {d['records']:,} records -> {documents}{d['samples']:,} samples, {d['tokens']:,} tokens, "
                  f"{d['trained_tokens']:,} trained")
     lines.append(f"  tokens per sample:   {spread(d['tokens_per_sample'])}")
     if d["tokens_before_cutoff"]:
         lines.append(f"  before cutoff_len:   {spread(d['tokens_before_cutoff'])}")
     lines.append(f"  trained per sample:  {spread(d['trained_per_sample'])}")
-    for kind, what in (("truncated", "samples"), ("dropped", "samples"), ("skipped", "records")):
+    kinds = ((("split", "documents"),) if "split" in d else (("truncated", "samples"), ("dropped", "samples")))
+    for kind, what in (*kinds, ("skipped", "records")):
         count, cut = d[kind]["count"], d[kind]
         if count or kind != "skipped":  # records are skipped only with skip_invalid
             lines.append(f"  {kind}: {count:,} {what} {cut['reason']}{examples(cut.get('examples'), count)}")
     if "held_out" in d:
         lines.append(f"  held out: {d['held_out']['count']:,} samples {d['held_out']['reason']}")
     return lines
+
+
+def piece_label(piece: dict) -> str:
+    """Where a raw-text row's piece comes from: its document and, when the document was split, which piece."""
+    of = f", piece {piece['piece']} of {piece['pieces']}" if piece["pieces"] > 1 else ""
+    return f"sample {piece['position']}: {piece['source']}{of}"
 
 
 def sample_header(sample: dict, total: int) -> str:

@@ -12,8 +12,12 @@ import difflib
 import json
 from pathlib import Path
 
+from meshtune.config import TEXT_FORMAT
 from meshtune.data.formats import EXTENSIONS, LF_COLUMNS, LF_TAGS, DatasetSpec
 from meshtune.errors import DataError
+
+TEXT_EXTENSIONS = (*EXTENSIONS, ".txt")  # raw text (stage: pt) also reads plain text files, a document a line
+TEXT_COLUMN = "text"  # the field of a raw-text record given by path, as in LLaMA-Factory's c4_demo
 
 INFO_FILE = "dataset_info.json"
 REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -27,11 +31,14 @@ MEDIA_COLUMNS = ("images", "videos", "audios")
 def resolve(entries: list[str], dataset_dir: str | Path, fmt: str | None = None, key: str = "dataset"
             ) -> list[DatasetSpec]:
     """One spec per entry, in order. An entry that exists as a file or folder is read with `fmt` (dataset_format;
-    None: detected per file); any other is a name in `<dataset_dir>/dataset_info.json`. Errors name the config
-    `key` the entries come from (dataset, eval_dataset)."""
+    None: detected per file; `text`: raw text, for stage: pt); any other is a name in
+    `<dataset_dir>/dataset_info.json`. Errors name the config `key` the entries come from (dataset, eval_dataset)."""
     dataset_dir = Path(dataset_dir)
     named = [entry for entry in entries if not Path(entry).exists()]
     info = _read_info(dataset_dir, named[0], key) if named else {}
+    if fmt == TEXT_FORMAT:
+        return [_text_path_spec(entry) if Path(entry).exists() else _text_named_spec(entry, info, dataset_dir, key)
+                for entry in entries]
     return [_path_spec(entry, fmt) if Path(entry).exists() else _named_spec(entry, info, dataset_dir, key)
             for entry in entries]
 
@@ -43,26 +50,50 @@ def resolve_all(cfg) -> list[DatasetSpec]:
             + resolve(cfg.eval_dataset or [], cfg.dataset_dir, cfg.named_format, "eval_dataset"))
 
 
-def _path_spec(entry: str, fmt: str | None) -> DatasetSpec:
+def _path_spec(entry: str, fmt: str | None, extensions: tuple[str, ...] = EXTENSIONS) -> DatasetSpec:
     path = Path(entry)
-    files = _folder_files(path) if path.is_dir() else [path]
+    files = _folder_files(path, extensions) if path.is_dir() else [path]
     for file in files:
-        if file.suffix.lower() not in EXTENSIONS:
-            raise DataError(f"{file}: unsupported file type '{file.suffix}'; use {' or '.join(EXTENSIONS)}")
+        if file.suffix.lower() not in extensions:
+            raise DataError(f"{file}: unsupported file type '{file.suffix}'; use {' or '.join(extensions)}")
     return DatasetSpec(entry, files, fmt)
 
 
-def _folder_files(folder: Path) -> list[Path]:
+def _text_path_spec(entry: str) -> DatasetSpec:
+    """Raw text given by path: its records' `text` field, or a .txt file's lines."""
+    spec = _path_spec(entry, TEXT_FORMAT, TEXT_EXTENSIONS)
+    return DatasetSpec(spec.name, spec.files, TEXT_FORMAT, {"prompt": TEXT_COLUMN})
+
+
+def _text_named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSpec:
+    """A registry entry read as LLaMA-Factory's pre-training reads it: each record's prompt column is one document
+    (c4_demo: columns {prompt: text})."""
+    entry = _lookup(name, info, dataset_dir, key)
+    where = _where(name, dataset_dir, key)
+    _refuse_unsupported(entry, where, dataset_dir)
+    if entry.get("formatting", "alpaca") != "alpaca":
+        raise DataError(f"{where} has formatting: {entry['formatting']}: conversations; stage: pt reads raw text, "
+                        f"one document a record in its prompt column (e.g. columns: {{\"prompt\": \"text\"}})")
+    columns = _names(entry, "columns", COLUMN_NAMES, where)
+    column = (columns or LF_COLUMNS["alpaca"]).get("prompt")
+    if not column:
+        raise DataError(f"{where}: its columns leave out 'prompt', the column stage: pt reads each document from; "
+                        f"add it (e.g. columns: {{\"prompt\": \"text\"}})")
+    return DatasetSpec(name, _entry_files(entry, where, dataset_dir, TEXT_EXTENSIONS), TEXT_FORMAT,
+                       {"prompt": column}, registry=dataset_dir / INFO_FILE)
+
+
+def _folder_files(folder: Path, extensions: tuple[str, ...] = EXTENSIONS) -> list[Path]:
     """Every file of the folder, by name so that all nodes read one order; as in LLaMA-Factory, a folder is read
     whole, so anything but a data file in it is an error rather than silently left out."""
     files = sorted(folder.iterdir())
-    others = [p.name for p in files if not (p.is_file() and p.suffix.lower() in EXTENSIONS)]
+    others = [p.name for p in files if not (p.is_file() and p.suffix.lower() in extensions)]
     if others:
         more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
         raise DataError(f"{folder}: a dataset folder is read whole, and '{others[0]}'{more} in it is not a "
-                        f"{' or '.join(EXTENSIONS)} file; move it out of the folder")
+                        f"{' or '.join(extensions)} file; move it out of the folder")
     if not files:
-        raise DataError(f"{folder}: the dataset folder is empty; put {' or '.join(EXTENSIONS)} files in it")
+        raise DataError(f"{folder}: the dataset folder is empty; put {' or '.join(extensions)} files in it")
     return files
 
 
@@ -88,19 +119,8 @@ def _read_info(dataset_dir: Path, entry: str, key: str) -> dict:
 def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSpec:
     """An entry read as LLaMA-Factory's parser and loader read it; subset and folder name parts of a hub dataset,
     which LLaMA-Factory ignores for a local file, and so does this."""
-    info_path = dataset_dir / INFO_FILE
-    if name not in info:
-        close = difflib.get_close_matches(name, list(info), n=5) or difflib.get_close_matches(Path(name).stem,
-                                                                                               list(info), n=5)
-        hint = f"close names: {', '.join(close)}" if close else f"none of its {len(info)} names is close"
-        raise DataError(f"{key} '{name}': no file or folder of that name in {Path.cwd()}, and no entry '{name}' "
-                        f"in {info_path} ({hint}); give an existing {' or '.join(EXTENSIONS)} path or a name "
-                        f"that file defines")
-    entry = info[name]
-    where = f"{info_path}: dataset '{name}'" + ("" if key == "dataset" else f" ({key})")
-    if not isinstance(entry, dict):
-        raise DataError(f"{where} must be an object with file_name (and formatting, columns, tags), found "
-                        f"{type(entry).__name__}")
+    entry = _lookup(name, info, dataset_dir, key)
+    where = _where(name, dataset_dir, key)
     _refuse_unsupported(entry, where, dataset_dir)
     fmt = entry.get("formatting", "alpaca")
     columns = _names(entry, "columns", COLUMN_NAMES, where)
@@ -120,7 +140,28 @@ def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSp
         if missing:
             raise DataError(f"{where}: its tags leave out {' and '.join(missing)}, which sharegpt needs to read a "
                             f"turn (LLaMA-Factory sets every tag an entry's tags leave out to none); add them")
-    return DatasetSpec(name, _entry_files(entry, where, dataset_dir), fmt, columns, tags, info_path)
+    return DatasetSpec(name, _entry_files(entry, where, dataset_dir), fmt, columns, tags, dataset_dir / INFO_FILE)
+
+
+def _where(name: str, dataset_dir: Path, key: str) -> str:
+    return f"{dataset_dir / INFO_FILE}: dataset '{name}'" + ("" if key == "dataset" else f" ({key})")
+
+
+def _lookup(name: str, info: dict, dataset_dir: Path, key: str) -> dict:
+    """The registry's entry `name`, an object."""
+    info_path = dataset_dir / INFO_FILE
+    if name not in info:
+        close = difflib.get_close_matches(name, list(info), n=5) or difflib.get_close_matches(Path(name).stem,
+                                                                                               list(info), n=5)
+        hint = f"close names: {', '.join(close)}" if close else f"none of its {len(info)} names is close"
+        raise DataError(f"{key} '{name}': no file or folder of that name in {Path.cwd()}, and no entry '{name}' "
+                        f"in {info_path} ({hint}); give an existing {' or '.join(EXTENSIONS)} path or a name "
+                        f"that file defines")
+    entry = info[name]
+    if not isinstance(entry, dict):
+        raise DataError(f"{_where(name, dataset_dir, key)} must be an object with file_name (and formatting, "
+                        f"columns, tags), found {type(entry).__name__}")
+    return entry
 
 
 def _refuse_unsupported(entry: dict, where: str, dataset_dir: Path) -> None:
@@ -135,8 +176,8 @@ def _refuse_unsupported(entry: dict, where: str, dataset_dir: Path) -> None:
                         f"({dataset_dir})")
     if entry.get("ranking"):
         raise DataError(f"{where} has ranking: true: preference pairs (chosen / rejected) for LLaMA-Factory's rm and "
-                        f"dpo stages, which meshtune does not train; it fine-tunes on conversations (sft): use a "
-                        f"dataset without ranking")
+                        f"dpo stages, which meshtune does not train; it trains on conversations (stage: sft) and raw "
+                        f"text (stage: pt): use a dataset without ranking")
     fmt = entry.get("formatting", "alpaca")
     if fmt not in FORMATTINGS:
         raise DataError(f"{where} has formatting: {json.dumps(fmt)}; meshtune reads {' or '.join(FORMATTINGS)} "
@@ -180,21 +221,22 @@ def _refuse_columns(columns: dict, where: str) -> None:
                         f"dataset without images, videos or audios")
     if columns.get("kto_tag"):
         raise DataError(f"{where} maps kto_tag ({columns['kto_tag']}): data for LLaMA-Factory's kto stage "
-                        f"(answers marked desirable or not), which meshtune does not train; use sft data")
+                        f"(answers marked desirable or not), which meshtune does not train; use sft or pt data")
 
 
-def _entry_files(entry: dict, where: str, dataset_dir: Path) -> list[Path]:
+def _entry_files(entry: dict, where: str, dataset_dir: Path, extensions: tuple[str, ...] = EXTENSIONS) -> list[Path]:
     """file_name relative to dataset_dir, a file or a folder of files, as LLaMA-Factory's loader joins it."""
     file_name = entry["file_name"]
     if not isinstance(file_name, str) or not file_name:
         raise DataError(f"{where}: file_name must be a file or folder name, found {json.dumps(file_name)}")
     path = dataset_dir / file_name
     if path.is_dir():
-        return _folder_files(path)
+        return _folder_files(path, extensions)
     if not path.is_file():
         raise DataError(f"{where}: {path} not found (file_name {file_name!r} is relative to dataset_dir "
                         f"{dataset_dir}); put the data there or fix file_name")
-    if path.suffix.lower() not in EXTENSIONS:
-        raise DataError(f"{where}: {path} is a '{path.suffix}' file; meshtune reads {' or '.join(EXTENSIONS)} "
-                        f"(not LLaMA-Factory's csv, parquet, arrow or txt files): convert it")
+    if path.suffix.lower() not in extensions:
+        raise DataError(f"{where}: {path} is a '{path.suffix}' file; meshtune reads {' or '.join(extensions)} "
+                        f"(not LLaMA-Factory's csv, parquet, arrow{'' if '.txt' in extensions else ' or txt'} "
+                        f"files): convert it")
     return [path]

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -166,7 +167,7 @@ def cut_reasons(cutoff_len: int, mask_history: bool) -> dict[str, str]:
     }
 
 
-def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     """Everything about the tokenizer that can change token ids or rendered text."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if getattr(tokenizer, "is_fast", False) and backend is not None:
@@ -200,7 +201,7 @@ def cache_key(
     for part in (
         f"v{FORMAT_VERSION}",
         dataset_checksum(datasets),
-        _tokenizer_identity(tokenizer),
+        tokenizer_identity(tokenizer),
         template_name or "",  # None: the tokenizer's own, else ChatML
         # the format itself (a changed built-in one re-tokenizes), with default_system's prompt in it
         ChatTemplate(tokenizer, template_name, default_system=default_system).jinja or "",
@@ -243,11 +244,22 @@ def load_or_build(
     specs = [d if isinstance(d, DatasetSpec) else file_spec(d, fmt) for d in datasets]
     masking = {"train_on_prompt": train_on_prompt, "mask_history": mask_history, "default_system": default_system}
     key = cache_key(specs, tokenizer, template, cutoff_len, skip_invalid, max_samples, **masking)
-    final = cache_dir / key
+
+    def build() -> TokenizedDataset:
+        read = read_dataset(specs, skip_invalid=skip_invalid, max_samples=max_samples)
+        return build_tokenized(read.conversations, ChatTemplate(tokenizer, template, **masking), cutoff_len,
+                               show_progress, sources=read.sources, skipped=read.skipped, tools=read.tools)
+
+    return cached(cache_dir / key, build, show_progress)
+
+
+def cached(final: Path, build: Callable[[], TokenizedDataset], show_progress: bool) -> TokenizedDataset:
+    """The dataset cached at `final`, built first by `build` if no process has yet: one process builds under a file
+    lock while the others wait on it."""
     if (final / "meta.json").is_file():
         return TokenizedDataset.load(final)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    lock_path = cache_dir / f"{key}.lock"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = final.parent / f"{final.name}.lock"
     with open(lock_path, "a") as lock:  # closing the file releases the lock
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -256,28 +268,17 @@ def load_or_build(
                 logger.info(f"waiting for another process to tokenize the dataset (lock: {lock_path})")
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not (final / "meta.json").is_file():  # the process we waited for may have built it
-            _build_into(final, specs, ChatTemplate(tokenizer, template, **masking), cutoff_len, skip_invalid,
-                        max_samples, show_progress)
+            _build_into(final, build)
     return TokenizedDataset.load(final)
 
 
-def _build_into(
-    final: Path,
-    specs: list[DatasetSpec],
-    template: ChatTemplate,
-    cutoff_len: int,
-    skip_invalid: bool,
-    max_samples: int | None,
-    show_progress: bool,
-) -> None:
+def _build_into(final: Path, build: Callable[[], TokenizedDataset]) -> None:
     """Build under the lock into a private tmp dir, then publish it with one atomic rename."""
     for leftover in final.parent.glob(f"{final.name}.tmp-*"):  # only a crashed builder leaves these
         shutil.rmtree(leftover, ignore_errors=True)
     tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     try:
-        read = read_dataset(specs, skip_invalid=skip_invalid, max_samples=max_samples)
-        dataset = build_tokenized(read.conversations, template, cutoff_len, show_progress,
-                                  sources=read.sources, skipped=read.skipped, tools=read.tools)
+        dataset = build()
         dataset.save(tmp)
         os.rename(tmp, final)
     except BaseException:

@@ -1,4 +1,5 @@
-"""Exact evaluation across ranks: the mean token loss over the whole held-out set, at the steps the config names."""
+"""Exact evaluation across ranks: the objective's loss over the whole held-out set (its sum over the set / its summed
+normaliser), at the steps the config names."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from meshtune.data.collate import Batch
 from meshtune.distributed import DistEnv, all_reduce_sum
+from meshtune.train.objectives import normalised
 
 
 class Evaluator:
@@ -17,9 +19,9 @@ class Evaluator:
 
     def __init__(self, dataset, batch_size: int, eval_steps: int | None, total_steps: int, env: DistEnv,
                  collate: Callable[[list[list[int]]], Batch], loss: Callable[[Batch], torch.Tensor],
-                 also_at: frozenset[int] = frozenset(), target_share: float = 1.0):
+                 count: Callable[[Batch], float], also_at: frozenset[int] = frozenset(), target_share: float = 1.0):
         self.dataset, self.batch_size, self.eval_steps, self.total_steps = dataset, batch_size, eval_steps, total_steps
-        self.env, self.collate, self.loss, self.also_at = env, collate, loss, also_at
+        self.env, self.collate, self.loss, self.count, self.also_at = env, collate, loss, count, also_at
         # 1 / cp under context parallel: each process of a cp group sums the loss of its share of the batch's targets
         self.target_share = target_share
 
@@ -42,8 +44,8 @@ class Evaluator:
             if not mine:
                 batch.ignore_all()
             loss = self.loss(batch.to(env.device))
-            sums += torch.stack([loss.double(), torch.tensor(batch.num_targets * self.target_share,
+            sums += torch.stack([loss.double(), torch.tensor(self.count(batch) * self.target_share,
                                                              dtype=torch.float64, device=env.device)])
         all_reduce_sum(sums)
         model.train()
-        return (sums[0] / sums[1].clamp(min=1)).item()
+        return normalised(sums[0], sums[1]).item()

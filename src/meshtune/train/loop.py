@@ -1,9 +1,9 @@
 """`meshtune train` in one worker process: setup, the step loop, the final save.
 
-Loss of an optimizer step = sum of token losses over its whole global batch / global count of target tokens. Each
-micro-step's backward uses that global count (all-reduced before the first forward), times the data-parallel size
-because DDP and FSDP2 average gradients. So the split of a global batch across processes and micro-steps does not
-change the math.
+Loss of an optimizer step = the objective's loss summed over its whole global batch / its normaliser summed over
+every rank (train/objectives: for SFT, the global count of target tokens). Each micro-step's backward uses that
+global normaliser (all-reduced before the first forward), times the data-parallel size because DDP and FSDP2
+average gradients. So the split of a global batch across processes and micro-steps does not change the math.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from meshtune.checkpoint import CheckpointManager, TrainingProgress, publish_final, training_state
 from meshtune.config import TrainConfig
 from meshtune.cpu_affinity import apply_cpu_affinity
 from meshtune.data.chat_template import serving_chat_template
-from meshtune.data.collate import IGNORE, Batch, collate, to_device
+from meshtune.data.collate import Batch, to_device
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
@@ -37,9 +36,8 @@ from meshtune.model.final_weights import gather_state_dict, save_final
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import model_size
 from meshtune.model.model_dir import check_model_dir, load_tokenizer
-from meshtune.model.loss_head import targets_for
-from meshtune.model.parallel import finish_gradient_sync, gradient_sync, unwrap
-from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_loss_sum, vocab_shard
+from meshtune.model.parallel import finish_gradient_sync, gradient_sync
+from meshtune.model.vocab_parallel_loss import vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.evaluation import Evaluator
@@ -49,6 +47,8 @@ from meshtune.train.loss_scale import LossScaler
 from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.nonfinite import NonFiniteSteps, sample_ids
+from meshtune.train.objectives import Objective, normalised
+from meshtune.train.objectives.token_loss import TokenLoss
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
@@ -144,15 +144,15 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     pad_id = tokenizer.pad_token_id
     # tensor and context parallel: every process holds an equal share of a row's positions
     row_length_multiple = row_multiple(plan.context_parallel, plan.tensor_parallel)
-    rows_to_batch = partial(collate, dataset=train_data, pad_id=pad_id, packed=cfg.packing,
-                            pad_to_multiple=row_length_multiple, padding_free=plan.padding_free)
+    objective = TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
+                          autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
+                          padding_free=plan.padding_free)
+    rows_to_batch = partial(objective.collate, dataset=train_data, packed=cfg.packing)
     split = SequenceSplit(plan.context_parallel, env)  # context parallel: each process's share of the positions
-    loss_of = partial(forward_loss, model, env=env, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
-                      autocast_fp16=plan.fp16, vocab=vocab_shard(model))
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
-        ratio, measured = fit_run_to_memory(model, loss_of, params, optimizer, largest, rows_to_batch,
+        ratio, measured = fit_run_to_memory(model, objective, params, optimizer, largest, rows_to_batch,
                                             cfg.memory_budget, cfg.gpu_memory_limit, env.device, split)
         logger.info(measured)
         plan = plan.amended("gradient_checkpointing", measured, recompute=ratio)
@@ -160,9 +160,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         describe_run(cfg, plan, output_dir)
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
-                          partial(collate, dataset=eval_data, pad_id=pad_id, packed=False,
-                                  pad_to_multiple=row_length_multiple, padding_free=plan.padding_free),
-                          split.around(loss_of), also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
+                          partial(objective.collate, dataset=eval_data, packed=False), split.around(objective.loss_sum),
+                          objective.count, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
                           target_share=1 / plan.context_parallel)
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
@@ -192,16 +191,19 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             epoch, step_in_epoch = batches.position(step)
             micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, data.rank)]
             watch.at(step + 1, "counting the step's tokens (all-reduce)")
-            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, built.flops, env, stop.vote, own))
+            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, objective, built.flops, env,
+                                                                              stop.vote, own))
             stop.tally(votes)
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+            reported = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
             for m, batch in enumerate(micro):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction,
                                    keep_gathered=plan.reshard_after_forward is False):
                     with split(batch.to(env.device)) as local:  # forward and backward on this process's share
-                        loss = faults.nan_loss(loss_of(local), step + 1, env.rank)
-                        scaler.scale(loss * reducing / targets).backward()
+                        loss = faults.nan_loss(objective.loss_sum(local), step + 1, env.rank)
+                        scaler.scale(normalised(loss * reducing, targets)).backward()
+                        reported += objective.metric_sums(local)
                 loss_sum += loss.detach().double()
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
@@ -218,8 +220,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             done, last = step + 1, step + 1 == total_steps
             faults.after_step(done, env.rank)
             watch.at(done, "summing the step's loss (all-reduce)")
-            meter.add(times.line_up(lambda: all_reduce_sum(loss_sum * own_loss)) / targets, tokens, flops,
-                      counted=updated)
+            sums = times.line_up(lambda: all_reduce_sum(torch.cat([loss_sum.view(1), reported]) * own_loss))
+            meter.add(normalised(sums[0], targets), tokens, flops, counted=updated,
+                      reported=dict(zip(objective.metric_names, normalised(sums[1:], targets))))
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
@@ -262,12 +265,12 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     return TrainResult(model, metrics.records, final_dir)
 
 
-def step_counts(batches: list[Batch], flops: FlopCounter, env: DistEnv, stop_vote: float = 0.0,
-                own: float = 1.0) -> torch.Tensor:
-    """Target tokens, tokens, FLOPs of an optimizer step and the ranks voting to stop, summed over all ranks in
-    one all-reduce. `own` 0: this rank's batches are those of the first rank of its cp x tp group, which
+def step_counts(batches: list[Batch], objective: Objective, flops: FlopCounter, env: DistEnv,
+                stop_vote: float = 0.0, own: float = 1.0) -> torch.Tensor:
+    """The objective's normaliser, tokens, FLOPs of an optimizer step and the ranks voting to stop, summed over all
+    ranks in one all-reduce. `own` 0: this rank's batches are those of the first rank of its cp x tp group, which
     counts them (its stop vote still counts)."""
-    counts = torch.tensor([own * sum(b.num_targets for b in batches), own * sum(b.num_tokens for b in batches),
+    counts = torch.tensor([own * sum(objective.count(b) for b in batches), own * sum(b.num_tokens for b in batches),
                            own * sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote],
                           dtype=torch.float64)
     return all_reduce_sum(to_device(counts, env.device))
@@ -292,28 +295,6 @@ def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: 
         checkpoints.wait()
     logger.info(f"stopped by {name} at step {step} of {total_steps}; the same command resumes from the newest "
                 f"checkpoint")
-
-
-def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
-                 fused_loss: bool, autocast_fp16: bool = False, vocab: VocabShard | None = None) -> torch.Tensor:
-    """Summed token loss of one micro-batch; with `fused_loss` the model's head computes it (model/loss_head.py).
-    fp16 computes through autocast in every mode (FSDP2 then keeps and gathers fp32 parameters). `vocab`: the
-    logits are this process's share of the vocabulary (tensor parallel), the loss computed across the shares."""
-    dtype = torch.float16 if autocast_fp16 else torch.bfloat16
-    with torch.autocast(env.device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
-        if fused_loss:
-            with targets_for(unwrap(model), batch.target_positions, batch.target_ids):
-                return model(**batch.model_inputs(), use_cache=False).logits
-        logits = model(**batch.model_inputs(), use_cache=False).logits
-    if vocab is not None:
-        return vocab_parallel_loss_sum(logits, batch.targets, vocab)
-    return token_loss_sum(logits, batch.targets)
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over target tokens, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
 
 
 def checkpoint_info(cfg: TrainConfig, env: DistEnv, plan: RunPlan, batches: GlobalBatchPlan,

@@ -26,6 +26,7 @@ from meshtune.hardware import smallest_gpu_memory
 from meshtune.model.loading import transformer_blocks
 from meshtune.model.parallel import finish_gradient_sync, unwrap
 from meshtune.model.recompute import recompute_blocks
+from meshtune.train.objectives import Objective, normalised
 
 GIB = 2**30
 DEFAULT_SHARE = 0.9  # of the card: CUDA's context, NCCL's buffers and the allocator's cache live outside the count
@@ -179,7 +180,7 @@ def fit_recomputation(model: torch.nn.Module, step: Callable[[], float], pending
     return MemoryFit(blocks, kept, peak_all, per_block, budget, tokens, cached_all)
 
 
-def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[torch.nn.Parameter],
+def fit_run_to_memory(model: torch.nn.Module, objective: Objective, params: list[torch.nn.Parameter],
                       optimizer: torch.optim.Optimizer, largest: Callable[[], list[Row]],
                       to_batch: Callable[[list[Row]], object], memory_budget: float | None,
                       gpu_memory_limit: float | None, device: torch.device,
@@ -198,9 +199,9 @@ def fit_run_to_memory(model: torch.nn.Module, loss_of: Callable, params: list[to
 
     def step() -> float:
         with split(batch) as local:
-            loss = loss_of(local)
+            loss = objective.loss_sum(local)
             held = allocated(device)  # the saved activations are all alive here
-            (loss / max(batch.num_targets, 1)).backward()
+            normalised(loss, objective.count(batch)).backward()
         finish_gradient_sync(model)
         for p in params:
             p.grad = None

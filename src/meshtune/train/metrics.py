@@ -47,12 +47,17 @@ class StepMeter:
 
     def _reset(self) -> None:
         self.started, self.tokens, self.flops, self.losses = time.perf_counter(), 0, 0.0, []
+        self.reported: dict[str, list[torch.Tensor]] = {}  # the objective's own metrics, step by step
 
-    def add(self, loss: torch.Tensor, tokens: torch.Tensor, flops: torch.Tensor, counted: bool = True) -> None:
-        """One step: its loss per target token, and its token and FLOP counts summed over all ranks. The loss of a
-        step not `counted` (skipped for a non-finite loss) stays out of the interval's mean."""
+    def add(self, loss: torch.Tensor, tokens: torch.Tensor, flops: torch.Tensor, counted: bool = True,
+            reported: dict[str, torch.Tensor] | None = None) -> None:
+        """One step: its loss per target token (the objective's normaliser), the objective's `reported` metrics, and
+        its token and FLOP counts summed over all ranks. The loss and metrics of a step not `counted` (skipped for a
+        non-finite loss) stay out of the interval's mean."""
         if counted:
             self.losses.append(loss)
+            for name, value in (reported or {}).items():
+                self.reported.setdefault(name, []).append(value)
         self.tokens += tokens
         self.flops += flops
 
@@ -66,6 +71,7 @@ class StepMeter:
         norm = float(grad_norm)
         record = {"step": step, "epoch": round(epoch, 4),
                   **({"loss": torch.stack(self.losses).mean().item()} if self.losses else {}),
+                  **{name: torch.stack(values).mean().item() for name, values in self.reported.items()},
                   "grad_norm": norm if math.isfinite(norm) else None, "lr": lr, "tokens": tokens,
                   "tokens_per_s": round(tokens / seconds, 1), "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
                   "peak_mem_gib": round(peak_memory_gib(self.env.device), 3)}
