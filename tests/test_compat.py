@@ -443,3 +443,37 @@ def test_deepspeed_train_batch_size_is_checked_against_the_job(tmp_path, tiny_mo
                                           r"per_device_train_batch_size 1 x gradient_accumulation_steps 2 x 1 "
                                           r"processes = 2"):
         run(cfg)
+
+
+def test_qwen_flags_train_every_sample_every_epoch_in_hf_trainers_step_count(tmp_path, tiny_model_dir, monkeypatch,
+                                                                             capfd):
+    """40 samples, 2 a GPU x 8 accumulation, 5 epochs on one process: HF Trainer (its own dataloader and step
+    arithmetic, run here) trains 15 steps, the last of each epoch on the 8 samples left over; meshtune too."""
+    from test_sampler import hf_trainer_steps
+
+    import meshtune.train.loop as loop
+
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps([{"id": f"identity_{i}", "conversations": [
+        {"from": "user", "value": f"what is {i} plus one"}, {"from": "assistant", "value": f"{i + 1}"}]}
+        for i in range(40)]))
+    trained: list[int] = []  # the samples of every micro-batch the loop collates
+
+    def recording(rows, dataset, *args, **kwargs):
+        trained.extend(i for row in rows for i in row)
+        return collate(rows, dataset, *args, **kwargs)
+
+    collate = loop.collate
+    monkeypatch.setattr(loop, "collate", recording)
+    out = tmp_path / "out"
+    result = run_cli_here(
+        ["train", "--model_name_or_path", str(tiny_model_dir), "--data_path", str(data), "--output_dir", str(out),
+         "--num_train_epochs", "5", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "8",
+         "--learning_rate", "1e-5", "--model_max_length", "64", "--logging_steps", "1", "--report_to", "none",
+         "--save_strategy", "no", "--save_final", "false"], capfd)
+    assert result.returncode == 0, result.stdout
+    hf_steps, hf_seen = hf_trainer_steps(40, 2, 8, 5.0, 1, tmp_path / "hf")
+    assert hf_steps == 15 and sorted(hf_seen) == list(range(40))
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, hf_steps + 1))
+    fillers = len(trained) - 5 * 40  # a filler is one sample, trained on nothing: one process needs none
+    assert fillers == 0 and [sorted(trained[e * 40:(e + 1) * 40]) for e in range(5)] == [list(range(40))] * 5

@@ -173,6 +173,10 @@ class TrainConfig(BaseModel):
                                 "fuller rows")
     group_by_length: bool = DATA(False, "without packing: micro-batches of similar lengths inside each global batch "
                                         "(less padding)")
+    dataloader_drop_last: bool = DATA(False, "drop each epoch's last partial global batch: every step then trains "
+                                             "exactly the global batch, and the rows left over are not trained that "
+                                             "epoch. Default: as HF Trainer, an epoch's last step trains the rows left "
+                                             "over, so every sample is seen each epoch")
 
     per_device_train_batch_size: int = OPTIMIZATION(1, "samples (or packed rows) per process per micro-step", gt=0)
     gradient_accumulation_steps: int = OPTIMIZATION(1, "micro-steps per optimizer step; global batch = "
