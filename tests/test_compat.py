@@ -477,3 +477,24 @@ def test_qwen_flags_train_every_sample_every_epoch_in_hf_trainers_step_count(tmp
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, hf_steps + 1))
     fillers = len(trained) - 5 * 40  # a filler is one sample, trained on nothing: one process needs none
     assert fillers == 0 and [sorted(trained[e * 40:(e + 1) * 40]) for e in range(5)] == [list(range(40))] * 5
+
+
+@pytest.mark.parametrize("keys, differs", [
+    ({"packing": True}, True),  # LLaMA-Factory would attend across the packed samples
+    ({"packing": True, "neat_packing": False}, True),
+    ({"neat_packing": True}, False),  # what meshtune's packing is
+    ({"packing": True, "neat_packing": True}, False),
+    ({"packing": False}, False),
+])
+def test_packing_says_at_launch_when_llamafactory_would_attend_across_samples(tmp_path, monkeypatch, keys, differs):
+    """LLaMA-Factory's full_sft_ds3.yaml (a DeepSpeed job) with packing keys: one line names what differs."""
+    from meshtune.compat.job_config import PACKING_DIFFERS
+
+    tree = llamafactory_tree(FIXTURES, tmp_path / "lf")
+    monkeypatch.chdir(tree)
+    overrides = ["model_name_or_path=/m", *(f"{key}={str(value).lower()}" for key, value in keys.items())]
+    loaded = load_job_config("examples/train/full_sft_ds3.yaml", overrides)
+    assert loaded.config.parallel == "zero3" and loaded.config.packing == (differs or bool(keys.get("neat_packing")))
+    assert (PACKING_DIFFERS in loaded.warnings) is differs
+    assert sum("packing" in line for line in loaded.warnings) == differs
+    assert "LLaMA-Factory's packing: true without neat_packing lets the samples of a row attend" in PACKING_DIFFERS

@@ -50,6 +50,7 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         values.update(given)
         sources.update({key: COMMAND_LINE for key in given})
     deepspeed = values.pop("deepspeed", None)
+    neat_packing = values.get("neat_packing")
     qwen_defaults, qwen_note, problems = finetune_py_defaults(values, sources, source)
     values, warnings, foreign_problems = translate_foreign(values, sources, source)
     problems += foreign_problems
@@ -77,7 +78,22 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         values.update(settings.values)
         warnings += settings.warnings
         problems += settings.problems
-    return LoadedConfig(build_config(values, source, sources, problems), warnings)
+    config = build_config(values, source, sources, problems)
+    if config.packing and not _true(neat_packing):
+        warnings.append(PACKING_DIFFERS)
+    return LoadedConfig(config, warnings)
+
+
+# meshtune's packing is LLaMA-Factory's neat_packing; the line a run with packing: true (and no neat_packing) prints
+PACKING_DIFFERS = ("packing: true packs samples into rows of up to cutoff_len with no attention across them, each "
+                   "sample's positions from 0 (LLaMA-Factory's neat_packing: true); LLaMA-Factory's packing: true "
+                   "without neat_packing lets the samples of a row attend to each other. meshtune always packs this "
+                   "way: a packed row trains each sample's loss as it would alone")
+
+
+def _true(value: Any) -> bool:
+    """A boolean key as YAML, flags or key=value give it."""
+    return value is True or (isinstance(value, str) and value.strip().lower() == "true")
 
 
 def find_deepspeed_file(name: str, config_path: str | Path | None, where: str) -> Path:
