@@ -6,6 +6,7 @@ once (see LAYOUTS_BY_MODE)."""
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -167,3 +168,28 @@ def test_an_epochs_partial_last_batch_keeps_the_losses_of_one_process(tmp_path, 
     losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", parallel, nproc, accumulation, **epochs,
                           **extra)
     assert_close(losses, reference, f"{parallel} {nproc}x{accumulation} {extra} with a partial last batch")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_before_a_partial_step_resumes_on_one_process_with_its_losses(tmp_path, tiny_model_dir,
+                                                                                    tiny_dataset):
+    """Saved by 4 processes x 2 micro-steps after step 3 of 8, resumed by one process (accumulation 2 -> 8 keeps
+    the global batch of 16): steps 4 and 8, each epoch's partial last, train the rows one process trains there."""
+    epochs = {"max_steps": -1, "num_train_epochs": 2}
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 1, 8, **epochs)
+    values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "saved" / "output", finetuning_type="full",
+                         nproc_per_node=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         learning_rate=1e-3, tokenized_path=str(tmp_path / "tokenized"), val_size=6,
+                         per_device_eval_batch_size=2, save_final=False, save_steps=3, **epochs)
+    codes, output = run_workers(["train", str(write_config(tmp_path / "saved", **values))], 4,
+                                tmp_path / "saved" / "ranks", timeout=300)
+    assert codes == [0] * 4, output[-6000:]
+    resumed = tmp_path / "resumed" / "output"
+    shutil.copytree(tmp_path / "saved" / "output" / "checkpoint-3", resumed / "checkpoint-3")
+    values.update(output_dir=str(resumed), nproc_per_node=1)  # the same run from step 3, on one process
+    assert main(["train", str(write_config(tmp_path / "resumed", **values))]) == 0
+    first = read_metrics(tmp_path / "saved" / "output")[:3]
+    records = first + read_metrics(resumed)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert_close([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference,
+                 "4 x 2 until step 3, then 1 x 8")
