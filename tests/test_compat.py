@@ -498,3 +498,13 @@ def test_packing_says_at_launch_when_llamafactory_would_attend_across_samples(tm
     assert (PACKING_DIFFERS in loaded.warnings) is differs
     assert sum("packing" in line for line in loaded.warnings) == differs
     assert "LLaMA-Factory's packing: true without neat_packing lets the samples of a row attend" in PACKING_DIFFERS
+
+
+def test_a_qwen_job_says_at_launch_that_cutoff_len_cuts_as_llamafactory_not_as_finetune_py():
+    from meshtune.compat.job_config import QWEN_CUTOFF_DIFFERS
+
+    qwen = load_job_config(None, [], {"model_name_or_path": "/m", "data_path": "train.json", "model_max_length": 512})
+    assert QWEN_CUTOFF_DIFFERS.format(cutoff_len=512) in qwen.warnings
+    assert "finetune.py keeps a longer sample's first 512 tokens" in QWEN_CUTOFF_DIFFERS.format(cutoff_len=512)
+    ours = load_job_config(None, ["model_name_or_path=/m", "dataset=train.json", "cutoff_len=512"])
+    assert not any("finetune.py" in line for line in ours.warnings)
