@@ -155,6 +155,7 @@ def test_modules_trained_in_full_keep_the_losses_across_layouts(tmp_path, tiny_m
 @pytest.mark.parametrize("parallel, nproc, accumulation, extra", [
     ("hsdp", 4, 2, {"hsdp_shard_size": 2}),  # 2 nodes x 2 GPUs: 2 replicas x 2 shards
     ("ddp", 4, 2, {"padding_free": True}),  # token-balanced slots
+    ("ddp", 4, 4, {"tensor_parallel": 2}),  # 2 data ranks of 2: 6 + 4 rows over 3 micro-steps, a filler on the last
 ])
 def test_an_epochs_partial_last_batch_keeps_the_losses_of_one_process(tmp_path, tiny_model_dir, tiny_dataset,
                                                                       parallel, nproc, accumulation, extra):
