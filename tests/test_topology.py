@@ -194,3 +194,28 @@ def test_a_checkpoint_before_a_partial_step_resumes_on_one_process_with_its_loss
     assert [r["step"] for r in records] == list(range(1, 9))
     assert_close([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference,
                  "4 x 2 until step 3, then 1 x 8")
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_train_the_partial_last_batch_as_one_process(tmp_path, tiny_model_dir,
+                                                                                 tiny_dataset):
+    """Two `meshtune train` launchers (NNODES=2, 2 processes each, meeting on 127.0.0.1) under hsdp, one replica a
+    node: each epoch's partial 4th step, 10 rows over 4 ranks x 2 micro-steps, gives one process's losses."""
+    from test_faults import Cluster
+
+    epochs = {"max_steps": -1, "num_train_epochs": 2}
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 1, 8, **epochs)
+    out = tmp_path / "nodes" / "output"
+    values = base_config(tiny_model_dir, tiny_dataset, out, finetuning_type="full", parallel="hsdp",
+                         hsdp_shard_size=2, nproc_per_node=2, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, learning_rate=1e-3, val_size=6, per_device_eval_batch_size=2,
+                         save_final=False, tokenized_path=str(tmp_path / "tokenized"), preflight=False,
+                         rdzv_timeout=60, ddp_timeout=60, **epochs)
+    cluster = Cluster(tmp_path / "nodes")
+    try:
+        cluster.run(write_config(tmp_path / "nodes", **values), timeout=300, per_node=2)
+    finally:
+        cluster.cleanup()
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert_close([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference, "2 nodes x 2 processes")
