@@ -178,3 +178,28 @@ def test_step_count_and_samples_seen_are_hf_trainers(tmp_path, samples, micro, a
     assert ours.total_steps(epochs, -1) == hf_steps
     seen = [i for step in range(ours.steps_in_epoch(0)) for row in step_rows(ours, 0, step) for i in row]
     assert sorted(seen) == list(range(samples)) == sorted(set(hf_seen))  # HF pads a rank's share with repeats
+
+
+def test_dataloader_drop_last_says_at_launch_what_it_leaves_out_that_hf_trainer_trains(caplog):
+    """The key is HF's, its meaning meshtune's: the epoch's whole partial global batch is left out, where HF drops
+    only a last batch of fewer than per_device_train_batch_size x processes samples."""
+    import logging
+    from types import SimpleNamespace
+
+    from meshtune.config import TrainConfig
+    from meshtune.data.pipeline import plan_steps
+    from meshtune.errors import ConfigError
+
+    data = SimpleNamespace(lengths=np.ones(43, dtype=np.int64))
+    cfg = TrainConfig(model_name_or_path="m", dataset=["d.jsonl"], per_device_train_batch_size=2,
+                      gradient_accumulation_steps=4, num_train_epochs=1, dataloader_drop_last=True)
+    caplog.set_level(logging.INFO, logger="meshtune")
+    plan, steps = plan_steps(cfg, data, 2, 4, report=True)
+    assert steps == 2 and plan.global_batch == 16
+    assert ("dataloader_drop_last: true: the last 11 samples of each epoch's order (fewer than the global batch of "
+            "16) are not trained that epoch; HF Trainer drops only a last per-device batch of fewer than 2 x 2 "
+            "processes") in caplog.text
+    kept, kept_steps = plan_steps(cfg.model_copy(update={"dataloader_drop_last": False}), data, 2, 4, report=True)
+    assert kept_steps == 3 and caplog.text.count("dataloader_drop_last") == 1
+    with pytest.raises(ConfigError, match="with dataloader_drop_last: true one optimizer step needs a global batch"):
+        plan_steps(cfg, SimpleNamespace(lengths=np.ones(15, dtype=np.int64)), 2, 4)
