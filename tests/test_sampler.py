@@ -170,6 +170,7 @@ def hf_trainer_steps(samples: int, micro: int, accumulation: int, epochs: float,
     (7, 2, 8, 2.0, 1),  # fewer samples than one global batch
     (41, 3, 2, 1.5, 2),
     (100, 4, 4, 2.0, 3),
+    (10, 2, 1, 1.6, 1),  # 1.6 x 5 steps: HF's product rounds to 8
 ])
 def test_step_count_and_samples_seen_are_hf_trainers(tmp_path, samples, micro, accumulation, epochs, processes):
     hf_steps, hf_seen = hf_trainer_steps(samples, micro, accumulation, epochs, processes, tmp_path)

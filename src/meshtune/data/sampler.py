@@ -80,10 +80,14 @@ class GlobalBatchPlan:
             self._rows_cache = {epoch: rows}
         return self._rows_cache[epoch]
 
+    def row_count(self, epoch: int) -> int:
+        """Rows of an epoch: its samples, or with packing its packed rows (which depend on the epoch's order)."""
+        return len(self.rows(epoch)) if self.packing_capacity else len(self.lengths)
+
     def steps_in_epoch(self, epoch: int) -> int:
         """ceil(rows / G): the last step takes the rows left over; floor with `drop_last`."""
         if epoch not in self._steps_cache:
-            rows = len(self.rows(epoch))
+            rows = self.row_count(epoch)
             self._steps_cache[epoch] = rows // self.global_batch if self.drop_last else -(-rows // self.global_batch)
         return self._steps_cache[epoch]
 
@@ -92,6 +96,8 @@ class GlobalBatchPlan:
         steps (packing makes them differ) and the fraction of the next rounded up."""
         if max_steps > 0:
             return max_steps
+        if not self.packing_capacity:  # every epoch has as many rows: HF's very product, rounding included
+            return math.ceil(num_epochs * self.steps_in_epoch(0))
         whole = math.floor(num_epochs)
         total = sum(self.steps_in_epoch(epoch) for epoch in range(whole))
         if num_epochs > whole:
@@ -100,7 +106,7 @@ class GlobalBatchPlan:
 
     def rows_in_step(self, epoch: int, step: int) -> int:
         """G, or fewer in an epoch's last step."""
-        return min(self.global_batch, len(self.rows(epoch)) - step * self.global_batch)
+        return min(self.global_batch, self.row_count(epoch) - step * self.global_batch)
 
     def micro_steps(self, epoch: int, step: int) -> int:
         """Micro-steps every rank runs in this step: the accumulation, or what a last partial step's rows need."""
