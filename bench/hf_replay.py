@@ -65,6 +65,10 @@ def samples_in_meshtune_order(cfg: TrainConfig, processes: int) -> tuple[list[di
     batches, total_steps = plan_steps(cfg, train_data, 1, cfg.gradient_accumulation_steps * processes)
     samples, tokens = [], []
     for step in range(total_steps):
+        if batches.rows_in_step(*batches.position(step)) < batches.global_batch:
+            raise ValueError(f"step {step + 1} is an epoch's last, of fewer samples than the global batch: the replay "
+                             f"hands HF Trainer one stream of samples, which it cuts into whole global batches; "
+                             f"replay with dataloader_drop_last: true or max_steps inside the first epoch")
         count = 0
         for micro_batch in batches.micro_batches(*batches.position(step), 0):
             for (index,) in micro_batch:  # one sample a row: no packing

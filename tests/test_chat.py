@@ -123,11 +123,11 @@ def test_an_adapter_on_its_base_and_the_exports_answer_alike(trained_demo, capfd
 
 def test_an_output_dir_without_final_answers_from_its_newest_checkpoint(trained_demo, capfd, monkeypatch, tmp_path):
     output = tmp_path / "output"
-    shutil.copytree(trained_demo["dir"] / "output" / "checkpoint-177", output / "checkpoint-177")
+    shutil.copytree(trained_demo["dir"] / "output" / "checkpoint-180", output / "checkpoint-180")
     prompts, answers = asked(trained_demo)
     code, out, err = chat([str(output)], one_at_a_time(prompts), capfd, monkeypatch)
     assert code == 0, err[-2000:]
-    assert f"{output} has no final/: exporting checkpoint-177" in err
+    assert f"{output} has no final/: exporting checkpoint-180" in err
     assert out.splitlines() == answers, (out, err[-2000:])
 
 

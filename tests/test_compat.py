@@ -576,3 +576,68 @@ def test_such_a_key_at_the_value_meshtune_runs_anyway_says_nothing(key, value):
     loaded = load_job_config(None, ["model_name_or_path=m", "dataset=d.json"], {key: value})
     assert loaded.warnings == [] and loaded.config == load_job_config(None, ["model_name_or_path=m",
                                                                              "dataset=d.json"]).config
+
+
+def test_qwen_flags_train_every_sample_every_epoch_in_hf_trainers_step_count(tmp_path, tiny_model_dir, monkeypatch,
+                                                                             capfd):
+    """40 samples, 2 a GPU x 8 accumulation, 5 epochs on one process: HF Trainer (its own dataloader and step
+    arithmetic, run here) trains 15 steps, the last of each epoch on the 8 samples left over; meshtune too."""
+    from test_sampler import hf_trainer_steps
+
+    import meshtune.train.objectives.token_loss as token_loss
+
+    data = tmp_path / "train.json"
+    data.write_text(json.dumps([{"id": f"identity_{i}", "conversations": [
+        {"from": "user", "value": f"what is {i} plus one"}, {"from": "assistant", "value": f"{i + 1}"}]}
+        for i in range(40)]))
+    trained: list[int] = []  # the samples of every micro-batch the loop collates
+
+    def recording(rows, dataset, *args, **kwargs):
+        trained.extend(i for row in rows for i in row)
+        return collate(rows, dataset, *args, **kwargs)
+
+    collate = token_loss.collate
+    monkeypatch.setattr(token_loss, "collate", recording)
+    out = tmp_path / "out"
+    result = run_cli_here(
+        ["train", "--model_name_or_path", str(tiny_model_dir), "--data_path", str(data), "--output_dir", str(out),
+         "--num_train_epochs", "5", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "8",
+         "--learning_rate", "1e-5", "--model_max_length", "64", "--logging_steps", "1", "--report_to", "none",
+         "--save_strategy", "no", "--save_final", "false"], capfd)
+    assert result.returncode == 0, result.stdout
+    hf_steps, hf_seen = hf_trainer_steps(40, 2, 8, 5.0, 1, tmp_path / "hf")
+    assert hf_steps == 15 and sorted(hf_seen) == list(range(40))
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, hf_steps + 1))
+    fillers = len(trained) - 5 * 40  # a filler is one sample, trained on nothing: one process needs none
+    assert fillers == 0 and [sorted(trained[e * 40:(e + 1) * 40]) for e in range(5)] == [list(range(40))] * 5
+
+
+@pytest.mark.parametrize("keys, differs", [
+    ({"packing": True}, True),  # LLaMA-Factory would attend across the packed samples
+    ({"packing": True, "neat_packing": False}, True),
+    ({"neat_packing": True}, False),  # what meshtune's packing is
+    ({"packing": True, "neat_packing": True}, False),
+    ({"packing": False}, False),
+])
+def test_packing_says_at_launch_when_llamafactory_would_attend_across_samples(tmp_path, monkeypatch, keys, differs):
+    """LLaMA-Factory's full_sft_ds3.yaml (a DeepSpeed job) with packing keys: one line names what differs."""
+    from meshtune.compat.job_config import PACKING_DIFFERS
+
+    tree = llamafactory_tree(FIXTURES, tmp_path / "lf")
+    monkeypatch.chdir(tree)
+    overrides = ["model_name_or_path=/m", *(f"{key}={str(value).lower()}" for key, value in keys.items())]
+    loaded = load_job_config("examples/train/full_sft_ds3.yaml", overrides)
+    assert loaded.config.parallel == "zero3" and loaded.config.packing == (differs or bool(keys.get("neat_packing")))
+    assert (PACKING_DIFFERS in loaded.warnings) is differs
+    assert sum("packing" in line for line in loaded.warnings) == differs
+    assert "LLaMA-Factory's packing: true without neat_packing lets the samples of a row attend" in PACKING_DIFFERS
+
+
+def test_a_qwen_job_says_at_launch_that_cutoff_len_cuts_as_llamafactory_not_as_finetune_py():
+    from meshtune.compat.job_config import QWEN_CUTOFF_DIFFERS
+
+    qwen = load_job_config(None, [], {"model_name_or_path": "/m", "data_path": "train.json", "model_max_length": 512})
+    assert QWEN_CUTOFF_DIFFERS.format(cutoff_len=512) in qwen.warnings
+    assert "finetune.py keeps a longer sample's first 512 tokens" in QWEN_CUTOFF_DIFFERS.format(cutoff_len=512)
+    ours = load_job_config(None, ["model_name_or_path=/m", "dataset=train.json", "cutoff_len=512"])
+    assert not any("finetune.py" in line for line in ours.warnings)

@@ -144,11 +144,14 @@ def test_train_help_lists_keys(capfd):
 
 def test_cli_refuses_a_global_batch_larger_than_the_data_before_starting_workers(tmp_path, tiny_model_dir, tiny_dataset,
                                                                                 capfd):
+    """With dataloader_drop_last: true (without it, as HF Trainer, the data trains as one shorter step an epoch)."""
     path = write_config(tmp_path, model_name_or_path=str(tiny_model_dir), dataset=str(tiny_dataset),
-                        output_dir=str(tmp_path / "out"), nproc_per_node=2, per_device_train_batch_size=64)
+                        output_dir=str(tmp_path / "out"), nproc_per_node=2, per_device_train_batch_size=64,
+                        dataloader_drop_last=True)
     result = run_cli_here(["train", str(path)], capfd)
     assert result.returncode == 1
     assert "needs a global batch of 128" in result.stdout and "64 samples" in result.stdout
+    assert "dataloader_drop_last: true" in result.stdout
     assert "Traceback" not in result.stdout and "ChildFailedError" not in result.stdout
 
 

@@ -222,15 +222,24 @@ def test_statistics_are_the_caches(chat_config, tiny_model_dir, capfd):
 
 
 def test_a_small_cutoff_len_truncates_and_drops(chat_config, tiny_model_dir, capfd):
-    """Counted as the tokenizer's rules decide: longer than cutoff_len is truncated, unless no trained token is left
-    in what is kept, which drops the sample; the report names a dropped record."""
+    """Counted as the tokenizer's rules decide: longer than cutoff_len is truncated turn by turn as LLaMA-Factory
+    cuts (data/truncation.py), unless no trained token is left in what is kept, which drops the sample; the report
+    names a dropped record."""
+    from meshtune.data.truncation import kept_positions
+
     read = read_dataset(load_config(chat_config).dataset)
     template = ChatTemplate(load_tokenizer(tiny_model_dir))
-    encoded = [template.encode(c, tools=t) for c, t in zip(read.conversations, read.tools)]
-    cutoff = len(encoded[1][0]) - 5  # the three-turn record loses the end of its last answer
-    dropped = [n for n, (ids, labels) in enumerate(encoded) if all(label == IGNORE_INDEX for label in labels[:cutoff])]
+    turns = [template.encode_turns(c, tools=t) for c, t in zip(read.conversations, read.tools)]
+    encoded = [(e.input_ids, e.labels) for e in turns]
+    cutoff = 8  # a prompt long against its answer leaves it no token of the 8 (its share rounds down to 0)
+
+    def kept_labels(n: int) -> list[int]:
+        return [turns[n].labels[i] for i in kept_positions(turns[n].turns, turns[n].suffix, cutoff, False)]
+
+    dropped = [n for n, (ids, _) in enumerate(encoded) if len(ids) > cutoff and
+               all(label == IGNORE_INDEX for label in kept_labels(n))]
     truncated = [n for n, (ids, _) in enumerate(encoded) if len(ids) > cutoff and n not in dropped]
-    assert (dropped, truncated) == ([0, 2, 8], [1])  # the tool schemas in a system prompt leave no answer in reach
+    assert (dropped, truncated) == ([0, 8], [1, 2, 3, 4, 5, 6, 7, 9])  # 0, 8: the tool schemas in a system prompt
 
     report = preview_json(capfd, str(chat_config), f"cutoff_len={cutoff}", "val_size=0", "--index", "0")
     train = report["datasets"]["train"]
@@ -244,7 +253,7 @@ def test_a_small_cutoff_len_truncates_and_drops(chat_config, tiny_model_dir, cap
 
     text = preview_text(capfd, str(chat_config), f"cutoff_len={cutoff}", "val_size=0", "-n", "0")
     assert (f"truncated: {len(truncated)} samples longer than cutoff_len {cutoff} tokens after the chat template "
-            f"(the first {cutoff} are kept)") in text
+            f"(cut as LLaMA-Factory cuts them: turns in order") in text
     assert f"dropped: {len(dropped)} samples with no trained token left in the {cutoff} tokens kept" in text
     assert read.sources[dropped[0]] in text
 

@@ -17,6 +17,7 @@ from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import DatasetSpec, file_spec
 from meshtune.data.pipeline import describe
 from meshtune.data.registry import resolve
+from meshtune.data.templates import FORMATS
 from meshtune.data.tokenized import TokenizedDataset, build_tokenized, cache_key, load_or_build
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
@@ -63,34 +64,89 @@ def conversation(user: str, answer: str) -> list[dict]:
 
 
 def test_truncation_and_dropped_samples(tokenizer):
+    """cutoff_len as LLaMA-Factory cuts: a long prompt is shortened and its response still trained whole; a sample
+    is dropped only when its response gets no token of what is left."""
     template = ChatTemplate(tokenizer)
     short = conversation("Hi.", "Paris.")
     long_answer = conversation("Hi.", "The quick brown fox jumps over the lazy dog. " * 4)
     long_prompt = conversation("The weather today is sunny. " * 20, "Paris.")
+    no_room = conversation("The weather today is sunny. " * 200, "The quick brown fox jumps over the lazy dog. " * 2)
     cutoff = len(template.encode(short)[0]) + 3
-    dataset = build_tokenized([short, long_answer, long_prompt], template, cutoff, show_progress=False,
-                              sources=["d.json: record 1", "d.json: record 2", "d.json: record 3"],
-                              skipped=["d.json: record 4: missing 'output'"])
+    (prompt, response), = template.encode_turns(no_room).turns
+    assert 2 * response >= cutoff and 2 * prompt >= cutoff and cutoff * response < prompt + response  # gets 0
+    dataset = build_tokenized([short, long_answer, long_prompt, no_room], template, cutoff, show_progress=False,
+                              sources=[f"d.json: record {n}" for n in range(1, 5)],
+                              skipped=["d.json: record 5: missing 'output'"])
     assert dataset.stats == {
-        "n_records": 3,
-        "n_samples": 2,
+        "n_records": 4,
+        "n_samples": 3,
         "n_dropped_no_target": 1,
-        "n_truncated": 1,  # the long answer; the dropped sample is not counted twice
+        "n_truncated": 2,  # the long answer and the long prompt; the dropped sample is not counted twice
         "n_tokens": int(dataset.lengths.sum()),
         "n_target_tokens": int((dataset.labels != IGNORE_INDEX).sum()),
         "n_skipped_invalid": 1,
-        "dropped_examples": ["d.json: record 3"],
-        "skipped_examples": ["d.json: record 4: missing 'output'"],
+        "dropped_examples": ["d.json: record 4"],
+        "skipped_examples": ["d.json: record 5: missing 'output'"],
     }
     report = describe("train data", dataset.stats)
     assert report[1:] == [
-        "warning: train data: skipped 1 malformed records (skip_invalid: true): d.json: record 4: missing 'output'",
+        "warning: train data: skipped 1 malformed records (skip_invalid: true): d.json: record 5: missing 'output'",
         "warning: train data: dropped 1 samples with no assistant token left after truncation to cutoff_len: "
-        "d.json: record 3",
-        "train data: 1 samples truncated to cutoff_len"]
-    assert dataset.lengths.tolist() == [cutoff - 3, cutoff]
+        "d.json: record 4",
+        "train data: 2 samples truncated to cutoff_len"]
+    assert dataset.lengths.tolist() == [cutoff - 3, cutoff, cutoff]
     ids, labels = dataset[0]
     assert (ids.tolist(), labels.tolist()) == tuple(template.encode(short))
+    ids, labels = dataset[2]  # the long prompt: its first tokens, then the whole response, trained
+    full_ids, _ = template.encode(long_prompt)
+    (prompt, response), = template.encode_turns(long_prompt).turns
+    assert ids.tolist() == full_ids[:cutoff - response] + full_ids[prompt:]
+    assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "Paris.<|im_end|>\n"
+
+
+CUTOFF_FIXTURE = json.loads((FIXTURE_COMPAT.parent / "cutoff_len.json").read_text())
+
+
+@pytest.mark.parametrize("case", CUTOFF_FIXTURE["turn_lengths"])
+def test_a_turn_is_cut_as_llamafactory_cuts_it(case):
+    """LLaMA-Factory's infer_seqlen, by the expected counts of its own tests and ours (fixtures/compat)."""
+    from meshtune.data.truncation import turn_lengths
+
+    assert list(turn_lengths(case["prompt"], case["response"], case["room"])) == case["kept"]
+
+
+@pytest.mark.parametrize("case", CUTOFF_FIXTURE["conversations"])
+def test_a_conversation_keeps_the_tokens_llamafactory_keeps(case):
+    """Turn by turn as LLaMA-Factory's supervised processor (mask_history: the last turn first), each turn keeping
+    the first tokens of its prompt and of its response, the eos after the last turn always."""
+    from meshtune.data.truncation import kept_positions
+
+    turns = [tuple(turn) for turn in case["turns"]]
+    kept = kept_positions(turns, case["suffix"], case["cutoff_len"], case["mask_history"]).tolist()
+    expected, start = [], 0
+    for (prompt, response), (kept_prompt, kept_response) in zip(turns, case["kept"]):
+        expected += [*range(start, start + kept_prompt), *range(start + prompt, start + prompt + kept_response)]
+        start += prompt + response
+    expected += list(range(start, start + case["suffix_kept"]))
+    assert kept == expected and len(kept) <= case["cutoff_len"]
+
+
+def test_turns_are_each_assistant_reply_and_the_prompt_before_it(tokenizer):
+    """What cutoff_len cuts by: a turn's prompt is the system, user and tool turns since the last reply and the
+    assistant header; its response the reply with its end-of-turn."""
+    template = ChatTemplate(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, *conversation("Hi.", "Paris."),
+                *conversation("Bye.", "Lyon.")]
+    encoded = template.encode_turns(messages)
+    assert sum(p + r for p, r in encoded.turns) + encoded.suffix == len(encoded.input_ids)
+    texts, start = [], 0
+    for prompt, response in encoded.turns:
+        texts += [tokenizer.decode(encoded.input_ids[start:start + prompt]),
+                  tokenizer.decode(encoded.input_ids[start + prompt:start + prompt + response])]
+        start += prompt + response
+    assert texts == ["<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi.<|im_end|>\n"
+                     "<|im_start|>assistant\n", "Paris.<|im_end|>\n",
+                     "<|im_start|>user\nBye.<|im_end|>\n<|im_start|>assistant\n", "Lyon.<|im_end|>\n"]
 
 
 def test_each_sample_keeps_its_record_and_length_before_cutoff(tokenizer, tmp_path):
@@ -98,10 +154,10 @@ def test_each_sample_keeps_its_record_and_length_before_cutoff(tokenizer, tmp_pa
     sample) and its tokens before cutoff_len; a cache written without them (a benchmark's) still loads."""
     template = ChatTemplate(tokenizer)
     short = conversation("Hi.", "Paris.")
-    long_prompt = conversation("The weather today is sunny. " * 20, "Paris.")
+    no_room = conversation("The weather today is sunny. " * 200, "The quick brown fox jumps over the lazy dog. " * 2)
     long_answer = conversation("Hi.", "The quick brown fox jumps over the lazy dog. " * 4)
     cutoff = len(template.encode(short)[0]) + 3
-    dataset = build_tokenized([long_prompt, short, long_answer], template, cutoff, show_progress=False)
+    dataset = build_tokenized([no_room, short, long_answer], template, cutoff, show_progress=False)
     full = [len(template.encode(c)[0]) for c in (short, long_answer)]
     assert dataset.record_index.tolist() == [1, 2] and dataset.full_lengths.tolist() == full
     assert full[1] > cutoff == dataset.lengths[1]
@@ -246,11 +302,11 @@ class RecordingTemplate:
     def __init__(self, tokenizer, refuse_tools: bool = False) -> None:
         self.inner, self.refuse_tools, self.tools = ChatTemplate(tokenizer), refuse_tools, []
 
-    def encode(self, messages, tools=None):
+    def encode_turns(self, messages, tools=None):
         self.tools.append(tools)
         if self.refuse_tools and tools:
             raise DataError("this chat template has no tool format")
-        return self.inner.encode([{"role": m["role"], "content": m["content"] or "call"} for m in messages])
+        return self.inner.encode_turns([{"role": m["role"], "content": m["content"] or "call"} for m in messages])
 
 
 def test_each_conversation_is_encoded_with_its_tools(tokenizer):
@@ -311,18 +367,23 @@ def test_labels_options_build_their_own_datasets(tokenizer, data_file, tmp_path)
     assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
 
 
-def test_mask_history_keeps_the_end_of_a_long_conversation(tokenizer):
+def test_mask_history_cuts_the_last_turn_first(tokenizer):
+    """As LLaMA-Factory: the trained last turn takes cutoff_len's tokens first, the earlier turns what is left."""
     long = [*conversation("Hi.", "Paris."), *conversation("What is the capital of France? " * 8, "Lyon.")]
     template = ChatTemplate(tokenizer, mask_history=True)
-    full_ids, full_labels = template.encode(long)
-    cutoff = len(full_ids) - 5  # the first turn no longer fits whole
+    encoded = template.encode_turns(long)
+    (first_prompt, first_response), (last_prompt, last_response) = encoded.turns
+    cutoff = last_prompt + last_response + 2  # the first turn no longer fits whole: 2 of its prompt's tokens
+    assert 2 * first_response >= 2 and 2 * first_prompt >= 2 and 2 * first_response < first_prompt + first_response
     kept = build_tokenized([long], template, cutoff, show_progress=False)
     assert kept.stats["n_truncated"] == 1
     ids, labels = kept[0]
-    assert list(ids) == full_ids[-cutoff:] and list(labels) == full_labels[-cutoff:]
+    first = first_prompt + first_response
+    assert list(ids) == encoded.input_ids[:2] + encoded.input_ids[first:]
+    assert list(labels) == encoded.labels[:2] + encoded.labels[first:]
     assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "Lyon.<|im_end|>\n"
-    assert build_tokenized([long], ChatTemplate(tokenizer), cutoff, show_progress=False)[0][0].tolist() == \
-        full_ids[:cutoff]  # without mask_history the start is kept
+    in_order = build_tokenized([long], ChatTemplate(tokenizer), cutoff, show_progress=False)[0][0].tolist()
+    assert in_order[:first] == encoded.input_ids[:first]  # without mask_history the first turn is kept whole
 
 
 @pytest.mark.parametrize("key", ["train_on_prompt", "mask_history"])
@@ -340,3 +401,27 @@ def test_label_keys_of_the_config_reach_the_data(tokenizer, tmp_path, key, caplo
     trained = tokenizer.decode([t for t in labels if t != IGNORE_INDEX])
     assert trained == (tokenizer.decode(ids) if key == "train_on_prompt" else "Lyon.<|im_end|>\n")
     assert "trained on prompts too" in lines[0] if key == "train_on_prompt" else "only the last" in lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_formats_turns_are_its_trained_replies(name):
+    """The turns cutoff_len cuts by are the tokens the labels train: each response is exactly a trained run (the
+    formats without an end-of-turn marker: the reply, its eos the label of the next prompt's first token and of
+    the suffix)."""
+    tok = train_tokenizer(SENTENCES)
+    tok.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    template = ChatTemplate(tok, name)
+    messages = [{"role": "system", "content": "Be brief."}, *conversation("Hi.", "Paris."),
+                *conversation("Bye.", "Lyon.")]
+    encoded = template.encode_turns(messages)
+    assert sum(p + r for p, r in encoded.turns) + encoded.suffix == len(encoded.input_ids)
+    assert len(encoded.turns) == 2 and encoded.suffix == int(FORMATS[name].efficient_eos)
+    trained = np.asarray(encoded.labels) != IGNORE_INDEX
+    start, responses = 0, np.zeros(len(trained), dtype=bool)
+    for prompt, response in encoded.turns:
+        responses[start + prompt:start + prompt + response] = True
+        start += prompt + response
+    if FORMATS[name].efficient_eos:  # the eos labels: the second prompt's first token and the suffix
+        responses[encoded.turns[0][0] + encoded.turns[0][1]] = True
+        responses[-1] = True
+    assert trained.tolist() == responses.tolist()

@@ -6,6 +6,7 @@ once (see LAYOUTS_BY_MODE)."""
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -96,7 +97,8 @@ def _train_losses(tmp_path, model_dir, dataset, method, parallel, nproc, accumul
         codes, output = run_workers(["train", config], nproc, out / "ranks", timeout=300)
         assert codes == [0] * nproc, output[-6000:]
     records = read_metrics(out / "output")
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    steps = values["max_steps"] if values["max_steps"] > 0 else len(records)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     return [r["loss"] for r in records] + [records[-1]["eval_loss"]]
 
 
@@ -114,7 +116,7 @@ def test_same_losses_for_every_layout_and_mode(tmp_path, tiny_model_dir, tiny_da
 
 def assert_close(losses: list[float], reference: list[float], what: str) -> None:
     for step, (got, want) in enumerate(zip(losses, reference), start=1):
-        name = f"step {step} loss" if step <= 5 else "final eval loss"
+        name = f"step {step} loss" if step < len(reference) else "final eval loss"
         assert abs(got - want) / abs(want) < 1e-4, f"{what}: {name} {got} vs 1x4 ddp {want}"
 
 
@@ -147,3 +149,73 @@ def test_modules_trained_in_full_keep_the_losses_across_layouts(tmp_path, tiny_m
     for parallel, nproc, accumulation in layouts[1:]:
         losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "lora", parallel, nproc, accumulation, **extra)
         assert_close(losses, reference, f"lora with additional_target {parallel} {nproc}x{accumulation}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, nproc, accumulation, extra", [
+    ("hsdp", 4, 2, {"hsdp_shard_size": 2}),  # 2 nodes x 2 GPUs: 2 replicas x 2 shards
+    ("ddp", 4, 2, {"padding_free": True}),  # token-balanced slots
+    ("ddp", 4, 4, {"tensor_parallel": 2}),  # 2 data ranks of 2: 6 + 4 rows over 3 micro-steps, a filler on the last
+])
+def test_an_epochs_partial_last_batch_keeps_the_losses_of_one_process(tmp_path, tiny_model_dir, tiny_dataset,
+                                                                      parallel, nproc, accumulation, extra):
+    """58 samples to train on at a global batch of 16: each epoch's 4th step trains the 10 left over. On 4 ranks x
+    2 micro-steps that is 4 + 4 + 2 + 0 rows (padded): the last rank runs two fillers, the second of them the
+    micro-step that synchronises the gradients. The loss of the step is still its real tokens' mean, so the losses
+    are one process's."""
+    epochs = {"max_steps": -1, "num_train_epochs": 2}
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 1, 8, **epochs)
+    assert len(reference) == 2 * 4 + 1  # 8 steps and the final evaluation
+    losses = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", parallel, nproc, accumulation, **epochs,
+                          **extra)
+    assert_close(losses, reference, f"{parallel} {nproc}x{accumulation} {extra} with a partial last batch")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_before_a_partial_step_resumes_on_one_process_with_its_losses(tmp_path, tiny_model_dir,
+                                                                                    tiny_dataset):
+    """Saved by 4 processes x 2 micro-steps after step 3 of 8, resumed by one process (accumulation 2 -> 8 keeps
+    the global batch of 16): steps 4 and 8, each epoch's partial last, train the rows one process trains there."""
+    epochs = {"max_steps": -1, "num_train_epochs": 2}
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 1, 8, **epochs)
+    values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "saved" / "output", finetuning_type="full",
+                         nproc_per_node=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         learning_rate=1e-3, tokenized_path=str(tmp_path / "tokenized"), val_size=6,
+                         per_device_eval_batch_size=2, save_final=False, save_steps=3, **epochs)
+    codes, output = run_workers(["train", str(write_config(tmp_path / "saved", **values))], 4,
+                                tmp_path / "saved" / "ranks", timeout=300)
+    assert codes == [0] * 4, output[-6000:]
+    resumed = tmp_path / "resumed" / "output"
+    shutil.copytree(tmp_path / "saved" / "output" / "checkpoint-3", resumed / "checkpoint-3")
+    values.update(output_dir=str(resumed), nproc_per_node=1)  # the same run from step 3, on one process
+    assert main(["train", str(write_config(tmp_path / "resumed", **values))]) == 0
+    first = read_metrics(tmp_path / "saved" / "output")[:3]
+    records = first + read_metrics(resumed)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert_close([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference,
+                 "4 x 2 until step 3, then 1 x 8")
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_train_the_partial_last_batch_as_one_process(tmp_path, tiny_model_dir,
+                                                                                 tiny_dataset):
+    """Two `meshtune train` launchers (NNODES=2, 2 processes each, meeting on 127.0.0.1) under hsdp, one replica a
+    node: each epoch's partial 4th step, 10 rows over 4 ranks x 2 micro-steps, gives one process's losses."""
+    from test_faults import Cluster
+
+    epochs = {"max_steps": -1, "num_train_epochs": 2}
+    reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 1, 8, **epochs)
+    out = tmp_path / "nodes" / "output"
+    values = base_config(tiny_model_dir, tiny_dataset, out, finetuning_type="full", parallel="hsdp",
+                         hsdp_shard_size=2, nproc_per_node=2, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, learning_rate=1e-3, val_size=6, per_device_eval_batch_size=2,
+                         save_final=False, tokenized_path=str(tmp_path / "tokenized"), preflight=False,
+                         rdzv_timeout=60, ddp_timeout=60, **epochs)
+    cluster = Cluster(tmp_path / "nodes")
+    try:
+        cluster.run(write_config(tmp_path / "nodes", **values), timeout=300, per_node=2)
+    finally:
+        cluster.cleanup()
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert_close([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference, "2 nodes x 2 processes")

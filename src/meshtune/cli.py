@@ -73,8 +73,9 @@ It prints:
   - each dataset: its files, the format their records were read in, their record counts; records -> samples,
     tokens and trained tokens; min / median / p95 / max of the tokens per sample as trained, before cutoff_len, and
     of the trained tokens per sample (median and p95 interpolated as numpy.percentile does); the samples cutoff_len
-    truncates (longer than cutoff_len: the first cutoff_len tokens are kept, the last with mask_history) and drops
-    (no trained token left in what is kept), the records skip_invalid skipped, the samples val_size holds out
+    truncates (longer than cutoff_len: cut as LLaMA-Factory cuts, turn by turn, each turn's prompt and response
+    shortened to share what is left; the last turn first with mask_history) and drops (no trained token left in
+    what is kept), the records skip_invalid skipped, the samples val_size holds out
   - N samples (-n; --index or --seed choose which), decoded from the cache's token ids with the template's
     special tokens written out (<|im_start|>, <|im_end|>, ...):
       ⟦text⟧   trained: the loss has these tokens as targets (their label in the cache is the token itself)

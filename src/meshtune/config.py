@@ -174,9 +174,12 @@ class TrainConfig(BaseModel):
     train_on_prompt: bool = DATA(False, "also train on the prompt: system, user and tool turns and the assistant "
                                         "header (LLaMA-Factory's key); default: assistant turns only")
     mask_history: bool = DATA(False, "train only the last assistant turn of each conversation, earlier ones are "
-                                     "context; a conversation longer than cutoff_len keeps its end "
-                                     "(LLaMA-Factory's key)")
-    cutoff_len: int = DATA(2048, "samples are truncated to this many tokens", gt=1)
+                                     "context; a conversation longer than cutoff_len gives its last turn the tokens "
+                                     "first (LLaMA-Factory's key)")
+    cutoff_len: int = DATA(2048, "the most tokens a sample keeps. A longer one is cut as LLaMA-Factory cuts it: turn "
+                                 "by turn while tokens remain, each turn's prompt and response shortened to share "
+                                 "what is left (each keeps its first tokens), so a long prompt is cut and its "
+                                 "response still trained", gt=1)
     val_size: float = DATA(0.0, "held-out part of the training data: a fraction (<1) or a count", ge=0.0)
     skip_invalid: bool = DATA(False, "skip malformed records (counted) instead of stopping at the first")
     tokenized_path: str | None = DATA(None, "where the tokenized cache lives (default: output_dir/tokenized); put it "
@@ -185,6 +188,10 @@ class TrainConfig(BaseModel):
                                 "fuller rows; default true for stage: pt")
     group_by_length: bool = DATA(False, "without packing: micro-batches of similar lengths inside each global batch "
                                         "(less padding)")
+    dataloader_drop_last: bool = DATA(False, "drop each epoch's last partial global batch: every step then trains "
+                                             "exactly the global batch, and the rows left over are not trained that "
+                                             "epoch. Default: as HF Trainer, an epoch's last step trains the rows left "
+                                             "over, so every sample is seen each epoch")
 
     per_device_train_batch_size: int = OPTIMIZATION(1, "samples (or packed rows) per process per micro-step", gt=0)
     gradient_accumulation_steps: int = OPTIMIZATION(1, "micro-steps per optimizer step; global batch = "

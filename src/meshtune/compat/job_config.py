@@ -16,7 +16,7 @@ from typing import Any
 from meshtune.compat.adapter import adapter_settings
 from meshtune.compat.deepspeed import read_deepspeed, translate_deepspeed
 from meshtune.compat.foreign import translate_foreign
-from meshtune.compat.qwen import finetune_py_defaults
+from meshtune.compat.qwen import finetune_py_defaults, qwen_keys_given
 from meshtune.config import TrainConfig, build_config, load_yaml, parse_overrides
 from meshtune.errors import ConfigError
 
@@ -50,6 +50,8 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         values.update(given)
         sources.update({key: COMMAND_LINE for key in given})
     deepspeed = values.pop("deepspeed", None)
+    neat_packing = values.get("neat_packing")
+    qwen_job = bool(qwen_keys_given(values))
     qwen_defaults, qwen_notes, problems = finetune_py_defaults(values, sources, source)
     values, warnings, foreign_problems = translate_foreign(values, sources, source)
     problems += foreign_problems
@@ -79,7 +81,31 @@ def load_job_config(path: str | Path | None, overrides: list[str] | None = None,
         values.update(settings.values)
         warnings += settings.warnings
         problems += settings.problems
-    return LoadedConfig(build_config(values, source, sources, problems), warnings)
+    config = build_config(values, source, sources, problems)
+    if config.packing and not _true(neat_packing):
+        warnings.append(PACKING_DIFFERS)
+    if qwen_job:
+        warnings.append(QWEN_CUTOFF_DIFFERS.format(cutoff_len=config.cutoff_len))
+    return LoadedConfig(config, warnings)
+
+
+# meshtune's packing is LLaMA-Factory's neat_packing; the line a run with packing: true (and no neat_packing) prints
+PACKING_DIFFERS = ("packing: true packs samples into rows of up to cutoff_len with no attention across them, each "
+                   "sample's positions from 0 (LLaMA-Factory's neat_packing: true); LLaMA-Factory's packing: true "
+                   "without neat_packing lets the samples of a row attend to each other. meshtune always packs this "
+                   "way: a packed row trains each sample's loss as it would alone")
+
+
+# finetune.py's preprocess keeps `input_id[:max_len]`; meshtune cuts as LLaMA-Factory (data/truncation.py)
+QWEN_CUTOFF_DIFFERS = ("model_max_length {cutoff_len} (cutoff_len): finetune.py keeps a longer sample's first "
+                       "{cutoff_len} tokens, so a reply past them is not trained; meshtune cuts it as LLaMA-Factory "
+                       "does, turn by turn, each turn's prompt and reply shortened to share the {cutoff_len} tokens, "
+                       "so replies stay trained (`meshtune preview` counts the samples cut)")
+
+
+def _true(value: Any) -> bool:
+    """A boolean key as YAML, flags or key=value give it."""
+    return value is True or (isinstance(value, str) and value.strip().lower() == "true")
 
 
 def find_deepspeed_file(name: str, config_path: str | Path | None, where: str) -> Path:

@@ -7,6 +7,7 @@ template a tokenizer ships with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
@@ -72,6 +73,19 @@ def _hf_messages(messages: list[dict]) -> list[dict]:
         if m.get("tool_calls") else m
         for m in messages
     ]
+
+
+@dataclass
+class Encoded:
+    """A conversation's tokens and labels, and how they split into turns: each assistant turn's prompt (what comes
+    before it since the previous turn's response: system, user and tool turns, the assistant header) and response
+    (its text or tool calls and end-of-turn), then `suffix` tokens after the last (the eos of the formats without
+    an end-of-turn marker). The lengths sum to len(input_ids)."""
+
+    input_ids: list[int]
+    labels: list[int]
+    turns: list[tuple[int, int]]
+    suffix: int = 0
 
 
 class ChatTemplate:
@@ -199,29 +213,37 @@ class ChatTemplate:
         without an end-of-turn marker (glm4, baichuan2) train the eos token in its place, as LLaMA-Factory does: as
         the label of the next turn's first token, and appended after the last turn.
         """
+        encoded = self.encode_turns(messages, tools)
+        return encoded.input_ids, encoded.labels
+
+    def encode_turns(self, messages: list[dict], tools: list[dict] | None = None) -> Encoded:
+        """`encode`, with the lengths of its turns: what cutoff_len truncates turn by turn (data/truncation.py)."""
         self._check_tools(messages, tools)
         return self._encode(messages, tools)
 
-    def _encode(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    def _encode(self, messages: list[dict], tools: list[dict] | None) -> Encoded:
         messages, tools = _hf_messages(messages), _hf_tools(tools)
-        pieces: list[tuple[str, bool]] = []  # (text, trained)
+        pieces: list[tuple[str, bool, bool]] = []  # (text, trained, an assistant message's own text)
         before = ""
         last_answer = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
                 header = self._render(messages[:i], True, tools)
-                pieces.append((self._added(before, header), self.train_on_prompt))
+                pieces.append((self._added(before, header), self.train_on_prompt, False))
                 before = header
             after = self._render(messages[: i + 1], False, tools)
             answer = message["role"] == "assistant" and (not self.mask_history or i == last_answer)
             pieces.append((self._added(before, after), answer or (message["role"] != "assistant" and
-                                                                  self.train_on_prompt)))
+                                                                  self.train_on_prompt),
+                           message["role"] == "assistant"))
             before = after
         input_ids: list[int] = []
         labels: list[int] = []
+        turns: list[tuple[int, int]] = []  # (prompt tokens, response tokens) of each assistant turn
+        prompt = 0
         eos = self.tokenizer.eos_token_id if not self.own and FORMATS[self.name].efficient_eos else None
         after_trained = False
-        for text, trained in pieces:
+        for text, trained, response in pieces:
             if not text:
                 continue
             ids = self.tokenizer.encode(text, add_special_tokens=False, verbose=False)  # cutoff_len truncates later
@@ -231,10 +253,19 @@ class ChatTemplate:
                 untrained[0] = eos
             labels += ids if trained else untrained
             after_trained = trained
+            if response:
+                turns.append((prompt, len(ids)))
+                prompt = 0
+            else:
+                prompt += len(ids)
+        if prompt:  # text after the last assistant turn: a prompt with no response
+            turns.append((prompt, 0))
+        suffix = 0
         if eos is not None and after_trained:
             input_ids.append(eos)
             labels.append(eos)
-        return input_ids, labels
+            suffix = 1
+        return Encoded(input_ids, labels, turns, suffix)
 
     def _added(self, before: str, after: str) -> str:
         """What rendering one more step appended; labels are only sound if earlier text never changes."""

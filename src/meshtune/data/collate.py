@@ -23,6 +23,7 @@ class Batch:
     num_tokens: int  # real (non-padding) tokens
     cu_seqlens: torch.Tensor | None = None  # padding-free: sample boundaries in the single row (int32)
     sample_lengths: tuple[int, ...] = ()  # every sample's length (the attention term of the FLOP count)
+    filler: bool = False  # trains nothing: it keeps a rank's collectives in step with the others' (ignore_all)
 
     def __post_init__(self) -> None:
         # found here on the host, so the step never waits on the GPU for them
@@ -45,16 +46,19 @@ class Batch:
         """The longest sample (the varlen kernel's bound)."""
         return max(self.sample_lengths)
 
-    def ignore_all(self) -> None:
-        """Train nothing on this batch (a filler batch that keeps collectives in step)."""
+    def ignore_all(self) -> Batch:
+        """Train nothing on this batch (a filler batch that keeps collectives in step): no target, and no token or
+        FLOP counted."""
         self.targets.fill_(IGNORE)
         self.target_positions = self.target_positions[:0]
         self.target_ids = self.target_ids[:0]
+        self.num_tokens, self.filler = 0, True
+        return self
 
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         moved = Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
-                      self.num_tokens, move(self.cu_seqlens), self.sample_lengths)
+                      self.num_tokens, move(self.cu_seqlens), self.sample_lengths, self.filler)
         moved.target_positions, moved.target_ids = move(self.target_positions), move(self.target_ids)
         return moved
 

@@ -103,20 +103,30 @@ def _report(lines: list[str], report: bool) -> None:
 
 
 def plan_steps(cfg: TrainConfig, train_data, dp_size: int, accumulation: int,
-               padding_free: bool = False) -> tuple[GlobalBatchPlan, int]:
-    """The run's global batches and step count; an error when not even one global batch fits in the data.
+               padding_free: bool = False, report: bool = False) -> tuple[GlobalBatchPlan, int]:
+    """The run's global batches and step count; an error when the data and num_train_epochs give no step.
     `accumulation` is the run plan's (the config's, or what keeps a resumed checkpoint's global batch). Padding-free
-    micro-batches need no equal row counts, so they are balanced by tokens instead."""
+    micro-batches need no equal row counts, so they are balanced by tokens instead. `report`: log what
+    dataloader_drop_last leaves out, where HF Trainer would train it."""
     plan = GlobalBatchPlan(train_data.lengths, cfg.seed, cfg.per_device_train_batch_size, accumulation, dp_size,
                            packing_capacity=cfg.cutoff_len if cfg.packing else None,
                            group_by_length=cfg.group_by_length and not cfg.packing,
-                           balance_tokens=padding_free)
+                           balance_tokens=padding_free, drop_last=cfg.dataloader_drop_last)
     total_steps = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
+    rows = "packed rows" if cfg.packing else "samples"
     if plan.steps_in_epoch(0) == 0 or total_steps == 0:
-        raise ConfigError(
-            f"the training data has {len(plan.rows(0)):,} {'packed rows' if cfg.packing else 'samples'} but one "
-            f"optimizer step needs a global batch of {plan.global_batch} (per_device_train_batch_size "
-            f"{cfg.per_device_train_batch_size} x gradient_accumulation_steps {accumulation} x "
-            f"{dp_size} processes) and num_train_epochs={cfg.num_train_epochs} must give at least one step: "
-            f"add data or lower one of them")
+        batch = (f"a global batch of {plan.global_batch} (per_device_train_batch_size "
+                 f"{cfg.per_device_train_batch_size} x gradient_accumulation_steps {accumulation} x {dp_size} "
+                 f"processes)")
+        why = (f"with dataloader_drop_last: true one optimizer step needs {batch}: add data, lower one of them or "
+               f"drop dataloader_drop_last" if cfg.dataloader_drop_last else
+               f"num_train_epochs={cfg.num_train_epochs} of {plan.steps_in_epoch(0)} steps (global batch "
+               f"{plan.global_batch}) make no step: raise num_train_epochs or set max_steps")
+        raise ConfigError(f"the training data has {len(plan.rows(0)):,} {rows}; {why}")
+    left = len(plan.rows(0)) % plan.global_batch
+    if report and cfg.dataloader_drop_last and left:
+        logger.info(f"dataloader_drop_last: true: the last {left:,} {rows} of each epoch's order (fewer than the "
+                    f"global batch of {plan.global_batch}) are not trained that epoch; HF Trainer drops only a last "
+                    f"per-device batch of fewer than {cfg.per_device_train_batch_size} x {dp_size} processes and "
+                    f"trains the others in a shorter last step, meshtune keeps every step at the global batch")
     return plan, total_steps

@@ -5,6 +5,13 @@ sample, or with packing several consecutive samples of the permutation that fit 
 then cut into micro-batches of `micro_batch` rows; rank r takes micro-batches [r*A, (r+1)*A), A = accumulation.
 So 1 process x accumulation 4 and 4 processes x 1 see the same rows in each step, and a run resumed on another
 world size continues the same sequence (only `step` needs saving).
+
+An epoch's last step takes the rows left over, as HF Trainer's dataloader (`dataloader_drop_last: false`) keeps its
+last partial batch: steps per epoch = ceil(rows / G), every row trained once an epoch. That step runs only the
+micro-steps its rows need (ceil(rest / (micro_batch x ranks)), as HF runs fewer micro-batches in it), and a rank
+whose share of a micro-step is empty runs a filler whose targets are all ignored, so every rank runs the same
+collectives. The loss is normalised by the step's real target count, so the layouts still agree. `drop_last`
+drops that step instead: every step then has exactly G rows.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class GlobalBatchPlan:
     packing_capacity: int | None = None  # cutoff_len when packing, else None
     group_by_length: bool = False
     balance_tokens: bool = False  # padding-free only: micro-batches of equal token counts, not of equal row counts
+    drop_last: bool = False  # drop each epoch's last partial global batch (dataloader_drop_last)
 
     def __post_init__(self) -> None:
         self._rows_cache: dict[int, list[Row]] = {}  # the current epoch's rows only: a large plan stays small
@@ -72,20 +80,38 @@ class GlobalBatchPlan:
             self._rows_cache = {epoch: rows}
         return self._rows_cache[epoch]
 
+    def row_count(self, epoch: int) -> int:
+        """Rows of an epoch: its samples, or with packing its packed rows (which depend on the epoch's order)."""
+        return len(self.rows(epoch)) if self.packing_capacity else len(self.lengths)
+
     def steps_in_epoch(self, epoch: int) -> int:
-        """Full global batches only: the epoch's last partial batch is dropped so G stays exact."""
+        """ceil(rows / G): the last step takes the rows left over; floor with `drop_last`."""
         if epoch not in self._steps_cache:
-            self._steps_cache[epoch] = len(self.rows(epoch)) // self.global_batch
+            rows = self.row_count(epoch)
+            self._steps_cache[epoch] = rows // self.global_batch if self.drop_last else -(-rows // self.global_batch)
         return self._steps_cache[epoch]
 
     def total_steps(self, num_epochs: float, max_steps: int) -> int:
+        """max_steps, else HF Trainer's count: ceil(num_epochs x steps per epoch), each whole epoch with its own
+        steps (packing makes them differ) and the fraction of the next rounded up."""
         if max_steps > 0:
             return max_steps
+        if not self.packing_capacity:  # every epoch has as many rows: HF's very product, rounding included
+            return math.ceil(num_epochs * self.steps_in_epoch(0))
         whole = math.floor(num_epochs)
         total = sum(self.steps_in_epoch(epoch) for epoch in range(whole))
         if num_epochs > whole:
-            total += math.floor((num_epochs - whole) * self.steps_in_epoch(whole))
+            total += math.ceil((num_epochs - whole) * self.steps_in_epoch(whole))
         return total
+
+    def rows_in_step(self, epoch: int, step: int) -> int:
+        """G, or fewer in an epoch's last step."""
+        return min(self.global_batch, self.row_count(epoch) - step * self.global_batch)
+
+    def micro_steps(self, epoch: int, step: int) -> int:
+        """Micro-steps every rank runs in this step: the accumulation, or what a last partial step's rows need."""
+        per_micro_step = self.micro_batch * self.dp_size
+        return min(self.accumulation, -(-self.rows_in_step(epoch, step) // per_micro_step))
 
     def epoch_ends(self, total_steps: int) -> frozenset[int]:
         """The optimizer steps, counted from 1, that complete an epoch, up to `total_steps`."""
@@ -102,7 +128,7 @@ class GlobalBatchPlan:
         while True:
             steps = self.steps_in_epoch(epoch)
             if steps == 0:
-                raise ValueError("the dataset has fewer rows than one global batch")
+                raise ValueError("the dataset has fewer rows than one global batch (dataloader_drop_last)")
             if global_step < steps:
                 return epoch, global_step
             global_step -= steps
@@ -112,17 +138,19 @@ class GlobalBatchPlan:
         return sum(int(self.lengths[i]) for i in row)
 
     def micro_batches(self, epoch: int, step: int, dp_rank: int) -> list[list[Row]]:
-        """This rank's `accumulation` micro-batches, each a list of `micro_batch` rows."""
+        """This rank's micro-batches, each a list of up to `micro_batch` rows: `accumulation` of them, or
+        `micro_steps` in a last partial step, where some may be empty (the loop runs a filler for those)."""
         start = step * self.global_batch
         batch = self.rows(epoch)[start:start + self.global_batch]
+        micro_steps = self.micro_steps(epoch, step)
         if self.balance_tokens:
-            slots = balanced_slots(batch, [self.row_length(row) for row in batch], self.dp_size * self.accumulation)
-            return slots[dp_rank * self.accumulation:(dp_rank + 1) * self.accumulation]
+            slots = balanced_slots(batch, [self.row_length(row) for row in batch], self.dp_size * micro_steps)
+            return slots[dp_rank * micro_steps:(dp_rank + 1) * micro_steps]
         if self.group_by_length:
             batch = sorted(batch, key=self.row_length)
-        per_rank = self.micro_batch * self.accumulation
+        per_rank = self.micro_batch * micro_steps
         mine = batch[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return [mine[m * self.micro_batch:(m + 1) * self.micro_batch] for m in range(self.accumulation)]
+        return [mine[m * self.micro_batch:(m + 1) * self.micro_batch] for m in range(micro_steps)]
 
 
 def balanced_slots(rows: list[Row], lengths: list[int], slots: int) -> list[list[Row]]:

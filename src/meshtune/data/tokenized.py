@@ -23,6 +23,7 @@ from tqdm import tqdm
 from meshtune.checksums import dataset_checksum
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import DatasetSpec, file_spec, read_dataset
+from meshtune.data.truncation import kept_positions
 from meshtune.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Bump when the on-disk layout or the tokenization/masking rules change, so old caches are not reused.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 _ARRAYS = ("input_ids", "labels", "offsets")
 _ORIGINS = ("record_index", "full_lengths")  # per sample: which conversation it is, its length before cutoff_len
 
@@ -104,9 +105,10 @@ def build_tokenized(
     skipped: list[str] | None = None,
     tools: list[list[dict] | None] | None = None,
 ) -> TokenizedDataset:
-    """Encode each conversation (with the tools it offers, `tools[n]`), keep its first `cutoff_len` tokens, and
-    drop samples left with no target. `sources` (where each conversation came from) name the record in an error
-    and, with `skipped` (malformed records passed over), go into the stats, a few of each by name, for the report."""
+    """Encode each conversation (with the tools it offers, `tools[n]`), cut one longer than `cutoff_len` turn by
+    turn as LLaMA-Factory does (data/truncation.py), and drop samples left with no target. `sources` (where each
+    conversation came from) name the record in an error and, with `skipped` (malformed records passed over), go
+    into the stats, a few of each by name, for the report."""
     ids_parts: list[np.ndarray] = []
     label_parts: list[np.ndarray] = []
     record_index: list[int] = []
@@ -116,21 +118,22 @@ def build_tokenized(
     for n, messages in enumerate(tqdm(conversations, desc="tokenizing", unit="rec", disable=not show_progress)):
         source = sources[n] if sources else f"conversation {n + 1}"
         try:
-            input_ids, labels = template.encode(messages, tools=tools[n] if tools else None)
+            encoded = template.encode_turns(messages, tools=tools[n] if tools else None)
         except DataError as e:
             raise DataError(f"{source}: {e}") from None
-        cut = len(input_ids) > cutoff_len
-        # mask_history trains the last turn: a long conversation keeps its end, as LLaMA-Factory keeps the last turns
-        kept = slice(-cutoff_len, None) if template.mask_history else slice(cutoff_len)
-        labels_arr = np.asarray(labels[kept], dtype=np.int32)
+        ids_arr = np.asarray(encoded.input_ids, dtype=np.int32)
+        labels_arr = np.asarray(encoded.labels, dtype=np.int32)
+        cut = len(ids_arr) > cutoff_len
+        if cut:  # each turn's prompt and response shortened as LLaMA-Factory does; mask_history: the last turn first
+            kept = kept_positions(encoded.turns, encoded.suffix, cutoff_len, template.mask_history)
+            ids_arr, labels_arr = ids_arr[kept], labels_arr[kept]
         if not (labels_arr != IGNORE_INDEX).any():  # dropped, not counted as truncated too
             dropped.append(source)
             continue
         n_truncated += cut
         record_index.append(n)
-        full_lengths.append(len(input_ids))
-        input_ids = input_ids[kept]
-        ids_parts.append(np.asarray(input_ids, dtype=np.int32))
+        full_lengths.append(len(encoded.input_ids))
+        ids_parts.append(ids_arr)
         label_parts.append(labels_arr)
     if not ids_parts:
         raise DataError(
@@ -158,9 +161,10 @@ def build_tokenized(
 def cut_reasons(cutoff_len: int, mask_history: bool) -> dict[str, str]:
     """Why build_tokenized truncates or drops samples and read_dataset skips records, in the words `meshtune
     preview` puts after their count."""
-    kept = f"the last {cutoff_len:,} are kept: mask_history" if mask_history else f"the first {cutoff_len:,} are kept"
+    order = "the last turn first: mask_history" if mask_history else "turns in order"
     return {
-        "truncated": f"longer than cutoff_len {cutoff_len:,} tokens after the chat template ({kept})",
+        "truncated": f"longer than cutoff_len {cutoff_len:,} tokens after the chat template (cut as LLaMA-Factory "
+                     f"cuts them: {order}, each turn's prompt and response shortened to share what is left)",
         "dropped": f"with no trained token left in the {cutoff_len:,} tokens kept (raise cutoff_len or shorten the "
                    f"prompts)",
         "skipped": "malformed, passed over (skip_invalid: true)",

@@ -113,7 +113,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
     data = plan.data_env(env)  # a cp x tp group's processes take the same micro-batches
     batches, total_steps = plan_steps(cfg, train_data, data.world_size, plan.gradient_accumulation_steps,
-                                      plan.padding_free)
+                                      plan.padding_free, report=True)
     by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
     epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
     if shared and cfg.save_strategy == "epoch":
@@ -135,8 +135,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                     f"(verified in {verify_s:.1f} s, loaded in {time.monotonic() - load_began:.1f} s)")
     scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, progress)  # fp16's loss scale; else no-op
     logger.info(f"{cfg.finetuning_type} on {env.world_size} process(es): {total_steps} steps x global batch "
-                f"{batches.global_batch}{' packed rows' if cfg.packing else ''}; trainable parameters "
-                f"{sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,}")
+                f"{batches.global_batch}{' packed rows' if cfg.packing else ''}{last_step(batches)}; trainable "
+                f"parameters {sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,}")
     peak_flops = measure_peak_flops(env.device) if env.is_main else None
     if peak_flops:
         logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
@@ -147,7 +147,13 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     objective = TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
                           autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
                           padding_free=plan.padding_free)
-    rows_to_batch = partial(objective.collate, dataset=train_data, packed=cfg.packing)
+    collate_rows = partial(objective.collate, dataset=train_data, packed=cfg.packing)
+    # an empty share of a last partial step: the shortest sample, trained on nothing
+    filler_rows = [[int(np.argmin(train_data.lengths))]]
+
+    def rows_to_batch(rows: list[list[int]]) -> Batch:
+        return collate_rows(rows) if rows else collate_rows(filler_rows).ignore_all()
+
     split = SequenceSplit(plan.context_parallel, env)  # context parallel: each process's share of the positions
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
@@ -271,9 +277,21 @@ def step_counts(batches: list[Batch], objective: Objective, flops: FlopCounter, 
     ranks in one all-reduce. `own` 0: this rank's batches are those of the first rank of its cp x tp group, which
     counts them (its stop vote still counts)."""
     counts = torch.tensor([own * sum(objective.count(b) for b in batches), own * sum(b.num_tokens for b in batches),
-                           own * sum(flops.batch_flops(b.sample_lengths) for b in batches), stop_vote],
+                           own * sum(flops.batch_flops(b.sample_lengths) for b in batches if not b.filler),
+                           stop_vote],
                           dtype=torch.float64)
     return all_reduce_sum(to_device(counts, env.device))
+
+
+def last_step(batches: GlobalBatchPlan) -> str:
+    """What an epoch's last step trains, when it is not a whole global batch."""
+    rows = len(batches.rows(0))
+    left = rows % batches.global_batch
+    if not left:
+        return ""
+    if batches.drop_last:
+        return f" ({left} of the first epoch's {rows} rows left out: dataloader_drop_last)"
+    return f" (the first epoch's last step: the {left} rows left over)"
 
 
 def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: DistEnv, stop: StopRequest,
