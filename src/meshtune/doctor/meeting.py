@@ -24,9 +24,9 @@ from torch.distributed import TCPStore
 from meshtune.doctor.bandwidth import DEADLINE_S, Measurement
 from meshtune.doctor.checks import FAIL, OK, evaluate, render
 from meshtune.doctor.facts import collect_facts
-from meshtune.doctor.joining import join_key
+from meshtune.doctor.joining import join_key, refusal_key
 from meshtune.doctor.launch_settings import LaunchSettings
-from meshtune.doctor.reachability import RendezvousError, wait_for_master
+from meshtune.doctor.reachability import NotAStore, RendezvousError, check_port_free, wait_for_master
 
 DOCTOR_KEY = "meshtune-doctor"  # set by node 0 as it opens the store: a store without it is not the doctor's
 MARK_WAIT_S = 3.0        # how long a node looks for that mark before deciding the port holds another store
@@ -91,11 +91,20 @@ def run_doctor(cfg, settings: LaunchSettings, timeout_s: float = 30.0, out=print
     if settings.master_port is None or expected == 1:
         return run_alone(cfg, settings, out, bandwidth)
     started = time.monotonic()
-    if settings.node_rank != 0:
+    if settings.node_rank == 0:
+        try:
+            check_port_free(settings)  # an address that does not resolve, a port another program holds
+        except RendezvousError as exc:
+            out(f"meshtune doctor, node 0:\n{FAIL} {exc}")
+            return 1, {"failed": True, "rows": [], "columns": [], "message": str(exc)}
+    else:
         # a plain connect first: TCPStore's own connect gives up only after a second full timeout (and a backoff
         # of up to as long) in between, which doubled the wait on a wrong MASTER_PORT
         try:
             wait_for_master(settings, timeout_s, poll_s=0.5)
+        except NotAStore as exc:
+            out(f"meshtune doctor, node {settings.node_rank}:\n{FAIL} {exc}")
+            return 1, {"failed": True, "rows": [], "columns": [], "message": str(exc)}
         except RendezvousError as exc:
             return unreachable(settings, timeout_s, exc.last_error, out)
     try:
@@ -170,8 +179,10 @@ def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict
             if i not in arrivals:
                 arrivals[i] = store.facts(i)
                 skews[i] = clock_skew(store, i)
+        if store.has(refusal_key(settings.run_id)):  # a node that cannot join said why
+            raise RendezvousError(store.store.get(refusal_key(settings.run_id)).decode())
         now = time.monotonic()
-        if len(arrivals) >= expected:
+        if len(arrivals) >= expected or misconfigured(arrivals):
             return arrivals, skews, None
         if enough is None and len(arrivals) >= fewest:
             enough = now
@@ -184,6 +195,13 @@ def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict
             reported = now
             progress(joining_line(settings, arrivals, now - started, timeout_s))
         time.sleep(0.05)
+
+
+def misconfigured(arrivals: dict) -> bool:
+    """Facts that fail the table whoever else comes: two nodes with one NODE_RANK, or another NNODES than node
+    0's. The table is printed at once: waiting for the rest would only delay what it says."""
+    ranks = [f["node_rank"] for f in arrivals.values()]
+    return len(set(ranks)) < len(ranks) or len({f["nnodes"] for f in arrivals.values()}) > 1
 
 
 def joining_line(settings: LaunchSettings, arrivals: dict, waited_s: float, timeout_s: float) -> str:

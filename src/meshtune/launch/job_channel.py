@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshtune.doctor.joining import connect, join_key
+from meshtune.doctor.joining import connect, join_key, refusal_key
 from meshtune.launch.nodes import NodeSettings
 from meshtune.mailbox import Mailbox
 
@@ -119,6 +119,10 @@ class JobChannel:
             store.add(known_key(run_id), 1)
             self.cause = (f"node {posted['node']} ({posted['host']}) stopped the job, and this node with it: "
                           f"{posted['message']}")
+        if self.cause is None and not self.mailbox.any_started() and store.check([refusal_key(run_id)]):
+            # a node that cannot join said why, while this node waits for it in the rendezvous; once the workers
+            # run, the job goes on without heeding it (the refused launcher has stopped)
+            self.cause = store.get(refusal_key(run_id)).decode()
         if workers_done and not self._done_posted:
             store.add(done_key(run_id), 1)
             self._done_posted = True
