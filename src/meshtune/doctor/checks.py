@@ -82,7 +82,7 @@ def joined_row(facts: list[dict], fewest: int, expected: int, timeout_s: float) 
         else:
             row.mark(position, OK, f"rank {rank} of {expected}")
     missing = sorted(set(range(expected)) - set(ranks))
-    if missing and len({f["nnodes"] for f in facts}) > 1:  # node 0 stopped waiting: the nodes disagree on NNODES
+    if missing and len({f.get("nnodes") for f in facts}) > 1:  # node 0 stopped waiting: the nodes disagree on NNODES
         fix = (f"node rank(s) {', '.join(map(str, missing))} are missing by node 0's NNODES, which the nodes do not "
                f"agree on (the NNODES row): set the same NNODES on every node")
     elif missing:

@@ -32,6 +32,7 @@ DOCTOR_KEY = "meshtune-doctor"  # set by node 0 as it opens the store: a store w
 MARK_WAIT_S = 3.0        # how long a node looks for that mark before deciding the port holds another store
 NODE0_FACTS_WAIT_S = 3600.0  # node 0 may be hashing a large model the first time; its death ends the wait at once
 ELASTIC_GRACE_S = 30.0   # once an elastic job's MIN nodes are there, the others get this long (torchrun's last call)
+MISCONFIGURED_GRACE_S = 5.0  # once the facts fail the table whoever comes, the nodes started with them get this long
 PROGRESS_S = 15.0        # a line while node 0 waits (three within a shorter timeout)
 PONG_WAIT_S = 10.0
 READ_WAIT_S = 10.0
@@ -172,7 +173,7 @@ def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict
     fewest, expected = settings.min_nodes, settings.max_nodes
     arrivals, skews = {index: facts}, {index: 0.0}
     started = reported = time.monotonic()
-    enough = None
+    enough = wrong = None
     polls = 0
     while True:
         for i in range(store.joined()):
@@ -182,7 +183,11 @@ def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict
         if store.has(refusal_key(settings.run_id)):  # a node that cannot join said why
             raise RendezvousError(store.store.get(refusal_key(settings.run_id)).decode())
         now = time.monotonic()
-        if len(arrivals) >= expected or misconfigured(arrivals):
+        if len(arrivals) >= expected:
+            return arrivals, skews, None
+        if wrong is None and misconfigured(arrivals):
+            wrong = now
+        if wrong is not None and now - wrong >= min(MISCONFIGURED_GRACE_S, timeout_s):
             return arrivals, skews, None
         if enough is None and len(arrivals) >= fewest:
             enough = now
@@ -199,7 +204,8 @@ def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict
 
 def misconfigured(arrivals: dict) -> bool:
     """Facts that fail the table whoever else comes: two nodes with one NODE_RANK, or another NNODES than node
-    0's. The table is printed at once: waiting for the rest would only delay what it says."""
+    0's. The table is printed MISCONFIGURED_GRACE_S later: waiting rdzv_timeout for the rest would only delay
+    what it says."""
     ranks = [f["node_rank"] for f in arrivals.values()]
     return len(set(ranks)) < len(ranks) or len({f["nnodes"] for f in arrivals.values()}) > 1
 

@@ -1,5 +1,6 @@
 """Fail in seconds, with the reason, instead of hanging at rendezvous: before torchrun starts, node 0 checks that
-it can take the rendezvous port and every other node waits (up to rdzv_timeout) until it can reach it."""
+its address resolves and it can take the rendezvous port, and every other node waits (up to rdzv_timeout) until a
+rendezvous store answers there."""
 
 from __future__ import annotations
 

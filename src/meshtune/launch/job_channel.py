@@ -10,6 +10,9 @@ MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of i
   and each launcher ends its torchrun at once instead of leaving it in torchrun's exit barrier, which waits up to
   300 s for an agent that was signalled (it leaves without reaching the barrier) or killed.
 
+- A node that cannot join leaves node 0 its reason (a second NODE_RANK 0, another MASTER_PORT: doctor/joining.py's
+  refusal key): read while no worker of this node has started, it ends the wait as another node's error does.
+
 On one node, and with an etcd rendezvous (no store on MASTER_PORT), there is nobody to tell: a report is
 acknowledged at once.
 """
