@@ -162,7 +162,7 @@ def test_a_second_launcher_given_node_rank_0_is_refused_and_the_first_is_told(tm
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()  # never taken over
     [(host, port, key, message)] = notes
     assert (host, port, key) == ("127.0.0.1", 29500, "meshtune/run-a/refused")
-    assert "another launcher was started as node 0 of this job" in message and "NODE_RANK 0" in message
+    assert "a second launcher was started as node 0 of this job" in message and "NODE_RANK 0" in message
 
 
 def test_a_node_given_another_master_port_names_it_and_tells_node_0(tmp_path, notes):
@@ -176,7 +176,7 @@ def test_a_node_given_another_master_port_names_it_and_tells_node_0(tmp_path, no
             pass
     [(host, port, key, message)] = notes
     assert (host, port, key) == ("127.0.0.1", 29500, "meshtune/run-29500/refused")
-    assert "node 1 (" in message and "MASTER_PORT=29501, not this node's 29500" in message
+    assert "node 1 (" in message and "MASTER_PORT=29501, not node 0's 29500" in message
 
 
 @pytest.mark.slow

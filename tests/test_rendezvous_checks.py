@@ -132,7 +132,10 @@ def test_another_program_on_master_port_is_named_on_both_nodes_within_rdzv_timeo
         node0 = Launcher(tmp_path, "node0", config, port)
         node1 = Launcher(tmp_path, "node1", config, port, NODE_RANK="1")
         launchers += [node0, node1]
-        assert node0.wait(120) == 1 and node1.wait(120) == 1
+        wait_until(lambda: "waiting for node 0" in node1.output(), 120, "wait for node 0", node1)
+        waiting = time.monotonic()
+        assert node1.wait(120) == 1 and time.monotonic() - waiting < 30  # within rdzv_timeout
+        assert node0.wait(120) == 1
     assert f"port {port} on 127.0.0.1 is already in use" in node0.last_line(), node0.output()[-3000:]
     last = node1.last_line()
     assert (f"node 1: 127.0.0.1:{port} accepts connections but does not answer as a rendezvous store" in last
@@ -155,8 +158,35 @@ def test_a_second_launcher_given_node_rank_0_is_named_on_both(tmp_path, launcher
     assert "Two nodes were given NODE_RANK 0" in second.last_line(), second.output()[-3000:]
     assert node0.wait(120) == 1 and time.monotonic() - told < NAMED_WITHIN_S
     last = node0.last_line()
-    assert "another launcher was started as node 0 of this job" in last and "NODE_RANK 0" in last, last
+    assert "a second launcher was started as node 0 of this job" in last and "NODE_RANK 0" in last, last
     assert not (tmp_path / "output" / LOCK).exists()
+
+
+@pytest.mark.slow
+def test_two_launchers_given_node_rank_1_are_named_within_seconds(tmp_path, launchers, tiny_model_dir,
+                                                                  tiny_dataset):
+    """Without the preflight, in torchrun's rendezvous: each launcher counts itself in under its NODE_RANK in node
+    0's store, so the launchers of rank 1 see each other. Those whose workers have not started stop, naming the
+    rank (and node 0 with them); if the job formed first, it trains on and only the spare stops. Before, the spare
+    waited in the rendezvous for a round that never came."""
+    config = job_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=120, preflight=False)
+    port = free_port()
+    node0 = waiting_node_0(tmp_path, launchers, config, port)
+    twins = [Launcher(tmp_path, f"node1-{n}", config, port, NODE_RANK="1") for n in range(2)]
+    launchers += twins
+    started = time.monotonic()
+    codes = [twin.wait(180) for twin in twins]
+    assert 1 in codes, [twin.output()[-2000:] for twin in twins]
+    assert time.monotonic() - started < 90  # their start-up on 2 busy cores, then seconds; before, never
+    for twin, code in zip(twins, codes):
+        if code == 1:
+            assert "two launchers were given NODE_RANK 1 of this job" in twin.last_line(), twin.output()[-3000:]
+    code0 = node0.wait(180)
+    if codes == [1, 1]:  # neither had started its workers: node 0 stops with them, naming the rank
+        assert code0 == 1 and "two launchers were given NODE_RANK 1" in node0.last_line(), node0.output()[-3000:]
+    else:  # the job formed with one of them, which said so and trained to the end
+        assert code0 == 0, node0.output()[-3000:]
+        assert "another launcher was given NODE_RANK 1" in twins[codes.index(0)].output()
 
 
 @pytest.mark.slow
@@ -175,7 +205,7 @@ def test_a_node_given_another_master_port_is_named_on_both(tmp_path, launchers, 
             in node1.last_line()), node1.output()[-3000:]
     assert node0.wait(120) == 1 and time.monotonic() - told < NAMED_WITHIN_S
     assert "MASTER_PORT differs between nodes: node 1 (" in node0.last_line(), node0.output()[-3000:]
-    assert f"MASTER_PORT={other}, not this node's {port}" in node0.last_line()
+    assert f"MASTER_PORT={other}, not node 0's {port}" in node0.last_line()
 
 
 @pytest.mark.slow
@@ -217,9 +247,11 @@ def test_a_job_relaunched_on_a_new_port_right_after_a_crash_trains_as_one(tmp_pa
         launcher.process.wait(timeout=30)
     assert (output / LOCK).exists() and time.time() - (output / LOCK).stat().st_mtime < 60
     new_port = free_port()
-    again = [Launcher(tmp_path, "node1-again", config, new_port, NODE_RANK="1"),  # node 1 first: it reads the old lock
-             Launcher(tmp_path, "node0-again", config, new_port)]
+    again = [Launcher(tmp_path, "node1-again", config, new_port, NODE_RANK="1")]  # node 1 first: the old lock is there
     launchers += again
+    wait_until(lambda: "waiting for node 0" in again[0].output(), 120, "node 1 past the lock", again[0])
+    again.append(Launcher(tmp_path, "node0-again", config, new_port))
+    launchers.append(again[1])
     for launcher in again:
         assert launcher.wait(240) == 0, launcher.output()[-3000:]
     assert f"taking over the lock of output_dir {output} from run {held['run_id']}" in again[1].output()

@@ -31,6 +31,12 @@ def refusal_key(run_id: str) -> str:
     return f"meshtune/{run_id}/refused"
 
 
+def beat_key(run_id: str, node_rank: int) -> str:
+    """A counter each launcher of a NODE_RANK adds to while its torchrun runs (launch/job_channel.py): beats
+    that are not its own mean two launchers were given the rank."""
+    return f"meshtune/{run_id}/node/{node_rank}/beats"
+
+
 STORE_CONNECT_BOUND_S = 60  # longer than any connect attempt of the watcher's store client (a 5 s timeout, retried)
 
 

@@ -142,6 +142,9 @@ def host(cfg, settings: LaunchSettings, store: DoctorStore, timeout_s: float, ba
         facts = this_node(cfg, settings, token, bandwidth)
         index = store.post(facts)
         arrivals, skews, training = gather(store, settings, index, facts, timeout_s, progress)
+    except RendezvousError as refused:  # a node that cannot join said why: the nodes that came stop with it too
+        finish(store, {"code": 1, "message": str(refused)}, store.joined())
+        raise
     finally:
         remove_token(cfg, token)
     if training is not None:

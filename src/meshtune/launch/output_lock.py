@@ -137,9 +137,9 @@ class OutputLock:
                        f"0: give each node its own NODE_RANK from 0 to NNODES-1 (0 only on the MASTER_ADDR host); "
                        f"to relaunch node 0, stop that launcher first")
             mine = self.mine
-            told = (f"another launcher was started as node 0 of this job on {mine['host']} (pid {mine['pid']}) while "
-                    f"this one runs: two nodes were given NODE_RANK 0. Give each node its own NODE_RANK from 0 to "
-                    f"NNODES-1 (0 only on the MASTER_ADDR host) and launch again")
+            told = (f"a second launcher was started as node 0 of this job on {mine['host']} (pid {mine['pid']}) "
+                    f"while node 0's launcher runs: two nodes were given NODE_RANK 0. Give each node its own "
+                    f"NODE_RANK from 0 to NNODES-1 (0 only on the MASTER_ADDR host) and launch again")
             return NodeMismatch(message, (mine["master_addr"], mine["master_port"], self.run_id, told))
         return StorageError(
             f"output_dir {self.path.parent} is in use by another meshtune job: {where}. Use another output_dir, or "
@@ -176,7 +176,7 @@ def follow_node0(output_dir: str | Path, run_id: str, node_rank: int, master_add
                    f"and holds output_dir {path.parent}'s lock ({why}), while node {node_rank} was given MASTER_PORT="
                    f"{master_port}{source}. Set node 0's MASTER_PORT on every node and launch this node again")
         told = (f"MASTER_PORT differs between nodes: node {node_rank} ({socket.gethostname()}) was started with "
-                f"MASTER_PORT={master_port}, not this node's {theirs}, so it cannot join. Set the same MASTER_PORT "
+                f"MASTER_PORT={master_port}, not node 0's {theirs}, so it cannot join. Set the same MASTER_PORT "
                 f"on every node and launch again")
         raise NodeMismatch(message, (master_addr, theirs, str(held.get("run_id")), told))
     raise StorageError(
