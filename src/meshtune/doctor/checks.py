@@ -89,6 +89,7 @@ def joined_row(facts: list[dict], fewest: int, expected: int, timeout_s: float) 
         fix = (f"node rank(s) {', '.join(map(str, missing))} did not join within {timeout_s:g} s: start the same "
                f"command there (`meshtune doctor`, or `meshtune train` whose preflight runs these checks), with "
                f"MASTER_ADDR / MASTER_PORT reaching node 0 (wrong port, firewall)")
+    if missing:
         enough = len(set(ranks)) >= fewest and not any(rank < fewest for rank in missing)
         row.mark(0, WARN if enough else FAIL, f"missing node rank(s) {', '.join(map(str, missing))}", fix)
     return row
