@@ -108,6 +108,13 @@ def test_a_holder_on_this_host_from_before_its_last_boot_or_with_its_pid_reused_
         pass
 
 
+def test_a_lock_that_names_no_readable_holder_is_taken_over(tmp_path, caplog):
+    (tmp_path / LOCK).write_text('{"run_id": "run-a", "ho')  # cut short
+    with OutputLock(tmp_path, "run-b"):
+        assert json.loads((tmp_path / LOCK).read_text())["run_id"] == "run-b"
+    assert "names no holder that can be read" in caplog.messages[-1]
+
+
 def test_nodes_of_one_job_share_the_lock_and_refuse_another_job(tmp_path, caplog, quick_heartbeat):
     leave_lock(tmp_path, host="node-elsewhere", pid=NO_SUCH_PID)
     follow_node0(tmp_path, "run-a", 1, "node01", 29500)  # node 1 of the job holding it

@@ -81,6 +81,11 @@ class OutputLock:
             if held is None:
                 if self._create():
                     break
+                if read_lock(self.path) is None and self.path.exists():  # there, but no holder can be read in it
+                    logger.warning(f"warning: taking over the lock of output_dir {self.path.parent}: it names no "
+                                   f"holder that can be read")
+                    self._write()
+                    break
                 continue  # another launcher created it just now: judge it
             state, why = judge(self.path, held)
             if state == REPLACED:
