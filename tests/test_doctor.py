@@ -5,6 +5,7 @@ node's NODE_RANK, as a user would on each machine. A healthy pair passes; each f
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -295,9 +296,11 @@ def test_a_relaunched_node_0_and_a_node_joining_a_running_job_skip_the_preflight
     config = train_config(tmp_path, tiny_model_dir, tiny_dataset, rdzv_timeout=60)
     output, port = tmp_path / "output", free_port()
     output.mkdir()
-    (output / ".meshtune-lock").write_text(json.dumps({
+    lock = output / ".meshtune-lock"
+    lock.write_text(json.dumps({
         "run_id": _derived_run_id("127.0.0.1", port, str(output)), "host": "another-host", "pid": 12345,
-        "started": time.time()}))  # left by node 0's earlier launcher, killed on another host
+        "started": time.time() - 600}))  # left by node 0's earlier launcher, killed on another host
+    os.utime(lock, (time.time() - 40, time.time() - 40))  # its last heartbeat: gone, as a stopped one
     (code0, out0), (code1, out1) = run_nodes(config, [{"NODE_RANK": "0"}, {"NODE_RANK": "1"}], command=("train",),
                                              port=port)
     assert (code0, code1) == (0, 0), out0[-3000:] + out1[-3000:]

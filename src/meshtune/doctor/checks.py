@@ -51,7 +51,13 @@ def evaluate(cfg, settings: LaunchSettings, arrivals: dict[int, dict], skew_of: 
             output_row(cfg, facts), clock_row(facts, skews), network_row(facts)]
     if bandwidth is not None:
         rows += bandwidth_rows(bandwidth, {i: p for p, i in enumerate(nodes)}, facts)
+    ranks = [f["node_rank"] for f in facts]
     report = {"columns": columns, "failed": any(row.failed for row in rows),
+              # node 0's view, for every node's last line: the ranks it waited for in vain, what nodes disagree on
+              "missing": [rank for rank in range(settings.min_nodes) if rank not in ranks],
+              "duplicate_ranks": sorted({rank for rank in ranks if ranks.count(rank) > 1}),
+              "launch_differences": {key: {str(f["node_rank"]): f[key] for f in facts}
+                                     for key in ("nnodes", "master_port") if len({f[key] for f in facts}) > 1},
               "rows": [{"check": row.check, "cells": {str(k): v for k, v in row.cells.items()}, "fixes": row.fixes}
                        for row in rows]}
     if bandwidth is not None:
@@ -76,10 +82,14 @@ def joined_row(facts: list[dict], fewest: int, expected: int, timeout_s: float) 
         else:
             row.mark(position, OK, f"rank {rank} of {expected}")
     missing = sorted(set(range(expected)) - set(ranks))
-    if missing:
+    if missing and len({f.get("nnodes") for f in facts}) > 1:  # node 0 stopped waiting: the nodes disagree on NNODES
+        fix = (f"node rank(s) {', '.join(map(str, missing))} are missing by node 0's NNODES, which the nodes do not "
+               f"agree on (the NNODES row): set the same NNODES on every node")
+    elif missing:
         fix = (f"node rank(s) {', '.join(map(str, missing))} did not join within {timeout_s:g} s: start the same "
                f"command there (`meshtune doctor`, or `meshtune train` whose preflight runs these checks), with "
                f"MASTER_ADDR / MASTER_PORT reaching node 0 (wrong port, firewall)")
+    if missing:
         enough = len(set(ranks)) >= fewest and not any(rank < fewest for rank in missing)
         row.mark(0, WARN if enough else FAIL, f"missing node rank(s) {', '.join(map(str, missing))}", fix)
     return row

@@ -24,6 +24,19 @@ def join_key(run_id: str, node_rank: int) -> str:
     return f"meshtune/{run_id}/node/{node_rank}"
 
 
+def refusal_key(run_id: str) -> str:
+    """Where a node that cannot join leaves node 0 the reason, in the store on MASTER_PORT (node 0's doctor or
+    rendezvous store): a second launcher given NODE_RANK 0, a node given another MASTER_PORT. Node 0 stops with
+    it instead of waiting rdzv_timeout for a node that will not come."""
+    return f"meshtune/{run_id}/refused"
+
+
+def beat_key(run_id: str, node_rank: int) -> str:
+    """A counter each launcher of a NODE_RANK adds to while its torchrun runs (launch/job_channel.py): beats
+    that are not its own mean two launchers were given the rank."""
+    return f"meshtune/{run_id}/node/{node_rank}/beats"
+
+
 STORE_CONNECT_BOUND_S = 60  # longer than any connect attempt of the watcher's store client (a 5 s timeout, retried)
 
 

@@ -24,14 +24,15 @@ from torch.distributed import TCPStore
 from meshtune.doctor.bandwidth import DEADLINE_S, Measurement
 from meshtune.doctor.checks import FAIL, OK, evaluate, render
 from meshtune.doctor.facts import collect_facts
-from meshtune.doctor.joining import join_key
+from meshtune.doctor.joining import join_key, refusal_key
 from meshtune.doctor.launch_settings import LaunchSettings
-from meshtune.doctor.reachability import RendezvousError, wait_for_master
+from meshtune.doctor.reachability import NotAStore, RendezvousError, check_port_free, wait_for_master
 
 DOCTOR_KEY = "meshtune-doctor"  # set by node 0 as it opens the store: a store without it is not the doctor's
 MARK_WAIT_S = 3.0        # how long a node looks for that mark before deciding the port holds another store
 NODE0_FACTS_WAIT_S = 3600.0  # node 0 may be hashing a large model the first time; its death ends the wait at once
 ELASTIC_GRACE_S = 30.0   # once an elastic job's MIN nodes are there, the others get this long (torchrun's last call)
+MISCONFIGURED_GRACE_S = 5.0  # once the facts fail the table whoever comes, the nodes started with them get this long
 PROGRESS_S = 15.0        # a line while node 0 waits (three within a shorter timeout)
 PONG_WAIT_S = 10.0
 READ_WAIT_S = 10.0
@@ -91,11 +92,20 @@ def run_doctor(cfg, settings: LaunchSettings, timeout_s: float = 30.0, out=print
     if settings.master_port is None or expected == 1:
         return run_alone(cfg, settings, out, bandwidth)
     started = time.monotonic()
-    if settings.node_rank != 0:
+    if settings.node_rank == 0:
+        try:
+            check_port_free(settings)  # an address that does not resolve, a port another program holds
+        except RendezvousError as exc:
+            out(f"meshtune doctor, node 0:\n{FAIL} {exc}")
+            return 1, {"failed": True, "rows": [], "columns": [], "message": str(exc)}
+    else:
         # a plain connect first: TCPStore's own connect gives up only after a second full timeout (and a backoff
         # of up to as long) in between, which doubled the wait on a wrong MASTER_PORT
         try:
             wait_for_master(settings, timeout_s, poll_s=0.5)
+        except NotAStore as exc:
+            out(f"meshtune doctor, node {settings.node_rank}:\n{FAIL} {exc}")
+            return 1, {"failed": True, "rows": [], "columns": [], "message": str(exc)}
         except RendezvousError as exc:
             return unreachable(settings, timeout_s, exc.last_error, out)
     try:
@@ -132,6 +142,9 @@ def host(cfg, settings: LaunchSettings, store: DoctorStore, timeout_s: float, ba
         facts = this_node(cfg, settings, token, bandwidth)
         index = store.post(facts)
         arrivals, skews, training = gather(store, settings, index, facts, timeout_s, progress)
+    except RendezvousError as refused:  # a node that cannot join said why: the nodes that came stop with it too
+        finish(store, {"code": 1, "message": str(refused)}, store.joined())
+        raise
     finally:
         remove_token(cfg, token)
     if training is not None:
@@ -163,15 +176,21 @@ def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict
     fewest, expected = settings.min_nodes, settings.max_nodes
     arrivals, skews = {index: facts}, {index: 0.0}
     started = reported = time.monotonic()
-    enough = None
+    enough = wrong = None
     polls = 0
     while True:
         for i in range(store.joined()):
             if i not in arrivals:
                 arrivals[i] = store.facts(i)
                 skews[i] = clock_skew(store, i)
+        if store.has(refusal_key(settings.run_id)):  # a node that cannot join said why
+            raise RendezvousError(store.store.get(refusal_key(settings.run_id)).decode())
         now = time.monotonic()
         if len(arrivals) >= expected:
+            return arrivals, skews, None
+        if wrong is None and misconfigured(arrivals):
+            wrong = now
+        if wrong is not None and now - wrong >= min(MISCONFIGURED_GRACE_S, timeout_s):
             return arrivals, skews, None
         if enough is None and len(arrivals) >= fewest:
             enough = now
@@ -184,6 +203,14 @@ def gather(store: DoctorStore, settings: LaunchSettings, index: int, facts: dict
             reported = now
             progress(joining_line(settings, arrivals, now - started, timeout_s))
         time.sleep(0.05)
+
+
+def misconfigured(arrivals: dict) -> bool:
+    """Facts that fail the table whoever else comes: two nodes with one NODE_RANK, or another NNODES than node
+    0's. The table is printed MISCONFIGURED_GRACE_S later: waiting rdzv_timeout for the rest would only delay
+    what it says."""
+    ranks = [f["node_rank"] for f in arrivals.values()]
+    return len(set(ranks)) < len(ranks) or len({f["nnodes"] for f in arrivals.values()}) > 1
 
 
 def joining_line(settings: LaunchSettings, arrivals: dict, waited_s: float, timeout_s: float) -> str:

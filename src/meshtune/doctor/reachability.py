@@ -1,11 +1,15 @@
 """Fail in seconds, with the reason, instead of hanging at rendezvous: before torchrun starts, node 0 checks that
-it can take the rendezvous port and every other node waits (up to rdzv_timeout) until it can reach it."""
+its address resolves and it can take the rendezvous port, and every other node waits (up to rdzv_timeout) until a
+rendezvous store answers there."""
 
 from __future__ import annotations
 
 import errno
 import logging
+import select
 import socket
+import subprocess
+import sys
 import time
 
 from meshtune.errors import MeshtuneError
@@ -27,12 +31,24 @@ class RendezvousError(MeshtuneError):
         self.last_error = last_error
 
 
+STORE_ANSWER_S = 10.0  # a TCPStore answers a client at once; a listener silent this long is not one
+PROBE_IMPORT_S = 120.0  # the probe's own start-up (Python and torch on busy cores), before its deadline starts
+
+
+class NotAStore(RendezvousError):
+    """MASTER_PORT on node 0's host accepts connections but is no TCPStore: another program holds it."""
+
+
 def check_port_free(settings: LaunchSettings) -> None:
-    """Node 0 will host the c10d store on master_port: say so now if something else holds it."""
+    """Node 0 will host the c10d store on master_port: say so now if its address does not resolve or something
+    else holds the port."""
     try:
         infos = socket.getaddrinfo(settings.master_addr, settings.master_port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return  # not resolvable yet (a Kubernetes service may appear late): torchrun retries within rdzv_timeout
+    except socket.gaierror as exc:  # node 0 is the host named there: a name it cannot look up is wrong
+        raise RendezvousError(
+            f"node 0: MASTER_ADDR {settings.master_addr} does not resolve on this node ({exc.strerror}); set "
+            f"MASTER_ADDR to node 0's hostname or IP, the same on every node (on Kubernetes, the master's service "
+            f"name, which may not be in DNS yet as the pod starts: launch again)") from None
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -57,22 +73,40 @@ def reach_node0(settings: LaunchSettings, timeout_s: int, prefix: str = "") -> N
 
 
 def wait_for_master(settings: LaunchSettings, timeout_s: float, poll_s: float = 1.0) -> float:
-    """Non-zero nodes: connect to master_addr:master_port until it answers; seconds waited, or RendezvousError."""
+    """Non-zero nodes: connect to master_addr:master_port until a store answers there; seconds waited, or
+    RendezvousError (also for a listener there that is no store: any client of it would wait forever)."""
+    where = f"{settings.master_addr}:{settings.master_port}"
+
+    def is_store(deadline: float) -> bool:
+        answered = answers_as_store(settings.master_addr, settings.master_port,
+                                    max(1.0, min(STORE_ANSWER_S, deadline - time.monotonic())))
+        if answered is False:
+            raise NotAStore(
+                f"node {settings.node_rank}: {where} accepts connections but does not answer as a rendezvous store "
+                f"(torch's TCPStore, which node 0's launcher hosts there) within {STORE_ANSWER_S:g} s: another "
+                f"program listens on MASTER_PORT {settings.master_port} on node 0's host (node 0 then stops with "
+                f"\"port ... is already in use\"). Pick a free MASTER_PORT and use it on every node")
+        return bool(answered)
+
     return wait_for_endpoint(settings.master_addr, settings.master_port, timeout_s,
-                             f"node {settings.node_rank} could not reach the rendezvous at {settings.master_addr}:"
-                             f"{settings.master_port}", CAUSES, poll_s)
+                             f"node {settings.node_rank} could not reach the rendezvous at {where}", CAUSES, poll_s,
+                             answers=is_store)
 
 
-def wait_for_endpoint(host: str, port: int, timeout_s: float, failure: str, causes: str, poll_s: float = 1.0) -> float:
-    """Connect to host:port until it answers; seconds waited, or RendezvousError: `failure`, the timeout and the
-    last error, then `causes`."""
+def wait_for_endpoint(host: str, port: int, timeout_s: float, failure: str, causes: str, poll_s: float = 1.0,
+                      answers=None) -> float:
+    """Connect to host:port until it answers (and `answers(deadline)` says what answers is the service sought;
+    it may raise); seconds waited, or RendezvousError: `failure`, the timeout and the last error, then `causes`."""
     deadline = time.monotonic() + timeout_s
     started = time.monotonic()
     last_error = "no answer"
     while True:
         try:
             with socket.create_connection((host, port), timeout=min(poll_s, 5.0)):
+                pass
+            if answers is None or answers(deadline):
                 return time.monotonic() - started
+            last_error = "no store answered"
         except OSError as exc:
             last_error = exc.strerror or str(exc)
         if time.monotonic() >= deadline:
@@ -95,3 +129,60 @@ def rendezvous_failure(settings: LaunchSettings, timeout_s: int, joined: set[int
         f"{settings.run_id}{seen}. Start the same command on every node with the same MASTER_ADDR, MASTER_PORT and "
         f"config (a run id derived on each node includes the port, so nodes given different ports never meet); "
         f"{CAUSES}")
+
+
+# A client of torch's TCPStore, in a process of its own: one in the launcher would wait forever on a listener that
+# accepts and never answers (no timeout covers the handshake), and could not be stopped. It sets a key (a note
+# for node 0) or reads one, then says so.
+STORE_CLIENT = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+host, port, seconds, key, value = sys.argv[1:6]
+print("ready", flush=True)
+store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=float(seconds)), wait_for_workers=False)
+if key:
+    store.set(key, value)
+else:
+    store.check(["meshtune/probe"])
+print("answered", flush=True)
+"""
+
+
+def ask_store(host: str, port: int, answer_s: float, key: str = "", value: str = "") -> bool | None:
+    """True when host:port answered as a TCPStore within `answer_s` (after setting `key`, when given); False when
+    it stayed silent that long (a listener that is no store); None when the client failed at once (nothing
+    listens, or the connection broke), which says nothing either way."""
+    process = subprocess.Popen([sys.executable, "-c", STORE_CLIENT, host, str(port), str(answer_s), key, value],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        if _line(process, PROBE_IMPORT_S) != "ready":
+            return None
+        said = _line(process, answer_s + 5)
+        if said == "answered":
+            return True
+        return False if said is None and process.poll() is None else None
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        process.stdout.close()
+
+
+def _line(process: subprocess.Popen, timeout_s: float) -> str | None:
+    """The child's next line within `timeout_s`; None when none came (or it ended)."""
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    if not ready:
+        return None
+    line = process.stdout.readline()
+    return line.strip() if line else None
+
+
+def answers_as_store(host: str, port: int, answer_s: float = STORE_ANSWER_S) -> bool | None:
+    return ask_store(host, port, answer_s)
+
+
+def post_note(host: str, port: int, key: str, message: str, answer_s: float = 15.0) -> bool:
+    """Leave `message` under `key` in the store on host:port (node 0's, which reads it: joining.py); False when no
+    store took it within `answer_s`. The client retries connecting until then (node 0 may be between stores)."""
+    return bool(ask_store(host, port, answer_s, key, message))

@@ -10,6 +10,12 @@ MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of i
   and each launcher ends its torchrun at once instead of leaving it in torchrun's exit barrier, which waits up to
   300 s for an agent that was signalled (it leaves without reaching the barrier) or killed.
 
+- Each launcher counts itself in under its NODE_RANK every BEAT_S. Beats of another launcher there mean two
+  were given that rank: one whose workers have not started stops, naming it, and tells the others (below); one
+  whose workers run says so and goes on (the job formed without the other).
+- A node that cannot join leaves node 0 its reason (a second NODE_RANK 0, another MASTER_PORT: doctor/joining.py's
+  refusal key): read while no worker of this node has started, it ends the wait as another node's error does.
+
 On one node, and with an etcd rendezvous (no store on MASTER_PORT), there is nobody to tell: a report is
 acknowledged at once.
 """
@@ -19,17 +25,21 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
 import os
 import socket
 import threading
 import time
 from pathlib import Path
 
-from meshtune.doctor.joining import connect, join_key
+from meshtune.doctor.joining import beat_key, connect, join_key, refusal_key
 from meshtune.launch.nodes import NodeSettings
 from meshtune.mailbox import Mailbox
 
 POLL_S = 0.25
+BEAT_S = 1.0  # how often a launcher counts itself in under its NODE_RANK
+
+logger = logging.getLogger(__name__)
 READ_WAIT_S = 5.0  # how long a launcher waits for the other nodes to read its node's error before the worker goes
 
 
@@ -59,6 +69,9 @@ class JobChannel:
         self._posted = self._done_posted = False
         self._nodes_done = 0
         self._nodes = settings.min_nodes
+        self._beats: int | None = None  # the rank's beat count after this launcher's last beat
+        self._last_beat = 0.0
+        self._warned = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshtune-job-channel", daemon=True)
 
@@ -119,12 +132,42 @@ class JobChannel:
             store.add(known_key(run_id), 1)
             self.cause = (f"node {posted['node']} ({posted['host']}) stopped the job, and this node with it: "
                           f"{posted['message']}")
+        if self.cause is None and not self.mailbox.any_started() and store.check([refusal_key(run_id)]):
+            # a node that cannot join said why, while this node waits for it in the rendezvous; once the workers
+            # run, the job goes on without heeding it (the refused launcher has stopped)
+            self.cause = store.get(refusal_key(run_id)).decode()
+        if self.cause is None and not workers_done:
+            self._beat(store)
         if workers_done and not self._done_posted:
             store.add(done_key(run_id), 1)
             self._done_posted = True
         if self._done_posted:
             self._nodes = self._joined(store)
             self._nodes_done = store.add(done_key(run_id), 0)
+
+    def _beat(self, store) -> None:
+        """Count this launcher in under its NODE_RANK; the count grown by more than this launcher's own beat means
+        another launcher beats there too."""
+        if time.monotonic() - self._last_beat < BEAT_S:
+            return
+        rank, run_id = self.settings.node_rank, self.settings.run_id
+        count = store.add(beat_key(run_id, rank), 1)
+        others = self._beats is not None and count > self._beats + 1
+        self._beats, self._last_beat = count, time.monotonic()
+        if not others:
+            return
+        host = socket.gethostname()
+        if self.mailbox.any_started():  # the job formed with this launcher: the other one is the spare
+            if not self._warned:
+                self._warned = True
+                logger.warning(f"warning: another launcher was given NODE_RANK {rank} of this job while this one's "
+                               f"workers run (on {host}); it stops, and the job goes on. Give each node its own "
+                               f"NODE_RANK from 0 to NNODES-1")
+            return
+        said = (f"two launchers were given NODE_RANK {rank} of this job (one on {host}): both count themselves in "
+                f"under it in node 0's store. Give each node its own NODE_RANK from 0 to NNODES-1 and launch again")
+        store.set(refusal_key(run_id), said)
+        self.cause = said
 
     def _joined(self, store) -> int:
         """The nodes in the job: those whose launcher left its rank in the store (doctor/joining.py)."""

@@ -49,6 +49,8 @@ def run_preflight(cfg, settings: NodeSettings, rejoining: bool) -> None:
         code, report = run_doctor(cfg, settings, cfg.rdzv_timeout, out=lines.append,
                                   bandwidth=cfg.preflight == "bandwidth",
                                   progress=lambda line: logger.info(f"preflight: {line}"))
+    except MeshtuneError as exc:  # a node that cannot join said why (doctor/joining.py's refusal)
+        raise PreflightError(f"preflight: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the store went away mid-way: the TCPStore's error types vary
         where = f"{settings.master_addr}:{settings.master_port}"
         raise PreflightError(f"preflight: node {settings.node_rank} lost the checks' store at {where} (node 0 "
@@ -76,15 +78,23 @@ def failure(settings: NodeSettings, timeout_s: float, report: dict) -> str:
     failed = [row["check"] for row in report.get("rows", []) if any(m == FAIL for m, _ in row["cells"].values())]
     if not failed:  # this node could not meet the others: the doctor's own message says why
         return f"preflight: node {settings.node_rank}: {report.get('message', 'the checks did not run')}"
-    joined = {column["node_rank"] for column in report["columns"]}
-    missing = [rank for rank in range(settings.min_nodes) if rank not in joined]
-    never = (f"node rank(s) {', '.join(map(str, missing))} never joined within rdzv_timeout={timeout_s:g} s; "
-             if missing else "")
     where = ("the table above names each node and the fix" if settings.node_rank == 0 else
              "node 0 printed the table; the rows for this node are above")
-    return (f"preflight: {never}{len(failed)} check(s) failed across the nodes ({', '.join(failed)}); {where}. "
-            f"Nothing was started: fix them and launch again on every node, or set preflight: false to skip these "
-            f"checks")
+    return (f"preflight: {cause(report, timeout_s)}{len(failed)} check(s) failed across the nodes "
+            f"({', '.join(failed)}); {where}. Nothing was started: fix them and launch again on every node, or set "
+            f"preflight: false to skip these checks")
+
+
+def cause(report: dict, timeout_s: float) -> str:
+    """What node 0's table found that keeps the nodes from forming one job, first on every node's last line:
+    settings that differ, a NODE_RANK given twice, else the node ranks node 0 waited for in vain."""
+    said = [f"{key.upper()} differs between nodes ({', '.join(f'node {rank}: {value}' for rank, value in by.items())})"
+            for key, by in report.get("launch_differences", {}).items()]
+    said += [f"NODE_RANK {rank} was given to more than one node" for rank in report.get("duplicate_ranks", [])]
+    if not said and report.get("missing"):
+        said = [f"node rank(s) {', '.join(map(str, report['missing']))} never joined within rdzv_timeout="
+                f"{timeout_s:g} s"]
+    return "".join(f"{line}; " for line in said)
 
 
 def measured(report: dict) -> str:

@@ -157,14 +157,33 @@ def rejoin_after_store_loss(settings, cfg, rejoins: int) -> None:
                               f"relaunch node 0 with the same command, then this node") from None
 
 
+@contextlib.contextmanager
 def output_lock(output_dir: str, settings):
-    """Node 0 holds output_dir's lock for the whole job; other nodes only check that no other job holds it."""
-    from meshtune.launch.output_lock import OutputLock, check_not_held_by_another_job
+    """Node 0 holds output_dir's lock for the whole job; the other nodes follow its verdict on a lock they find
+    (launch/output_lock.py). A node that the live node 0's lock shows misconfigured (a second NODE_RANK 0, another
+    MASTER_PORT) tells node 0 too, through its store, so that neither waits out rdzv_timeout."""
+    from meshtune.doctor.joining import refusal_key
+    from meshtune.doctor.reachability import post_note
+    from meshtune.launch.output_lock import NodeMismatch, OutputLock, follow_node0
 
-    if settings.node_rank == 0:
-        return OutputLock(output_dir, settings.run_id, same_job_takes_over=settings.multi_node)
-    check_not_held_by_another_job(output_dir, settings.run_id)
-    return contextlib.nullcontext()
+    lock = None
+    try:
+        if settings.node_rank == 0:
+            lock = OutputLock(output_dir, settings.run_id, same_job_takes_over=settings.multi_node,
+                              master_addr=settings.master_addr, master_port=settings.master_port).__enter__()
+        else:
+            follow_node0(output_dir, settings.run_id, settings.node_rank, settings.master_addr, settings.master_port,
+                         settings.source.get("master_port", ""))
+    except NodeMismatch as mismatch:
+        host, port, run_id, message = mismatch.note
+        if isinstance(port, int) and settings.multi_node:
+            post_note(host, port, refusal_key(run_id), message)
+        raise
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 _launched = threading.Event()  # this process started torchrun: it is a node's launcher
