@@ -297,6 +297,33 @@ def test_retention_keeps_newest_complete_and_prunes_only_old_tmp(tmp_path, world
         CheckpointManager(tmp_path, 0, False, 0, 1)
 
 
+def test_a_deletion_cut_short_is_finished_at_the_next_start_and_never_left_beside_newer_ones(tmp_path,
+                                                                                               world_of_one,
+                                                                                               monkeypatch):
+    from meshtune.checkpoint import manifest
+
+    save_steps(tmp_path, [4, 8], limit=2)
+    real = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # the process dies after removing one file of the directory
+        next(Path(path).glob("*.distcp")).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manifest.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        manifest.delete_sealed(tmp_path / "checkpoint-8")
+    monkeypatch.setattr(manifest.shutil, "rmtree", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-8.deleting"]
+    assert [c.path.name for c in list_checkpoints(tmp_path)] == ["checkpoint-4"]  # never taken for checkpoint-8
+    assert CheckpointManager(tmp_path, 1, False, 0, 1).select_resume(None) == (tmp_path / "checkpoint-4", [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]  # the next start finished the deletion
+
+    (tmp_path / "checkpoint-4" / "COMPLETE").unlink()  # a deletion cut short that removed COMPLETE first
+    next((tmp_path / "checkpoint-4").glob("*.distcp")).unlink()
+    save_steps(tmp_path, [12], limit=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12"]
+
+
 def test_async_save_snapshots_state_and_wait_publishes(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0)
     manager = CheckpointManager(tmp_path, None, True, 0, 1)
