@@ -364,6 +364,40 @@ def test_the_agent_filter_drops_only_torchruns_own_stop_traceback():
                                b"Traceback (most recent call last):\n  File \"cut.py\", line 3\n")
 
 
+def logging_error_block(exception: Exception) -> bytes:
+    """What Python's logging prints when `exception` interrupts a handler writing a record."""
+    import contextlib
+    import io
+    import logging
+
+    class Interrupted(io.StringIO):
+        def write(self, text):
+            raise exception
+
+    handler, stderr = logging.StreamHandler(Interrupted()), io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        handler.handle(logging.LogRecord("torch", logging.WARNING, "api.py", 1, "Sending process %s closing signal %s",
+                                         (4310, "SIGTERM"), None))
+    return stderr.getvalue().encode()
+
+
+def test_the_agent_filter_drops_a_logging_error_its_stop_signal_caused_and_keeps_others():
+    import io
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from meshtune.launch.torchrun import AgentTracebackFilter
+
+    stopped = logging_error_block(SignalException("Process 1 got signal: 15", sigval=15))
+    other = logging_error_block(ValueError("a handler's own failure"))
+    assert stopped.startswith(b"--- Logging error ---\nTraceback") and b"Arguments: (4310, 'SIGTERM')" in stopped
+    sink = io.BytesIO()
+    AgentTracebackFilter(sink).copy(io.BytesIO(b"W agent: shutting down workers\n" + stopped + other +
+                                               b"meshtune: error: step 6: the loss was not finite\n"))
+    assert sink.getvalue() == b"W agent: shutting down workers\n" + other + \
+        b"meshtune: error: step 6: the loss was not finite\n"
+
+
 def test_the_agent_filter_drops_a_chained_store_loss_traceback_and_notes_it():
     import io
 
