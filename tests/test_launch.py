@@ -320,6 +320,31 @@ def test_options_are_read_before_among_and_after_the_config_and_its_overrides():
     assert not parse_args(["ckpt", "list", "out"]).debug
 
 
+def test_more_processes_than_a_cuda_nodes_gpus_is_a_named_error_before_any_process_starts(tmp_path, monkeypatch,
+                                                                                            capfd):
+    from conftest import run_cli_here, write_config
+    from meshtune import cpu_affinity
+    from meshtune.errors import ConfigError
+    from meshtune.launch import torchrun
+    from meshtune.launch.supervise import check_gpu_processes
+
+    with pytest.raises(ConfigError, match=r"nproc_per_node 2 \(from config\) on a node with 1 visible CUDA GPU: each "
+                                          r"process needs a GPU of its own; set nproc_per_node: 1"):
+        check_gpu_processes(2, "config", gpus=1)
+    check_gpu_processes(2, "config", gpus=2)
+    check_gpu_processes(8, "config", gpus=0)  # no CUDA: the processes train on the cores
+
+    monkeypatch.setattr(cpu_affinity, "cuda_device_count", lambda: 1)  # a one-GPU machine
+    monkeypatch.setattr(torchrun, "run_torchrun", lambda *args, **kwargs: pytest.fail("torchrun was started"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = write_config(tmp_path, model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "d.jsonl"),
+                          output_dir=str(tmp_path / "out"), nproc_per_node=2)
+    result = run_cli_here(["train", str(config)], capfd)
+    assert result.returncode != 0 and "nproc_per_node 2 (from " in result.stdout and "1 visible CUDA GPU" in \
+        result.stdout and "Traceback" not in result.stdout, result.stdout
+    assert not (tmp_path / "out").exists()
+
+
 def test_cpu_process_counts_far_above_the_cores_are_refused_and_above_them_warned(capsys):
     from meshtune.errors import ConfigError
     from meshtune.launch.supervise import check_cpu_processes
