@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import base_config, kill_tree, read_metrics, write_config
-from ranks import free_port
+from ranks import free_port, wait_for_port
 from test_launch import clean_env
 
 TIMEOUT = 60  # seconds a test's nodes may take; the doctor's own --timeout is far below
@@ -34,7 +34,8 @@ def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "meshtune", *command, str(config), *node.get("args", []), *doctor_args],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            time.sleep(0.5)
+            if node.get("NODE_RANK") == "0" and len(nodes) > 1:  # node 0 hosts the store the others join
+                wait_for_port(int(env["MASTER_PORT"]), processes[-1], timeout=TIMEOUT, ended_ok=True)
         results = []
         # a training job (two launchers, torchrun, workers importing torch) takes longer than the doctor on 2 busy cores
         timeout = TIMEOUT if command == ("doctor",) else 3 * TIMEOUT
