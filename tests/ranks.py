@@ -41,6 +41,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_PROBE = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()"
+
+
+def wait_for_port(port: int, process: subprocess.Popen | None = None, host: str = "127.0.0.1",
+                  timeout: float = 60, prefix: tuple[str, ...] | list[str] = (), ended_ok: bool = False) -> None:
+    """Until `host:port` accepts a connection: node 0's launcher hosts the rendezvous store there, which a test
+    waits for before it starts the other nodes. Fails once `process` (node 0) has ended (returns then instead with
+    `ended_ok`: a test of a node 0 that stops early) or `timeout` s passed. `prefix` probes from another network
+    namespace (`ip netns exec NAME`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if prefix:
+            listening = subprocess.run([*prefix, sys.executable, "-c", PORT_PROBE, host, str(port)],
+                                       capture_output=True).returncode == 0
+        else:
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                listening = True
+            except OSError:
+                listening = False
+        if listening or (ended_ok and process is not None and process.poll() is not None):
+            return
+        assert process is None or process.poll() is None, f"it ended (code {process.returncode}) before {host}:" \
+            f"{port} accepted a connection"
+        assert time.monotonic() < deadline, f"nothing accepted a connection on {host}:{port} within {timeout} s"
+        time.sleep(0.05)
+
+
 def rank_entry(job, rank: int, world_size: int, port: int, workdir: Path) -> None:
     import torch
     import torch.distributed as dist

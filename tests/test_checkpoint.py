@@ -17,13 +17,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from conftest import heavy_imports_of
+from conftest import base_config, heavy_imports_of, read_metrics, write_config
 from meshtune.checkpoint import (CheckpointError, CheckpointManager, TrainerState, TrainingProgress, format_listing,
                                  list_checkpoints, select_resume, training_state, verify)
 from meshtune.config import build_config
 from meshtune.logs import RankWarning
 from meshtune.plan import resume_request
-from ranks import run_ranks
+from ranks import run_ranks, run_workers
 
 INFO = {"epoch": 0, "world_size": 1, "parallel": "zero3", "config_hash": "abc"}
 
@@ -297,6 +297,33 @@ def test_retention_keeps_newest_complete_and_prunes_only_old_tmp(tmp_path, world
         CheckpointManager(tmp_path, 0, False, 0, 1)
 
 
+def test_a_deletion_cut_short_is_finished_at_the_next_start_and_never_left_beside_newer_ones(tmp_path,
+                                                                                               world_of_one,
+                                                                                               monkeypatch):
+    from meshtune.checkpoint import manifest
+
+    save_steps(tmp_path, [4, 8], limit=2)
+    real = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # the process dies after removing one file of the directory
+        next(Path(path).glob("*.distcp")).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manifest.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        manifest.delete_sealed(tmp_path / "checkpoint-8")
+    monkeypatch.setattr(manifest.shutil, "rmtree", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-8.deleting"]
+    assert [c.path.name for c in list_checkpoints(tmp_path)] == ["checkpoint-4"]  # never taken for checkpoint-8
+    assert CheckpointManager(tmp_path, 1, False, 0, 1).select_resume(None) == (tmp_path / "checkpoint-4", [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]  # the next start finished the deletion
+
+    (tmp_path / "checkpoint-4" / "COMPLETE").unlink()  # a deletion cut short that removed COMPLETE first
+    next((tmp_path / "checkpoint-4").glob("*.distcp")).unlink()
+    save_steps(tmp_path, [12], limit=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12"]
+
+
 def test_async_save_snapshots_state_and_wait_publishes(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0)
     manager = CheckpointManager(tmp_path, None, True, 0, 1)
@@ -475,3 +502,28 @@ def test_resume_verification_is_split_across_ranks_and_a_byte_only_rank_1_reads_
         assert set(per_rank[0]) | set(per_rank[1]) == set(files[checkpoint])  # and every file hashed
         assert all(0 < sum(part.values()) < total for part in per_rank), per_rank
     assert damaged in {name for directory, name, _ in results[1]["hashed"] if directory == "checkpoint-2"}
+
+
+def final_weights(output: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((output / "final").glob("*.safetensors"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("parallel", ["ddp", "zero2", "zero3"])
+def test_a_run_resumed_on_four_ranks_goes_on_bit_for_bit(tmp_path, tiny_model_dir, tiny_dataset, method, parallel):
+    """3 steps on 4 forked ranks, then the same run again from its checkpoint-1: the losses of steps 2 and 3 and the
+    final weights are the run's own, bit for bit. Four ranks, as a sum over two is the same in any order; over four,
+    a gradient's rounding depends on where it sits in the buffer reduced (DDP's buckets)."""
+    config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=3,
+                                                  save_steps=1, gradient_accumulation_steps=1, nproc_per_node=4,
+                                                  finetuning_type=method, parallel=parallel))
+    codes, output = run_workers(["train", str(config)], 4, tmp_path / "through", timeout=180)
+    assert codes == [0] * 4, output[-6000:]
+    through, weights = read_metrics(tmp_path / "out"), final_weights(tmp_path / "out")
+    for later in ("checkpoint-2", "checkpoint-3", "final"):
+        shutil.rmtree(tmp_path / "out" / later)
+    codes, output = run_workers(["train", str(config)], 4, tmp_path / "resumed", timeout=180)
+    assert codes == [0] * 4 and "resumed from" in output, output[-6000:]
+    assert [r["loss"] for r in read_metrics(tmp_path / "out")] == [r["loss"] for r in through]
+    assert final_weights(tmp_path / "out") == weights

@@ -194,10 +194,11 @@ def test_qlora_auto_on_gpus_plans_for_gpu_memory_limit(monkeypatch):
     seen = []
     monkeypatch.setattr("meshtune.plan.smallest_gpu_memory", lambda device, limit: seen.append(limit) or
                         min(80 * GIB, (limit or 80) * GIB))
+    monkeypatch.setattr("meshtune.plan.bf16_supported", lambda device: True)  # GPUs with bf16, on any machine
     cfg = config(finetuning_type="qlora", gpu_memory_limit=24)
     plan = resolve(cfg, env(2, "cuda"), None, lambda: QWEN_32B)
     assert plan.parallel == "zero3" and seen == [24] and "of 24 GiB" in plan.why["parallel"]
-    assert plan.frozen_bf16 or not plan.bf16  # the frozen base, NF4 apart, in bf16 under FSDP2 too
+    assert plan.bf16 and plan.frozen_bf16  # the frozen base, NF4 apart, in bf16 under FSDP2 too
     plan = resolve(config(finetuning_type="qlora"), env(2, "cuda"), None, lambda: QWEN_32B)
     assert plan.parallel == "ddp" and "Q-LoRA" in plan.why["parallel"]
 

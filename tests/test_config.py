@@ -28,6 +28,18 @@ def test_bad_value_names_key_value_and_what_is_allowed():
         build_config({**BASE, "learning_rate": "fast"})
 
 
+def test_a_float_beyond_fp32_is_refused_by_the_config_naming_its_key(tmp_path):
+    """The optimizer computes these in fp32: 1e39 failed only at the first step, after a restart of the workers."""
+    config = write_config(tmp_path, **BASE)
+    with pytest.raises(ConfigError, match=r"command line: learning_rate=.?1e\+?39.?: 1e\+39 is beyond the range of a "
+                                          r"32-bit float \(at most 3.403e\+38\)"):
+        load_config(config, ["learning_rate=1e39"])
+    for key in ("weight_decay", "adam_epsilon", "max_grad_norm", "lora_alpha"):
+        with pytest.raises(ConfigError, match=f"{key}=inf: inf is beyond the range of a 32-bit float"):
+            build_config({**BASE, key: float("inf")})
+    assert build_config({**BASE, "learning_rate": 3e38}).learning_rate == 3e38
+
+
 def test_every_unknown_and_invalid_key_is_named_in_one_error(tmp_path):
     config = tmp_path / "cfg.yaml"
     config.write_text("model_name_or_path: /m\ndataset: d.jsonl\nlearning_rat: 1e-4\nwarmup_stepz: 3\n"

@@ -11,7 +11,8 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshtune.compat.job_config import load_config
-from meshtune.demo.assets import build_tiny_model, generate_answers, heldout_examples, prepare, write_task_dataset
+from meshtune.demo.assets import (DEMO_TRAINING, build_tiny_model, demo_layout, generate_answers, heldout_examples,
+                                  prepare, write_task_dataset)
 from meshtune.demo.tokenizer import train_tokenizer
 
 
@@ -65,6 +66,24 @@ def test_config_has_absolute_paths_and_validates(demo_dir):
     assert (demo_dir / "config.yaml").read_text().startswith("#")
     config = load_config(demo_dir / "config.yaml")
     assert (config.finetuning_type, config.nproc_per_node, config.parallel) == ("lora", 2, "ddp")
+
+
+def test_the_demo_fits_its_processes_to_the_machine_and_keeps_its_global_batch():
+    """2 processes on CPU and on 2 GPUs or more; on one GPU one process that accumulates two micro-batches, so that
+    every step trains on the same 16 samples."""
+    def global_batch(layout: dict) -> int:
+        return DEMO_TRAINING["per_device_train_batch_size"] * layout["nproc_per_node"] * \
+            layout["gradient_accumulation_steps"]
+
+    assert demo_layout(0) == demo_layout(2) == demo_layout(8) == {"nproc_per_node": 2,
+                                                                  "gradient_accumulation_steps": 1}
+    assert demo_layout(1) == {"nproc_per_node": 1, "gradient_accumulation_steps": 2}
+    assert {global_batch(demo_layout(gpus)) for gpus in (0, 1, 2, 8)} == {16}
+
+
+def test_the_config_prepared_for_a_one_gpu_machine_runs_one_process(tmp_path):
+    config = load_config(prepare(tmp_path, seed=0, gpus=1))
+    assert (config.nproc_per_node, config.gradient_accumulation_steps) == (1, 2)
 
 
 def test_prepare_is_deterministic_for_a_seed(demo_dir, tmp_path):

@@ -23,7 +23,8 @@ def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=
               port: int | None = None) -> list[tuple[int, str]]:
     """Each dict: the node's environment on top of the shared one (NODE_RANK and anything it changes), and
     `args`: key=value overrides for that node. Node 0 first. Returns (exit code, output) per node. `command`:
-    `meshtune train` runs its preflight instead."""
+    `meshtune train` runs its preflight instead. The nodes start together, as they would on their machines: the
+    others wait for node 0's port themselves (up to their timeout), and node 0's clock starts at once."""
     port = port or free_port()
     processes = []
     doctor_args = ["--timeout", str(doctor_timeout), *extra_args] if command == ("doctor",) else list(extra_args)
@@ -35,7 +36,6 @@ def run_nodes(config, nodes: list[dict], doctor_timeout: float = 15, extra_args=
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "meshtune", *command, str(config), *node.get("args", []), *doctor_args],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            time.sleep(0.5)
         results = []
         # a training job (two launchers, torchrun, workers importing torch) takes longer than the doctor on 2 busy cores
         timeout = TIMEOUT if command == ("doctor",) else 3 * TIMEOUT

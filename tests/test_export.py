@@ -93,6 +93,11 @@ def test_ckpt_verify_knows_a_final_export_from_a_checkpoint(tmp_path, tiny_model
     (final / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"{x")
     result = run_cli_here(["ckpt", "verify", str(final)], capfd)
     assert result.returncode == 1 and "model.safetensors is not a readable safetensors file" in result.stdout
+    staged = tmp_path / "out" / "final.tmp"  # what a final save killed before it sealed and renamed final/ leaves
+    shutil.copytree(tiny_model_dir, staged)
+    result = run_cli_here(["ckpt", "verify", str(staged)], capfd)
+    assert result.returncode == 1 and "INVALID" in result.stdout and "final.tmp/ is final/ being written, or left " \
+        "by a writer that died" in result.stdout
 
 
 def dies_midway(model, weights, tokenizer, directory, chat_template):

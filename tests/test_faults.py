@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from conftest import base_config, kill_tree, read_metrics, run_cli_here, write_config
-from ranks import free_port, run_meshtune_ranks
+from ranks import free_port, run_meshtune_ranks, wait_for_port
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 16, 4
@@ -85,7 +85,7 @@ class Cluster:
     def start_job(self, config: Path, port: int, **kwargs) -> list[Node]:
         """Both nodes: node 0 first (it hosts the rendezvous store), then node 1."""
         nodes = [self.start(0, config, port, **kwargs)]
-        time.sleep(1)
+        wait_for_port(port, nodes[0].process, kwargs.get("master", "127.0.0.1"), timeout=JOB_TIMEOUT)
         return nodes + [self.start(1, config, port, **kwargs)]
 
     def run(self, config: Path, timeout: float = JOB_TIMEOUT, **kwargs) -> list[Node]:
@@ -213,8 +213,10 @@ def kill_and_relaunch(cluster: Cluster, config: Path, port: int, output: Path, n
     wait_for_checkpoint(output, step, survivor)
     nodes[victim].kill()
     assert not (output / "final").exists(), "the job ended before the kill: nothing was tested"
-    time.sleep(3)
-    assert survivor.process.poll() is None, survivor.output()[-3000:]
+    still_running_until = time.monotonic() + 3
+    while time.monotonic() < still_running_until:  # what is checked is a duration: alive for 3 s after the kill
+        assert survivor.process.poll() is None, survivor.output()[-3000:]
+        time.sleep(0.05)
     nodes[victim] = cluster.start(victim, config, port)
     return nodes[victim]
 
@@ -471,7 +473,7 @@ def test_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model
     config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output")
     port = free_port()
     node0 = cluster.start(0, config, port)
-    time.sleep(1)
+    wait_for_port(port, node0.process, timeout=JOB_TIMEOUT)
     node1 = cluster.start(1, config, port, overrides=["learning_rate=3e-3"])
     codes = [node0.wait(120), node1.wait(120)]
     assert codes[0] != 0 and codes[1] != 0
@@ -589,7 +591,9 @@ def two_hosts_job(tmp_path_factory, model_dir: Path, dataset: Path) -> dict:
                 nodes.append(c.start(rank, config, port, prefix=["ip", "netns", "exec", name],
                                      master=spaces.addresses[0], overrides=[f"local_addr={address}"],
                                      env={"GLOO_SOCKET_IFNAME": link}))
-                time.sleep(1)
+                if rank == 0:  # node 0 hosts the rendezvous store
+                    wait_for_port(port, nodes[0].process, spaces.addresses[0], JOB_TIMEOUT,
+                                  prefix=["ip", "netns", "exec", name])
             for node in nodes:
                 assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
             return {"node0": nodes[0].output(), "output": output}

@@ -320,6 +320,31 @@ def test_options_are_read_before_among_and_after_the_config_and_its_overrides():
     assert not parse_args(["ckpt", "list", "out"]).debug
 
 
+def test_more_processes_than_a_cuda_nodes_gpus_is_a_named_error_before_any_process_starts(tmp_path, monkeypatch,
+                                                                                            capfd):
+    from conftest import run_cli_here, write_config
+    from meshtune import cpu_affinity
+    from meshtune.errors import ConfigError
+    from meshtune.launch import torchrun
+    from meshtune.launch.supervise import check_gpu_processes
+
+    with pytest.raises(ConfigError, match=r"nproc_per_node 2 \(from config\) on a node with 1 visible CUDA GPU: each "
+                                          r"process needs a GPU of its own; set nproc_per_node: 1"):
+        check_gpu_processes(2, "config", gpus=1)
+    check_gpu_processes(2, "config", gpus=2)
+    check_gpu_processes(8, "config", gpus=0)  # no CUDA: the processes train on the cores
+
+    monkeypatch.setattr(cpu_affinity, "cuda_device_count", lambda: 1)  # a one-GPU machine
+    monkeypatch.setattr(torchrun, "run_torchrun", lambda *args, **kwargs: pytest.fail("torchrun was started"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = write_config(tmp_path, model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "d.jsonl"),
+                          output_dir=str(tmp_path / "out"), nproc_per_node=2)
+    result = run_cli_here(["train", str(config)], capfd)
+    assert result.returncode != 0 and "nproc_per_node 2 (from " in result.stdout and "1 visible CUDA GPU" in \
+        result.stdout and "Traceback" not in result.stdout, result.stdout
+    assert not (tmp_path / "out").exists()
+
+
 def test_cpu_process_counts_far_above_the_cores_are_refused_and_above_them_warned(capsys):
     from meshtune.errors import ConfigError
     from meshtune.launch.supervise import check_cpu_processes
@@ -363,6 +388,40 @@ def test_the_agent_filter_drops_only_torchruns_own_stop_traceback():
                                b"Traceback (most recent call last):\n  File \"worker.py\", line 2\n"
                                b"RuntimeError: a worker's own failure\n"
                                b"Traceback (most recent call last):\n  File \"cut.py\", line 3\n")
+
+
+def logging_error_block(exception: Exception) -> bytes:
+    """What Python's logging prints when `exception` interrupts a handler writing a record."""
+    import contextlib
+    import io
+    import logging
+
+    class Interrupted(io.StringIO):
+        def write(self, text):
+            raise exception
+
+    handler, stderr = logging.StreamHandler(Interrupted()), io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        handler.handle(logging.LogRecord("torch", logging.WARNING, "api.py", 1, "Sending process %s closing signal %s",
+                                         (4310, "SIGTERM"), None))
+    return stderr.getvalue().encode()
+
+
+def test_the_agent_filter_drops_a_logging_error_its_stop_signal_caused_and_keeps_others():
+    import io
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from meshtune.launch.torchrun import AgentTracebackFilter
+
+    stopped = logging_error_block(SignalException("Process 1 got signal: 15", sigval=15))
+    other = logging_error_block(ValueError("a handler's own failure"))
+    assert stopped.startswith(b"--- Logging error ---\nTraceback") and b"Arguments: (4310, 'SIGTERM')" in stopped
+    sink = io.BytesIO()
+    AgentTracebackFilter(sink).copy(io.BytesIO(b"W agent: shutting down workers\n" + stopped + other +
+                                               b"meshtune: error: step 6: the loss was not finite\n"))
+    assert sink.getvalue() == b"W agent: shutting down workers\n" + other + \
+        b"meshtune: error: step 6: the loss was not finite\n"
 
 
 def test_the_agent_filter_drops_a_chained_store_loss_traceback_and_notes_it():

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import kill_tree
 from processes import alive, descendants
-from ranks import free_port
+from ranks import free_port, wait_for_port
 from test_faults import EXIT_AFTER_SAVE_S, Cluster, Node, job_config, published_after, wait_for_step
 
 # ---- the parts
@@ -83,7 +83,7 @@ def test_each_launcher_learns_when_every_nodes_workers_are_done(tmp_path):
     _store, channels = two_launchers(tmp_path, done)
     with channels[0], channels[1]:
         done[0] = True
-        time.sleep(1)
+        assert wait_until(lambda: channels[0]._nodes_done == 1, 5)  # node 0 posted its end and read the count
         assert not channels[0].all_done() and not channels[1].all_done()
         done[1] = True
         assert wait_until(lambda: channels[0].all_done() and channels[1].all_done(), 5)
@@ -101,10 +101,20 @@ def test_a_store_gone_once_the_workers_are_done_leaves_no_cpp_trace_in_the_outpu
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
     channel = JobChannel(settings(1, port, nnodes="3"), Mailbox(tmp_path), lambda: True, True)  # nodes 0, 2 not done
+    failed_reads, exchange = [], channel._exchange
+
+    def reading(store) -> None:
+        try:
+            exchange(store)
+        except Exception:
+            failed_reads.append(store)
+            raise
+
+    channel._exchange = reading
     with channel:
         assert wait_until(lambda: channel._done_posted, 5) and not channel.all_done()
         del store  # node 0's agent leaves: the store's port closes while this launcher polls it
-        time.sleep(1)
+        assert wait_until(lambda: failed_reads, 10)  # the launcher read the closed store
     err = capfd.readouterr().err
     assert "recvValue failed" not in err and "TCPStore" not in err, err[-2000:]
 
@@ -125,6 +135,7 @@ WORKER = """
 import time
 from meshtune.launch.parent_watch import watch_parents
 watch_parents(poll_s=0.1)
+print("watching", flush=True)
 time.sleep(60)
 """
 AGENT = """
@@ -150,10 +161,11 @@ def test_a_worker_stops_with_its_agent_or_launcher(killed):
 
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, AGENT, WORKER], stdout=subprocess.PIPE, text=True)
     try:
-        worker = int(launcher.stdout.readline())
+        lines = sorted(launcher.stdout.readline().strip() for _ in range(2))  # the agent's and the worker's
+        assert lines[1] == "watching", lines  # the worker's watch started
+        worker = int(lines[0])
         agent = parent_of(worker)
         assert agent is not None and parent_of(agent) == launcher.pid
-        time.sleep(0.5)  # the worker's watch started (it imports nothing heavy)
         assert alive(worker) and alive(agent)
         os.kill(launcher.pid if killed == "launcher" else agent, signal.SIGKILL)
         assert wait_until(lambda: not alive(worker), 3), f"the worker outlived the {killed}"
@@ -202,9 +214,12 @@ def test_another_nodes_error_ends_torchrun_and_its_workers_at_once():
     process_tree: list[int] = []
     earlier = set(descendants(os.getpid()))  # children of earlier tests (a multiprocessing resource tracker, say)
 
+    def new_processes() -> list[int]:
+        return [pid for pid in descendants(os.getpid()) if pid not in earlier]
+
     def cause_after_a_while():
-        time.sleep(1.5)
-        process_tree.extend(pid for pid in descendants(os.getpid()) if pid not in earlier)
+        wait_until(lambda: len(new_processes()) == 2, 5)  # torchrun and its worker are running
+        process_tree.extend(new_processes())
         channel.cause = "node 0 (host) stopped the job, and this node with it: the storage is full"
 
     import threading
@@ -231,7 +246,7 @@ def start_pair(cluster: Cluster, config: Path, fault: str = "slow:0.3", port: in
     port = port or free_port()
     env = {"NPROC_PER_NODE": "1", "MESHTUNE_FAULT": fault}
     nodes = [cluster.start(0, config, port, env=env)]
-    time.sleep(1)
+    wait_for_port(port, nodes[0].process, timeout=120)
     return nodes + [cluster.start(1, config, port, env=env)]
 
 

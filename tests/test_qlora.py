@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -29,7 +28,7 @@ from meshtune.model.loading import load_model, transformer_blocks
 from meshtune.model.parallel import unwrap
 from meshtune.model.qlora import nf4_quantizer, quantize_block
 from meshtune.train.loop import run
-from ranks import run_meshtune_ranks
+from ranks import run_meshtune_ranks, wait_for_port
 
 LINEARS_PER_BLOCK = 7  # q, k, v, o, gate, up, down
 
@@ -250,7 +249,8 @@ def test_zero3_qlora_on_two_nodes_matches_one_node_and_resumes_exactly_after_a_f
         for rank in (0, 1):
             nodes.append(subprocess.Popen(command, env={**common, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
-            time.sleep(1)  # node 0 hosts the rendezvous store
+            if rank == 0:  # node 0 hosts the rendezvous store
+                wait_for_port(port, nodes[0], timeout=120)
         outputs = [node.communicate(timeout=300)[0] for node in nodes]
     finally:
         for node in nodes:

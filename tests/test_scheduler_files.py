@@ -287,6 +287,14 @@ for _ in $(seq 300); do sleep 0.1; done
 }
 
 
+def in_wait(pid: int) -> bool:
+    """Whether process `pid` (bash) is blocked waiting for a child, as in the script's `wait` for srun."""
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text() == "do_wait"
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("signal_to_script, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)],
                          ids=["USR1-before-the-time-limit", "TERM-from-slurm"])
 @pytest.mark.slow
@@ -302,9 +310,8 @@ def test_the_slurm_script_stops_the_training_before_the_time_limit_and_requeues(
     def signal_the_job(process):
         task = tmp_path / "stub.log.task"
         deadline = time.monotonic() + 20
-        while not task.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # the script is in its `wait`
+        while not (task.exists() and in_wait(process.pid)) and time.monotonic() < deadline:  # its traps now run
+            time.sleep(0.05)
         process.send_signal(signal_to_script)
         if signal_to_script == signal.SIGTERM:  # SLURM ending the job signals srun as well
             os.kill(int((tmp_path / "stub.log.srun").read_text()), signal.SIGTERM)

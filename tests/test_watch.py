@@ -82,11 +82,13 @@ def test_a_slow_first_step_of_a_run_is_announced_while_it_runs(monkeypatch, caps
     from meshtune.train import hang_watchdog
     from meshtune.train.loop import run
 
-    monkeypatch.setattr(hang_watchdog, "SLOW_STEP_NOTICE_S", 1)
-    monkeypatch.setenv("MESHTUNE_FAULT", "slow:2.5")  # every step sleeps after its optimizer step
+    monkeypatch.setattr(hang_watchdog, "SLOW_STEP_NOTICE_S", 0.2)
+    monkeypatch.setattr(hang_watchdog, "CHECK_EVERY_S", 0.05)
+    # every step sleeps after its optimizer step: a step slower than the notice is what the test is about
+    monkeypatch.setenv("MESHTUNE_FAULT", "slow:0.5")
     run(build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=2)))
     notices = [line for line in capsys.readouterr().out.splitlines() if "still running" in line]
-    for step in (1, 2):  # a notice a second; the 2.5 s sleep lies in the optimizer step's part
+    for step in (1, 2):  # a notice every 0.2 s; the 0.5 s sleep lies in the optimizer step's part
         pattern = rf"meshtune: step {step} still running after \d+ s, at: gradient clipping and optimizer step"
         assert any(re.search(pattern + "$", line) for line in notices), notices  # tqdm may move the cursor first
 

@@ -470,12 +470,13 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         print(format_listing(Path(args.output_dir)))
         return 0
     from meshtune.model.final_weights import export_kind, verify_export  # imports torch: `verify` needs it, `list` not
+    from meshtune.checkpoint.final import unsealed_problems
 
     path = Path(args.checkpoint)
     kind = export_kind(path)
     if kind:  # output_dir/final: a model to load, not a checkpoint to resume
         sealed = (path / MANIFEST).is_file()  # meshtune's final save seals final/; other model dirs are not
-        problems = (verify(path) if sealed else []) + verify_export(path)
+        problems = (verify(path) if sealed else unsealed_problems(path)) + verify_export(path)
         checked = ("COMPLETE, every file's size and sha256 match manifest.json, " if sealed else
                    "no manifest.json, so no checksums to compare; ")
         state = "INVALID" if problems else f"valid ({checked}every weights file matches its header; tokenizer present)"

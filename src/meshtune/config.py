@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -75,6 +76,7 @@ MATH, JOB, NODE = "math", "job", "node"
 TEXT_FORMAT = "text"  # how stage: pt reads its datasets (data/raw_text.py)
 OTHER_STAGES = {"rm": "reward-model training (rm)", "ppo": "PPO", "grpo": "GRPO",
                 "dpo": "DPO preference training", "kto": "KTO preference training"}
+FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 value (torch.finfo(torch.float32).max)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to's trackers (train/sinks.py)
 # the other trackers HF's and LLaMA-Factory's report_to know
 OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "neptune", "swanlab",
@@ -559,6 +561,16 @@ class TrainConfig(BaseModel):
                              f"supervised fine-tuning (sft) and continued pre-training on raw text (pt)")
         return value
 
+    @field_validator("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "lora_alpha")
+    @classmethod
+    def _fits_fp32(cls, value: float | None) -> float | None:
+        """These reach fp32 tensors (the optimizer's step, the clipping factor, the LoRA scale): a value beyond
+        fp32's range would fail or turn inf only at the first step, after a restart of the workers."""
+        if value is not None and not (math.isfinite(value) and abs(value) <= FP32_MAX):
+            raise ValueError(f"{value!r} is beyond the range of a 32-bit float (at most {FP32_MAX:.4g}), in which "
+                             f"the training computes it; give a finite value below that")
+        return value
+
     @field_validator("warmup_steps")
     @classmethod
     def _whole_steps_stay_whole(cls, value: float) -> float:
@@ -787,7 +799,7 @@ def _explain(exc: ValidationError, source: str, sources: dict[str, str]) -> list
             hint = ""
             if key in TrainConfig.model_fields:
                 hint = f" (allowed: {TrainConfig.model_fields[key].description})"
-            lines.append(f"{where}: {key}={err.get('input')!r}: {err['msg']}{hint}")
+            lines.append(f"{where}: {key}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}{hint}")
     return lines
 
 

@@ -11,7 +11,7 @@ _MODULE_OF = {
     "CheckpointError": "manifest", "read_manifest": "manifest", "verify": "manifest",
     "CheckpointInfo": "resume", "format_listing": "resume", "list_checkpoints": "resume", "select_resume": "resume",
     "CheckpointManager": "manager",
-    "final_problems": "final", "publish_final": "final",
+    "final_problems": "final", "publish_final": "final", "unsealed_problems": "final",
     "ModelOptimizerState": "state", "RNGState": "state", "TrainerState": "state", "TrainingProgress": "state",
     "training_state": "state",
 }

@@ -59,6 +59,17 @@ def final_problems(path: Path) -> list[str]:
         return [str(error)]
 
 
+def unsealed_problems(path: Path) -> list[str]:
+    """Why a model directory without manifest.json is not one to load: `final.tmp/` is final/ being written, or
+    left by a writer that died, whatever files it holds. Other unsealed directories (a model from elsewhere, a
+    final/ of a meshtune that did not seal it) have only their files to check."""
+    if path.name != STAGING:
+        return []
+    return [f"{STAGING}/ is final/ being written, or left by a writer that died (not sealed: no manifest.json, no "
+            f"{COMPLETE}); never a model to load. Use {path.with_name(FINAL)}, or the newest checkpoint (meshtune "
+            f"export falls back to it); the next final save clears {STAGING}/"]
+
+
 def hashes(directory: Path) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file under `directory`, each flushed to disk; the files in parallel threads
     (hashlib releases the GIL), as a large model's final/ is several files of gigabytes."""

@@ -11,6 +11,7 @@ failure raises on every rank instead of leaving some waiting at a collective.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -25,14 +26,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, delete_sealed, file_problems, fsync_dir,
-                                          hash_file, read_manifest, share, verify, write_manifest)
+from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, delete_sealed, file_problems, finish_deletions,
+                                          fsync_dir, hash_file, read_manifest, share, verify, write_manifest)
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume, set_aside
 from meshtune.checkpoint.state import RNGState
 from meshtune.config import key_default, math_hash
 from meshtune.faults import maybe_die
 from meshtune.logs import RankWarning
 from meshtune.units import byte_size
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,6 +160,7 @@ class CheckpointManager:
         answer: Any = None
         if self.rank == 0:
             try:
+                self._finish_deletions()
                 path, skipped = select_resume(self.output_dir, named, check=self._verify_together)
                 answer = path, [self._aside(skip, reason) for skip, reason in skipped]
             except (CheckpointError, OSError) as error:  # every rank waits for this answer
@@ -311,11 +315,14 @@ class CheckpointManager:
         drop .tmp leftovers older than it. Higher steps are another timeline (a run that went further before this
         one resumed from an older checkpoint, or a corrupt one resume skipped): they are left alone here, and
         replaced when this run saves those steps."""
+        self._finish_deletions()
         checkpoints = [c for c in list_checkpoints(self.output_dir) if c.step <= newest]
         complete = [c for c in checkpoints if c.complete]
         if not complete:
             return
-        doomed = [c for c in checkpoints if c.is_tmp and c.step < newest]
+        # older leftovers: .tmp ones (interrupted saves) and published names without COMPLETE (a deletion cut short
+        # by a meshtune that removed COMPLETE first, or by hand); neither is ever resumed from
+        doomed = [c for c in checkpoints if not c.complete and c.step < newest]
         if self.save_total_limit is not None:
             doomed += complete[:-self.save_total_limit]
         for checkpoint in doomed:
@@ -323,6 +330,16 @@ class CheckpointManager:
                 delete_sealed(checkpoint.path)
             except OSError as error:
                 warnings.warn(f"could not delete old checkpoint {checkpoint.path}: {error}", stacklevel=2)
+
+    def _finish_deletions(self) -> None:
+        """Rank 0: the deletions a process killed while deleting left (`.deleting` directories), finished."""
+        if not self.output_dir.is_dir():
+            return
+        try:
+            for path in finish_deletions(self.output_dir):
+                logger.info(f"finished deleting {path.name} (a deletion cut short by a process that stopped)")
+        except OSError as error:
+            warnings.warn(f"could not finish deleting old checkpoints in {self.output_dir}: {error}", stacklevel=2)
 
     def _barrier(self) -> None:
         if self._distributed:

@@ -59,10 +59,29 @@ def write_manifest(directory: Path, info: dict[str, Any], files: dict[str, dict[
     fsync_dir(directory)
 
 
+DELETING = ".deleting"  # a directory being deleted, or left so by a process killed while deleting it
+
+
 def delete_sealed(path: Path) -> None:
-    """Delete a published directory, COMPLETE first: a deletion cut short leaves one nobody trusts."""
-    (path / COMPLETE).unlink(missing_ok=True)
-    shutil.rmtree(path)
+    """Delete a published directory: renamed to `NAME.deleting` first (one step: from then on no reader takes it
+    for what it was), then removed. A deletion cut short leaves only that name, which `finish_deletions` clears."""
+    doomed = path.with_name(path.name + DELETING)
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed)
+
+
+def finish_deletions(directory: Path) -> list[Path]:
+    """Remove the `.deleting` directories in `directory` that a process killed while deleting left; the ones
+    removed. Call from one process only."""
+    done = []
+    for doomed in sorted(Path(directory).glob(f"*{DELETING}")):
+        if doomed.is_dir():
+            shutil.rmtree(doomed)
+            done.append(doomed)
+    return done
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""`meshtune demo`: build everything locally, fine-tune with LoRA on 2 processes, show the gain.
+"""`meshtune demo`: build everything locally, fine-tune with LoRA on 2 processes (1 on a one-GPU machine), show
+the gain.
 
 The training goes through exactly what a user runs (`meshtune train config.yaml`, which starts torchrun), so
 the demo doubles as a check that the install works end to end.
@@ -50,8 +51,11 @@ def table(examples: list[tuple[str, str]], before: list[str], after: list[str]) 
 
 
 def run_demo(prepare_only: str | None, work_dir: str) -> int:
+    from meshtune.cpu_affinity import cuda_device_count
+
+    gpus = cuda_device_count()  # the demo's processes fit this machine: 2 on CPU or on 2+ GPUs, 1 on one GPU
     if prepare_only:
-        config_path = prepare(Path(prepare_only).resolve())
+        config_path = prepare(Path(prepare_only).resolve(), gpus=gpus)
         print(f"wrote the tiny model, tokenizer, dataset and {config_path}\n"
               f"train it with:  meshtune train {config_path}")
         return 0
@@ -60,13 +64,15 @@ def run_demo(prepare_only: str | None, work_dir: str) -> int:
 
     started = time.perf_counter()
     work = Path(work_dir).resolve()
-    config_path = prepare(work)
+    config_path = prepare(work, gpus=gpus)
     cfg = load_config(config_path)
     model_dir = Path(cfg.model_name_or_path)
     examples = heldout_examples(work / "data" / "heldout.jsonl")
     prompts, expected = [p for p, _ in examples], [e for _, e in examples]
-    print(f"meshtune demo: a tiny Qwen2-architecture model (random init) learns a task with LoRA on "
-          f"{cfg.nproc_per_node} processes; everything is in {work}")
+    where = (f"{cfg.nproc_per_node} GPU{'s' if cfg.nproc_per_node > 1 else ''}" if gpus else "CPU")
+    processes = f"{cfg.nproc_per_node} process{'es' if cfg.nproc_per_node > 1 else ''}"
+    print(f"meshtune demo: a tiny Qwen2-architecture model (random init) learns a task with LoRA on {processes} "
+          f"({where}); everything is in {work}")
     before = answers_of(model_dir, None, prompts)
 
     print(f"\n$ meshtune train {config_path}")

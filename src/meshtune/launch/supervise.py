@@ -39,6 +39,7 @@ def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
         return train_here(cfg)
     settings = detect_node_settings(cfg)
     check_cpu_processes(settings.nproc_per_node)
+    check_gpu_processes(settings.nproc_per_node, settings.source.get("nproc_per_node", "config"))
     check_output_paths(cfg)
     with output_lock(cfg.output_dir, settings) as lock:
         if needs_torchrun(settings):
@@ -255,6 +256,22 @@ def check_cpu_processes(nproc: int, cores: int | None = None, cuda: bool | None 
                           f"core) or run on a GPU machine")
     logger.warning(f"warning: nproc_per_node {nproc} is more than this machine's {cores} CPU cores (no GPU): the "
                    f"processes share the cores and train slower than {cores} would")
+
+
+def check_gpu_processes(nproc: int, source: str, gpus: int | None = None) -> None:
+    """On a CUDA machine each process trains on a GPU of its own (local rank r on GPU r): more processes than
+    visible GPUs would crash the extra ones at their first CUDA call, after torchrun started them all. `gpus`: the
+    visible CUDA GPUs (default: counted; 0 on a machine without CUDA, where processes train on the cores)."""
+    from meshtune.cpu_affinity import cuda_device_count
+
+    gpus = cuda_device_count() if gpus is None else gpus
+    if gpus == 0 or nproc <= gpus:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    raise ConfigError(f"nproc_per_node {nproc} (from {source}) on a node with {gpus} visible CUDA GPU"
+                      f"{'s' if gpus > 1 else ''}{seen}: each process needs a GPU of its own; set nproc_per_node: "
+                      f"{gpus} (or leave it unset: one process per visible GPU), or run on a node with {nproc} GPUs")
 
 
 def check_output_paths(cfg) -> None:

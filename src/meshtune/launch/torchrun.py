@@ -186,10 +186,16 @@ class AgentTracebackFilter:
 
     HIDDEN = (b"SignalException", b"RendezvousConnectionError")
     CHAINED = (b"The above exception was the direct cause", b"During handling of the above exception")
+    # Python's logging.Handler.handleError: the block it prints when an exception interrupts a handler's emit, as
+    # torch elastic's SignalException does when the stop signal comes while the agent is logging a line
+    LOGGING_ERROR = b"--- Logging error ---"
+    LOGGING_ERROR_ENDS = (b"Arguments: ", b"Use the traceback above")
+    LOGGING_ERROR_MAX_LINES = 400  # a block that never ends is written out, not held for ever
 
     def __init__(self, sink: BinaryIO, keep_all: bool = False):
         self.sink, self.keep_all = sink, keep_all
         self.held: list[bytes] | None = None  # the lines of a traceback (with the ones chained to it) being read
+        self.logging_error: list[bytes] | None = None  # the lines of a logging error block being read
         self.ended = False  # the held traceback reached its exception line; a chained one may follow
         self.store_lost = False
 
@@ -203,6 +209,9 @@ class AgentTracebackFilter:
             self.store_lost = True
         if self.keep_all:
             self._write(line)
+            return
+        if self.logging_error is not None or (self.held is None and line.startswith(self.LOGGING_ERROR)):
+            self._hold_logging_error(line)
             return
         if self.held is None:
             if line.startswith(b"Traceback (most recent call last):"):
@@ -223,6 +232,17 @@ class AgentTracebackFilter:
         if not line[:1].isspace():  # the exception line ends this traceback of the chain
             self.ended = True
 
+    def _hold_logging_error(self, line: bytes) -> None:
+        """A logging error block is dropped whole when its exception is one of HIDDEN (the agent's line it
+        interrupted is lost either way), and printed otherwise."""
+        held = self.logging_error = [*(self.logging_error or []), line]
+        if not (line.startswith(self.LOGGING_ERROR_ENDS) or len(held) >= self.LOGGING_ERROR_MAX_LINES):
+            return
+        self.logging_error = None
+        if not (line.startswith(self.LOGGING_ERROR_ENDS) and any(word in held_line for held_line in held
+                                                                  for word in self.HIDDEN)):
+            self._write(b"".join(held))
+
     def _decide(self) -> None:
         """Print the held chain unless its last exception is one of HIDDEN."""
         last = next((line for line in reversed(self.held) if line.strip()), b"")
@@ -233,6 +253,9 @@ class AgentTracebackFilter:
     def release(self) -> None:
         if self.held:
             self._decide()
+        if self.logging_error:
+            self._write(b"".join(self.logging_error))
+            self.logging_error = None
 
     def _write(self, data: bytes) -> None:
         self.sink.write(data)

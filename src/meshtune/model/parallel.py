@@ -67,6 +67,22 @@ def finish_gradient_sync(model: torch.nn.Module) -> None:
         sync()
 
 
+def settle_gradient_buckets(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> None:
+    """Before a process's first step: one backward of `loss()` times 0 through DDP, so that every step this process
+    takes, the first included, reduces its gradients in the buckets DDP rebuilds after a first backward (in the
+    order gradients come). Without it a process's first step sums every gradient in one bucket, later steps in the
+    rebuilt ones; across more than two processes a sum's rounding depends on where a gradient sits in its bucket, so
+    a resumed run's first step would differ from the same step of a run that went through. The random streams and
+    the gradients are left as they were (none)."""
+    if not isinstance(model, DistributedDataParallel):
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        (loss() * 0).backward()
+    for p in model.parameters():
+        p.grad = None
+
+
 def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares them with its classes, not strings
     """DDP communication hook: the bucket averaged in bf16, then copied back into its fp32 gradients. What torch's
     `bf16_compress_hook` does; DDP accepts that one, by its name, only on NCCL, and gloo sums bf16 too."""

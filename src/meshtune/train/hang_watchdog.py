@@ -46,6 +46,7 @@ AUTO_FACTOR = 5  # the automatic timeout: this many times the median step
 RECENT_STEPS = 200  # the median is of the last this many steps
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for the dump (TORCH_FR_BUFFER_SIZE)
 SLOW_STEP_NOTICE_S = 60  # while no hang timeout applies: rank 0's word on a step still running, this often
+CHECK_EVERY_S = 1.0  # how often the watch looks at the clock
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class HangWatchdog:
         return min(max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(self._recent)), 0.8 * self.ddp_timeout)
 
     def _watch(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(CHECK_EVERY_S):
             if self._check():
                 return
 

@@ -36,7 +36,7 @@ from meshtune.model.final_weights import gather_state_dict, save_final
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import model_size
 from meshtune.model.model_dir import check_model_dir, load_tokenizer
-from meshtune.model.parallel import finish_gradient_sync, gradient_sync
+from meshtune.model.parallel import finish_gradient_sync, gradient_sync, settle_gradient_buckets
 from meshtune.model.vocab_parallel_loss import vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
@@ -162,6 +162,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                                             cfg.memory_budget, cfg.gpu_memory_limit, env.device, split)
         logger.info(measured)
         plan = plan.amended("gradient_checkpointing", measured, recompute=ratio)
+    if progress.step < total_steps:  # DDP: the first step reduces as every later one does (a resume stays exact)
+        first = batches.micro_batches(*batches.position(progress.step), data.rank)[0]
+        settle_gradient_buckets(model, lambda: objective.loss_sum(rows_to_batch(first).to(env.device)))
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
