@@ -256,10 +256,10 @@ def test_multi_node_command():
     command = torchrun_command(settings, ["train", "c.yaml", "seed=1"], config)
     assert command == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:29555",
-                       "--rdzv-conf", "join_timeout=120,read_timeout=120,is_host=0", "--rdzv-id", settings.run_id,
+                       "--rdzv-conf", "join_timeout=120,read_timeout=15,is_host=0", "--rdzv-id", settings.run_id,
                        "--max-restarts", "5", "-m", "meshtune", "train", "c.yaml", "seed=1"]
     node0 = detect_node_settings(config, environ={**TWO_NODES, "NODE_RANK": "0"})
-    assert "join_timeout=120,read_timeout=120,is_host=1" in torchrun_command(node0, ["train"], config)
+    assert "join_timeout=120,read_timeout=15,is_host=1" in torchrun_command(node0, ["train"], config)
     with_addr = cfg(rdzv_timeout=120, local_addr="10.9.9.9")
     assert torchrun_command(settings, ["train"], with_addr)[-5:-3] == ["--local-addr", "10.9.9.9"]
     assert "--node-rank" not in command  # ignored by c10d; the rank travels as MESHTUNE_NODE_RANK
