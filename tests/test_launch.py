@@ -381,6 +381,33 @@ def test_the_agent_filter_drops_a_chained_store_loss_traceback_and_notes_it():
     assert sink.getvalue() == b"meshtune: a line after it\n" and kept.store_lost
 
 
+def test_the_agent_filter_drops_the_rendezvous_tracebacks_the_launcher_explains_and_notes_them():
+    """The agent's wait for a node's share after a round (its keys are the round's), a rendezvous that never
+    completed, one another agent closed: the launcher says each in its own words. A worker's DistStoreError on its
+    own keys stays."""
+    import io
+
+    from meshtune.launch.torchrun import AgentTracebackFilter
+
+    stream = io.BytesIO(b"Traceback (most recent call last):\n  File \"api.py\", line 1\n"
+                        b"torch.distributed.DistStoreError: wait timeout after 15000ms, keys: "
+                        b"/torch.rendezvous.meshtune-1.3/torchelastic/role_info/0, "
+                        b"/torch.rendezvous.meshtune-1.3/torchelastic/role_info/1\n"
+                        b"Traceback (most recent call last):\n  File \"run.py\", line 2\n"
+                        b"torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n"
+                        b"Traceback (most recent call last):\n  File \"run.py\", line 2\n"
+                        b"torch.distributed.elastic.rendezvous.api.RendezvousClosedError\n"
+                        b"Traceback (most recent call last):\n  File \"worker.py\", line 3\n"
+                        b"torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /default_pg/0//cpu\n")
+    sink = io.BytesIO()
+    kept = AgentTracebackFilter(sink)
+    kept.copy(stream)
+    assert sink.getvalue() == (b"Traceback (most recent call last):\n  File \"worker.py\", line 3\n"
+                               b"torch.distributed.DistStoreError: wait timeout after 60000ms, keys: "
+                               b"/default_pg/0//cpu\n")
+    assert kept.rank_exchange_lost and kept.rendezvous_closed and not kept.store_lost
+
+
 @pytest.mark.slow
 def test_the_launchers_last_line_starts_on_a_line_of_its_own_after_a_cut_progress_bar(capsys):
     """A worker stopped mid-step leaves its progress bar without a newline; the launcher's error or stop line must

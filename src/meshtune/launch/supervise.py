@@ -137,6 +137,12 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, ma
                        f"completed (killed or lost before it posted its workers' share); starting torchrun again to "
                        f"meet the others in a new round")
         return None
+    if ended.rendezvous_closed and c10d:  # an agent that gave up closed it for all: the job goes on in a new one
+        if settings.node_rank != 0:  # node 0 hosts the next one: rejoin it, as after its store's loss
+            return None
+        logger.warning("meshtune: node 0: another node's torchrun ended and closed the rendezvous while this node's "
+                       "waited in it (no worker here failed); starting torchrun again to meet the others in a new one")
+        return None
     if (lost := mailbox.peers_lost()) is not None:  # they never came back: the hang's line, then the end
         nodes = ", ".join(f"node {node}" for node in lost["nodes"])
         raise NodesLostError(f"node {settings.node_rank} lost {nodes} at step {lost['step']} (a network partition, "

@@ -137,7 +137,8 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         copier.join(timeout=5)
-    return TorchrunExit(code, received[0] if received else None, stderr.store_lost, stderr.rank_exchange_lost)
+    return TorchrunExit(code, received[0] if received else None, stderr.store_lost, stderr.rank_exchange_lost,
+                        stderr.rendezvous_closed)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class TorchrunExit:
     signal: int | None  # the first signal the launcher received while torchrun ran
     store_lost: bool  # the agent lost its connection to the rendezvous store (node 0's agent died)
     rank_exchange_lost: bool = False  # the agent waited in vain for a node's share after a round (it died then)
+    rendezvous_closed: bool = False  # another agent ended and closed the rendezvous (torchrun does as it exits)
 
 
 AGENT_EXIT_S = 10  # after this node's workers are done, the most torchrun may take to follow
@@ -197,12 +199,13 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
 class AgentTracebackFilter:
     """Copies a stream line by line, leaving out each Python traceback of the agent that ends in torch elastic's
     SignalException (it was told to stop), RendezvousConnectionError (it lost the rendezvous store),
-    RendezvousTimeoutError (the nodes did not meet within rdzv_timeout) or a DistStoreError on the rendezvous's own
-    keys (a node died as a round completed), which the launcher then reports in its own words; every other line,
-    tracebacks of workers included, passes unchanged (all of them with `keep_all`). `store_lost` and
-    `rank_exchange_lost` tell whether the store was lost, and whether the wait after a round was."""
+    RendezvousTimeoutError (the nodes did not meet within rdzv_timeout), RendezvousClosedError (another agent that
+    ended closed the rendezvous) or a DistStoreError on the rendezvous's own keys (a node died as a round
+    completed), which the launcher then reports in its own words; every other line, tracebacks of workers included,
+    passes unchanged (all of them with `keep_all`). `store_lost`, `rendezvous_closed` and `rank_exchange_lost` tell
+    which of the last three happened."""
 
-    HIDDEN = (b"SignalException", b"RendezvousConnectionError", b"RendezvousTimeoutError")
+    HIDDEN = (b"SignalException", b"RendezvousConnectionError", b"RendezvousTimeoutError", b"RendezvousClosedError")
     CHAINED = (b"The above exception was the direct cause", b"During handling of the above exception")
 
     def __init__(self, sink: BinaryIO, keep_all: bool = False):
@@ -211,6 +214,7 @@ class AgentTracebackFilter:
         self.ended = False  # the held traceback reached its exception line; a chained one may follow
         self.store_lost = False
         self.rank_exchange_lost = False
+        self.rendezvous_closed = False
 
     def copy(self, stream: BinaryIO) -> None:
         for line in iter(stream.readline, b""):
@@ -222,6 +226,8 @@ class AgentTracebackFilter:
             self.store_lost = True
         if rank_exchange_timeout(line):
             self.rank_exchange_lost = True
+        if b"RendezvousClosedError" in line:
+            self.rendezvous_closed = True
         if self.keep_all:
             self._write(line)
             return
