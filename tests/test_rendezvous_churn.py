@@ -7,7 +7,8 @@ its post left the others in that wait, bounded only by the store's read timeout 
 default): node 0's torchrun died after it with a DistStoreError, and the relaunched node waited behind it. Here an
 agent of torch's own rendezvous handler joins node 0's round and exits at once, as a node killed just then.
 
-Two nodes of one process each on 127.0.0.1, as tests/test_faults.py runs them.
+Two nodes of one process each on 127.0.0.1, as tests/test_faults.py runs them; and, without processes, a node
+whose node 0 is killed during the preflight's checks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import pytest
 from ranks import free_port
 from test_faults import JOB_TIMEOUT, Cluster, final_hash, job_config, losses, uninterrupted_run
 
-pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 
 # an agent that completes a rendezvous round with node 0 and dies before it posts its workers' share
@@ -53,6 +53,7 @@ def cluster(tmp_path):
     c.cleanup()
 
 
+@pytest.mark.slow
 def test_a_node_dead_as_its_rendezvous_round_completes_holds_the_job_up_seconds_not_minutes(
         cluster, tmp_path, reference, tiny_model_dir, tiny_dataset):
     """rdzv_timeout 120 s: before, node 0's agent waited all of it for the dead agent's share, then its torchrun
@@ -89,6 +90,7 @@ def test_a_node_dead_as_its_rendezvous_round_completes_holds_the_job_up_seconds_
     assert final_hash(output) == reference["hash"]
 
 
+@pytest.mark.slow
 def test_the_kill_relaunch_soak_runs_a_few_seeded_cycles_and_ends_as_the_uninterrupted_run(
         tmp_path, reference, tiny_model_dir, tiny_dataset):
     """bench/kill_relaunch_soak.py: 3 cycles of a random node killed U(3, 25) s after the last relaunch (its whole
@@ -103,3 +105,32 @@ def test_the_kill_relaunch_soak_runs_a_few_seeded_cycles_and_ends_as_the_uninter
     assert result.returncode == 0 and report["ok"], result.stdout[-4000:] + result.stderr[-2000:]
     assert report["final_matches"] and report["checkpoints_verified"], report
     assert len(report["kills"]) >= 1, report
+
+
+def test_a_node_whose_node_0_died_during_the_preflight_waits_for_it_again_and_goes_on(monkeypatch, caplog):
+    """Node 0 killed while the nodes run their checks: node 1 does not stop (it would need a relaunch of its own);
+    it waits for node 0 again, and the relaunched node 0, back in its job's rendezvous, is met without the checks."""
+    import logging
+
+    from meshtune.config import TrainConfig
+    from meshtune.launch import preflight
+    from test_node_exits import settings
+
+    answers = iter([RuntimeError("Connection reset by peer"),
+                    (0, {"skipped": "127.0.0.1:1 answers, but not as node 0's doctor"})])
+
+    def doctor(*args, **kwargs):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(preflight, "run_doctor", doctor)
+    monkeypatch.setattr(preflight, "reach_node0", lambda *args, **kwargs: None)
+    monkeypatch.setattr(preflight, "RETRY_AFTER_S", 0, raising=False)
+    cfg = TrainConfig(model_name_or_path="m", dataset="d", output_dir="o", rdzv_timeout=30)
+    with caplog.at_level(logging.INFO):
+        preflight.run_preflight(cfg, settings(1, 1), rejoining=False)
+    assert "node 1 lost the checks' store at 127.0.0.1:1 (node 0 stopped or died); waiting for node 0 again" in \
+        caplog.text
+    assert "preflight: skipped: 127.0.0.1:1 answers" in caplog.text
