@@ -544,8 +544,8 @@ def test_sigterm_to_node_0s_launcher_saves_ends_every_node_within_seconds_and_a_
 class NetworkNamespaces:
     """Two hosts with their own addresses: network namespaces joined by a veth pair (needs root and iproute2)."""
 
-    def __init__(self):
-        tag = f"mt{os.getpid() % 100000}"
+    def __init__(self, tag: str = "mt"):
+        tag = f"{tag}{os.getpid() % 100000}"
         self.names = [f"{tag}n0", f"{tag}n1"]
         self.links = [f"{tag}v0", f"{tag}v1"]
         self.addresses = ["10.231.0.1", "10.231.0.2"]

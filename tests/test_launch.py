@@ -256,10 +256,10 @@ def test_multi_node_command():
     command = torchrun_command(settings, ["train", "c.yaml", "seed=1"], config)
     assert command == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:29555",
-                       "--rdzv-conf", "join_timeout=120,read_timeout=120,is_host=0", "--rdzv-id", settings.run_id,
+                       "--rdzv-conf", "join_timeout=120,read_timeout=15,is_host=0", "--rdzv-id", settings.run_id,
                        "--max-restarts", "5", "-m", "meshtune", "train", "c.yaml", "seed=1"]
     node0 = detect_node_settings(config, environ={**TWO_NODES, "NODE_RANK": "0"})
-    assert "join_timeout=120,read_timeout=120,is_host=1" in torchrun_command(node0, ["train"], config)
+    assert "join_timeout=120,read_timeout=15,is_host=1" in torchrun_command(node0, ["train"], config)
     with_addr = cfg(rdzv_timeout=120, local_addr="10.9.9.9")
     assert torchrun_command(settings, ["train"], with_addr)[-5:-3] == ["--local-addr", "10.9.9.9"]
     assert "--node-rank" not in command  # ignored by c10d; the rank travels as MESHTUNE_NODE_RANK
@@ -439,6 +439,33 @@ def test_the_agent_filter_drops_a_chained_store_loss_traceback_and_notes_it():
     kept = AgentTracebackFilter(sink)
     kept.copy(stream)
     assert sink.getvalue() == b"meshtune: a line after it\n" and kept.store_lost
+
+
+def test_the_agent_filter_drops_the_rendezvous_tracebacks_the_launcher_explains_and_notes_them():
+    """The agent's wait for a node's share after a round (its keys are the round's), a rendezvous that never
+    completed, one another agent closed: the launcher says each in its own words. A worker's DistStoreError on its
+    own keys stays."""
+    import io
+
+    from meshtune.launch.torchrun import AgentTracebackFilter
+
+    stream = io.BytesIO(b"Traceback (most recent call last):\n  File \"api.py\", line 1\n"
+                        b"torch.distributed.DistStoreError: wait timeout after 15000ms, keys: "
+                        b"/torch.rendezvous.meshtune-1.3/torchelastic/role_info/0, "
+                        b"/torch.rendezvous.meshtune-1.3/torchelastic/role_info/1\n"
+                        b"Traceback (most recent call last):\n  File \"run.py\", line 2\n"
+                        b"torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n"
+                        b"Traceback (most recent call last):\n  File \"run.py\", line 2\n"
+                        b"torch.distributed.elastic.rendezvous.api.RendezvousClosedError\n"
+                        b"Traceback (most recent call last):\n  File \"worker.py\", line 3\n"
+                        b"torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /default_pg/0//cpu\n")
+    sink = io.BytesIO()
+    kept = AgentTracebackFilter(sink)
+    kept.copy(stream)
+    assert sink.getvalue() == (b"Traceback (most recent call last):\n  File \"worker.py\", line 3\n"
+                               b"torch.distributed.DistStoreError: wait timeout after 60000ms, keys: "
+                               b"/default_pg/0//cpu\n")
+    assert kept.rank_exchange_lost and kept.rendezvous_closed and not kept.store_lost
 
 
 @pytest.mark.slow

@@ -185,6 +185,9 @@ class FakeChannel:
     def all_done(self) -> bool:
         return self._all_done
 
+    def cut_off(self) -> bool:
+        return False
+
 
 # a torchrun that never leaves its exit barrier, its workers gone; and one with a worker still training
 STUCK_AGENT = [sys.executable, "-c", "import time; time.sleep(60)"]

@@ -30,6 +30,41 @@ def watchdog(timeout, ddp_timeout=600, durations=()):
     return watch
 
 
+def test_the_hang_folder_is_named_without_the_store_when_it_does_not_answer(monkeypatch, tmp_path):
+    """Across a partition a store client's read neither answers nor fails (the TCP connection hangs for minutes):
+    the report names its folder without it within the bound, by the step the workers started from."""
+    import threading
+
+    import torch.distributed as dist
+
+    from meshtune.train import hang_watchdog
+
+    class HungStore:  # a store on the other side of a partition
+        def set_timeout(self, timeout):
+            pass
+
+        def compare_set(self, *args):
+            threading.Event().wait()
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: HungStore())
+    monkeypatch.setattr(hang_watchdog, "STORE_ANSWER_S", 0.5)
+    watch = HangWatchdog(10, 600, output_dir=tmp_path, env=ENV, places=PLACES, start_step=8)
+    started = time.monotonic()
+    assert watch._agree_on_folder() == tmp_path / "hang-since-step8"
+    assert time.monotonic() - started < 3
+
+
+def test_each_nodes_line_names_the_nodes_none_of_whose_ranks_reported_and_the_step(tmp_path):
+    env = DistEnv(rank=2, world_size=4, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+    watch = HangWatchdog(10, 600, output_dir=tmp_path, env=env, places=PLACES)
+    watch.at(10, "summing the step's loss (all-reduce)")
+    assert watch.lost_nodes([2, 3]) == [0] and watch.lost_nodes([0, 2, 3]) == []
+    line = watch.node_line(12.4, 10, tmp_path, [2, 3], [0])
+    assert line.startswith("meshtune: node 1: no optimizer step completed for 12 s at step 10 (hang timeout 10 s): "
+                           "lost node 0 (a), none of whose ranks answered: a network partition"), line
+    assert "rank(s) 1 did not report" in watch.node_line(12.4, 10, tmp_path, [0, 2, 3], [])
+
+
 def test_no_timeout_until_the_first_step_is_done():
     assert watchdog(30).timeout() is None and watchdog(None).timeout() is None
     assert watchdog(30, durations=[100.0]).timeout() == 30

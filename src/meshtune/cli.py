@@ -635,7 +635,7 @@ def run_command(args: argparse.Namespace) -> int:
             end_workers_line()
             print(f"meshtune: error{label}: {exc}", file=sys.stderr)
         stop_restarts()  # the same error would end every attempt
-        return 1
+        return getattr(exc, "exit_code", 1)
     except KeyboardInterrupt:
         print("meshtune: interrupted", file=sys.stderr)
         return 130

@@ -23,6 +23,17 @@ class MemoryFitError(MeshtuneError):
     """A training step that does not fit the GPU memory it may take, measured before training."""
 
 
+EXIT_RETRYABLE = 75  # EX_TEMPFAIL: the same command, run again once the cause has passed, goes on
+
+
+class NodesLostError(MeshtuneError):
+    """This node lost the others mid-run (a network partition, or they died) and they did not meet again within
+    rdzv_timeout: the job is sound, the network or the nodes are not. Exits EXIT_RETRYABLE, for a scheduler to
+    requeue it."""
+
+    exit_code = EXIT_RETRYABLE
+
+
 class StorageError(MeshtuneError):
     """A directory meshtune must write to that it cannot: missing, read-only, full, or not a directory."""
 

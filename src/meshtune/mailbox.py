@@ -2,8 +2,9 @@
 named to the workers in `MESHTUNE_ERROR_DIR`. Every name in it, its writers and its readers are here.
 
 From the workers: a MeshtuneError for the launcher to print last and pass on to the other nodes, that a worker
-got past the rendezvous (a later failure is no rendezvous timeout), that it finished or stopped for a signal, and
-each crash by attempt (one that repeats is not restarted again). From the launcher: a stop request (its own
+got past the rendezvous (a later failure is no rendezvous timeout), that it finished or stopped for a signal, that
+its hang watchdog found other nodes gone silent (a partition, or dead nodes: which, at which step, the node's line),
+and each crash by attempt (one that repeats is not restarted again). From the launcher: a stop request (its own
 SIGTERM, which the workers honour as if signalled) and `told` (a worker's error has reached the other nodes).
 
 A file read while it may still be written (the other side polls) is written under a hidden temporary name and
@@ -12,6 +13,7 @@ renamed into place; a marker whose existence is the message is created empty.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -27,6 +29,7 @@ STOPPED = "stopped-by-signal-{rank}"  # holds the signal's number
 FAILURE = "failure-rank{rank}-attempt{attempt}.log"  # holds the error, for the next attempt to compare
 STOP_REQUEST = "stop-requested"  # holds the signal's number
 TOLD = "told"
+PEERS_LOST = "peers-lost.json"  # {"line", "nodes", "step"}: the newest hang that lost whole nodes
 
 
 class Mailbox:
@@ -99,6 +102,19 @@ class Mailbox:
                    if path.read_text() == error]
         self._write(FAILURE.format(rank=rank, attempt=attempt), error)
         return sorted(earlier)
+
+    def mark_peers_lost(self, line: str, nodes: list[int], step: int) -> None:
+        """The hang watchdog found `nodes` silent at `step`; `line` is what this node said of it."""
+        self._write(PEERS_LOST, json.dumps({"line": line, "nodes": nodes, "step": step}))
+
+    def peers_lost(self) -> dict | None:
+        try:
+            return json.loads((self.directory / PEERS_LOST).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def clear_peers_lost(self) -> None:
+        (self.directory / PEERS_LOST).unlink(missing_ok=True)
 
     # the launcher's side
 

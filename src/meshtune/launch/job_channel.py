@@ -6,6 +6,9 @@ MASTER_PORT (node 0's torchrun agent hosts it; each launcher holds a client of i
   still there to carry it; every other launcher, reading it, ends its own torchrun and the node's workers, and
   stops with those words. Without it, the others saw only their peers and the store vanish: node 0 stopped for a
   read-only output_dir looked dead, and node 1 waited rdzv_timeout for it to come back.
+- Whether this node is cut off from node 0 (`cut_off`): its workers' hang watchdog found every rank of node 0
+  silent, and a fresh connection to the store fails. torchrun's agent would wait on the store for many minutes (a
+  read across a partition neither answers nor fails), so the launcher ends it and waits for node 0 itself.
 - A node's workers all done (finished, or stopped for a signal): once every node's are, no agent needs another,
   and each launcher ends its torchrun at once instead of leaving it in torchrun's exit barrier, which waits up to
   300 s for an agent that was signalled (it leaves without reaching the barrier) or killed.
@@ -32,12 +35,13 @@ import threading
 import time
 from pathlib import Path
 
-from meshtune.doctor.joining import beat_key, connect, join_key, refusal_key
+from meshtune.doctor.joining import beat_key, connect, connect_possible, join_key, refusal_key
 from meshtune.launch.nodes import NodeSettings
 from meshtune.mailbox import Mailbox
 
 POLL_S = 0.25
 BEAT_S = 1.0  # how often a launcher counts itself in under its NODE_RANK
+PROBE_S = 2.0  # how often a node whose workers lost node 0 tries a new connection to its store
 
 logger = logging.getLogger(__name__)
 READ_WAIT_S = 5.0  # how long a launcher waits for the other nodes to read its node's error before the worker goes
@@ -66,6 +70,8 @@ class JobChannel:
     def __init__(self, settings: NodeSettings, mailbox: Mailbox, workers_done, use_store: bool):
         self.settings, self.mailbox, self.workers_done, self.use_store = settings, mailbox, workers_done, use_store
         self.cause: str | None = None
+        self.severed: dict | None = None  # the workers' report of node 0 lost, once its store did not answer either
+        self._next_probe = 0.0
         self._posted = self._done_posted = False
         self._nodes_done = 0
         self._nodes = settings.min_nodes
@@ -76,12 +82,30 @@ class JobChannel:
         self._thread = threading.Thread(target=self._run, name="meshtune-job-channel", daemon=True)
 
     def __enter__(self) -> JobChannel:
+        if self.use_store:  # this launcher's store clients (here, doctor/joining.py) outlive node 0's store at times
+            quiet_cpp_log()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=15)  # at most a connect attempt (5 s) and a post's wait for readers
+        # at most a connect attempt (5 s) and a post's wait for readers; cut off, a read that never returns
+        self._thread.join(timeout=1 if self.severed else 15)
+
+    def cut_off(self) -> bool:
+        """This node's workers lost node 0 (their hang report) and its store does not answer a new connection."""
+        if self.severed is not None:
+            return True
+        if self.settings.node_rank == 0 or not self.use_store or time.monotonic() < self._next_probe:
+            return False
+        lost = self.mailbox.peers_lost()
+        if lost is None or 0 not in lost["nodes"]:
+            return False
+        self._next_probe = time.monotonic() + PROBE_S
+        if connect_possible(self.settings):  # node 0's store answers: torchrun's own restart meets it again
+            return False
+        self.severed = lost
+        return True
 
     def all_done(self) -> bool:
         if self.settings.max_nodes == 1:  # no other agent to wait for in the exit barrier
@@ -125,8 +149,6 @@ class JobChannel:
     def _exchange(self, store) -> None:
         run_id = self.settings.run_id
         workers_done = self._done_posted or self.workers_done()  # the mailbox read once a poll, none once posted
-        if workers_done:  # node 0's store may go at any read from now on: the end torchrun reports is the job's
-            quiet_cpp_log()
         if not self._posted and self.cause is None and store.check([error_key(run_id)]):
             posted = json.loads(store.get(error_key(run_id)))
             store.add(known_key(run_id), 1)

@@ -6,7 +6,9 @@ Only a launch of the whole job runs it. Node 0 relaunched into its running job (
 output_dir lock) and a node whose MASTER_PORT answers with a running job's rendezvous store (a node relaunched
 into a job, or one joining an elastic job late) skip it: the other nodes are in torchrun and would never come.
 Node 0 also gives up its preflight as soon as a node shows up in torchrun's rendezvous instead. The other nodes'
-rejoin after a lost store (supervise.rejoin_after_store_loss) never runs it.
+rejoin after a lost store (supervise.rejoin_after_store_loss) never runs it. A node whose node 0 went away during
+the checks waits for it again (within rdzv_timeout) and starts over: node 0, relaunched, holds its checks again, or
+(rejoining its job) goes straight into torchrun's rendezvous, which the next try skips the checks for.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from meshtune.launch.nodes import NodeSettings
 
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1.0  # after node 0's checks' store went away, before this node looks for node 0 again
 
 
 class PreflightError(MeshtuneError):
@@ -43,19 +46,27 @@ def run_preflight(cfg, settings: NodeSettings, rejoining: bool) -> None:
                     "the other nodes wait in torchrun's rendezvous")
         return
     started = time.monotonic()
-    reach_node0(settings, cfg.rdzv_timeout, prefix="preflight: ")
-    lines: list[str] = []
-    try:
-        code, report = run_doctor(cfg, settings, cfg.rdzv_timeout, out=lines.append,
-                                  bandwidth=cfg.preflight == "bandwidth",
-                                  progress=lambda line: logger.info(f"preflight: {line}"))
-    except MeshtuneError as exc:  # a node that cannot join said why (doctor/joining.py's refusal)
-        raise PreflightError(f"preflight: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - the store went away mid-way: the TCPStore's error types vary
-        where = f"{settings.master_addr}:{settings.master_port}"
-        raise PreflightError(f"preflight: node {settings.node_rank} lost the checks' store at {where} (node 0 "
-                             f"stopped or died): {type(exc).__name__}: {exc}. Launch the job again on every node, "
-                             f"or set preflight: false to skip these checks") from None
+    while True:
+        reach_node0(settings, cfg.rdzv_timeout, prefix="preflight: ")
+        lines: list[str] = []
+        try:
+            code, report = run_doctor(cfg, settings, cfg.rdzv_timeout, out=lines.append,
+                                      bandwidth=cfg.preflight == "bandwidth",
+                                      progress=lambda line: logger.info(f"preflight: {line}"))
+            break
+        except MeshtuneError as exc:  # a node that cannot join said why (doctor/joining.py's refusal)
+            raise PreflightError(f"preflight: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the store went away mid-way: the TCPStore's error types vary
+            where = f"{settings.master_addr}:{settings.master_port}"
+            if settings.node_rank == 0 or time.monotonic() - started > cfg.rdzv_timeout:
+                raise PreflightError(f"preflight: node {settings.node_rank} lost the checks' store at {where} (node "
+                                     f"0 stopped or died): {type(exc).__name__}: {exc}. Launch the job again on every "
+                                     f"node, or set preflight: false to skip these checks") from None
+            # node 0 relaunched comes back with its checks, or (rejoining its job) straight into torchrun's
+            # rendezvous, which the next try meets and skips the checks for
+            logger.warning(f"preflight: node {settings.node_rank} lost the checks' store at {where} (node 0 stopped "
+                           f"or died); waiting for node 0 again (up to rdzv_timeout={cfg.rdzv_timeout} s)")
+            time.sleep(RETRY_AFTER_S)
     took = time.monotonic() - started
     if "skipped" in report:
         logger.info(f"preflight: skipped: {report['skipped']}")

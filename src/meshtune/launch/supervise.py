@@ -15,7 +15,7 @@ import sys
 import threading
 
 from meshtune import logs
-from meshtune.errors import ConfigError, MeshtuneError
+from meshtune.errors import EXIT_RETRYABLE, ConfigError, MeshtuneError, NodesLostError
 from meshtune.mailbox import Mailbox
 from meshtune.worker_env import LAUNCHER_PID, torchrun_worker
 
@@ -88,7 +88,13 @@ def run_node(cfg, settings, argv: list[str], debug: bool, rejoining: bool = Fals
         rejoins = 0
         while (code := run_torchrun_once(cfg, settings, argv, debug, env, mailbox)) is None:
             rejoins += 1
-            rejoin_after_store_loss(settings, cfg, rejoins)
+            lost = mailbox.peers_lost()
+            mailbox.clear_peers_lost()
+            if settings.node_rank != 0:  # node 0 hosts the store: its own torchrun starts it again
+                rejoin_after_store_loss(settings, cfg, rejoins, lost)
+            elif rejoins > cfg.max_restarts:
+                raise MeshtuneError(f"node 0 started torchrun {rejoins} times and its max_restarts="
+                                    f"{cfg.max_restarts} are used up")
         return code
 
 
@@ -125,8 +131,28 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, ma
         return 130
     if ended.code == 0 or mailbox.finished_workers() >= nproc:  # torchrun ended after its workers finished
         return 0
+    if channel.severed is not None:  # this node's workers lost node 0 and its store does not answer: rejoin
+        return None
     if ended.store_lost and c10d and settings.node_rank != 0:
         return None
+    if ended.rank_exchange_lost and c10d:  # a node died as the round completed: torchrun again, in a new round
+        logger.warning(f"meshtune: node {settings.node_rank}: a node left torchrun's rendezvous just as its round "
+                       f"completed (killed or lost before it posted its workers' share); starting torchrun again to "
+                       f"meet the others in a new round")
+        return None
+    if ended.rendezvous_closed and c10d:  # an agent that gave up closed it for all: the job goes on in a new one
+        if settings.node_rank != 0:  # node 0 hosts the next one: rejoin it, as after its store's loss
+            return None
+        logger.warning("meshtune: node 0: another node's torchrun ended and closed the rendezvous while this node's "
+                       "waited in it (no worker here failed); starting torchrun again to meet the others in a new one")
+        return None
+    if (lost := mailbox.peers_lost()) is not None:  # they never came back: the hang's line, then the end
+        nodes = ", ".join(f"node {node}" for node in lost["nodes"])
+        raise NodesLostError(f"node {settings.node_rank} lost {nodes} at step {lost['step']} (a network partition, "
+                             f"or {'they' if len(lost['nodes']) > 1 else 'it'} stopped or died) and they did not meet "
+                             f"again within rdzv_timeout={cfg.rdzv_timeout} s; once every node is up and reaches "
+                             f"{settings.master_addr}:{settings.master_port}, run the same command on every node: it "
+                             f"resumes from the newest checkpoint (exit code {EXIT_RETRYABLE}: retryable)")
     if settings.multi_node and not mailbox.any_started():
         raise rendezvous_failure(settings, cfg.rdzv_timeout, watching.joined if watching else None)
     if ended.code < 0 and not ended.signal:
@@ -136,23 +162,36 @@ def run_torchrun_once(cfg, settings, argv: list[str], debug: bool, env: dict, ma
     raise MeshtuneError(f"training failed in a worker process (exit code {ended.code}); its error is above")
 
 
-def rejoin_after_store_loss(settings, cfg, rejoins: int) -> None:
-    """Node 0's launcher hosts the c10d rendezvous store: when it dies, this node's torchrun ends too. Wait for
-    the relaunched node 0 to answer again before torchrun starts again to join its new rendezvous, as a restarted
-    node would (the workers resume from the newest checkpoint). Each rejoin counts as one of max_restarts."""
+def rejoin_after_store_loss(settings, cfg, rejoins: int, lost: dict | None = None) -> None:
+    """Node 0's launcher hosts the c10d rendezvous store: when it dies, or this node's workers lost node 0 and its
+    store no longer answers (`lost`: a network partition, or node 0 died), this node's torchrun ends too. Wait for
+    node 0 to answer again before torchrun starts again to join its new rendezvous, as a restarted node would (the
+    workers resume from the newest checkpoint). Each rejoin counts as one of max_restarts."""
     from meshtune.doctor.reachability import RendezvousError, wait_for_master
 
     where = f"{settings.master_addr}:{settings.master_port}"
     if rejoins > cfg.max_restarts:
         raise RendezvousError(f"node {settings.node_rank} lost the rendezvous store at {where} (node 0's launcher "
                               f"hosts it) again, and its max_restarts={cfg.max_restarts} rejoins are used up")
-    logger.warning(f"meshtune: node {settings.node_rank} lost the rendezvous store at {where}, which node 0's "
-                   f"launcher hosts: node 0 died or was stopped (no worker here failed). Waiting up to rdzv_timeout="
-                   f"{cfg.rdzv_timeout} s for node 0 to be relaunched, then rejoining (rejoin {rejoins} of "
-                   f"max_restarts={cfg.max_restarts})")
+    if lost is not None:
+        logger.warning(f"meshtune: node {settings.node_rank} lost node 0 at step {lost['step']} and cannot reach its "
+                       f"rendezvous store at {where} (a network partition, or node 0 died): waiting up to "
+                       f"rdzv_timeout={cfg.rdzv_timeout} s for it to answer, then rejoining (rejoin {rejoins} of "
+                       f"max_restarts={cfg.max_restarts})")
+    else:
+        logger.warning(f"meshtune: node {settings.node_rank} lost the rendezvous store at {where}, which node 0's "
+                       f"launcher hosts: node 0 died or was stopped (no worker here failed). Waiting up to "
+                       f"rdzv_timeout={cfg.rdzv_timeout} s for node 0 to be relaunched, then rejoining (rejoin "
+                       f"{rejoins} of max_restarts={cfg.max_restarts})")
     try:
         wait_for_master(settings, cfg.rdzv_timeout)
     except RendezvousError:
+        if lost is not None:
+            raise NodesLostError(f"node {settings.node_rank} lost node 0 at step {lost['step']} (a network "
+                                 f"partition, or node 0 stopped or died) and could not reach its rendezvous store at "
+                                 f"{where} again within rdzv_timeout={cfg.rdzv_timeout} s; once every node is up and "
+                                 f"reaches {where}, run the same command on every node: it resumes from the newest "
+                                 f"checkpoint (exit code {EXIT_RETRYABLE}: retryable)") from None
         raise RendezvousError(f"node {settings.node_rank}: the rendezvous store at {where} was lost (node 0 died or "
                               f"was stopped) and did not come back within rdzv_timeout={cfg.rdzv_timeout} s: "
                               f"relaunch node 0 with the same command, then this node") from None
@@ -351,6 +390,8 @@ def lost_peers(exc: Exception) -> bool:
     """A torchrun worker's collective failed because another rank died or stopped: its traceback says nothing of
     the cause (that rank's own output, or its launcher, does), so one line stands for it here (--debug shows it).
     True when said."""
+    if torchrun_worker() and (watchdog := sys.modules.get("meshtune.train.hang_watchdog")) is not None:
+        watchdog.await_report()  # a report in progress ends this process, with the node's line
     error = f"{type(exc).__name__}: {exc}"
     words = next((words for words in PEER_FAILED if words in error), None)
     if not torchrun_worker() or words is None:
@@ -365,3 +406,4 @@ def mark_worker_started() -> None:
     """A worker got past the rendezvous: the launcher then knows a failure was not a rendezvous timeout."""
     if (mailbox := Mailbox.of_launcher()) is not None:
         mailbox.mark_started(int(os.environ.get("RANK", "0")))
+        mailbox.clear_peers_lost()  # the nodes met again: a loss before is over

@@ -44,17 +44,26 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
     not 0) and orders agents itself (by host name or local_addr, then pid), so global rank 0 need not be on NODE_RANK 0.
     NODE_RANK 0 does host the rendezvous store (`is_host`): torch's own guess compares MASTER_ADDR with the host name's
     addresses and misses a second network (local_addr). The user's node rank still reaches the workers as
-    MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank. `read_timeout` is the
-    store connection's patience too: a node started before node 0 waits that long.
+    MESHTUNE_NODE_RANK (see `launch_env`), so the startup check can spot two nodes given one rank.
+
+    c10d's `read_timeout` bounds each wait on the store, and the launcher has made sure node 0 answers before torchrun
+    starts. It is short because of what follows every completed round: each agent posts its share of the workers
+    (torch's `role_info`, and agent 0 the workers' MASTER_ADDR) and waits for the others' in the store, watching
+    nothing else. A node killed between the round's completion and its post (a second or two: the last agent to see
+    the round complete polls once a second) left the others in that wait for the whole read_timeout, and the
+    relaunched node in the next round's wait list behind them, all silent; then torchrun gave up with a
+    DistStoreError. Bounded, the agent fails within RANK_EXCHANGE_TIMEOUT_S and the launcher starts torchrun again
+    into a new round (`rank_exchange_lost`).
     """
     numa_binding = torchrun_numa_binding(cfg.cpu_pinning, settings.nproc_per_node)
     if not settings.multi_node:
         return standalone_command(settings.nproc_per_node, argv, cfg.max_restarts, numa_binding)
     host = f"[{settings.master_addr}]" if ":" in settings.master_addr else settings.master_addr  # IPv6
-    timeouts = f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}"
     if cfg.rdzv_backend == "etcd-v2":  # the rendezvous lives in etcd: no node hosts it
+        timeouts = f"join_timeout={cfg.rdzv_timeout},read_timeout={cfg.rdzv_timeout}"
         rendezvous = ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", cfg.rdzv_endpoint, "--rdzv-conf", timeouts]
     else:
+        timeouts = f"join_timeout={cfg.rdzv_timeout},read_timeout={min(cfg.rdzv_timeout, RANK_EXCHANGE_TIMEOUT_S)}"
         rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{settings.master_port}",
                       "--rdzv-conf", f"{timeouts},is_host={int(settings.node_rank == 0)}"]
     return [sys.executable, "-m", "torch.distributed.run",
@@ -66,6 +75,9 @@ def torchrun_command(settings: NodeSettings, argv: list[str], cfg) -> list[str]:
             *(["--local-addr", cfg.local_addr] if cfg.local_addr else []),
             *numa_binding_option(numa_binding),
             "-m", "meshtune", *argv]
+
+
+RANK_EXCHANGE_TIMEOUT_S = 15  # c10d's read_timeout: a live agent posts its share within a second or two
 
 
 def launch_env(settings: NodeSettings, stop_grace_period: int = 60) -> dict[str, str]:
@@ -125,7 +137,8 @@ def run_torchrun(command: list[str], nproc: int, extra_env: Mapping[str, str] | 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         copier.join(timeout=5)
-    return TorchrunExit(code, received[0] if received else None, stderr.store_lost)
+    return TorchrunExit(code, received[0] if received else None, stderr.store_lost, stderr.rank_exchange_lost,
+                        stderr.rendezvous_closed)
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,8 @@ class TorchrunExit:
     code: int
     signal: int | None  # the first signal the launcher received while torchrun ran
     store_lost: bool  # the agent lost its connection to the rendezvous store (node 0's agent died)
+    rank_exchange_lost: bool = False  # the agent waited in vain for a node's share after a round (it died then)
+    rendezvous_closed: bool = False  # another agent ended and closed the rendezvous (torchrun does as it exits)
 
 
 AGENT_EXIT_S = 10  # after this node's workers are done, the most torchrun may take to follow
@@ -148,6 +163,9 @@ def _wait(process: subprocess.Popen, channel) -> int:
             pass
         if channel is None:
             continue
+        if channel.cut_off():  # this node's workers lost node 0 and its store does not answer: the agent would hang
+            kill_tree(process.pid)
+            return process.wait()
         if channel.cause is not None:  # another node's worker ended the job: nothing here is worth waiting for
             kill_tree(process.pid)
             return process.wait()
@@ -180,11 +198,14 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
 
 class AgentTracebackFilter:
     """Copies a stream line by line, leaving out each Python traceback of the agent that ends in torch elastic's
-    SignalException (it was told to stop) or RendezvousConnectionError (it lost the rendezvous store, which the
-    launcher then reports in its own words); every other line, tracebacks of workers included, passes unchanged
-    (all of them with `keep_all`). `store_lost` tells whether the store was lost."""
+    SignalException (it was told to stop), RendezvousConnectionError (it lost the rendezvous store),
+    RendezvousTimeoutError (the nodes did not meet within rdzv_timeout), RendezvousClosedError (another agent that
+    ended closed the rendezvous) or a DistStoreError on the rendezvous's own keys (a node died as a round
+    completed), which the launcher then reports in its own words; every other line, tracebacks of workers included,
+    passes unchanged (all of them with `keep_all`). `store_lost`, `rendezvous_closed` and `rank_exchange_lost` tell
+    which of the last three happened."""
 
-    HIDDEN = (b"SignalException", b"RendezvousConnectionError")
+    HIDDEN = (b"SignalException", b"RendezvousConnectionError", b"RendezvousTimeoutError", b"RendezvousClosedError")
     CHAINED = (b"The above exception was the direct cause", b"During handling of the above exception")
     # Python's logging.Handler.handleError: the block it prints when an exception interrupts a handler's emit, as
     # torch elastic's SignalException does when the stop signal comes while the agent is logging a line
@@ -198,6 +219,8 @@ class AgentTracebackFilter:
         self.logging_error: list[bytes] | None = None  # the lines of a logging error block being read
         self.ended = False  # the held traceback reached its exception line; a chained one may follow
         self.store_lost = False
+        self.rank_exchange_lost = False
+        self.rendezvous_closed = False
 
     def copy(self, stream: BinaryIO) -> None:
         for line in iter(stream.readline, b""):
@@ -207,6 +230,10 @@ class AgentTracebackFilter:
     def feed(self, line: bytes) -> None:
         if b"RendezvousConnectionError" in line:
             self.store_lost = True
+        if rank_exchange_timeout(line):
+            self.rank_exchange_lost = True
+        if b"RendezvousClosedError" in line:
+            self.rendezvous_closed = True
         if self.keep_all:
             self._write(line)
             return
@@ -246,7 +273,7 @@ class AgentTracebackFilter:
     def _decide(self) -> None:
         """Print the held chain unless its last exception is one of HIDDEN."""
         last = next((line for line in reversed(self.held) if line.strip()), b"")
-        if not (self.ended and any(word in last for word in self.HIDDEN)):
+        if not (self.ended and (any(word in last for word in self.HIDDEN) or rank_exchange_timeout(last))):
             self._write(b"".join(self.held))
         self.held, self.ended = None, False
 
@@ -260,6 +287,11 @@ class AgentTracebackFilter:
     def _write(self, data: bytes) -> None:
         self.sink.write(data)
         self.sink.flush()
+
+
+def rank_exchange_timeout(line: bytes) -> bool:
+    """The agent's wait for the other agents' shares after a completed round timed out (its keys are the round's)."""
+    return b"DistStoreError" in line and b"/torch.rendezvous." in line
 
 
 # Whether workers ran under this launcher since its last line: a progress bar whose worker was stopped never ends

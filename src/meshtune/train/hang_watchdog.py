@@ -6,8 +6,13 @@ checkpoint writes and torch.compile at work pause the clock), each rank that can
 flight recorder (its last collectives and their states: NCCL, and gloo where this torch records it). The ranks agree
 on the folder through the job's store. The lowest rank that reported writes `summary.txt`: the ranks that never
 reported (stopped, dead, or stuck outside Python holding the interpreter) and those not at the same place as the
-others. Then the reporting ranks exit with `HANG_EXIT`, so torchrun stops the rest and starts all workers again,
-from the newest checkpoint.
+others. On each node its lowest reporting rank says in one line what the node lost (the other node and the step,
+when none of that node's ranks reported: a network partition, or a dead node) and leaves it in its launcher's mailbox.
+Then the reporting ranks exit with `HANG_EXIT`, so torchrun stops the rest and starts all workers again, from the
+newest checkpoint.
+
+Nothing in the report waits on the network without a bound: across a partition a store client's read never returns
+(the TCP connection neither answers nor fails for many minutes), so the store is asked from a thread of its own.
 
 While no hang timeout applies yet (the first steps, which compile and warm up), rank 0 says every minute that a step
 is still running, where, whether torch.compile is at work, and, on GPUs, what the allocator holds and how often it
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from meshtune.distributed import DistEnv
+from meshtune.mailbox import Mailbox
 from meshtune.train.stragglers import Place
 
 HANG_EXIT = 75  # non-zero, so torchrun restarts the workers; distinct, so a log shows why
@@ -47,6 +53,10 @@ RECENT_STEPS = 200  # the median is of the last this many steps
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives torch's flight recorder keeps for the dump (TORCH_FR_BUFFER_SIZE)
 SLOW_STEP_NOTICE_S = 60  # while no hang timeout applies: rank 0's word on a step still running, this often
 CHECK_EVERY_S = 1.0  # how often the watch looks at the clock
+STORE_ANSWER_S = 5  # the most the report waits for the job's store to name its folder (none answers across a partition)
+REPORT_WAIT_MAX_S = 30  # the most a reporting rank waits for the others' reports (hang timeout / 2, at least 5 s)
+
+reporting = threading.Event()  # this rank's watchdog is writing its report and will end the process
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +178,7 @@ class HangWatchdog:
         return text
 
     def _report_and_exit(self, idle: float, limit: float) -> None:
+        reporting.set()
         folder = self._agree_on_folder()
         folder.mkdir(parents=True, exist_ok=True)
         rank = self.env.rank
@@ -189,7 +200,7 @@ class HangWatchdog:
             faulthandler.dump_traceback(file=out, all_threads=True)
             out.write("\n" + flight_record(entries))
         (folder / f"rank{rank}.json").write_text(json.dumps(here))
-        time.sleep(min(30.0, max(5.0, limit / 2)))  # time for the other ranks to report
+        time.sleep(report_wait(limit))  # time for the other ranks to report
         reported = sorted(int(p.stem[4:]) for p in folder.glob("rank*.json"))
         if reported and reported[0] == rank:
             (folder / "summary.txt").write_text(self.summary(folder, reported, limit))
@@ -197,25 +208,60 @@ class HangWatchdog:
         for silent, pid in kill_silent_local_workers(set(range(self.env.world_size)) - set(reported)):
             print(f"meshtune: rank {rank}: killing rank {silent} (pid {pid}, same node), which did not report",
                   file=sys.stderr, flush=True)
-        print(f"meshtune: rank {rank}: no optimizer step completed for {idle:.0f} s after step {self.step - 1} "
-              f"(hang timeout {limit:.0f} s); stacks in {folder}; exiting so torchrun restarts the workers from "
-              f"the newest checkpoint", file=sys.stderr, flush=True)
+        node = self.places[rank].node
+        if rank == min(r for r in reported + [rank] if self.places[r].node == node):  # one line a node
+            lost = self.lost_nodes(reported)
+            line = self.node_line(idle, limit, folder, reported, lost)
+            print(line, file=sys.stderr, flush=True)  # before the mark: the launcher may end torchrun on reading it
+            if lost and (mailbox := Mailbox.of_launcher()) is not None:
+                mailbox.mark_peers_lost(line, lost, self.step)
         os._exit(HANG_EXIT)
+
+    def lost_nodes(self, reported: list[int]) -> list[int]:
+        """The other nodes none of whose ranks reported: cut off by the network, or stopped or dead as a whole."""
+        nodes = {place.node for place in self.places}
+        heard = {self.places[r].node for r in reported} | {self.places[self.env.rank].node}
+        return sorted(nodes - heard)
+
+    def node_line(self, idle: float, limit: float, folder: Path, reported: list[int], lost: list[int]) -> str:
+        """This node's one line on the console: what it lost, at which step, and what happens next."""
+        node = self.places[self.env.rank].node
+        head = (f"meshtune: node {node}: no optimizer step completed for {idle:.0f} s at step {self.step} (hang "
+                f"timeout {limit:.0f} s)")
+        then = (f"stacks in {folder}; its workers exit so torchrun restarts them from the newest checkpoint once the "
+                f"nodes meet again (up to rdzv_timeout)")
+        if lost:
+            names = ", ".join(f"node {n} ({self.host_of(n)})" for n in lost)
+            return (f"{head}: lost {names}, none of whose ranks answered: a network partition, or that node stopped "
+                    f"or died; {then}")
+        silent = [r for r in range(self.env.world_size) if r not in reported]
+        if silent:
+            return (f"{head}: rank(s) {', '.join(map(str, silent))} did not report (see summary.txt); {then}")
+        return f"{head}: every rank is stuck at the same place (see summary.txt); {then}"
+
+    def host_of(self, node: int) -> str:
+        return next(place.host for place in self.places if place.node == node)
 
     def _agree_on_folder(self) -> Path:
         """One folder for every rank of this hang: the first to ask names it by its clock, in the job's store;
         when the store cannot answer (the rank hosting it is the one stuck), by the step this attempt started from,
         which every rank knows alike (not the step it is at: a rank elsewhere may be at another)."""
-        name = f"hang-since-step{self.start_step}"
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set_timeout(timedelta(seconds=10))
-            proposed = "hang-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-            key = f"meshtune/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-            name = store.compare_set(key, "", proposed).decode()
-        except Exception:  # noqa: BLE001 - any store failure: the fallback name every rank derives alike
-            pass
-        return self.output_dir / name
+        answer: list[str] = []
+
+        def ask() -> None:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                store.set_timeout(timedelta(seconds=STORE_ANSWER_S))
+                proposed = "hang-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+                key = f"meshtune/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+                answer.append(store.compare_set(key, "", proposed).decode())
+            except Exception:  # noqa: BLE001 - any store failure: the fallback name every rank derives alike
+                pass
+
+        asking = threading.Thread(target=ask, name="meshtune-hang-folder", daemon=True)
+        asking.start()
+        asking.join(STORE_ANSWER_S)  # a read across a partition never returns: the thread is left to the exit
+        return self.output_dir / (answer[0] if answer else f"hang-since-step{self.start_step}")
 
     def summary(self, folder: Path, reported: list[int], limit: float) -> str:
         """Who reported, who did not, and who is somewhere else than the rest."""
@@ -247,6 +293,18 @@ class HangWatchdog:
                          "see the flight recorder in the rank files")
         lines.append(f"stacks of each reporting rank: {folder}/rank<R>.txt")
         return "\n".join(lines) + "\n"
+
+
+def report_wait(limit: float) -> float:
+    """How long a reporting rank waits for the others' reports before the summary."""
+    return min(float(REPORT_WAIT_MAX_S), max(5.0, limit / 2))
+
+
+def await_report(timeout_s: float = STORE_ANSWER_S + REPORT_WAIT_MAX_S + 10) -> None:
+    """In a rank whose step failed (a collective broke as a peer went away): while this rank's watchdog writes its
+    report, wait for it to end the process, so that the report and the node's line are not cut short."""
+    if reporting.is_set():
+        time.sleep(timeout_s)
 
 
 def kill_silent_local_workers(silent: set[int]) -> list[tuple[int, int]]:
