@@ -100,6 +100,8 @@ def run_job(config: Path, output: Path, logs: Path, cycles: int, rng: random.Ran
             wait, victim = rng.uniform(min_s, max_s), rng.randrange(2)
             if watch(time.monotonic() + wait):
                 break
+            if any(node.process.poll() == 0 for node in nodes):  # the job has ended on a node: an operator
+                break  # relaunches nothing then, and a relaunched node would wait for a job that is over
             nodes[victim].kill()
             kills.append({"cycle": cycle, "node": victim, "after_s": round(wait, 1), "steps_logged": seen})
             time.sleep(RELAUNCH_AFTER_S)

@@ -24,7 +24,7 @@ from ranks import free_port
 from test_faults import (JOB_TIMEOUT, Cluster, NetworkNamespaces, Node, final_hash, job_config, losses,
                          uninterrupted_run)
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]  # timed against the clock
+pytestmark = pytest.mark.slow  # bounds of a minute or more after the cut: they hold beside another test
 HANG_TIMEOUT = 10
 EXIT_RETRYABLE = 75
 
