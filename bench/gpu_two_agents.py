@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,14 +34,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import kill_tree  # noqa: E402
+from processes import free_port, kill_tree  # noqa: E402
 from workspace import prepare_workspace  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_node(process: subprocess.Popen) -> None:

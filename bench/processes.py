@@ -4,6 +4,8 @@ signalling the launcher and every process below it."""
 
 from __future__ import annotations
 
+import socket
+
 import psutil
 
 from meshtune.launch.torchrun import kill_tree  # noqa: F401  (the one kill of a process tree)
@@ -23,3 +25,10 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the kernel's pick)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
