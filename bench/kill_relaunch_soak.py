@@ -22,22 +22,15 @@ import hashlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes import kill_tree  # noqa: E402
+from processes import free_port, kill_tree  # noqa: E402
 
 RELAUNCH_AFTER_S = 1.0  # a kill, then the operator's relaunch
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Node:
@@ -61,6 +54,11 @@ def steps_logged(output: Path) -> int:
         return sum(1 for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip())
     except FileNotFoundError:
         return 0
+
+
+def final_begun(output: Path) -> bool:
+    """Rank 0 writes final/ once every rank's part of the job is done: a node's workers may have exited by then."""
+    return (output / "final").exists() or (output / "final.tmp").exists()
 
 
 def final_weights(output: Path) -> dict[str, str]:
@@ -100,8 +98,8 @@ def run_job(config: Path, output: Path, logs: Path, cycles: int, rng: random.Ran
             wait, victim = rng.uniform(min_s, max_s), rng.randrange(2)
             if watch(time.monotonic() + wait):
                 break
-            if any(node.process.poll() == 0 for node in nodes):  # the job has ended on a node: an operator
-                break  # relaunches nothing then, and a relaunched node would wait for a job that is over
+            if any(node.process.poll() == 0 for node in nodes) or final_begun(output):
+                break  # past its last step the job ends without the other node: a relaunched one would wait for it
             nodes[victim].kill()
             kills.append({"cycle": cycle, "node": victim, "after_s": round(wait, 1), "steps_logged": seen})
             time.sleep(RELAUNCH_AFTER_S)
