@@ -82,10 +82,12 @@ class Cluster:
         self.nodes.append(node)
         return node
 
-    def start_job(self, config: Path, port: int, **kwargs) -> list[Node]:
-        """Both nodes: node 0 first (it hosts the rendezvous store), then node 1."""
+    def start_job(self, config: Path, port: int, store_on_port: bool = True, **kwargs) -> list[Node]:
+        """Both nodes: node 0 first, then node 1 once node 0's launcher hosts the rendezvous store on `port`. Without
+        `store_on_port` (an etcd rendezvous: the store on `port` opens only once every node joined) both at once."""
         nodes = [self.start(0, config, port, **kwargs)]
-        wait_for_port(port, nodes[0].process, kwargs.get("master", "127.0.0.1"), timeout=JOB_TIMEOUT)
+        if store_on_port:
+            wait_for_port(port, nodes[0].process, kwargs.get("master", "127.0.0.1"), timeout=JOB_TIMEOUT)
         return nodes + [self.start(1, config, port, **kwargs)]
 
     def run(self, config: Path, timeout: float = JOB_TIMEOUT, **kwargs) -> list[Node]:
@@ -340,7 +342,7 @@ def test_with_an_etcd_rendezvous_a_killed_node_0_relaunched_alone_completes_reco
     config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, rdzv_backend="etcd-v2",
                         rdzv_endpoint=etcd_server)
     port = free_port()
-    nodes = cluster.start_job(config, port)
+    nodes = cluster.start_job(config, port, store_on_port=False)
     kill_and_relaunch(cluster, config, port, output, nodes, victim=0, step=8)
     end_as_the_baseline(nodes, output, baseline(1))
     assert "resumed from" in "".join(node.output() for node in cluster.nodes)
