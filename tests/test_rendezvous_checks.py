@@ -120,6 +120,36 @@ def test_a_store_answers_the_probe_and_a_listener_that_is_none_does_not():
     assert store.get("meshtune/job/refused") == b"why"
 
 
+SILENT_CLIENT = "import time; print('ready', flush=True); time.sleep(60)"  # connected, and no answer comes
+ENDING_CLIENT = "import os, time; print('ready', flush=True); os.close(1); time.sleep(5)"  # gave up, still exiting
+
+
+@pytest.mark.slow
+def test_the_probe_calls_a_silent_port_foreign_only_while_it_still_accepts(monkeypatch):
+    """A store client that got no answer says "another program holds the port" only when the port still accepts:
+    node 0 killed (or between its stores) mid-probe leaves a client retrying to connect, which is no verdict."""
+    from meshtune.doctor import reachability
+
+    monkeypatch.setattr(reachability, "STORE_CLIENT", SILENT_CLIENT)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        assert ask_store("127.0.0.1", port, 0.5) is False
+    assert ask_store("127.0.0.1", port, 0.5) is None  # nothing listens there any more
+
+
+@pytest.mark.slow
+def test_a_client_that_ended_without_an_answer_is_no_verdict_while_it_exits(monkeypatch):
+    from meshtune.doctor import reachability
+
+    monkeypatch.setattr(reachability, "STORE_CLIENT", ENDING_CLIENT)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        assert ask_store("127.0.0.1", listener.getsockname()[1], 0.5) is None
+
+
 @pytest.mark.slow
 def test_another_program_on_master_port_is_named_on_both_nodes_within_rdzv_timeout(tmp_path, launchers,
                                                                                    tiny_model_dir, tiny_dataset):

@@ -161,7 +161,11 @@ def ask_store(host: str, port: int, answer_s: float, key: str = "", value: str =
         said = _line(process, answer_s + 5)
         if said == "answered":
             return True
-        return False if said is None and process.poll() is None else None
+        if said is not None:  # the client ended (its output closed) without an answer: it could not connect
+            return None
+        # Silent that long: a listener that is no store, unless the listener went away meanwhile (node 0 killed
+        # or between its stores, the client retrying to connect): what accepts now is judged, not what did.
+        return False if still_accepts(host, port) else None
     finally:
         if process.poll() is None:
             process.kill()
@@ -170,12 +174,20 @@ def ask_store(host: str, port: int, answer_s: float, key: str = "", value: str =
 
 
 def _line(process: subprocess.Popen, timeout_s: float) -> str | None:
-    """The child's next line within `timeout_s`; None when none came (or it ended)."""
+    """The child's next line within `timeout_s`: None when none came in time, "" when its output ended (it is
+    ending, whether or not it has exited yet)."""
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     if not ready:
         return None
-    line = process.stdout.readline()
-    return line.strip() if line else None
+    return process.stdout.readline().strip()
+
+
+def still_accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def answers_as_store(host: str, port: int, answer_s: float = STORE_ANSWER_S) -> bool | None:
