@@ -209,8 +209,8 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
     for expected in ("ppo: PPO is another trainer's; meshtune trains supervised fine-tuning (sft), continued "
-                     "pre-training on raw text (pt) and DPO-family preference training (dpo)", "use_dft_loss: True", "pure_bf16: True",
-                     "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
+                     "pre-training on raw text (pt) and DPO-family preference training (dpo)", "use_dft_loss: True",
+                     "pure_bf16: True", "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
 

@@ -166,8 +166,8 @@ def convert_pair(record: Any, fmt: str, spec: DatasetSpec | None = None
         chosen_value, rejected_value = full_chosen[shared:], full_rejected[shared:]
     chosen = _reply(chosen_value, keys["chosen"], spec, fmt)
     rejected = _reply(rejected_value, keys["rejected"], spec, fmt)
-    if not prompt or not any(m["role"] == "user" for m in prompt):
-        raise ValueError("the prompt has no user turn")
+    if not any(m["role"] == "user" and m["content"].strip() for m in prompt):
+        raise ValueError("the prompt has no user turn with text")
     if prompt[-1]["role"] == "assistant":
         raise ValueError("the prompt ends with an assistant turn; the responses answer a user (or tool) turn")
     for name, reply in (("chosen", chosen), ("rejected", rejected)):
