@@ -262,6 +262,10 @@ EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
     "dpo.yaml": ("auto", "lora", False), "qwen3_lora_dpo.yaml": ("auto", "lora", False)}
 
 
+# one step of 8 micro-batches of pairs up to 2048 tokens each (the tiny tokenizer's tokens are short) is enough
+STEPS = {"qwen3_lora_dpo.yaml": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_path, monkeypatch, tiny_model_dir):
@@ -274,8 +278,9 @@ def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_pa
     yamls = sorted((tree / "examples" / "train").glob("*.yaml"))
     assert {path.name for path in yamls} <= set(EXPECTED) | set(REFUSED)
     for path in yamls:
+        steps = STEPS.get(path.name, 3)
         overrides = [f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'out' / path.stem}",
-                     "max_steps=3", "logging_steps=1"]
+                     f"max_steps={steps}", "logging_steps=1"]
         if path.name in REFUSED:
             with pytest.raises(ConfigError, match=REFUSED[path.name]):
                 load_job_config(path.relative_to(tree), overrides)
@@ -283,7 +288,7 @@ def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_pa
         cfg = load_job_config(path.relative_to(tree), overrides).config
         assert (cfg.parallel, cfg.finetuning_type, cfg.cpu_offload) == EXPECTED[path.name], path.name
         records = run(cfg).records
-        assert [r["step"] for r in records if "loss" in r][-1] == 3, path.name
+        assert [r["step"] for r in records if "loss" in r][-1] == steps, path.name
         final = tmp_path / "out" / path.stem / "final"
         assert (final / "tokenizer_config.json").is_file(), path.name
 
