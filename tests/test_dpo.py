@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import base_config
 from meshtune.cli import main
@@ -26,7 +27,7 @@ from meshtune.data.registry import resolve
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
 from meshtune.data.tokenized import cache_key
-from meshtune.errors import ConfigError, DataError
+from meshtune.errors import ConfigError, DataError, ModelError
 from meshtune.model.model_dir import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
@@ -170,6 +171,8 @@ def test_the_keys_their_trl_names_and_what_makes_no_sense_for_the_stage(tmp_path
         ({"ref_model_adapters": "/a"}, "ref_model_adapters is an adapter merged into ref_model"),
         ({"packing": True}, "packing: true with stage: dpo: packed preference pairs are not supported"),
         ({"tensor_parallel": 2}, "stage: dpo runs data-parallel only"),
+        ({"context_parallel": 2}, "stage: dpo runs data-parallel only"),
+        ({"mask_history": True}, "mask_history choose which turns of a conversation train; stage: dpo"),
         ({"pref_loss": "kto_pair"}, "pref_loss"),
     ]
     for extra, message in refusals:
@@ -178,9 +181,11 @@ def test_the_keys_their_trl_names_and_what_makes_no_sense_for_the_stage(tmp_path
     with pytest.raises(ConfigError, match="packed preference pairs are not supported"):
         load_job_config(None, [f"model_name_or_path={tiny_model_dir}", "dataset=d.jsonl", "stage=dpo"],
                         {"neat_packing": True})
-    with pytest.raises(ConfigError, match="pref_bco_weight: 0.5 .* BCO"):
-        load_job_config(None, [f"model_name_or_path={tiny_model_dir}", "dataset=d.jsonl", "stage=dpo"],
-                        {"pref_bco_weight": 0.5})
+    for key, value, message in (("pref_bco_weight", 0.5, "pref_bco_weight: 0.5 .* BCO"),
+                                ("precompute_ref_log_probs", True, "computes the reference's log-probs in the step")):
+        with pytest.raises(ConfigError, match=message):
+            load_job_config(None, [f"model_name_or_path={tiny_model_dir}", "dataset=d.jsonl", "stage=dpo"],
+                            {key: value})
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +238,30 @@ def test_export_and_chat_take_a_dpo_runs_final(dpo_run, tmp_path, capfd, monkeyp
     assert main(["chat", str(result.final_dir), "--max-new-tokens", "4"]) == 0
     out, _ = capfd.readouterr()
     assert out.strip()
+
+
+def test_ref_model_adapters_are_merged_into_the_reference_copy(dpo_run, tiny_model_dir, tmp_path):
+    """LLaMA-Factory's ref_model + ref_model_adapters: the reference is that model with the adapter folded in."""
+    from peft import PeftModel
+
+    from meshtune.distributed import DistEnv
+    from meshtune.model.loading import load_model, model_size
+    from meshtune.model.reference import FrozenCopy, build_reference
+    from meshtune.plan import resolve as resolve_plan
+
+    _, result = dpo_run
+    cfg = build_config(base_config(tiny_model_dir, "d.jsonl", tmp_path, stage="dpo", finetuning_type="full",
+                                   ref_model=str(tiny_model_dir), ref_model_adapters=str(result.final_dir)))
+    env = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    plan = resolve_plan(cfg, env, None, lambda: model_size(tiny_model_dir))
+    assert "with the adapter" in plan.why["reference"]
+    reference = build_reference(cfg, plan, env, policy=torch.nn.Identity())
+    assert isinstance(reference, FrozenCopy) and not any(p.requires_grad for p in reference.model.parameters())
+    ids = {"input_ids": torch.tensor([[5, 17, 42, 8, 99, 3]])}
+    merged = PeftModel.from_pretrained(load_model(tiny_model_dir), result.final_dir).merge_and_unload().eval()
+    with torch.no_grad():
+        want, base = merged(**ids).logits, load_model(tiny_model_dir)(**ids).logits
+    torch.testing.assert_close(reference.logits(ids), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, base, atol=1e-4)  # the adapter trained something
+    with pytest.raises(ModelError, match="has no adapter_config.json"):
+        build_reference(cfg.model_copy(update={"ref_model_adapters": str(tmp_path)}), plan, env, torch.nn.Identity())

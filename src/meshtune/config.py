@@ -679,6 +679,10 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{', '.join(given)}: preference-training keys, read only by stage: dpo; this run "
                                  f"is stage: {self.stage}: drop them or set stage: dpo")
             return
+        sft_only = [key for key in ("train_on_prompt", "mask_history") if getattr(self, key)]
+        if sft_only:
+            raise ValueError(f"{' and '.join(sft_only)} choose which turns of a conversation train; stage: dpo trains "
+                             f"each pair's two responses after their prompt: drop {' and '.join(sft_only)}")
         if self.packing:
             raise ValueError("packing: true with stage: dpo: packed preference pairs are not supported; a pair's "
                              "chosen and rejected rows are padded in their micro-batch: drop packing (and "

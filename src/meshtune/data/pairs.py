@@ -189,7 +189,7 @@ def read_pairs(specs: list[DatasetSpec], skip_invalid: bool = False, max_samples
             located = located_records(Path(path), keep_unparseable=skip_invalid)
             records = located[:left]
             left = None if left is None else left - len(records)
-            fmt = spec.fmt if spec.registry is not None else detect_pair_format([r for r, _ in records], path)
+            fmt = spec.fmt or detect_pair_format([r for r, _ in records], path)  # dataset_format, else detected
             if fmt not in PAIR_FORMATS:
                 raise DataError(f"{path}: dataset_format {fmt} holds no preference pairs; stage: dpo reads "
                                 f"{', '.join(PAIR_FORMATS)} pairs (leave dataset_format auto)")
