@@ -52,19 +52,16 @@ class PairLoss:
     def collate(self, rows: list[Row], dataset, packed: bool) -> Batch:
         return collate_pairs(rows, dataset, self.pad_id)
 
-    def forward_logits(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
         dtype = torch.float16 if self.autocast_fp16 else torch.bfloat16
         inputs = batch.model_inputs()
-        with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.autocast_bf16 or self.autocast_fp16):
-            reference = self.reference.logits(inputs) if self.reference is not None else None
-            policy = self.model(**inputs, use_cache=False).logits
-        return policy, reference
-
-    def loss_sum(self, batch: Batch) -> torch.Tensor:
-        policy, reference = self.forward_logits(batch)
         n = batch.input_ids.shape[0] // 2
+        with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.autocast_bf16 or self.autocast_fp16):
+            # the reference first, reduced to a value a row: its logits are freed before the policy's exist
+            ref = (sequence_logps(self.reference.logits(inputs), batch.targets)[0] if self.reference is not None
+                   else None)
+            policy = self.model(**inputs, use_cache=False).logits
         logps, tokens = sequence_logps(policy, batch.targets)
-        ref = sequence_logps(reference, batch.targets)[0] if reference is not None else None
         pairs = pair_losses(self.settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
                             None if ref is None else ref[:n], None if ref is None else ref[n:])
         self.last = {"pairs": pairs, "chosen": logps[:n], "rejected": logps[n:], "weight": 0.0 if batch.filler else 1.0}
