@@ -208,9 +208,9 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
         load_job_config(config)
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
-    for expected in ("ppo: PPO is another trainer's; meshtune trains supervised fine-tuning (sft) and continued "
-                     "pre-training on raw text (pt)", "use_dft_loss: True", "pure_bf16: True",
-                     "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
+    for expected in ("ppo: PPO is another trainer's; meshtune trains supervised fine-tuning (sft), continued "
+                     "pre-training on raw text (pt) and DPO-family preference training (dpo)", "use_dft_loss: True",
+                     "pure_bf16: True", "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
 
@@ -249,9 +249,7 @@ def test_accelerate_fsdp_config_is_refused_with_meshtune_equivalents(source):
         assert key in message
 
 
-REFUSED = {"dpo.yaml": "dpo: DPO preference training is another trainer's; meshtune trains supervised fine-tuning",
-           "qwen3_lora_dpo.yaml": "dpo: DPO preference training is another trainer's",
-           "qwen3_lora_kto.yaml": "kto: KTO preference training is another trainer's",
+REFUSED = {"qwen3_lora_kto.yaml": "kto: KTO preference training is another trainer's",
            "qwen3_lora_reward.yaml": r"rm: reward-model training \(rm\) is another trainer's",
            "fsdp_config.yaml": "is an accelerate launch config",
            "fsdp_config_multiple_nodes.yaml": "is an accelerate launch config"}
@@ -260,7 +258,12 @@ EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
     "lora_sft_otfq.yaml": ("auto", "qlora", False), "toolcall_lora_sft.yaml": ("ddp", "lora", False),
     "qwen3_lora_sft.yaml": ("auto", "lora", False), "qwen3_full_sft.yaml": ("zero3", "full", False),
     "qwen3_lora_sft_ds3.yaml": ("zero3", "lora", False), "qwen3_lora_sft_otfq.yaml": ("auto", "qlora", False),
-    "lora_pretrain.yaml": ("auto", "lora", False), "qwen3_lora_pretrain.yaml": ("auto", "lora", False)}
+    "lora_pretrain.yaml": ("auto", "lora", False), "qwen3_lora_pretrain.yaml": ("auto", "lora", False),
+    "dpo.yaml": ("auto", "lora", False), "qwen3_lora_dpo.yaml": ("auto", "lora", False)}
+
+
+# one step of 8 micro-batches of pairs up to 2048 tokens each (the tiny tokenizer's tokens are short) is enough
+STEPS = {"qwen3_lora_dpo.yaml": 1}
 
 
 @pytest.mark.slow
@@ -275,8 +278,9 @@ def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_pa
     yamls = sorted((tree / "examples" / "train").glob("*.yaml"))
     assert {path.name for path in yamls} <= set(EXPECTED) | set(REFUSED)
     for path in yamls:
+        steps = STEPS.get(path.name, 3)
         overrides = [f"model_name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'out' / path.stem}",
-                     "max_steps=3", "logging_steps=1"]
+                     f"max_steps={steps}", "logging_steps=1"]
         if path.name in REFUSED:
             with pytest.raises(ConfigError, match=REFUSED[path.name]):
                 load_job_config(path.relative_to(tree), overrides)
@@ -284,7 +288,7 @@ def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_pa
         cfg = load_job_config(path.relative_to(tree), overrides).config
         assert (cfg.parallel, cfg.finetuning_type, cfg.cpu_offload) == EXPECTED[path.name], path.name
         records = run(cfg).records
-        assert [r["step"] for r in records if "loss" in r][-1] == 3, path.name
+        assert [r["step"] for r in records if "loss" in r][-1] == steps, path.name
         final = tmp_path / "out" / path.stem / "final"
         assert (final / "tokenizer_config.json").is_file(), path.name
 
@@ -497,8 +501,8 @@ def test_keys_that_turn_on_another_method_are_refused_as_that_method(key, value,
                            "its processes with torchrun, not Ray: nproc_per_node processes on each of nnodes nodes"),
     ("resources_per_worker", {"GPU": 1}, "it is a Ray setting"),
     ("swanlab_project", "p", "it is a SwanLab setting"),
-    ("pref_beta", 0.1, "it is a preference or RL training setting: read only by stage: dpo, kto, ppo or rm"),
-    ("ref_model_adapters", "a", "it is a preference or RL training setting"),
+    ("kto_chosen_weight", 1.0, "it is a KTO, PPO or reward-model setting: read only by stage: kto, ppo or rm"),
+    ("reward_model", "a", "it is a KTO, PPO or reward-model setting"),
     ("use_mca", True, "meshtune trains through DDP or FSDP2, not Megatron Core"),
 ])
 def test_settings_of_another_method_are_ignored_as_that_methods(key, value, message):

@@ -136,7 +136,7 @@ def test_evaluation_counts_a_cp_groups_targets_once():
                     padding_free=False)
     evaluator = Evaluator(dataset, 1, None, 1, gpu_env(1, device="cpu"), lambda rows: batch,
                           lambda b: torch.tensor(3.0), lambda b: b.num_targets, target_share=1 / 2)
-    assert evaluator.run(torch.nn.Linear(1, 1)) == pytest.approx(3.0 / (3 * 0.5))
+    assert evaluator.run(torch.nn.Linear(1, 1))["eval_loss"] == pytest.approx(3.0 / (3 * 0.5))
 
 
 def ring_job(rank: int, world_size: int, workdir) -> None:

@@ -251,8 +251,6 @@ def test_a_missing_eval_dataset_is_named_with_its_key(tmp_path, monkeypatch):
                       r"llamafactory/alpaca_en, om_hub_url: HaM/alpaca_en\); meshtune downloads nothing and runs no "
                       r"loading scripts: download the data, put it under dataset_dir .* and give the entry a "
                       r"file_name, or pass the file path"),
-        ("dpo_en_demo", "'dpo_en_demo' has ranking: true: preference pairs .* rm and dpo stages, which meshtune does "
-                        "not train"),
         ("mllm_demo", r"'mllm_demo' maps media columns \(images: images\); meshtune trains on text only"),
         ("kto_en_demo", r"'kto_en_demo' maps kto_tag \(label\): data for LLaMA-Factory's kto stage"),
     ],

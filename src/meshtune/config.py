@@ -75,7 +75,10 @@ class Section:
 MATH, JOB, NODE = "math", "job", "node"
 TEXT_FORMAT = "text"  # how stage: pt reads its datasets (data/raw_text.py)
 OTHER_STAGES = {"rm": "reward-model training (rm)", "ppo": "PPO", "grpo": "GRPO",
-                "dpo": "DPO preference training", "kto": "KTO preference training"}
+                "kto": "KTO preference training"}
+STAGES_TRAINED = ("supervised fine-tuning (sft), continued pre-training on raw text (pt) and DPO-family preference "
+                  "training (dpo)")
+PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")  # train/objectives/preference.py computes them
 FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 value (torch.finfo(torch.float32).max)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to's trackers (train/sinks.py)
 # the other trackers HF's and LLaMA-Factory's report_to know
@@ -83,6 +86,7 @@ OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "d
                   "trackio")
 MODEL = Section("model and method", MATH)
 DATA = Section("data", MATH)
+PREFERENCE = Section("preference training (stage: dpo)", MATH)
 OPTIMIZATION = Section("optimisation", MATH)
 SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; "
                 "the math stays the same", JOB)
@@ -99,12 +103,14 @@ class TrainConfig(BaseModel):
 
     model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, "
                                                 "tokenizer); meshtune never downloads")
-    stage: Literal["sft", "pt"] = MODEL(
+    stage: Literal["sft", "pt", "dpo"] = MODEL(
         "sft", "what the run trains (LLaMA-Factory's key): sft (supervised fine-tuning on conversations: the "
                "assistant's replies are trained) | pt (continued pre-training on raw text: LLaMA-Factory's columns "
                "{prompt: text}, a JSONL or JSON of records with a 'text' field, or .txt files read a document a line; "
                "every token trained, an EOS after each document, a document longer than cutoff_len split into pieces "
-               "that overlap by one token, packed by default with no attention across documents)")
+               "that overlap by one token, packed by default with no attention across documents) | dpo (preference "
+               "pairs: a prompt with a chosen and a rejected response, LLaMA-Factory's ranking: true data or TRL's "
+               "prompt / chosen / rejected; the loss pref_loss)")
     finetuning_type: Literal["full", "lora", "qlora"] = MODEL(
         "lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose "
                 "transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do "
@@ -194,6 +200,23 @@ class TrainConfig(BaseModel):
                                              "exactly the global batch, and the rows left over are not trained that "
                                              "epoch. Default: as HF Trainer, an epoch's last step trains the rows left "
                                              "over, so every sample is seen each epoch")
+
+    pref_beta: float = PREFERENCE(0.1, "beta: how far the policy may move from the reference (sigmoid, hinge, ipo); "
+                                       "the scale of the log-prob margin for orpo and simpo (TRL's beta)", gt=0.0)
+    pref_loss: Literal[PREF_LOSSES] = PREFERENCE(
+        "sigmoid", "sigmoid (DPO) | hinge (SLiC) | ipo | orpo (odds ratio, no reference) | simpo (length-normalised "
+                   "margin, no reference) (TRL's loss_type)")
+    pref_ftx: float = PREFERENCE(0.0, "weight of an SFT term beside the preference loss: the chosen response's mean "
+                                      "token negative log-likelihood (LLaMA-Factory's key)", ge=0.0)
+    dpo_label_smoothing: float = PREFERENCE(0.0, "conservative DPO: the probability that a pair's preference is wrong, "
+                                                 "sigmoid only (TRL's label_smoothing)", ge=0.0, le=0.5)
+    simpo_gamma: float = PREFERENCE(0.5, "simpo's target reward margin", ge=0.0)
+    ref_model: str | None = PREFERENCE(None, "a local model folder as the frozen reference (LLaMA-Factory's key). "
+                                             "Default: lora and qlora, the model itself with its adapters turned off; "
+                                             "full, a frozen copy of model_name_or_path sharded as the policy is; "
+                                             "orpo and simpo have none")
+    ref_model_adapters: str | None = PREFERENCE(None, "a PEFT adapter folder merged into ref_model for the reference "
+                                                      "(LLaMA-Factory's key)")
 
     per_device_train_batch_size: int = OPTIMIZATION(1, "samples (or packed rows) per process per micro-step", gt=0)
     gradient_accumulation_steps: int = OPTIMIZATION(1, "micro-steps per optimizer step; global batch = "
@@ -558,7 +581,7 @@ class TrainConfig(BaseModel):
         """The stages of LLaMA-Factory and TRL meshtune has no trainer for, refused by name."""
         if isinstance(value, str) and value.lower() in OTHER_STAGES:
             raise ValueError(f"{value}: {OTHER_STAGES[value.lower()]} is another trainer's; meshtune trains "
-                             f"supervised fine-tuning (sft) and continued pre-training on raw text (pt)")
+                             f"{STAGES_TRAINED}")
         return value
 
     @field_validator("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "lora_alpha")
@@ -597,6 +620,7 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"dataset_format: {self.dataset_format} reads conversations; stage: pt reads raw text "
                                  f"(a 'text' field, LLaMA-Factory's columns {{prompt: text}}, or .txt files): drop "
                                  f"dataset_format")
+        self._check_preference()
         if self.finetuning_type == "qlora" and self.cpu_offload:
             raise ValueError("cpu_offload: true with finetuning_type: qlora is not supported: the 4-bit shards stay on "
                              "the GPU. Shard them over more GPUs instead (parallel: zero3 across nodes)")
@@ -645,6 +669,40 @@ class TrainConfig(BaseModel):
         if self.val_size >= 1 and self.val_size != int(self.val_size):
             raise ValueError(f"val_size: {self.val_size} is neither a fraction below 1 nor a whole count")
         return self
+
+    def _check_preference(self) -> None:
+        """Preference keys only where they are read, and in combinations that compute something."""
+        given = [key for key in self.keys_of_section(PREFERENCE.title)
+                 if getattr(self, key) != type(self).model_fields[key].default]
+        if self.stage != "dpo":
+            if given:
+                raise ValueError(f"{', '.join(given)}: preference-training keys, read only by stage: dpo; this run "
+                                 f"is stage: {self.stage}: drop them or set stage: dpo")
+            return
+        sft_only = [key for key in ("train_on_prompt", "mask_history") if getattr(self, key)]
+        if sft_only:
+            raise ValueError(f"{' and '.join(sft_only)} choose which turns of a conversation train; stage: dpo trains "
+                             f"each pair's two responses after their prompt: drop {' and '.join(sft_only)}")
+        if self.packing:
+            raise ValueError("packing: true with stage: dpo: packed preference pairs are not supported; a pair's "
+                             "chosen and rejected rows are padded in their micro-batch: drop packing (and "
+                             "neat_packing)")
+        if self.dpo_label_smoothing and self.pref_loss != "sigmoid":
+            raise ValueError(f"dpo_label_smoothing: {self.dpo_label_smoothing:g} smooths the sigmoid (DPO) loss only; "
+                             f"pref_loss: {self.pref_loss} does not read it: drop it")
+        if self.pref_loss in ("orpo", "simpo") and (self.ref_model or self.ref_model_adapters):
+            raise ValueError(f"pref_loss: {self.pref_loss} compares no reference, so ref_model / ref_model_adapters "
+                             f"would go unused: drop them, or use pref_loss sigmoid, hinge or ipo")
+        if self.ref_model_adapters and not self.ref_model:
+            raise ValueError("ref_model_adapters is an adapter merged into ref_model; set ref_model (the folder of "
+                             "its base model) too")
+        if self.context_parallel > 1 or self.tensor_parallel > 1:
+            raise ValueError("stage: dpo runs data-parallel only (ddp, zero2, zero3, hsdp): context_parallel and "
+                             "tensor_parallel are not supported for preference pairs; set both to 1")
+
+    @classmethod
+    def keys_of_section(cls, title: str) -> list[str]:
+        return [name for name, field in cls.model_fields.items() if field.json_schema_extra["section"] == title]
 
     @property
     def is_lora(self) -> bool:

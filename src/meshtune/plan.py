@@ -114,6 +114,8 @@ class RunPlan:
                 ("torch_compile", on(self.compile)),
                 ("gradient_checkpointing", "measured before training" if self.recompute == MEASURE else
                  f"{self.recompute:g} of the blocks" if self.recompute else "off")]
+        if "reference" in self.why:  # stage: dpo
+            rows.append(("reference", "none" if self.why["reference"].startswith("none") else "in the loop"))
         if self.tensor_parallel > 1:
             rows.append(("tensor_parallel", str(self.tensor_parallel)))
         if self.context_parallel > 1:
@@ -201,6 +203,10 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         padding_free = False
         why["padding_free"] = ("off under tensor_parallel: rows are padded to a multiple of tensor_parallel, each "
                                "process holding an equal share of their positions (sequence parallel)")
+    if cfg.stage == "dpo" and padding_free:
+        padding_free = False
+        why["padding_free"] = ("off for stage: dpo: a micro-batch's chosen and rejected responses are padded rows, "
+                               "each row's log-prob summed on its own (pairs are not packed)")
     if cp > 1 and padding_free:
         padding_free = False
         why["padding_free"] = ("off under context_parallel: rows are padded to a multiple of 64 x context_parallel, "
@@ -279,6 +285,13 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["fused_loss"] = ("off under tensor_parallel: the head's vocabulary is split over the tensor-parallel "
                              "processes, and the loss is computed across their shares of the logits "
                              "(vocabulary-parallel cross-entropy), which are never gathered whole")
+    if cfg.stage == "dpo" and fused_loss:
+        fused_loss = False
+        why["fused_loss"] = ("off for stage: dpo: the preference loss needs each response's summed log-prob, which "
+                             "the fused head (one summed loss, its gradient computed in forward) does not return; "
+                             "the logits are computed in full")
+    if cfg.stage == "dpo":
+        why["reference"] = reference_reason(cfg)
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,
                    fused_loss=fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,
@@ -288,6 +301,18 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
                    mesh=mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp))
+
+
+def reference_reason(cfg: TrainConfig) -> str:
+    """What a dpo run compares its policy against."""
+    if cfg.pref_loss in ("orpo", "simpo"):
+        return f"none: pref_loss {cfg.pref_loss} compares no reference"
+    if cfg.ref_model:
+        adapters = f" with the adapter {cfg.ref_model_adapters} merged" if cfg.ref_model_adapters else ""
+        return f"ref_model {cfg.ref_model}{adapters}: a frozen copy, sharded as the policy is"
+    if cfg.is_lora:
+        return "the model itself with its LoRA adapters turned off (no second copy)"
+    return "a frozen copy of model_name_or_path, sharded as the policy is (no optimizer, no gradients)"
 
 
 TP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # the decoder blocks model/tensor_parallel.py splits

@@ -124,6 +124,18 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "streaming": (LF, only({False: {}}, f"{CACHE}; streaming would change the order samples are drawn in")),
     "mix_strategy": (LF, only({"concat": {}}, "datasets are concatenated; interleaving is not supported")),
     "media_dir": (LF, ignored("meshtune trains text models only")),
+    # preference training: TRL's DPOConfig names for ours, LLaMA-Factory's that meshtune does not compute
+    "beta": ("TRL DPOConfig's", renamed("pref_beta")),
+    "loss_type": ("TRL DPOConfig's", renamed("pref_loss")),
+    "label_smoothing": ("TRL DPOConfig's", renamed("dpo_label_smoothing")),
+    "pref_bco_weight": (LF, off_at_zero("it adds BCO's classifier loss to DPO's, which meshtune does not compute")),
+    "ld_alpha": (LF, off_at_zero("it weights the responses' tokens past their common length (LD-DPO), which "
+                                 "meshtune does not compute")),
+    "ref_model_quantization_bit": (LF, off_at_zero("it quantizes the reference model, which meshtune keeps in the "
+                                                   "training precision")),
+    "precompute_ref_log_probs": ("TRL DPOConfig's", only({False: {}, None: {}}, "meshtune computes the reference's "
+                                                    "log-probs in the step, beside the policy's; leave it false")),
+    "use_ref_model": ("TRL's", ignored("the reference follows from pref_loss: none for orpo and simpo")),
     # outputs and logging
     "overwrite_output_dir": (HF, ignored("output_dir is never cleared: a run resumes its newest complete checkpoint "
                                          "(resume_from_checkpoint: auto); set resume_from_checkpoint: none to start "
@@ -285,9 +297,8 @@ FAMILIES = (
                                 "each of nnodes nodes", ("ray_",), ("resources_per_worker", "placement_strategy")),
     Family(LF, "a SwanLab setting", "metrics go to output_dir/metrics.jsonl and loss.png", ("swanlab_",),
            ("use_swanlab",)),
-    Family(LF, "a preference or RL training setting", "read only by stage: dpo, kto, ppo or rm, and meshtune trains "
-                                                      "sft and pt", ("pref_", "dpo_", "kto_", "ppo_", "simpo_",
-                                                                     "ref_model", "reward_model"), ("ld_alpha",)),
+    Family(LF, "a KTO, PPO or reward-model setting", "read only by stage: kto, ppo or rm, and meshtune trains sft, "
+                                                     "pt and dpo", ("kto_", "ppo_", "reward_model")),
 )
 
 

@@ -63,6 +63,7 @@ class DatasetSpec:
     columns: dict[str, str | None] | None = None
     tags: dict[str, str | None] | None = None
     registry: Path | None = None  # the dataset_info.json that defined it
+    ranking: bool = False  # LLaMA-Factory's ranking: true: preference pairs, a chosen and a rejected response
 
     def label(self, fmt: str) -> str:
         """How record errors name the reading rules in force."""
@@ -72,7 +73,8 @@ class DatasetSpec:
 
     def identity(self) -> str:
         """Everything but the files' bytes that decides the conversations (checksums.dataset_checksum)."""
-        return json.dumps({"fmt": self.fmt, "columns": self.columns, "tags": self.tags}, sort_keys=True)
+        return json.dumps({"fmt": self.fmt, "columns": self.columns, "tags": self.tags,
+                           **({"ranking": True} if self.ranking else {})}, sort_keys=True)
 
 
 def file_spec(path: Path, fmt: str | None = None) -> DatasetSpec:

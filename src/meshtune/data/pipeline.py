@@ -9,6 +9,7 @@ from meshtune.config import TrainConfig
 from meshtune.errors import ConfigError
 from meshtune.data.registry import resolve
 from meshtune.data.chat_template import ChatTemplate
+from meshtune.data.pairs import load_or_build_pairs
 from meshtune.data.raw_text import load_or_build_raw_text
 from meshtune.data.templates import LLAMAFACTORY_SAVES_ITS_FORMAT
 from meshtune.data.sampler import GlobalBatchPlan
@@ -26,6 +27,12 @@ def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool, 
     """Files and dataset_info.json names → one tokenized dataset; max_samples cuts each entry, train and eval
     alike, as LLaMA-Factory does. stage: pt reads them as raw text (data/raw_text.py)."""
     specs = resolve(entries, cfg.dataset_dir, cfg.named_format, key)
+    check_ranking(specs, cfg.stage, key)
+    if cfg.stage == "dpo":
+        return load_or_build_pairs(specs, tokenizer, template=cfg.named_template, cutoff_len=cfg.cutoff_len,
+                                   skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
+                                   default_system=cfg.default_system, cache_dir=cache_dir(cfg),
+                                   show_progress=show_progress)
     if cfg.stage == "pt":
         return load_or_build_raw_text(specs, tokenizer, cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid,
                                       max_samples=cfg.max_samples, cache_dir=cache_dir(cfg),
@@ -36,9 +43,25 @@ def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool, 
                          default_system=cfg.default_system, cache_dir=cache_dir(cfg), show_progress=show_progress)
 
 
+def check_ranking(specs, stage: str, key: str) -> None:
+    """LLaMA-Factory's ranking: true entries hold preference pairs, which stage: dpo trains and only it; a registry
+    entry without it holds conversations, which dpo cannot."""
+    for spec in specs:
+        if spec.ranking and stage != "dpo":
+            raise ConfigError(f"{key} '{spec.name}' of {spec.registry} has ranking: true: preference pairs (chosen / "
+                              f"rejected), which stage: dpo trains; stage: {stage} trains "
+                              f"{'raw text' if stage == 'pt' else 'conversations'}: set stage: dpo or use another "
+                              f"dataset")
+        if stage == "dpo" and spec.registry is not None and not spec.ranking:
+            raise ConfigError(f"{key} '{spec.name}' of {spec.registry} has no ranking: true, so it holds "
+                              f"conversations, not the preference pairs stage: dpo trains; use a ranking: true entry "
+                              f"(chosen / rejected columns), or stage: sft")
+
+
 def describe(name: str, stats: dict) -> list[str]:
     """Lines about what tokenization dropped or cut, printed once by rank 0."""
-    lines = [f"{name}: {stats.get('n_samples', 0):,} samples, {stats.get('n_tokens', 0):,} tokens "
+    units = "preference pairs" if "n_pairs" in stats else "samples"
+    lines = [f"{name}: {stats.get('n_samples', 0):,} {units}, {stats.get('n_tokens', 0):,} tokens "
              f"({stats.get('n_target_tokens', 0):,} trained)"]
     if stats.get("n_skipped_invalid"):
         lines.append(f"warning: {name}: skipped {stats['n_skipped_invalid']:,} malformed records (skip_invalid: true)"
@@ -47,6 +70,14 @@ def describe(name: str, stats: dict) -> list[str]:
         lines.append(f"warning: {name}: dropped {stats['n_dropped_no_target']:,} samples with no assistant token "
                      f"left after truncation to cutoff_len"
                      f"{examples(stats.get('dropped_examples'), stats['n_dropped_no_target'])}")
+    if stats.get("n_dropped_too_long"):
+        lines.append(f"warning: {name}: dropped {stats['n_dropped_too_long']:,} pairs whose longer response does not "
+                     f"fit cutoff_len with a prompt token"
+                     f"{examples(stats.get('dropped_examples'), stats['n_dropped_too_long'])}")
+    if stats.get("n_pairs") and stats.get("n_truncated"):
+        lines.append(f"{name}: {stats['n_truncated']:,} pairs longer than cutoff_len kept their responses, their "
+                     f"prompts cut from the left (TRL's truncation_mode keep_end)")
+        return lines
     if stats.get("n_split_documents"):
         lines.append(f"{name}: {stats['n_split_documents']:,} of {stats['n_documents']:,} documents longer than "
                      f"cutoff_len split into pieces")
@@ -71,6 +102,10 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
     trains += ", only the last assistant turn trained" if cfg.mask_history else ""
     if cfg.stage == "pt":
         _report(["raw text (stage: pt): every token trained, an EOS after each document"], report)
+    elif cfg.stage == "dpo":
+        template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
+        _report([f"chat template: {template.description}; preference pairs (stage: dpo): each response trained "
+                 f"after its prompt", *saved_template_note(template)], report)
     else:
         template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
         _report([f"chat template: {template.description}{trains}", *saved_template_note(template)], report)

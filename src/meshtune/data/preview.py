@@ -17,6 +17,7 @@ import numpy as np
 from meshtune.config import TrainConfig
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import Conversations, read_dataset
+from meshtune.data.pairs import Pairs, read_pairs
 from meshtune.data.pipeline import cache_dir, examples, prepare_datasets
 from meshtune.data.raw_text import Documents, read_documents
 from meshtune.data.registry import resolve
@@ -51,20 +52,22 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
     train, evaluation = prepare_datasets(cfg, tokenizer, show_progress=show_progress, report=False)
     full = train.dataset if isinstance(train, Subset) else train  # val_size holds some of the samples out
     held_out = set(evaluation.indices.tolist()) if isinstance(evaluation, Subset) else set()
-    reasons = cut_reasons(cfg.cutoff_len, cfg.mask_history)
-    read = read_documents if cfg.stage == "pt" else read_dataset
+    reasons = cut_reasons(cfg.cutoff_len, cfg.mask_history) if cfg.stage != "dpo" else pair_cut_reasons(cfg.cutoff_len)
+    read = read_documents if cfg.stage == "pt" else read_pairs if cfg.stage == "dpo" else read_dataset
     train_sources = read(resolve(cfg.dataset, cfg.dataset_dir, cfg.named_format), skip_invalid=cfg.skip_invalid,
                          max_samples=cfg.max_samples)
-    flags = trained_flags(full)
-    datasets = {"train": dataset_report(cfg, cfg.dataset, full, flags, train_sources, reasons)}
+    sequences = sequences_of(full)  # a pair's chosen and rejected sequences: two samples of the cache
+    flags = trained_flags(sequences)
+    datasets = {"train": dataset_report(cfg, cfg.dataset, sequences, flags, train_sources, reasons)}
     if held_out:
         datasets["train"]["held_out"] = {"count": len(held_out),
                                          "reason": f"for evaluation (val_size {cfg.val_size:g}), never trained"}
     if cfg.eval_dataset:
         eval_sources = read(resolve(cfg.eval_dataset, cfg.dataset_dir, cfg.named_format, "eval_dataset"),
                             skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples)
-        datasets["eval"] = dataset_report(cfg, cfg.eval_dataset, evaluation, trained_flags(evaluation), eval_sources,
-                                          reasons)
+        eval_sequences = sequences_of(evaluation)
+        datasets["eval"] = dataset_report(cfg, cfg.eval_dataset, eval_sequences, trained_flags(eval_sequences),
+                                          eval_sources, reasons)
     chosen = choose(len(full), samples, indices, seed)
     report = {
         "template": {"name": template.name, "description": template.description, "trains": trains(cfg)},
@@ -73,12 +76,38 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
         "cache": {"dir": str(cache), "built": bool(set(cache.glob("*/meta.json")) - cached_before)},
         "datasets": datasets,
         "samples": [sample_report(full, flags, position, tokenizer, train_sources.sources, position in held_out)
+                    for position in chosen] if not isinstance(full, Pairs) else
+                   [pair_report(full, flags, position, tokenizer, train_sources.sources, position in held_out)
                     for position in chosen],
     }
     if cfg.stage == "pt":
         report["template"] = {"name": None, "description": "none: raw text (stage: pt)", "trains": trains(cfg)}
         report["rows"] = [] if indices is not None else raw_text_rows(cfg, train, samples, tokenizer, train_sources)
     return report
+
+
+def sequences_of(data):
+    """The tokenized samples behind a dataset: a pair's two sequences for preference pairs."""
+    return data.sequences if isinstance(data, Pairs) else data
+
+
+def pair_cut_reasons(cutoff_len: int) -> dict[str, str]:
+    """Why data/pairs.py cuts or drops pairs, in the words `meshtune preview` puts after their count."""
+    return {
+        "truncated": f"with a sequence longer than cutoff_len {cutoff_len:,} tokens: the prompt cut from the left, "
+                     f"both responses kept whole (TRL's truncation_mode keep_end)",
+        "dropped": f"whose longer response does not fit cutoff_len {cutoff_len:,} with one prompt token",
+        "skipped": "malformed, passed over (skip_invalid: true)",
+    }
+
+
+def pair_report(data: Pairs, flags: np.ndarray, position: int, tokenizer: PreTrainedTokenizerBase,
+                sources: list[str], held_out: bool) -> dict:
+    """A pair: its chosen and its rejected sequence, each with what the loss trains."""
+    chosen, rejected = (sample_report(data.sequences, flags, 2 * position + side, tokenizer, sources, held_out)
+                        for side in (0, 1))
+    return {"position": position, "source": chosen["source"], "held_out": held_out, "chosen": chosen,
+            "rejected": rejected}
 
 
 def raw_text_rows(cfg: TrainConfig, train, count: int, tokenizer: PreTrainedTokenizerBase, read: Documents
@@ -110,6 +139,9 @@ def trains(cfg: TrainConfig) -> str:
     """Which turns the labels train, in words (ChatTemplate.encode decides it)."""
     if cfg.stage == "pt":
         return "every token of the raw text, the EOS ending each document included"
+    if cfg.stage == "dpo":
+        return ("each response of a pair, chosen and rejected (the assistant turn after the prompt, with its "
+                "end-of-turn); not the prompt")
     if cfg.train_on_prompt:
         return "every turn, prompts too (train_on_prompt: true)"
     answers = "the last assistant turn (mask_history: true)" if cfg.mask_history else "each assistant turn"
@@ -152,6 +184,16 @@ def dataset_report(cfg: TrainConfig, entries: list[str], data: TokenizedDataset,
     cutoff_len and skip_invalid cut."""
     stats = data.stats
     trained = np.add.reduceat(flags, np.asarray(data.offsets[:-1]))  # per sample; no sample is empty
+    if "n_pairs" in stats:  # preference pairs: two sequences a pair
+        return {"entries": entries_report(entries, cfg, read), "records": stats["n_records"], "pairs": len(data) // 2,
+                "samples": len(data), "tokens": int(data.lengths.sum()), "trained_tokens": int(trained.sum()),
+                "tokens_per_sample": distribution(data.lengths),
+                "tokens_before_cutoff": distribution(data.full_lengths), "trained_per_sample": distribution(trained),
+                "truncated": {"count": stats["n_truncated"], "reason": reasons["truncated"]},
+                "dropped": {"count": stats["n_dropped_too_long"], "reason": reasons["dropped"],
+                            "examples": stats["dropped_examples"]},
+                "skipped": {"count": stats["n_skipped_invalid"], "reason": reasons["skipped"],
+                            "examples": stats["skipped_examples"]}}
     if "n_split_documents" in stats:  # raw text: documents split into pieces, none truncated or dropped
         return {"entries": entries_report(entries, cfg, read), "records": stats["n_records"], "samples": len(data),
                 "documents": stats["n_documents"], "tokens": int(data.lengths.sum()),
@@ -254,6 +296,18 @@ def render_text(report: dict, color: bool) -> str:
             lines.append(f" {BOUNDARY} ".join(f"[{piece_label(p)}] {p['text']}" for p in row["pieces"]))
         return "\n".join(lines)
     for sample in report["samples"]:
+        if "chosen" in sample:  # a preference pair
+            total = report["datasets"]["train"]["pairs"]
+            source = f" ({sample['source']})" if sample["source"] else ""
+            held = "; held out for evaluation, never trained" if sample["held_out"] else ""
+            lines += ["", f"--- pair {sample['position']} of {total:,}{source}{held} ---"]
+            for side in ("chosen", "rejected"):
+                sequence = sample[side]
+                cut = (f", cut from {sequence['tokens_before_cutoff']:,} by cutoff_len"
+                       if (sequence["tokens_before_cutoff"] or 0) > sequence["tokens"] else "")
+                lines += [f"{side} ({sequence['tokens']:,} tokens, {sequence['trained_tokens']:,} trained{cut}):",
+                          marked_text(sequence["segments"], color)]
+            continue
         lines += ["", sample_header(sample, total), marked_text(sample["segments"], color)]
     return "\n".join(lines)
 
@@ -279,14 +333,16 @@ def dataset_lines(name: str, d: dict) -> list[str]:
                 continue
             read = f", {f['read']:,} read (max_samples)" if f["read"] < f["records"] else ""
             lines.append(f"{indent}{f['path']}: {f['format'] or 'no format (empty)'}, {f['records']:,} records{read}")
-    documents = f"{d['documents']:,} documents -> " if "documents" in d else ""
+    documents = (f"{d['documents']:,} documents -> " if "documents" in d else
+                 f"{d['pairs']:,} pairs -> " if "pairs" in d else "")
     lines.append(f"  {d['records']:,} records -> {documents}{d['samples']:,} samples, {d['tokens']:,} tokens, "
                  f"{d['trained_tokens']:,} trained")
     lines.append(f"  tokens per sample:   {spread(d['tokens_per_sample'])}")
     if d["tokens_before_cutoff"]:
         lines.append(f"  before cutoff_len:   {spread(d['tokens_before_cutoff'])}")
     lines.append(f"  trained per sample:  {spread(d['trained_per_sample'])}")
-    kinds = ((("split", "documents"),) if "split" in d else (("truncated", "samples"), ("dropped", "samples")))
+    kinds = ((("split", "documents"),) if "split" in d else (("truncated", "pairs"), ("dropped", "pairs"))
+             if "pairs" in d else (("truncated", "samples"), ("dropped", "samples")))
     for kind, what in (*kinds, ("skipped", "records")):
         count, cut = d[kind]["count"], d[kind]
         if count or kind != "skipped":  # records are skipped only with skip_invalid

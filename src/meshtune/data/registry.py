@@ -26,6 +26,7 @@ FORMATTINGS = ("alpaca", "sharegpt")
 COLUMN_NAMES = ("prompt", "query", "response", "history", "messages", "system", "tools", "images", "videos",
                 "audios", "chosen", "rejected", "kto_tag")
 MEDIA_COLUMNS = ("images", "videos", "audios")
+PAIR_COLUMNS = ("chosen", "rejected")  # a ranking: true entry's responses (stage: dpo, data/pairs.py)
 
 
 def resolve(entries: list[str], dataset_dir: str | Path, fmt: str | None = None, key: str = "dataset"
@@ -127,11 +128,17 @@ def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSp
     if columns is None:
         columns = dict(LF_COLUMNS[fmt])
     _refuse_columns(columns, where)
-    columns = {key: columns.get(key) for key in LF_COLUMNS[fmt]}  # left out of `columns`: None, as in LLaMA-Factory
-    needed = "messages" if fmt == "sharegpt" else "response"
-    if not columns[needed]:
-        raise DataError(f"{where}: its columns leave out '{needed}', which {fmt} needs to find the conversation "
-                        f"(LLaMA-Factory sets every column an entry's columns leave out to none); add it")
+    ranking = bool(entry.get("ranking"))
+    kept = (*LF_COLUMNS[fmt], *(PAIR_COLUMNS if ranking else ()))
+    columns = {key: columns.get(key) for key in kept}  # left out of `columns`: None, as in LLaMA-Factory
+    needed = ["messages" if fmt == "sharegpt" else "prompt" if ranking else "response"]
+    needed += list(PAIR_COLUMNS) if ranking else []
+    for column in needed:
+        if not columns[column]:
+            raise DataError(f"{where}: its columns leave out '{column}', which {fmt}"
+                            f"{' with ranking: true' if ranking else ''} needs to find the "
+                            f"{'pair' if ranking else 'conversation'} (LLaMA-Factory sets every column an entry's "
+                            f"columns leave out to none); add it")
     tags = None
     if fmt == "sharegpt":
         given = _names(entry, "tags", tuple(LF_TAGS), where)
@@ -140,7 +147,8 @@ def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSp
         if missing:
             raise DataError(f"{where}: its tags leave out {' and '.join(missing)}, which sharegpt needs to read a "
                             f"turn (LLaMA-Factory sets every tag an entry's tags leave out to none); add them")
-    return DatasetSpec(name, _entry_files(entry, where, dataset_dir), fmt, columns, tags, dataset_dir / INFO_FILE)
+    return DatasetSpec(name, _entry_files(entry, where, dataset_dir), fmt, columns, tags, dataset_dir / INFO_FILE,
+                       ranking=ranking)
 
 
 def _where(name: str, dataset_dir: Path, key: str) -> str:
@@ -174,10 +182,6 @@ def _refuse_unsupported(entry: dict, where: str, dataset_dir: Path) -> None:
                             f"give the entry a file_name, or pass the file path")
         raise DataError(f"{where} has no file_name; give it the data file's name relative to dataset_dir "
                         f"({dataset_dir})")
-    if entry.get("ranking"):
-        raise DataError(f"{where} has ranking: true: preference pairs (chosen / rejected) for LLaMA-Factory's rm and "
-                        f"dpo stages, which meshtune does not train; it trains on conversations (stage: sft) and raw "
-                        f"text (stage: pt): use a dataset without ranking")
     fmt = entry.get("formatting", "alpaca")
     if fmt not in FORMATTINGS:
         raise DataError(f"{where} has formatting: {json.dumps(fmt)}; meshtune reads {' or '.join(FORMATTINGS)} "

@@ -19,9 +19,12 @@ class Evaluator:
 
     def __init__(self, dataset, batch_size: int, eval_steps: int | None, total_steps: int, env: DistEnv,
                  collate: Callable[[list[list[int]]], Batch], loss: Callable[[Batch], torch.Tensor],
-                 count: Callable[[Batch], float], also_at: frozenset[int] = frozenset(), target_share: float = 1.0):
+                 count: Callable[[Batch], float], also_at: frozenset[int] = frozenset(), target_share: float = 1.0,
+                 metric_names: tuple[str, ...] = (), metric_sums: Callable[[Batch], torch.Tensor] | None = None):
         self.dataset, self.batch_size, self.eval_steps, self.total_steps = dataset, batch_size, eval_steps, total_steps
         self.env, self.collate, self.loss, self.count, self.also_at = env, collate, loss, count, also_at
+        # the objective's own values (sums over the set, divided by the same normaliser), reported as eval_<name>
+        self.metric_names, self.metric_sums = metric_names, metric_sums
         # 1 / cp under context parallel: each process of a cp group sums the loss of its share of the batch's targets
         self.target_share = target_share
 
@@ -31,12 +34,12 @@ class Evaluator:
         return step == self.total_steps or bool(self.eval_steps and step % self.eval_steps == 0) or step in self.also_at
 
     @torch.no_grad()
-    def run(self, model: torch.nn.Module) -> float:
-        """Every rank runs the same number of forwards (FSDP2 gathers parameters collectively); a rank with nothing
-        left runs a batch whose targets are all ignored."""
+    def run(self, model: torch.nn.Module) -> dict[str, float]:
+        """`eval_loss` and the objective's values as `eval_<name>`. Every rank runs the same number of forwards (FSDP2
+        gathers parameters collectively); a rank with nothing left runs a batch whose targets are all ignored."""
         model.eval()
         env, size = self.env, self.batch_size
-        sums = torch.zeros(2, dtype=torch.float64, device=env.device)
+        sums = torch.zeros(2 + len(self.metric_names), dtype=torch.float64, device=env.device)
         for start in range(0, len(self.dataset), size * env.world_size):
             first = start + env.rank * size
             mine = list(range(first, min(first + size, len(self.dataset))))
@@ -44,8 +47,12 @@ class Evaluator:
             if not mine:
                 batch.ignore_all()
             loss = self.loss(batch.to(env.device))
-            sums += torch.stack([loss.double(), torch.tensor(self.count(batch) * self.target_share,
-                                                             dtype=torch.float64, device=env.device)])
+            count = torch.tensor(self.count(batch) * self.target_share, dtype=torch.float64, device=env.device)
+            sums[:2] += torch.stack([loss.double(), count])
+            if self.metric_names:
+                sums[2:] += self.metric_sums(batch)
         all_reduce_sum(sums)
         model.train()
-        return normalised(sums[0], sums[1]).item()
+        values = normalised(sums, sums[1]).tolist()
+        return {"eval_loss": values[0], **{f"eval_{name}": value for name, value in zip(self.metric_names,
+                                                                                         values[2:])}}

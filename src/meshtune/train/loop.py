@@ -36,6 +36,7 @@ from meshtune.model.final_weights import gather_state_dict, save_final
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import model_size
 from meshtune.model.model_dir import check_model_dir, load_tokenizer
+from meshtune.model.reference import build_reference
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, settle_gradient_buckets
 from meshtune.model.vocab_parallel_loss import vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
@@ -48,6 +49,8 @@ from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.nonfinite import NonFiniteSteps, sample_ids
 from meshtune.train.objectives import Objective, normalised
+from meshtune.train.objectives.pair_loss import PairLoss
+from meshtune.train.objectives.preference import PreferenceSettings
 from meshtune.train.objectives.token_loss import TokenLoss
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
@@ -144,9 +147,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     pad_id = tokenizer.pad_token_id
     # tensor and context parallel: every process holds an equal share of a row's positions
     row_length_multiple = row_multiple(plan.context_parallel, plan.tensor_parallel)
-    objective = TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
-                          autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
-                          padding_free=plan.padding_free)
+    objective = build_objective(cfg, plan, env, model, pad_id, row_length_multiple)
     collate_rows = partial(objective.collate, dataset=train_data, packed=cfg.packing)
     # an empty share of a last partial step: the shortest sample, trained on nothing
     filler_rows = [[int(np.argmin(train_data.lengths))]]
@@ -171,7 +172,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
                           partial(objective.collate, dataset=eval_data, packed=False), split.around(objective.loss_sum),
                           objective.count, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
-                          target_share=1 / plan.context_parallel)
+                          target_share=1 / plan.context_parallel, metric_names=objective.metric_names,
+                          metric_sums=objective.metric_sums)
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
                          open_trackers(cfg, plan, progress.step, env.is_main))  # report_to's, on rank 0
@@ -244,7 +246,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                     record["nonfinite_skipped"] = skipped
             if evaluator.due(done):
                 with watch.paused(f"step {done}: evaluation"):
-                    record = {"step": done, **record, "eval_loss": evaluator.run(model)}
+                    record = {"step": done, **record, **evaluator.run(model)}
             metrics.after_step(done, record)
             progress.step, progress.epoch = done, epoch
             with watch.paused(f"step {done}: checkpoint"):
@@ -272,6 +274,25 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             plot_losses(metrics.records, output_dir / "loss.png")
         logger.info(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
     return TrainResult(model, metrics.records, final_dir)
+
+
+def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.nn.Module, pad_id: int,
+                    row_length_multiple: int) -> Objective:
+    """What the stage optimises: token cross-entropy (sft, pt) or the preference loss of pairs (dpo), with its
+    reference built here (model/reference.py), after the policy."""
+    if cfg.stage == "dpo":
+        reference = build_reference(cfg, plan, env, model)
+        logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: "
+                    f"{reference.description if reference else 'none (' + cfg.pref_loss + ' has none)'}")
+        return PairLoss(model, env, pad_id, preference_settings(cfg), reference, autocast_bf16=plan.autocast_bf16,
+                        autocast_fp16=plan.fp16)
+    return TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
+                     autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
+                     padding_free=plan.padding_free)
+
+
+def preference_settings(cfg: TrainConfig) -> PreferenceSettings:
+    return PreferenceSettings(cfg.pref_loss, cfg.pref_beta, cfg.dpo_label_smoothing, cfg.simpo_gamma, cfg.pref_ftx)
 
 
 def step_counts(batches: list[Batch], objective: Objective, flops: FlopCounter, env: DistEnv,

@@ -151,7 +151,8 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.trackers.log(record)
-        shown = {k: record[k] for k in ("loss", "eval_loss", "lr", "tokens_per_s") if k in record}
+        shown = {k: record[k] for k in ("loss", "eval_loss", "rewards/accuracies", "rewards/margins", "lr",
+                                        "tokens_per_s") if k in record}
         self.bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in shown.items()}, refresh=False)
 
     def close(self) -> None:

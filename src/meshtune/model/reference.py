@@ -1,0 +1,112 @@
+"""The frozen reference a preference loss compares the policy against: its logits for a micro-batch, never a
+gradient.
+
+- LoRA and Q-LoRA without `ref_model`: the policy itself with its adapters turned off (peft's `disable_adapter`), so
+  the reference is the base the adapters train on and costs no second copy.
+- Full fine-tuning, or `ref_model` given: a frozen copy read from the model folder (with `ref_model_adapters` merged
+  into it, as LLaMA-Factory loads it), its weights read once per job as the policy's are and sharded as the policy is
+  (FSDP2 on the same mesh under zero2 / zero3 / hsdp; a whole copy on each process under ddp); no optimizer and no
+  gradients, and under FSDP2 it reshards after forward, since it never runs backward.
+- orpo and simpo: none.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from meshtune.config import TrainConfig
+from meshtune.distributed import DistEnv
+from meshtune.errors import ModelError
+from meshtune.model.loading import load_model, model_skeleton
+from meshtune.model.model_dir import check_model_dir
+from meshtune.model.parallel import unwrap, wrap_model
+from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
+from meshtune.plan import RunPlan
+
+logger = logging.getLogger(__name__)
+
+
+class Reference(Protocol):
+    description: str
+
+    def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference's logits for the model inputs of a micro-batch, without a graph."""
+
+
+class AdaptersOff:
+    """The policy with its LoRA adapters disabled for the forward."""
+
+    description = "the model with its LoRA adapters turned off"
+
+    def __init__(self, policy: torch.nn.Module):
+        self.policy = policy  # as wrapped: FSDP2 gathers its shards in forward; DDP's inner module runs no reducer
+
+    @torch.no_grad()
+    def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        model = unwrap(self.policy)
+        with model.disable_adapter():
+            return model(**inputs, use_cache=False).logits
+
+
+class FrozenCopy:
+    """A frozen model of its own, placed as the policy is."""
+
+    def __init__(self, model: torch.nn.Module, description: str):
+        self.model, self.description = model, description
+
+    @torch.no_grad()
+    def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**inputs, use_cache=False).logits
+
+
+def build_reference(cfg: TrainConfig, plan: RunPlan, env: DistEnv, policy: torch.nn.Module) -> Reference | None:
+    """The run's reference (see the module's docstring); None where pref_loss has none."""
+    if cfg.pref_loss in ("orpo", "simpo"):
+        return None
+    if cfg.is_lora and not cfg.ref_model:
+        return AdaptersOff(policy)
+    folder = cfg.ref_model or cfg.model_name_or_path
+    model = frozen_copy(check_model_dir(folder), cfg.ref_model_adapters, plan, env)
+    adapters = f" with {cfg.ref_model_adapters} merged" if cfg.ref_model_adapters else ""
+    return FrozenCopy(model, f"a frozen copy of {folder}{adapters}, placed as the policy ({plan.parallel})")
+
+
+def frozen_copy(model_dir: Path, adapters: str | None, plan: RunPlan, env: DistEnv) -> torch.nn.Module:
+    """The model of `model_dir` (+ `adapters` merged), frozen, on this process as the plan places the policy."""
+    reads_files = env.is_main or not plan.weights_from_rank0
+    dtype = plan.load_dtype
+    model = load_model(model_dir, dtype) if reads_files else model_skeleton(model_dir, dtype)
+    if adapters and reads_files:
+        model = merged_adapter(model, Path(adapters))
+    model.requires_grad_(False)
+    model.eval()
+    model.config.use_cache = False
+    if plan.weights_from_rank0:
+        check_same_model(model, env)
+    if plan.parallel == "ddp":
+        if plan.weights_from_rank0:
+            receive_replicated(model, env)
+        else:
+            model.to(env.device)
+        return model
+    state = full_state(model, env) if plan.weights_from_rank0 else None
+    model = wrap_model(model, parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
+                       prefetch=plan.fsdp_prefetch, blocks_per_unit=plan.blocks_per_unit or 1,
+                       cpu_offload=plan.cpu_offload, reshard_after_forward=True, mesh_layout=plan.mesh)
+    if state is not None:
+        receive_shards(model, state, env, plan.cpu_offload)
+    return model
+
+
+def merged_adapter(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """`folder`'s PEFT adapter folded into the model's weights."""
+    if not (folder / "adapter_config.json").is_file():
+        raise ModelError(f"ref_model_adapters: {folder} has no adapter_config.json; give a PEFT adapter folder (an "
+                         f"earlier run's final/, or `meshtune export` of a checkpoint)")
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload()

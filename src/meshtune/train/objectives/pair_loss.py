@@ -1,0 +1,81 @@
+"""`stage: dpo`: the preference loss of chosen / rejected pairs (train/objectives/preference.py's arithmetic).
+
+The unit of data is a pair (data/pairs.py's `Pairs`). A micro-batch of n pairs is one padded batch of 2n rows, the
+chosen responses first and the rejected after them (TRL's concatenated forward): one policy forward, and one
+reference forward (model/reference.py) where the loss has a reference. Each row's log-prob is the sum over its
+response's tokens. The loss is the sum over pairs, the normaliser the pair count, so a step's loss is the mean over
+its global batch whatever the layout; the reported values (TRL's names) are sums over pairs, divided once by the
+summed count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from meshtune.data.collate import Batch, collate
+from meshtune.data.sampler import Row
+from meshtune.distributed import DistEnv
+from meshtune.model.reference import Reference
+from meshtune.train.objectives.preference import METRICS, PreferenceSettings, metric_sums, pair_losses, sequence_logps
+
+
+class PairRows:
+    """A micro-batch's pairs as rows of single sequences: the chosen ones, then the rejected ones."""
+
+    def __init__(self, pairs: list[int], dataset):
+        self.sequences = [dataset[i][0] for i in pairs] + [dataset[i][1] for i in pairs]
+
+    def __getitem__(self, i: int):
+        return self.sequences[i]
+
+
+def collate_pairs(rows: list[Row], dataset, pad_id: int) -> Batch:
+    """Rows of one pair each -> a padded batch of 2 x pairs rows (chosen first)."""
+    pairs = [index for row in rows for index in row]
+    sequences = PairRows(pairs, dataset)
+    return collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False)
+
+
+@dataclass
+class PairLoss:
+    model: torch.nn.Module
+    env: DistEnv
+    pad_id: int
+    settings: PreferenceSettings
+    reference: Reference | None
+    autocast_bf16: bool = False
+    autocast_fp16: bool = False
+    last: dict = field(default_factory=dict)  # what loss_sum computed, for metric_sums
+
+    def collate(self, rows: list[Row], dataset, packed: bool) -> Batch:
+        return collate_pairs(rows, dataset, self.pad_id)
+
+    def loss_sum(self, batch: Batch) -> torch.Tensor:
+        dtype = torch.float16 if self.autocast_fp16 else torch.bfloat16
+        inputs = batch.model_inputs()
+        n = batch.input_ids.shape[0] // 2
+        with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.autocast_bf16 or self.autocast_fp16):
+            # the reference first, reduced to a value a row: its logits are freed before the policy's exist
+            ref = (sequence_logps(self.reference.logits(inputs), batch.targets)[0] if self.reference is not None
+                   else None)
+            policy = self.model(**inputs, use_cache=False).logits
+        logps, tokens = sequence_logps(policy, batch.targets)
+        pairs = pair_losses(self.settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
+                            None if ref is None else ref[:n], None if ref is None else ref[n:])
+        self.last = {"pairs": pairs, "chosen": logps[:n], "rejected": logps[n:], "weight": 0.0 if batch.filler else 1.0}
+        if batch.filler:  # keeps the collectives in step and trains nothing (its log-probs are sums over no token)
+            return logps.sum() * 0.0
+        return pairs.losses.sum()
+
+    def count(self, batch: Batch) -> int:
+        return 0 if batch.filler else batch.input_ids.shape[0] // 2
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return METRICS
+
+    def metric_sums(self, batch: Batch) -> torch.Tensor:
+        last = self.last
+        return metric_sums(last["pairs"], last["chosen"], last["rejected"]) * last["weight"]
