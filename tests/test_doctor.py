@@ -246,6 +246,33 @@ def test_the_traffic_of_a_step_follows_the_parallel_mode():
     assert step_collectives(lora, "ddp", adapters, True, True)[0].bytes == 80e6
 
 
+def test_each_node_sends_a_rings_share_of_the_collective_over_its_processes():
+    """A ring over every process enters and leaves each node once: ddp over 2 nodes x 8 sends 2(16-1)/16 of the
+    gradients out of each node, hsdp's all-reduce between the 2 replicas 2(2-1)/2. What bench/shaped_link.py counts
+    on the interfaces (docs/benchmarks.md): ddp 2 x 2 sends 1.5 S a node; on gloo zero2's reduce-scatter moves as much
+    as an all-reduce; zero3_reshard_to_node gathers across the nodes only for forward."""
+    from meshtune.config import build_config
+    from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives
+    from meshtune.plan import ModelSize
+
+    model = ModelFacts(ModelSize(1_000_000, 100_000, 8), 1_000_000, 900_000, 8, 512)
+    S = 4e6  # fp32 gradients
+
+    def sent(parallel: str, per_node: int, gloo: bool = False, **keys) -> float:
+        cfg = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full", parallel=parallel,
+                                **keys))
+        return sent_by_each_node(step_collectives(cfg, parallel, model, False, True, 2 * per_node, None, per_node,
+                                                  gloo), 2)
+
+    assert sent("ddp", 8) == pytest.approx(2 * 15 / 16 * S)
+    assert sent("ddp", 2) == pytest.approx(1.5 * S) and sent("ddp", 1) == pytest.approx(S)
+    assert sent("hsdp", 8) == pytest.approx(S)
+    assert sent("zero2", 2) == pytest.approx(0.75 * S + 0.75 * S)
+    assert sent("zero2", 2, gloo=True) == pytest.approx(0.75 * S + 1.5 * S)
+    assert sent("zero3", 2) == pytest.approx(2 * 0.75 * S + 0.75 * S)
+    assert sent("zero3", 2, zero3_reshard_to_node=True) == pytest.approx(0.75 * S + 0.75 * S)
+
+
 def train_config(tmp_path, tiny_model_dir, tiny_dataset, **extra):
     values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "output", max_steps=2, save_final=False,
                          tokenized_path=str(tmp_path / "tokenized"), **extra)
