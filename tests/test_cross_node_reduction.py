@@ -21,8 +21,9 @@ POWERSGD_BOUND = 0.02  # relative, each step's loss against the exact all-reduce
 RUNS = {  # name: (processes, processes a node, keys)
     "zero3": (4, 2, dict(finetuning_type="full", parallel="zero3")),
     "zero3-node": (4, 2, dict(finetuning_type="full", parallel="zero3", zero3_reshard_to_node=True)),
-    "lora": (2, 1, dict(parallel="ddp")),
-    "lora-powersgd": (2, 1, dict(parallel="ddp", powersgd_rank=1)),
+    # a warmup from 0, as the demo's: B stays zero over the first step, so A's gradients are all zeros in the second
+    "lora": (2, 1, dict(parallel="ddp", warmup_steps=2)),
+    "lora-powersgd": (2, 1, dict(parallel="ddp", warmup_steps=2, powersgd_rank=1)),
 }
 
 

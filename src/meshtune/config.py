@@ -351,9 +351,12 @@ class TrainConfig(BaseModel):
         0, "parallel ddp on several processes: gradients cross as PowerSGD's rank-r factors (torch's powerSGD_hook, "
            "error feedback and warm start on; the first optimizer step all-reduced whole), a matrix of m x n in "
            "(m + n) x r numbers; tensors it would not shrink 2x cross whole. Approximate: the update differs from "
-           "the exact one, and the error-feedback state is not checkpointed, so a resume restarts it. On the demo "
-           "task (LoRA, rank 1, 2 processes, 30 steps) the loss ends within 2% of the exact run's; measure yours "
-           "before relying on it. 0: off (exact all-reduce)", ge=0, scope=MATH)
+           "the exact one, and the error-feedback state is not checkpointed, so a resume restarts it. Measured on "
+           "the demo task (`meshtune demo`: LoRA r 8, 2 processes, 180 steps), rank 1 learns slower: eval loss "
+           "0.200 / 0.130 / 0.099 at steps 60 / 120 / 180 against the exact run's 0.113 / 0.0091 / 0.0076; rank 4 "
+           "compresses none of its 8 x 128 adapters (under 2x) and matches the exact run. Over the first steps the "
+           "losses stay within 2% of the exact ones (tested). Measure yours before relying on it. 0: off (exact "
+           "all-reduce)", ge=0, scope=MATH)
     hsdp_replica_reduce_dtype: Literal["fp32", "bf16"] | None = CROSS_NODE(
         None, "parallel hsdp: the dtype of the gradients' all-reduce across the replicas (the nodes), apart from the "
               "reduce-scatter inside a node. Only grad_reduce_dtype's value is accepted: torch's FSDP2 "

@@ -12,8 +12,9 @@ optimizer step of A micro-steps (gradients cross once, on the last micro-step):
 - ddp: one all-reduce of the trainable gradients (LoRA: the adapters only);
 - zero2: one all-gather of the weights (in the first micro-step's forward; kept whole until the last micro-step's
   backward) + one reduce-scatter of the trainable gradients;
-- zero3: 2A all-gathers (forward and backward; A with zero3_reshard_to_node, whose backward gathers inside the
-  node) + one reduce-scatter;
+- zero3: A all-gathers for forward, A again for backward of all but what stays gathered in between (the last unit
+  of blocks and the head; none with zero3_reshard_to_node, whose backward gathers inside the node) + one
+  reduce-scatter;
 - hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes.
 PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's shape.
 
@@ -28,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtune.doctor.bandwidth import duration_text
-from meshtune.plan import EACH, NF4_BYTES, SHARDED, ModelSize, gradient_reduction, parallel_for
+from meshtune.plan import (EACH, NF4_BYTES, SHARDED, ModelSize, default_blocks_per_unit, gradient_reduction,
+                           parallel_for)
 from meshtune.units import byte_size
 
 MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks.md)
@@ -96,13 +98,25 @@ def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node
         return [Collective("all-reduce", "gradients", gradients, 1, ranks // per_node if ranks else 0)]
     if mode == "ddp":
         return [Collective("all-reduce", "gradients", gradients, 1, ranks)]
-    backward_in_node = mode == "zero3" and getattr(cfg, "zero3_reshard_to_node", False) and per_node > 1
-    # zero2 keeps the weights whole across the micro-steps; zero3 gathers them for forward and again for backward
-    gathers = 1 if mode == "zero2" else micro if backward_in_node else 2 * micro
     reduction = gradient_reduction(cfg, processes, mode, micro, lambda: model.size, lambda: gpu_bytes, {})
-    scatter = "all-reduce" if gloo else "reduce-scatter"
-    return [Collective("all-gather", "weights", weights, gathers, ranks),
-            Collective(scatter, "gradients", gradients, micro if reduction == EACH else 1, ranks)]
+    scatter = Collective("all-reduce" if gloo else "reduce-scatter", "gradients", gradients,
+                         micro if reduction == EACH else 1, ranks)
+    if mode == "zero2":  # the weights stay whole across the micro-steps
+        return [Collective("all-gather", "weights", weights, 1, ranks), scatter]
+    gathers = [Collective("all-gather", "weights", weights, micro, ranks)]
+    if not (getattr(cfg, "zero3_reshard_to_node", False) and per_node > 1):  # else backward gathers inside the node
+        again = weights * (1 - kept_for_backward(cfg, model.size))
+        gathers.append(Collective("all-gather", "weights again for backward", again, micro, ranks))
+    return [*gathers, scatter]
+
+
+def kept_for_backward(cfg, size: ModelSize) -> float:
+    """The share of the weights zero3 keeps gathered from forward to backward (model/parallel.py): the last unit of
+    blocks and the head (a unit of its own, or with tied embeddings the root's), which backward needs first."""
+    per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(size.block_parameters)
+    last_unit = (size.blocks - 1) % per_unit + 1
+    head = max(size.parameters - size.block_parameters * size.blocks, 0) / (1 if size.tied_embeddings else 2)
+    return min(1.0, (last_unit * size.block_parameters + head) / max(size.parameters, 1))
 
 
 def sent_by_each_node(collectives: list[Collective], nodes: int) -> float:

@@ -101,9 +101,11 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
 
 def powersgd_state(rank: int) -> PowerSGDState:
     """torch's PowerSGD with error feedback and warm start. Its first iteration is DDP's plain all-reduce, as torch
-    requires: DDP rebuilds its buckets after the first backward (settle_gradient_buckets' zero backward)."""
+    requires: DDP rebuilds its buckets after the first backward (settle_gradient_buckets' zero backward). A gradient
+    that is all zeros (a LoRA A before its B has moved) has a zero factor, which Gram-Schmidt would divide by: the
+    epsilon keeps it zero instead of NaN."""
     return PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
-                         use_error_feedback=True, warm_start=True, random_seed=0)
+                         use_error_feedback=True, warm_start=True, random_seed=0, orthogonalization_epsilon=1e-8)
 
 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
