@@ -26,6 +26,7 @@ Needs root and iproute2 (ip, tc). Every namespace is deleted at the end, on Ctrl
   python bench/shaped_link.py --size tiny --variant ddp:parallel=ddp --steps 3 --rate 1gbit
   python bench/shaped_link.py --size 512x8 --nproc-per-node 2 --rate 1gbit --unshaped --repeats 3 \\
       --variant ddp:parallel=ddp --variant zero3:parallel=zero3 --out results/shaped_link
+  python bench/shaped_link.py --merge results/a.json results/b.json --out results/shaped_link   (one report)
 """
 
 from __future__ import annotations
@@ -198,16 +199,42 @@ def markdown(rows: list[dict], rate: str) -> list[str]:
     lines = [f"| variant | crossed MB a step (all nodes) | MB a node | step s at {rate} | step s unshaped | "
              "exposed |", "|---|---|---|---|---|---|"]
     for row in rows:
-        def span(key, scale=1.0, fmt=".2f"):
+        def span(key, scale=1.0, fmt=".2f", unit=""):
             v = row.get(key)
             if v is None:
                 return "n/a"
-            text = f"{v['median'] * scale:{fmt}}"
-            return text if len(v["runs"]) < 2 else f"{text} ({v['min'] * scale:{fmt}}–{v['max'] * scale:{fmt}})"
+            text = f"{v['median'] * scale:{fmt}}{unit}"
+            return text if len(v["runs"]) < 2 else \
+                f"{text} ({v['min'] * scale:{fmt}}–{v['max'] * scale:{fmt}}{unit})"
         lines.append(f"| {row['variant']} | {span('crossed', 1e-6, '.1f')} | {span('tx_per_node', 1e-6, '.1f')} | "
-                     f"{span('step_s')} | {span('unshaped_step_s')} | {span('exposed', 100, '.0f')}% |"
-                     .replace("n/a%", "n/a"))
+                     f"{span('step_s')} | {span('unshaped_step_s')} | {span('exposed', 100, '.0f', '%')} |")
     return lines
+
+
+def merge(paths: list[Path], out: Path | None) -> int:
+    """Earlier reports' runs as one report: each variant's runs in the order of `paths`, its rows recomputed."""
+    reports = [json.loads(path.read_text()) for path in paths]
+    first = reports[0]
+    for path, report in zip(paths, reports):
+        if (report["nodes"], report["nproc_per_node"], report["rate"]) != (first["nodes"], first["nproc_per_node"],
+                                                                          first["rate"]):
+            raise SystemExit(f"{path}: another link or layout than {paths[0]}")
+    variants, runs = {}, {}
+    for report in reports:
+        for name, overrides in report["variants"].items():
+            if variants.setdefault(name, overrides) != overrides:
+                raise SystemExit(f"variant {name}: other overrides in another report")
+            for kind in ("shaped", "unshaped"):
+                runs.setdefault(name, {"shaped": [], "unshaped": []})[kind] += report["runs"][name][kind]
+    rows = [summary(name, runs[name]["shaped"], runs[name]["unshaped"]) for name in variants]
+    merged = {**first, "repeats": None, "merged_from": [str(p) for p in paths], "variants": variants, "rows": rows,
+              "runs": runs}
+    table = "\n".join(markdown(rows, first["rate"]))
+    print(table)
+    if out:
+        out.with_suffix(".json").write_text(json.dumps(merged, indent=1))
+        out.with_suffix(".md").write_text(table + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,11 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="sl", help="prefix of the namespaces' and interfaces' names")
     p.add_argument("--work", type=Path, default=Path("results/shaped_link_work"))
     p.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                   help="no job: the runs of earlier reports (same link and layout) as one report, in --out")
     p.add_argument("--sample", nargs=3, metavar=("LINK", "METRICS", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sample:
         sample(args.sample[0], Path(args.sample[1]), Path(args.sample[2]))
         return 0
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.steps < 2:
         p.error("--steps: at least 2 (the first step is not timed)")
     why = unavailable()
@@ -274,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         spaces.delete()
         signal.signal(signal.SIGTERM, previous)
     rows = [summary(name, results[name]["shaped"], results[name]["unshaped"]) for name, _ in variants]
-    report = {"nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "rate": args.rate, "burst": args.burst,
+    report = {"namespaces": spaces.names + ([spaces.switch] if spaces.switch else []), "nodes": args.nodes,
+              "nproc_per_node": args.nproc_per_node, "rate": args.rate, "burst": args.burst,
               "steps": args.steps, "repeats": args.repeats, "base_config": base,
               "variants": {name: overrides for name, overrides in variants}, "rows": rows, "runs": results}
     table = "\n".join(markdown(rows, args.rate))

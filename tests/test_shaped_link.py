@@ -23,7 +23,7 @@ def report(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("shaped")
     code = shaped_link.main(["--size", "tiny", "--tokens-per-row", "64", "--variant", "ddp:parallel=ddp",
                              "--steps", "3", "--rate", "1gbit", "--timeout", "240", "--work", str(work / "work"),
-                             "--out", str(work / "link")])
+                             "--tag", "slt", "--out", str(work / "link")])
     assert code == 0
     return json.loads((work / "link.json").read_text())
 
@@ -53,5 +53,6 @@ def test_a_ddp_step_moves_the_gradients_all_reduce_across_the_shaped_link(report
 def test_the_namespaces_are_gone_after_the_job(report):
     import subprocess
 
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    assert not [line for line in listed.splitlines() if line.startswith("sl")], listed
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
+    assert report["namespaces"] and report["namespaces"][0].startswith("slt")
+    assert not set(report["namespaces"]) & set(listed), listed
