@@ -13,7 +13,9 @@ Per optimizer step it reports:
   other direction);
 - the step time (metrics.jsonl's own interval: tokens / tokens_per_s);
 - the exposed share: 1 - (the step on an unshaped link) / (the step on the shaped one), the share of the step spent
-  waiting for the link, with --unshaped (the same job on the same namespaces, the qdiscs removed).
+  waiting for the link, with --unshaped (the same job again on the same namespaces, the qdiscs removed) or
+  --interleave (one job, its steps on the shaped and the unshaped link in turn: on a machine shared with other work
+  the load changes less between two neighbouring steps than between two jobs).
 
 Each --variant is a name and overrides of the config (`ddp:parallel=ddp`, `lora-bf16:finetuning_type=lora,
 grad_reduce_dtype=bf16`); the variants run in turn, --repeats times (alternating, so a change in the machine's load
@@ -39,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -102,8 +105,10 @@ def wait_for_port(spaces: NetworkNamespaces, port: int, node0: subprocess.Popen,
         time.sleep(0.2)
 
 
-def run_job(spaces: NetworkNamespaces, config: dict, work: Path, per_node: int, timeout: float) -> dict:
-    """One job across the namespaces: every node's launcher and sampler, until all launchers end."""
+def run_job(spaces: NetworkNamespaces, config: dict, work: Path, per_node: int, timeout: float,
+            shape_step: Callable[[bool], None] | None = None) -> dict:
+    """One job across the namespaces: every node's launcher and sampler, until all launchers end. `shape_step`:
+    called as each step's record appears, with whether the next step runs on the shaped link (even steps do)."""
     work.mkdir(parents=True)
     cfg_path = work / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
@@ -129,6 +134,15 @@ def run_job(spaces: NetworkNamespaces, config: dict, work: Path, per_node: int, 
             if rank == 0:
                 wait_for_port(spaces, port, launcher, START_TIMEOUT_S)
         deadline = time.monotonic() + timeout
+        records = 0
+        while shape_step is not None and any(launcher.poll() is None for launcher in launchers):
+            lines = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+            if lines != records:
+                records = lines
+                shape_step((records + 1) % 2 == 0)
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("meshtune train", timeout)
+            time.sleep(SAMPLE_EVERY_S)
         for rank, launcher in enumerate(launchers):
             launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
             if launcher.returncode:
@@ -143,9 +157,10 @@ def run_job(spaces: NetworkNamespaces, config: dict, work: Path, per_node: int, 
     return step_figures(metrics, [work / f"counters{rank}.jsonl" for rank in range(len(spaces.names))])
 
 
-def step_figures(metrics: Path, counters: list[Path]) -> dict:
+def step_figures(metrics: Path, counters: list[Path], parity: int | None = None) -> dict:
     """Per timed step (each record but the first, whose step starts with the job): its seconds and the bytes each
-    node sent and received between the record before it and its own."""
+    node sent and received between the record before it and its own. `parity`: only the even (0) or odd (1)
+    steps."""
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     by_node = []
     for path in counters:
@@ -156,7 +171,8 @@ def step_figures(metrics: Path, counters: list[Path]) -> dict:
         by_node.append(at)
     steps = []
     for index, record in enumerate(records[1:], start=2):
-        if not all(index in at and index - 1 in at for at in by_node):
+        if not all(index in at and index - 1 in at for at in by_node) or (
+                parity is not None and record["step"] % 2 != parity):
             continue
         tx = [at[index]["tx"] - at[index - 1]["tx"] for at in by_node]
         rx = [at[index]["rx"] - at[index - 1]["rx"] for at in by_node]
@@ -252,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs of each variant, alternating")
     p.add_argument("--unshaped", action="store_true",
                    help="also run each job with the link unshaped, for the exposed share")
+    p.add_argument("--interleave", action="store_true",
+                   help="one job a variant, its even steps on the shaped link and its odd ones unshaped: the pairs of "
+                        "steps next to each other see the same load of the machine (use an odd --steps)")
     p.add_argument("--timeout", type=float, default=900, help="seconds a job may take")
     p.add_argument("--tag", default="sl", help="prefix of the namespaces' and interfaces' names")
     p.add_argument("--work", type=Path, default=Path("results/shaped_link_work"))
@@ -289,6 +308,20 @@ def main(argv: list[str] | None = None) -> int:
         run = 0
         for repeat in range(args.repeats):
             for name, overrides in variants:
+                if args.interleave:
+                    run += 1
+                    work = args.work / f"run{run:03d}-{name}-interleaved"
+                    config = job_config(base, overrides, work / "output", args.steps)
+                    spaces.unshape()  # the first step, not timed
+                    run_job(spaces, config, work, args.nproc_per_node, args.timeout,
+                            lambda shaped: spaces.shape(args.rate, args.burst) if shaped else spaces.unshape())
+                    counters = [work / f"counters{rank}.jsonl" for rank in range(args.nodes)]
+                    for kind, parity in (("shaped", 0), ("unshaped", 1)):
+                        figures = step_figures(work / "output" / "metrics.jsonl", counters, parity)
+                        results[name][kind].append(figures)
+                        print(f"{name} {kind} steps #{repeat + 1}: step {figures['step_s']:.3f} s, "
+                              f"{figures['crossed'] / 1e6:.2f} MB crossed a step", flush=True)
+                    continue
                 for shaped in (True, False) if args.unshaped else (True,):
                     if shaped:
                         spaces.shape(args.rate, args.burst)
