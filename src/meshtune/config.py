@@ -361,7 +361,7 @@ class TrainConfig(BaseModel):
         None, "parallel hsdp: the dtype of the gradients' all-reduce across the replicas (the nodes), apart from the "
               "reduce-scatter inside a node. Only grad_reduce_dtype's value is accepted: torch's FSDP2 "
               "(MixedPrecisionPolicy.reduce_dtype) reduces both in one dtype, the all-reduce running on the "
-              "reduce-scatter's output. Default: grad_reduce_dtype", scope=MATH)
+              "reduce-scatter's output. Default: grad_reduce_dtype")
 
     nproc_per_node: int | None = LAUNCH(None, "processes on this machine; default: env NPROC_PER_NODE, else visible "
                                               "GPUs (1 on CPU)", gt=0)
