@@ -21,6 +21,16 @@ network; an assumption, not a measurement).
 
   python bench/scaling_model.py --from results/two_node_speed.json --job full-1.5b
   python bench/scaling_model.py --job lora-7b --compute-step-s 1.9 --gpus-per-node 8 --global-batch 64
+
+Every mode, from the bytes measured on a shaped link (--from-link, bench/shaped_link.py's JSON): for each mode the
+link run measured, the ratio of the bytes its interfaces counted to what meshtune.doctor.traffic predicts for that
+run (its model, processes and gloo) scales the formula's bytes for the projected job (NCCL, bf16 weights), so a
+formula that misses part of the traffic is corrected by the wire. Projected for full 7B, full 72B, LoRA 7B and
+Q-LoRA 72B (--jobs) at --nodes x 8 GPUs over --link-gbps, each GPU at the one-GPU rate of PROJECTED (cited; or
+--tokens-per-s JOB=RATE), 4 sequences of 576 tokens a GPU a step (64 sequences at 2 nodes), the same overlap as
+above. A mode whose weights and state do not fit --gpu-gib a GPU is marked so:
+
+  python bench/scaling_model.py --from-link results/shaped_link.json --out results/projection
 """
 
 from __future__ import annotations
@@ -125,6 +135,143 @@ def measured_from(path: Path, job: str) -> dict:
                                         if "busbw_gbs" in link}}
 
 
+# The one-GPU rate each projected job computes at (tokens/s a GPU), from docs/benchmarks.md, and its modes: the
+# link run's variant whose measured bytes calibrate each, and the config keys the mode sets.
+PROJECTED = {
+    "full-7b": ("7b", "full", 6622.0, "full 7B, zero3 on 4 × H100, 36.1% MFU (docs/benchmarks.md, 7B models)"),
+    "full-72b": ("72b", "full", None, "full 7B's rate × 7B / 72B FLOPs a token (an assumption: the same MFU)"),
+    "lora-7b": ("7b", "lora", 14556.0, "LoRA 7B, one node of 2 × H200, ddp (docs/benchmarks.md, Several nodes)"),
+    "qlora-72b": ("72b", "qlora", None, "LoRA 7B's rate × 7B / 72B FLOPs a token × 0.70 (Q-LoRA 7B ran at 0.70× "
+                                        "LoRA 7B: docs/benchmarks.md, 7B models)"),
+}
+DERIVED = {"full-72b": ("full-7b", 1.0), "qlora-72b": ("lora-7b", 0.70)}  # rate from: job, factor
+FULL_MODES = {"ddp": ("ddp", {}), "zero2": ("zero2", {}), "zero3": ("zero3", {}),
+              "zero3-node": ("zero3", {"zero3_reshard_to_node": True}), "hsdp": ("hsdp", {}),
+              "hsdp-bf16": ("hsdp", {"grad_reduce_dtype": "bf16"})}
+LORA_MODES = {"lora-ddp": ("ddp", {}), "lora-ddp-bf16": ("ddp", {"grad_reduce_dtype": "bf16"})}
+SEQUENCES_A_GPU, TOKENS_A_SEQUENCE = 4, 576
+
+
+def link_calibration(path: Path) -> tuple[dict[str, float], dict]:
+    """Per variant of a shaped-link report: the bytes a node sent a step, measured over predicted by the formula
+    for that very run."""
+    from meshtune.config import build_config
+    from meshtune.doctor.traffic import model_facts, sent_by_each_node, step_collectives
+
+    report = json.loads(path.read_text())
+    nodes, per_node = report["nodes"], report["nproc_per_node"]
+    ratios = {}
+    for row in report["rows"]:
+        cfg = build_config({**report["base_config"], **report["variants"][row["variant"]]})
+        if cfg.powersgd_rank:
+            continue  # not in the formula: its factors depend on each matrix's shape
+        mode = cfg.named_parallel or "ddp"
+        predicted = sent_by_each_node(step_collectives(cfg, mode, model_facts(cfg), False, True, nodes * per_node,
+                                                       None, per_node, True), nodes)
+        ratios[row["variant"]] = row["tx_per_node"]["median"] / predicted
+    return ratios, report
+
+
+def state_gib(method: str, mode: str, facts, nodes: int, per_node: int) -> float:
+    """Weights, gradients and AdamW state a GPU holds (no activations): full fine-tuning 2 bytes of bf16 weights
+    whole where unsharded or gathered, 16 of fp32 state over the shard group; LoRA and Q-LoRA the frozen base
+    (bf16 / NF4) and 16 bytes an adapter parameter."""
+    from meshtune.plan import NF4_BYTES, default_blocks_per_unit
+
+    n = facts.size.parameters
+    if method != "full":
+        base = NF4_BYTES * n if method == "qlora" else 2 * n
+        return (base + 16 * facts.trainable) / 2**30
+    shard = 1 if mode == "ddp" else per_node if mode == "hsdp" else nodes * per_node
+    unit = default_blocks_per_unit(facts.size.block_parameters) * facts.size.block_parameters
+    whole = 2 * n if mode in ("ddp", "zero2") else 2 * 2 * unit  # zero3: a unit gathered and the next prefetched
+    return (whole + 16 * n / shard) / 2**30
+
+
+def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
+                   ratio: float) -> dict:
+    """One optimizer step at `nodes` x `per_node`: the formula's crossing bytes x the link's ratio, hidden as
+    step_seconds hides them (gradients behind the last backward, gathers behind the rest)."""
+    from meshtune.doctor.traffic import sent_by_each_node, step_collectives
+    from meshtune.plan import default_blocks_per_unit
+
+    crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, None, per_node)
+    gathers = [c for c in crossing if c.kind == "all-gather"]
+    reductions = [c for c in crossing if c.kind != "all-gather"]
+    gather_s = sent_by_each_node(gathers, nodes) * ratio / busbw
+    reduce_s = sent_by_each_node(reductions, nodes) * ratio / busbw
+    units = max(1, facts.size.blocks // default_blocks_per_unit(facts.size.block_parameters))
+    window = BACKWARD_SHARE * compute_s
+    exposed = max(reduce_s / units, reduce_s - window) + max(0.0, gather_s - (compute_s - window))
+    return {"gather_s": gather_s, "reduce_s": reduce_s, "step_s": compute_s + exposed,
+            "efficiency": compute_s / (compute_s + exposed),
+            "bytes_a_node": (sent_by_each_node(crossing, nodes)) * ratio}
+
+
+def project_from_link(args) -> None:
+    from meshtune.config import build_config
+
+    ratios, report = link_calibration(args.from_link)
+    jobs = args.jobs.split(",")
+    unknown = [job for job in jobs if job not in PROJECTED]
+    if unknown:
+        raise SystemExit(f"--jobs {','.join(unknown)}: choose from {', '.join(PROJECTED)}")
+    rates = {name: PROJECTED[name][2] for name in jobs}
+    for item in args.tokens_per_s or []:
+        name, _, rate = item.partition("=")
+        rates[name] = float(rate)
+    needed = set(jobs) | {DERIVED[job][0] for job in jobs if rates.get(job) is None}
+    facts_of = {name: model_facts(Job(name, PROJECTED[name][0], PROJECTED[name][1], SEQUENCES_A_GPU, 1))
+                for name in needed}
+    for job in jobs:
+        if rates.get(job) is None:  # from another job's rate, by FLOPs a token
+            base, factor = DERIVED[job]
+            rates[job] = factor * PROJECTED[base][2] * facts_of[base].dense / facts_of[job].dense
+    tokens = SEQUENCES_A_GPU * TOKENS_A_SEQUENCE
+    nodes_list = [int(n) for n in args.nodes.split(",")]
+    gbps_list = [float(g) for g in args.link_gbps.split(",")]
+    gpu = args.gpu_gib
+    lines = ["Calibration from the shaped link (bytes a node measured / the formula's): " + ", ".join(
+        f"{name} {ratio:.3f}" for name, ratio in ratios.items()), ""]
+    result = {"calibration": ratios, "rates": rates, "rows": []}
+    for job in jobs:
+        size, method, _, source = PROJECTED[job]
+        facts = facts_of[job]
+        compute_s = tokens / rates[job]
+        modes = FULL_MODES if method == "full" else LORA_MODES
+        lines += [f"**{job}** ({facts.size.parameters / 1e9:.1f} B parameters, {facts.trainable / 1e6:,.0f} M "
+                  f"trained): {rates[job]:,.0f} tokens/s a GPU ({source}), {tokens:,} tokens a GPU a step: "
+                  f"{compute_s:.3f} s of compute", "",
+                  "| mode | link | " + " | ".join(f"{n} × {args.gpus_per_node}" for n in nodes_list)
+                  + " | GiB a GPU (state) |", "|---|---|" + "---:|" * (len(nodes_list) + 1)]
+        for name, (mode, keys) in modes.items():
+            ratio = ratios.get(name)
+            if ratio is None:
+                continue
+            cfg = build_config(dict(model_name_or_path="model", dataset=["data"], finetuning_type=method,
+                                    lora_rank=64, lora_alpha=16, lora_target="all",
+                                    per_device_train_batch_size=SEQUENCES_A_GPU, parallel=mode, **keys))
+            held = state_gib(method, mode, facts, nodes_list[0], args.gpus_per_node)
+            for gbps in gbps_list:
+                cells = []
+                for nodes in nodes_list:
+                    step = projected_step(cfg, mode, facts, nodes, args.gpus_per_node,
+                                          gbps / 8 * 1e9 * args.link_efficiency, compute_s, ratio)
+                    result["rows"].append(dict(job=job, mode=name, nodes=nodes, gbps=gbps, state_gib=held, **step))
+                    cells.append(f"{step['efficiency']:.1%}")
+                fits = f"{held:,.0f}" + (" (does not fit)" if held > gpu else "")
+                lines.append(f"| {name} | {gbps:g} Gb/s | " + " | ".join(cells) + f" | {fits} |")
+        lines.append("")
+    lines.append("Seed document, Qwen LoRA on A100 nodes with InfiniBand: " + ", ".join(
+        f"{n} nodes {e:.0%}" for n, e in SEED_TABLE.items()))
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".md").write_text(table + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", default="full-1.5b", help=f"one of {', '.join(JOBS)}")
@@ -135,16 +282,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens-per-step", type=float,
                    help="tokens a GPU trains an optimizer step (without --from; "
                         "default: batch x accumulation x 576, the bench's mean length)")
-    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--gpus-per-node", type=int, help="default 2 (--from-link: 8)")
     p.add_argument("--global-batch", type=int, default=64, help="of the measured job: sets its accumulation")
     p.add_argument("--nodes", default="2,4,8,16")
-    p.add_argument("--link-gbps", default="100,200,400", help="line rates a node, Gb/s")
+    p.add_argument("--link-gbps", help="line rates a node, Gb/s (default 100,200,400; --from-link: 10,100,400)")
     p.add_argument("--link-efficiency", type=float, default=0.9)
     p.add_argument("--gpu-gib", type=float, default=141.0, help="GPU memory, for the mode auto picks")
     p.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="the dtype gradients cross the network in (meshtune's grad_reduce_dtype)")
     p.add_argument("--out", type=Path, help="write the tables here (markdown) and beside it as JSON")
+    p.add_argument("--from-link", type=Path,
+                   help="bench/shaped_link.py's JSON: project every mode it measured (see above) instead of --job")
+    p.add_argument("--jobs", default=",".join(PROJECTED), help=f"--from-link: of {', '.join(PROJECTED)}")
+    p.add_argument("--tokens-per-s", action="append", metavar="JOB=RATE",
+                   help="--from-link: a job's one-GPU tokens/s instead of the cited one")
     args = p.parse_args(argv)
+    if args.from_link:
+        args.link_gbps = args.link_gbps or "10,100,400"
+        args.gpus_per_node = args.gpus_per_node or 8
+        project_from_link(args)
+        return
+    args.link_gbps = args.link_gbps or "100,200,400"
+    args.gpus_per_node = args.gpus_per_node or 2
     if args.job not in JOBS:
         p.error(f"--job {args.job}: choose from {', '.join(JOBS)}")
     size, method, bs = JOBS[args.job]

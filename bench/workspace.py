@@ -20,6 +20,8 @@ SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in w
                  num_key_value_heads=2),
     "tiny-nf4": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4),
+    "512x8": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2),  # CPU: full 7B's ratio of tokens a step to parameters at ~2k tokens
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -31,7 +33,7 @@ SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in w
     "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8),
 }
-VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "32b": 152064, "72b": 152064}  # the others: 151936
+VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "512x8": 1000, "32b": 152064, "72b": 152064}  # the others: 151936
 WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up
 
 

@@ -142,17 +142,20 @@ def worker_entry(argv: list[str], env: dict[str, str], log: Path, cwd: str) -> N
 
 
 def run_workers(argv: list[str], nproc: int, workdir: Path, env: dict[str, str] | None = None,
-                timeout: float = 240) -> tuple[list[int], str]:
+                timeout: float = 240, per_node: int | None = None) -> tuple[list[int], str]:
     """`meshtune ARGV` on `nproc` local ranks, as torchrun --standalone would start them: (exit codes, the ranks'
-    output, rank by rank). Ranks still running after `timeout` s are killed (exit code None)."""
+    output, rank by rank). Ranks still running after `timeout` s are killed (exit code None). `per_node`: the ranks
+    told they are on nodes of that many processes (consecutive ranks a node), as torchrun on several nodes tells
+    them."""
+    per_node = per_node or nproc
     workdir.mkdir(parents=True, exist_ok=True)
     run_id, port = uuid.uuid4().hex[:8], free_port()
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     processes, logs = [], []
     for rank in range(nproc):
-        rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-                    "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+        rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(nproc),
+                    "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node), "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": str(nproc // per_node), "ROLE_NAME": "default",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id,
                     "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": str(threads), **(env or {})}

@@ -681,3 +681,40 @@ def test_command_startup_alternates_the_two_sides_and_reports_their_medians(tmp_
     assert [run["side"] for run in report["runs"]] == ["frozen", "unfrozen"]
     assert all(run["cpu_s"] > 0 for run in report["runs"]) and "cpu_ratio" in report["summary"]
     assert "cpu frozen / unfrozen, paired:" in proc.stdout
+
+
+def test_the_projection_scales_the_formulas_bytes_by_what_the_shaped_link_counted(tmp_path, tiny_model_dir,
+                                                                                  tiny_dataset, monkeypatch):
+    """scaling_model --from-link: each mode's measured / predicted bytes on the link calibrate its projection; a
+    mode measured at 1.5x its formula's bytes is projected slower than at 1x, and the faster link is never worse."""
+    import scaling_model
+    from meshtune.config import build_config
+    from meshtune.doctor.traffic import model_facts, sent_by_each_node, step_collectives
+
+    from conftest import base_config
+
+    base = base_config(str(tiny_model_dir), str(tiny_dataset), "out", finetuning_type="lora")
+    variants = {"lora-ddp": {"parallel": "ddp"}, "lora-ddp-bf16": {"parallel": "ddp", "grad_reduce_dtype": "bf16"}}
+    # the tiny bench shape stands for LoRA 7B (a 7B skeleton with peft's adapters takes tens of seconds to count)
+    monkeypatch.setitem(scaling_model.PROJECTED, "lora-7b", ("tiny", "lora", 14556.0, "the test's rate"))
+    rows = []
+    for name, keys, measured_over_predicted in (("lora-ddp", variants["lora-ddp"], 1.0),
+                                                ("lora-ddp-bf16", variants["lora-ddp-bf16"], 1.5)):
+        cfg = build_config({**base, **keys})
+        predicted = sent_by_each_node(step_collectives(cfg, "ddp", model_facts(cfg), False, True, 4, None, 2, True), 2)
+        rows.append({"variant": name, "tx_per_node": {"median": predicted * measured_over_predicted}})
+    link = tmp_path / "link.json"
+    link.write_text(json.dumps({"nodes": 2, "nproc_per_node": 2, "base_config": base, "variants": variants,
+                                "rows": rows}))
+    scaling_model.main(["--from-link", str(link), "--jobs", "lora-7b", "--nodes", "2,8", "--out",
+                        str(tmp_path / "projection")])
+    result = json.loads((tmp_path / "projection.json").read_text())
+    assert result["calibration"] == pytest.approx({"lora-ddp": 1.0, "lora-ddp-bf16": 1.5})
+    eff = {(r["mode"], r["nodes"], r["gbps"]): r["efficiency"] for r in result["rows"]}
+    # bf16 halves the bytes, the link counted 1.5x: 0.75 of fp32's, so still faster, but not twice
+    plain, half = (scaling_model.projected_step(build_config({**base, **variants[n]}), "ddp",
+                                                scaling_model.model_facts(scaling_model.Job("x", "tiny", "lora", 4, 1)),
+                                                2, 8, 1.25e9, 0.158, r) for n, r in (("lora-ddp", 1.0),
+                                                                                      ("lora-ddp-bf16", 1.5)))
+    assert half["bytes_a_node"] == pytest.approx(0.75 * plain["bytes_a_node"])
+    assert eff[("lora-ddp", 2, 10.0)] < eff[("lora-ddp", 2, 100.0)] < eff[("lora-ddp", 2, 400.0)] < 1

@@ -229,12 +229,15 @@ def test_the_traffic_of_a_step_follows_the_parallel_mode():
     weights, gradients = 14e9, 28e9  # bf16 weights, fp32 gradients
     assert moved("ddp") == moved("hsdp") == [("all-reduce", gradients, 1)]  # hsdp: only the replicas' all-reduce
     assert moved("zero2") == [("all-gather", weights, 1), ("reduce-scatter", gradients, 1)]  # whole across micro
-    assert moved("zero3") == [("all-gather", weights, 8), ("reduce-scatter", gradients, 1)]
+    # zero3 gathers again for backward all but the last unit (2 blocks of 4 a unit: 0.4B) and the head (0.5B)
+    again = weights * (1 - 0.9e9 / 7e9)
+    assert moved("zero3") == [("all-gather", weights, 4), ("all-gather", pytest.approx(again), 4),
+                              ("reduce-scatter", gradients, 1)]
     assert moved("hsdp", grad_reduce_dtype="bf16") == [("all-reduce", gradients / 2, 1)]
     # over 2 nodes at 10 GB/s: an all-reduce sends 2(n-1)/n of its bytes, an all-gather (n-1)/n
     zero3 = step_collectives(build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full",
                                                parallel="zero3")), "zero3", model, True, True)
-    assert collective_seconds(zero3, 10e9, 2) == pytest.approx((2 * weights + gradients) * 0.5 / 10e9)
+    assert collective_seconds(zero3, 10e9, 2) == pytest.approx((weights + again + gradients) * 0.5 / 10e9)
     cfg = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full", parallel="zero3",
                             cutoff_len=4096, per_device_train_batch_size=2, gradient_accumulation_steps=4))
     slow = verdict(cfg, 2, 8, True, 80e9, 1.2e9, 400e12, model)
@@ -244,6 +247,34 @@ def test_the_traffic_of_a_step_follows_the_parallel_mode():
     adapters = ModelFacts(model.size, 20_000_000, model.dense, 30, 4096)
     assert verdict(lora, 2, 8, True, 80e9, 1.2e9, None, adapters)["parallel"] == "ddp"  # auto: LoRA runs ddp
     assert step_collectives(lora, "ddp", adapters, True, True)[0].bytes == 80e6
+
+
+def test_each_node_sends_a_rings_share_of_the_collective_over_its_processes():
+    """A ring over every process enters and leaves each node once: ddp over 2 nodes x 8 sends 2(16-1)/16 of the
+    gradients out of each node, hsdp's all-reduce between the 2 replicas 2(2-1)/2. What bench/shaped_link.py counts
+    on the interfaces (docs/benchmarks.md): ddp 2 x 2 sends 1.5 S a node; on gloo zero2's reduce-scatter moves as much
+    as an all-reduce; zero3_reshard_to_node gathers across the nodes only for forward."""
+    from meshtune.config import build_config
+    from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives
+    from meshtune.plan import ModelSize
+
+    model = ModelFacts(ModelSize(1_000_000, 100_000, 8), 1_000_000, 900_000, 8, 512)
+    S = 4e6  # fp32 gradients
+
+    def sent(parallel: str, per_node: int, gloo: bool = False, **keys) -> float:
+        cfg = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full", parallel=parallel,
+                                **keys))
+        return sent_by_each_node(step_collectives(cfg, parallel, model, False, True, 2 * per_node, None, per_node,
+                                                  gloo), 2)
+
+    assert sent("ddp", 8) == pytest.approx(2 * 15 / 16 * S)
+    assert sent("ddp", 2) == pytest.approx(1.5 * S) and sent("ddp", 1) == pytest.approx(S)
+    assert sent("hsdp", 8) == pytest.approx(S)
+    assert sent("zero2", 2) == pytest.approx(0.75 * S + 0.75 * S)
+    assert sent("zero2", 2, gloo=True) == pytest.approx(0.75 * S + 1.5 * S)
+    kept = (4 * 100_000 + 100_000) / 1_000_000  # kept from forward to backward: the last unit (4 blocks), the head
+    assert sent("zero3", 2) == pytest.approx((0.75 + 0.75 * (1 - kept)) * S + 0.75 * S)
+    assert sent("zero3", 2, zero3_reshard_to_node=True) == pytest.approx(0.75 * S + 0.75 * S)
 
 
 def train_config(tmp_path, tiny_model_dir, tiny_dataset, **extra):

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from conftest import base_config, kill_tree, read_metrics, run_cli_here, write_config
+from network_namespaces import NetworkNamespaces
 from ranks import free_port, run_meshtune_ranks, wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -541,33 +542,6 @@ def test_sigterm_to_node_0s_launcher_saves_ends_every_node_within_seconds_and_a_
     assert f"resumed from {output / f'checkpoint-{saved}'} at step {saved}" in text
     assert losses(output) == baseline(1)["losses"]
     assert final_hash(output) == baseline(1)["hash"]
-
-
-class NetworkNamespaces:
-    """Two hosts with their own addresses: network namespaces joined by a veth pair (needs root and iproute2)."""
-
-    def __init__(self, tag: str = "mt"):
-        tag = f"{tag}{os.getpid() % 100000}"
-        self.names = [f"{tag}n0", f"{tag}n1"]
-        self.links = [f"{tag}v0", f"{tag}v1"]
-        self.addresses = ["10.231.0.1", "10.231.0.2"]
-
-    def create(self) -> None:
-        self.ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
-        for name, link, address in zip(self.names, self.links, self.addresses):
-            self.ip("netns", "add", name)
-            self.ip("link", "set", link, "netns", name)
-            self.ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
-            self.ip("-n", name, "link", "set", link, "up")
-            self.ip("-n", name, "link", "set", "lo", "up")
-
-    def delete(self) -> None:
-        for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-
-    @staticmethod
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
 def two_hosts_job(tmp_path_factory, model_dir: Path, dataset: Path) -> dict:

@@ -21,8 +21,8 @@ import pytest
 from conftest import read_metrics
 from processes import alive, descendants
 from ranks import free_port
-from test_faults import (JOB_TIMEOUT, Cluster, NetworkNamespaces, Node, final_hash, job_config, losses,
-                         uninterrupted_run)
+from network_namespaces import NetworkNamespaces
+from test_faults import JOB_TIMEOUT, Cluster, Node, final_hash, job_config, losses, uninterrupted_run
 
 pytestmark = pytest.mark.slow  # bounds of a minute or more after the cut: they hold beside another test
 HANG_TIMEOUT = 10

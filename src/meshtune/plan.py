@@ -60,7 +60,8 @@ class RunPlan:
     recompute: float | str       # share of the blocks recomputed in backward, or MEASURE (fit memory_budget)
     blocks_per_unit: int | None  # consecutive blocks per FSDP2 unit; None under ddp
     hsdp_shard_size: int | None  # processes sharding one replica; None unless hsdp
-    reshard_after_forward: bool | None  # FSDP2 frees each unit's gathered weights after forward; None under ddp
+    # FSDP2 frees each unit's gathered weights after forward (an int: to that many processes, a node's); None: ddp
+    reshard_after_forward: bool | int | None
     gradient_reduction: str      # under accumulation, when gradients cross processes: ONCE, SHARD_EACH, EACH
     cpu_offload: bool            # FSDP2's shards (weights, gradients, optimizer state) in host memory
     gradient_accumulation_steps: int  # the config's, or what keeps a resumed checkpoint's global batch
@@ -76,6 +77,7 @@ class RunPlan:
     # the device mesh, outermost dimension first: dp_replicate (replicas), dp_shard (FSDP2 shards), cp (context
     # parallel), tp (tensor parallel, innermost: consecutive ranks, inside one node)
     mesh: dict[str, int] = field(default_factory=dict)
+    powersgd_rank: int = 0       # ddp: gradients cross as PowerSGD's rank-r factors; 0: whole
 
     @property
     def tensor_parallel(self) -> int:
@@ -127,7 +129,10 @@ class RunPlan:
         if self.hsdp_shard_size is not None:
             rows.append(("hsdp_shard_size", str(self.hsdp_shard_size)))
         if self.reshard_after_forward is not None:
-            rows.append(("reshard_after_forward", on(self.reshard_after_forward)))
+            rows.append(("reshard_after_forward", on(self.reshard_after_forward) if isinstance(
+                self.reshard_after_forward, bool) else f"to {self.reshard_after_forward} processes (a node)"))
+        if self.powersgd_rank:
+            rows.append(("powersgd_rank", str(self.powersgd_rank)))
         if self.fsdp_prefetch is not None or "fsdp_prefetch" in self.why:
             rows.append(("fsdp_prefetch", f"{self.fsdp_prefetch} ahead" if self.fsdp_prefetch else
                          "FSDP2's own" if self.fsdp_prefetch == 0 else "none"))
@@ -270,6 +275,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     check_train_batch_size(cfg, accumulation, dp.world_size)
     reduction = gradient_reduction(cfg, procs.world_size, parallel, accumulation, model_size, gpu_bytes, why)
     grad_sync, reduce_dtype = gradient_crossing(cfg, procs.world_size, parallel, why)
+    reshard = reshard_to_node(cfg, parallel, reshard, procs, tp * cp, why)
+    powersgd = powersgd_rank(cfg, parallel, procs.world_size, why)
     prefetch = cfg.fsdp_prefetch if parallel in SHARDED else None
     if prefetch is None and cfg.fsdp_prefetch:
         why["fsdp_prefetch"] = "ddp: no FSDP2 units to gather ahead"
@@ -300,7 +307,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
-                   mesh=mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp))
+                   mesh=mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp), powersgd_rank=powersgd)
 
 
 def reference_reason(cfg: TrainConfig) -> str:
@@ -586,6 +593,46 @@ def reshard_after_forward(cfg: TrainConfig, parallel: str, shard: int | None, mo
     why["reshard_after_forward"] = (f"hsdp, full fine-tuning: whole weights and state would take {held / 2**30:.1f} "
                                     f"GiB per GPU of {card / 2**30:.0f} GiB; gathered again for backward, as zero3")
     return True
+
+
+def reshard_to_node(cfg: TrainConfig, parallel: str, reshard: bool | None, procs: DistEnv, model_parallel: int,
+                    why: dict[str, str]) -> bool | int | None:
+    """`zero3_reshard_to_node`: zero3's units resharded after forward to the processes of one node (FSDP2's
+    reshard_after_forward as an int), so that backward gathers them inside the node; the ranks of a node are
+    consecutive, which is how FSDP2 groups them."""
+    if not cfg.zero3_reshard_to_node:
+        return reshard
+    per_node = procs.local_world_size
+    if parallel != "zero3":
+        why["zero3_reshard_to_node"] = (f"{parallel}: not applied; it reshards zero3's units" + (
+            " (hsdp gathers inside a node already)" if parallel == "hsdp" else ""))
+    elif model_parallel > 1:
+        why["zero3_reshard_to_node"] = "not applied under tensor or context parallel: FSDP2 shards over a sub-mesh"
+    elif procs.world_size == per_node:
+        why["zero3_reshard_to_node"] = "one node: every gather stays inside it already; resharded as zero3"
+    elif per_node == 1:
+        why["zero3_reshard_to_node"] = "one process a node: a node's share is the process's own; resharded as zero3"
+    else:
+        why["reshard_after_forward"] = (f"zero3_reshard_to_node: after forward each unit keeps the weights of its "
+                                        f"node's {per_node} processes, so backward's all-gathers stay inside the node")
+        return per_node
+    return reshard
+
+
+def powersgd_rank(cfg: TrainConfig, parallel: str, world_size: int, why: dict[str, str]) -> int:
+    """`powersgd_rank`, where DDP's buckets cross the processes: ddp on several of them."""
+    if not cfg.powersgd_rank:
+        return 0
+    if parallel != "ddp":
+        raise ConfigError(f"powersgd_rank: {cfg.powersgd_rank} compresses DDP's gradient buckets; this run is "
+                          f"parallel {parallel} (FSDP2 reduce-scatters its own): set parallel: ddp, or drop "
+                          f"powersgd_rank")
+    if world_size == 1:
+        why["powersgd_rank"] = "one process: no gradient crosses processes"
+        return 0
+    why["powersgd_rank"] = (f"{cfg.powersgd_rank}: DDP's buckets cross as PowerSGD's rank-{cfg.powersgd_rank} "
+                            f"factors, with error feedback (approximate)")
+    return cfg.powersgd_rank
 
 
 def gradient_reduction(cfg: TrainConfig, world_size: int, parallel: str, accumulation: int,

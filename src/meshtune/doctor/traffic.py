@@ -1,15 +1,22 @@
 """What a config moves between the nodes each optimizer step, and how long that takes on a measured link.
 
 The link between nodes is taken as the bottleneck (the GPUs of one node talk over NVLink or shared memory, far
-faster), and a collective over n nodes as nccl-tests models it: an all-reduce of S bytes takes S x 2(n-1)/n / busbw,
-an all-gather or reduce-scatter of S bytes (the whole buffer) S x (n-1)/n / busbw, with busbw the all-reduce's
-measured bus bandwidth. Per optimizer step of A micro-steps (gradients cross once, on the last micro-step):
+faster), and a collective over p ranks as a ring, as nccl-tests models it: each node sends an all-reduce's S bytes
+x 2(p-1)/p, an all-gather's or reduce-scatter's (the whole buffer) S x (p-1)/p, which takes that over busbw, the
+all-reduce's measured bus bandwidth. A ring over every process of the job enters and leaves each node once a ring,
+however many processes a node holds, so p is the collective's processes, not the nodes: ddp's all-reduce over
+2 nodes x 8 GPUs sends 1.9 S out of each node, hsdp's all-reduce between the 2 replicas (each shard group its own
+S / 8) S. On gloo (CPU) a reduce-scatter is an all-reduce on the wire (measured: bench/shaped_link.py). Per
+optimizer step of A micro-steps (gradients cross once, on the last micro-step):
 
 - ddp: one all-reduce of the trainable gradients (LoRA: the adapters only);
 - zero2: one all-gather of the weights (in the first micro-step's forward; kept whole until the last micro-step's
   backward) + one reduce-scatter of the trainable gradients;
-- zero3: 2A all-gathers (forward and backward) + one reduce-scatter;
+- zero3: A all-gathers for forward, A again for backward of all but what stays gathered in between (the last unit
+  of blocks and the head; none with zero3_reshard_to_node, whose backward gathers inside the node) + one
+  reduce-scatter;
 - hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes.
+PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's shape.
 
 Weights cross in bf16 on GPUs (FSDP2's parameter dtype; Q-LoRA's blocks as NF4), gradients in `grad_reduce_dtype`.
 Compute is estimated for a step of full-length samples (cutoff_len tokens) at MFU_ASSUMED of the bf16 matmul rate
@@ -22,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtune.doctor.bandwidth import duration_text
-from meshtune.plan import EACH, NF4_BYTES, SHARDED, ModelSize, gradient_reduction, parallel_for
+from meshtune.plan import (EACH, NF4_BYTES, SHARDED, ModelSize, default_blocks_per_unit, gradient_reduction,
+                           parallel_for)
 from meshtune.units import byte_size
 
 MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks.md)
@@ -46,6 +54,7 @@ class Collective:
     what: str
     bytes: float
     times: int
+    ranks: int = 0  # the processes of its ring; 0: one a node (the nodes)
 
 
 def model_facts(cfg) -> ModelFacts:
@@ -73,8 +82,9 @@ def parallel_mode(cfg, processes: int, per_node: int, gpus: bool, gpu_bytes: flo
 
 
 def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node: bool, processes: int = 1,
-                     gpu_bytes: float | None = None) -> list[Collective]:
-    """The collectives that cross the nodes in one optimizer step (see the module's docstring)."""
+                     gpu_bytes: float | None = None, per_node: int = 1, gloo: bool = False) -> list[Collective]:
+    """The collectives that cross the nodes in one optimizer step (see the module's docstring), over `processes`
+    of `per_node` a node; `gloo`: reduce-scatters move an all-reduce's bytes."""
     grad_bytes = 2 if cfg.grad_reduce_dtype == "bf16" else 4
     gradients = model.trainable * grad_bytes
     block_params = model.size.block_parameters * model.size.blocks
@@ -83,19 +93,42 @@ def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node
     else:
         weights = model.size.parameters * (2 if bf16 else 4)
     micro = cfg.gradient_accumulation_steps
-    reduce = Collective("all-reduce", "gradients", gradients, 1)
-    if mode == "ddp" or (mode == "hsdp" and hsdp_in_node):
-        return [reduce]
-    gathers = 1 if mode == "zero2" else 2 * micro  # zero2 keeps them whole across the micro-steps
+    ranks = processes if processes > 1 else 0
+    if mode == "hsdp" and hsdp_in_node:
+        return [Collective("all-reduce", "gradients", gradients, 1, ranks // per_node if ranks else 0)]
+    if mode == "ddp":
+        return [Collective("all-reduce", "gradients", gradients, 1, ranks)]
     reduction = gradient_reduction(cfg, processes, mode, micro, lambda: model.size, lambda: gpu_bytes, {})
-    return [Collective("all-gather", "weights", weights, gathers),
-            Collective("reduce-scatter", "gradients", gradients, micro if reduction == EACH else 1)]
+    scatter = Collective("all-reduce" if gloo else "reduce-scatter", "gradients", gradients,
+                         micro if reduction == EACH else 1, ranks)
+    if mode == "zero2":  # the weights stay whole across the micro-steps
+        return [Collective("all-gather", "weights", weights, 1, ranks), scatter]
+    gathers = [Collective("all-gather", "weights", weights, micro, ranks)]
+    if not (getattr(cfg, "zero3_reshard_to_node", False) and per_node > 1):  # else backward gathers inside the node
+        again = weights * (1 - kept_for_backward(cfg, model.size))
+        gathers.append(Collective("all-gather", "weights again for backward", again, micro, ranks))
+    return [*gathers, scatter]
+
+
+def kept_for_backward(cfg, size: ModelSize) -> float:
+    """The share of the weights zero3 keeps gathered from forward to backward (model/parallel.py): the last unit of
+    blocks and the head (a unit of its own, or with tied embeddings the root's), which backward needs first."""
+    per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(size.block_parameters)
+    last_unit = (size.blocks - 1) % per_unit + 1
+    head = max(size.parameters - size.block_parameters * size.blocks, 0) / (1 if size.tied_embeddings else 2)
+    return min(1.0, (last_unit * size.block_parameters + head) / max(size.parameters, 1))
+
+
+def sent_by_each_node(collectives: list[Collective], nodes: int) -> float:
+    """The bytes each node sends a step: a ring's share of each collective (see the module's docstring)."""
+    def share(c: Collective) -> float:
+        p = c.ranks or nodes
+        return (2 if c.kind == "all-reduce" else 1) * (p - 1) / p
+    return sum(c.bytes * c.times * share(c) for c in collectives)
 
 
 def collective_seconds(collectives: list[Collective], busbw: float, nodes: int) -> float:
-    factor = {"all-reduce": 2 * (nodes - 1) / nodes, "all-gather": (nodes - 1) / nodes,
-              "reduce-scatter": (nodes - 1) / nodes}
-    return sum(c.bytes * c.times * factor[c.kind] for c in collectives) / busbw
+    return sent_by_each_node(collectives, nodes) / busbw
 
 
 def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float | None:
@@ -128,12 +161,12 @@ def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, bu
     mode, how = parallel_mode(cfg, processes, nproc, gpus, gpu_bytes, model.size)
     bf16 = gpus and cfg.bf16 is not False
     hsdp_in_node = (cfg.hsdp_shard_size or nproc) <= nproc
-    collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, gpu_bytes)
+    collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, gpu_bytes, nproc, not gpus)
     seconds = collective_seconds(collectives, busbw, nodes)
     compute = compute_seconds(cfg, model, peak_flops)
     ratio = seconds / compute if compute else None
-    others = {other: collective_seconds(step_collectives(cfg, other, model, bf16, True, processes, gpu_bytes),
-                                        busbw, nodes)
+    others = {other: collective_seconds(step_collectives(cfg, other, model, bf16, True, processes, gpu_bytes, nproc,
+                                                         not gpus), busbw, nodes)
               for other in ("ddp", "zero2", "hsdp", "zero3") if other != mode}
     return {"parallel": mode, "auto": bool(how), "collectives": [c.__dict__ for c in collectives],
             "comm_s": seconds, "compute_s": compute, "ratio": ratio, "busbw": busbw, "nodes": nodes,

@@ -97,6 +97,7 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
                 prefetch=plan.fsdp_prefetch, grad_sync=plan.grad_sync, reduce_bf16=plan.grad_reduce_dtype == "bf16",
                 blocks_per_unit=plan.blocks_per_unit or 1, cpu_offload=plan.cpu_offload,
                 reshard_after_forward=plan.reshard_after_forward, bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+                powersgd_rank=plan.powersgd_rank,
                 mesh_layout=plan.mesh)
     if plan.parallel == "ddp":
         if loader is not None:

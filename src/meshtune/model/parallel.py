@@ -9,6 +9,7 @@ from typing import ContextManager
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -98,11 +99,20 @@ def bf16_allreduce_hook(process_group, bucket):  # no annotations: DDP compares 
     return future.then(back)
 
 
+def powersgd_state(rank: int) -> PowerSGDState:
+    """torch's PowerSGD with error feedback and warm start. Its first iteration is DDP's plain all-reduce, as torch
+    requires: DDP rebuilds its buckets after the first backward (settle_gradient_buckets' zero backward). A gradient
+    that is all zeros (a LoRA A before its B has moved) has a zero factor, which Gram-Schmidt would divide by: the
+    epsilon keeps it zero instead of NaN."""
+    return PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                         use_error_feedback=True, warm_start=True, random_seed=0, orthogonalization_epsilon=1e-8)
+
+
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                hsdp_shard_size: int | None = None, prefetch: int | None = 1, grad_sync: str | None = "ddp",
                in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1,
-               cpu_offload: bool = False, reshard_after_forward: bool | None = None,
-               bucket_cap_mb: float | None = None,
+               cpu_offload: bool = False, reshard_after_forward: bool | int | None = None,
+               bucket_cap_mb: float | None = None, powersgd_rank: int = 0,
                before_shard: Callable[[list[torch.nn.Module]], None] | None = None,
                mesh_layout: dict[str, int] | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
@@ -111,7 +121,9 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     `blocks_per_unit`: consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter
     for them all). `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host
     memory. `reshard_after_forward`: FSDP2 frees each unit's gathered weights after forward (the run plan's choice; by
-    default zero3's and hsdp's yes, zero2's no). `bucket_cap_mb`: DDP's gradient buckets (torch's 25 MB by default).
+    default zero3's and hsdp's yes, zero2's no; an int: to that many processes, a node's). `powersgd_rank`: DDP's
+    buckets cross as PowerSGD's low-rank factors (approximate). `bucket_cap_mb`: DDP's gradient buckets (torch's
+    25 MB by default).
     `before_shard`: called with each unit's blocks, then with the model, right before FSDP2 shards them (Q-LoRA's
     block-by-block loading: only one unit is ever whole on the device). `mesh_layout` (the run plan's mesh): with
     a tp dimension above 1 the model is first split over it (model/tensor_parallel.py), then FSDP2 shards it over
@@ -136,6 +148,8 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                                                                        if bucket_cap_mb else {}))
         if reduce_bf16:
             ddp.register_comm_hook(None, bf16_allreduce_hook)
+        elif powersgd_rank:
+            ddp.register_comm_hook(powersgd_state(powersgd_rank), powerSGD_hook)
         return ddp
     reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32 if bf16 else None
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
@@ -158,7 +172,8 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
         if before_shard is not None:
             before_shard(unit)
         # backward starts with the last unit: freeing its weights after forward would only gather them again at once
-        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard and i < len(units) - 1, **shard)
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard if i < len(units) - 1 else False,
+                    **shard)
     if head is not None:
         # its own unit, as torchtitan shards the output layer: its gradient, the first of backward, is reduced
         # while the blocks' backward runs instead of with the root's after the last block
