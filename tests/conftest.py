@@ -119,6 +119,11 @@ class WorkerLock:
         finally:
             fcntl.flock(self.tests, fcntl.LOCK_UN)
 
+    def share(self) -> None:
+        """The `alone` test holding the machine has timed all it times: its rest runs beside other tests (and still
+        keeps another `alone` test from starting)."""
+        fcntl.flock(self.tests, fcntl.LOCK_SH)
+
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which makes the temp folders
 def pytest_configure(config):
@@ -136,6 +141,14 @@ def pytest_runtest_protocol(item, nextitem):
             yield
     finally:
         RUNNING["item"] = None
+
+
+@pytest.fixture
+def untimed_from_here(request):
+    """For a test marked `alone`: `untimed_from_here()` once what it times against the clock is over; what is left
+    (a relaunch, the comparison with a reference run) runs beside other tests under pytest-xdist."""
+    lock = getattr(request.config, "worker_lock", None)
+    return lock.share if lock is not None else lambda: None
 
 
 # `make test-fast` runs the tests not marked `slow`; a test that starts a process (a subprocess, a multiprocessing
