@@ -84,8 +84,8 @@ def meshtune_console():
 # `make test` runs two pytest-xdist workers, each taking a whole module at a time (`--dist loadscope`: a module's
 # fixtures, such as the fault tests' shared jobs, are built once), in the order below (`--no-loadscope-reorder`):
 # the longest modules first, by their measured seconds, so that the workers end together.
-LONGEST_MODULES_FIRST = ("test_faults.py", "test_bench.py", "test_node_exits.py", "test_fast_path.py",
-                         "test_doctor.py", "test_rendezvous_checks.py", "test_partition.py",
+LONGEST_MODULES_FIRST = ("test_bench.py", "test_faults.py", "test_node_exits.py", "test_rendezvous_checks.py",
+                         "test_doctor.py", "test_fast_path.py", "test_partition.py",
                          "test_rendezvous_churn.py", "test_slurm.py", "test_demo.py",
                          "test_topology.py", "test_qlora.py", "test_tensor_parallel.py", "test_restarts.py",
                          "test_scheduler_files.py", "test_loop_options.py")
@@ -119,6 +119,11 @@ class WorkerLock:
         finally:
             fcntl.flock(self.tests, fcntl.LOCK_UN)
 
+    def share(self) -> None:
+        """The `alone` test holding the machine has timed all it times: its rest runs beside other tests (and still
+        keeps another `alone` test from starting)."""
+        fcntl.flock(self.tests, fcntl.LOCK_SH)
+
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which makes the temp folders
 def pytest_configure(config):
@@ -136,6 +141,14 @@ def pytest_runtest_protocol(item, nextitem):
             yield
     finally:
         RUNNING["item"] = None
+
+
+@pytest.fixture
+def untimed_from_here(request):
+    """For a test marked `alone`: `untimed_from_here()` once what it times against the clock is over; what is left
+    (a relaunch, the comparison with a reference run) runs beside other tests under pytest-xdist."""
+    lock = getattr(request.config, "worker_lock", None)
+    return lock.share if lock is not None else lambda: None
 
 
 # `make test-fast` runs the tests not marked `slow`; a test that starts a process (a subprocess, a multiprocessing

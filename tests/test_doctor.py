@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,8 +80,53 @@ def test_a_healthy_pair_of_nodes_passes_and_node_0_prints_one_table(config, tmp_
     assert not list((tmp_path / "output").glob(".meshtune-doctor-*"))  # node 0's token removed
 
 
+class WrongPortNode:
+    """`meshtune doctor` as node 1 alone, on a port where nothing listens, with the doctor's default --timeout
+    (30 s): what it prints and how long it ran. It spends those seconds waiting, so it runs beside the tests
+    between its start (by the first test after the healthy pair, whose time is measured) and its own test."""
+
+    def __init__(self, directory: Path, config: Path):
+        self.log, self.config, self.process = directory / "wrong-port.log", config, None
+        self.port, self.started, self.ended, self.clock = 0, 0.0, None, None
+
+    def start(self) -> None:
+        if self.process is None:
+            self.port, self.started = free_port(), time.monotonic()  # nothing listens there
+            with self.log.open("w") as out:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "meshtune", "doctor", str(self.config)], stdout=out,
+                    stderr=subprocess.STDOUT, env=clean_env(NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1",
+                                                            MASTER_PORT=str(self.port), NPROC_PER_NODE="1",
+                                                            OMP_NUM_THREADS="1"))
+            self.clock = threading.Thread(target=self._clock, daemon=True)  # notes the exit as it happens
+            self.clock.start()
+
+    def _clock(self) -> None:
+        self.process.wait()
+        self.ended = time.monotonic()
+
+    def result(self) -> tuple[int, str, float]:
+        """(exit code, output, seconds from its start to its exit)."""
+        self.start()
+        self.clock.join(timeout=120)
+        assert self.ended is not None, f"node 1 still ran 120 s after its start:\n{self.log.read_text()[-3000:]}"
+        return self.process.returncode, self.log.read_text(), self.ended - self.started
+
+
+@pytest.fixture(scope="module")
+def wrong_port_node(tmp_path_factory, tiny_model_dir, tiny_dataset):
+    directory = tmp_path_factory.mktemp("wrong-port")
+    values = base_config(tiny_model_dir, tiny_dataset, directory / "output")
+    del values["nproc_per_node"]
+    node = WrongPortNode(directory, write_config(directory, **values))
+    yield node
+    if node.process is not None:
+        kill_tree(node.process.pid)
+
+
 @pytest.mark.slow
-def test_each_fault_is_named_with_its_node(config, tmp_path, tiny_dataset):
+def test_each_fault_is_named_with_its_node(config, tmp_path, tiny_dataset, wrong_port_node):
+    wrong_port_node.start()  # for test_a_wrong_port_is_named_on_its_node_soon_after_the_default_timeout
     other_data = tmp_path / "other.jsonl"
     other_data.write_text(tiny_dataset.read_text().replace("the", "a"))
     (code0, out0), (code1, out1) = run_nodes(config, [
@@ -124,18 +171,13 @@ def test_a_wrong_port_or_a_missing_master_fails_within_the_timeout_naming_the_no
 
 
 @pytest.mark.slow
-def test_a_wrong_port_is_named_on_its_node_soon_after_the_default_timeout(config):
+def test_a_wrong_port_is_named_on_its_node_soon_after_the_default_timeout(wrong_port_node):
     """The node with the wrong MASTER_PORT alone, the doctor's default --timeout (30 s): its start-up (imports on
-    2 busy cores) plus the timeout, not TCPStore's second attempt after a backoff (about 70 s in all)."""
-    started = time.monotonic()
-    port = free_port()  # nothing listens there
-    process = subprocess.run([sys.executable, "-m", "meshtune", "doctor", str(config)], capture_output=True,
-                             text=True, timeout=120,
-                             env=clean_env(NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                           NPROC_PER_NODE="1", OMP_NUM_THREADS="1"))
-    took = time.monotonic() - started
-    out = process.stdout + process.stderr
-    assert process.returncode == 1 and f"node 1 could not reach node 0 at 127.0.0.1:{port} within 30 s" in out, out
+    2 busy cores) plus the timeout, not TCPStore's second attempt after a backoff (about 70 s in all). Started
+    by an earlier test (WrongPortNode)."""
+    code, out, took = wrong_port_node.result()
+    port = wrong_port_node.port
+    assert code == 1 and f"node 1 could not reach node 0 at 127.0.0.1:{port} within 30 s" in out, out
     assert "a MASTER_PORT that differs between nodes" in out and "TCPStore" not in out, out
     assert 30 <= took < 60, (took, out)
 

@@ -15,7 +15,9 @@ before the test that reads its result, and that is for speed: each such test run
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -179,6 +181,27 @@ def uninterrupted_run(root: Path, model_dir: Path, dataset: Path, per_node: int)
     return {"output": output, "losses": losses(output), "hash": final_hash(output)}
 
 
+def shared_uninterrupted_run(tmp_path_factory, model_dir: Path, dataset: Path, per_node: int) -> dict:
+    """`uninterrupted_run`, once in a test run: this module, test_partition.py and test_rendezvous_churn.py compare
+    against the same job. Under pytest-xdist the first worker to need it runs it, holding a file lock in the run's
+    temp folder, and leaves its result there for the others; the run is keyed by the model's and the data's bytes
+    (each worker builds its own, the same)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    digest = hashlib.sha256(str(per_node).encode())
+    for path in [*sorted(p for p in model_dir.iterdir() if p.is_file()), dataset]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = shared / f"uninterrupted-{per_node}-{digest.hexdigest()[:16]}"
+    result = root.with_suffix(".json")
+    with (shared / f"{root.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            run = uninterrupted_run(root, model_dir, dataset, per_node)
+            result.write_text(json.dumps({**run, "output": str(run["output"])}))
+    run = json.loads(result.read_text())  # floats written by repr: read back exactly
+    return {**run, "output": Path(run["output"])}
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset):
     """`baseline(per_node)`: the uninterrupted run of the job on nodes of `per_node` processes (run once)."""
@@ -186,8 +209,7 @@ def baseline(tmp_path_factory, tiny_model_dir, tiny_dataset):
 
     def of(per_node: int) -> dict:
         if per_node not in runs:
-            runs[per_node] = uninterrupted_run(tmp_path_factory.mktemp(f"baseline-{per_node}"), tiny_model_dir,
-                                               tiny_dataset, per_node)
+            runs[per_node] = shared_uninterrupted_run(tmp_path_factory, tiny_model_dir, tiny_dataset, per_node)
         return runs[per_node]
     return of
 
@@ -336,17 +358,23 @@ def etcd_server(tmp_path):
 
 
 def test_with_an_etcd_rendezvous_a_killed_node_0_relaunched_alone_completes_recovery(
-        cluster, tmp_path, etcd_server, baseline, tiny_model_dir, tiny_dataset):
+        cluster, tmp_path, etcd_server, baseline, side_jobs, tmp_path_factory, tiny_model_dir, tiny_dataset):
     """The rendezvous outlives node 0 in etcd: node 1's torchrun restarts its workers into a new round, which the
-    relaunched node 0 joins, as after any other node's death."""
-    output = tmp_path / "output"
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, rdzv_backend="etcd-v2",
-                        rdzv_endpoint=etcd_server)
-    port = free_port()
-    nodes = cluster.start_job(config, port, store_on_port=False)
-    kill_and_relaunch(cluster, config, port, output, nodes, victim=0, step=8)
-    end_as_the_baseline(nodes, output, baseline(1))
-    assert "resumed from" in "".join(node.output() for node in cluster.nodes)
+    relaunched node 0 joins, as after any other node's death. With two nodes of differing configs alongside (a side
+    job)."""
+    side_jobs.start("another config", lambda: node_with_another_config(tmp_path_factory, tiny_model_dir,
+                                                                       tiny_dataset))
+    try:
+        output = tmp_path / "output"
+        config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, output, rdzv_backend="etcd-v2",
+                            rdzv_endpoint=etcd_server)
+        port = free_port()
+        nodes = cluster.start_job(config, port, store_on_port=False)
+        kill_and_relaunch(cluster, config, port, output, nodes, victim=0, step=8)
+        end_as_the_baseline(nodes, output, baseline(1))
+        assert "resumed from" in "".join(node.output() for node in cluster.nodes)
+    finally:
+        side_jobs.wait("another config")
 
 
 def test_rank_killed_while_saving_never_publishes_that_checkpoint(cluster, tmp_path, baseline, side_jobs,
@@ -472,17 +500,33 @@ def test_node_that_never_joins_is_named_while_waiting_and_in_the_error(side_jobs
     assert run["seconds"] < 180  # rdzv_timeout 20 s, beside another job's four processes on 2 busy cores
 
 
-def test_node_with_another_config_aborts_naming_it(cluster, tmp_path, tiny_model_dir, tiny_dataset):
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "output")
+def node_with_another_config(tmp_path_factory, model_dir: Path, dataset: Path) -> dict:
+    """Node 1 given another learning_rate than node 0: both nodes' exit codes and output, and whether the job
+    trained to its first checkpoint."""
+    root = tmp_path_factory.mktemp("another-config")
+    output = root / "output"
+    config = job_config(root / "cfg", model_dir, dataset, output)
     port = free_port()
-    node0 = cluster.start(0, config, port)
-    wait_for_port(port, node0.process, timeout=JOB_TIMEOUT)
-    node1 = cluster.start(1, config, port, overrides=["learning_rate=3e-3"])
-    codes = [node0.wait(120), node1.wait(120)]
+    c = Cluster(root)
+    try:
+        node0 = c.start(0, config, port)
+        wait_for_port(port, node0.process, timeout=JOB_TIMEOUT)
+        node1 = c.start(1, config, port, overrides=["learning_rate=3e-3"])
+        codes = [node0.wait(120), node1.wait(120)]
+        return {"codes": codes, "text": node0.output() + node1.output(),
+                "trained": (output / "checkpoint-4").exists()}
+    finally:
+        c.cleanup()
+
+
+def test_node_with_another_config_aborts_naming_it(side_jobs, tmp_path_factory, tiny_model_dir, tiny_dataset):
+    """Runs alongside the etcd rendezvous job (a side job)."""
+    run = side_jobs.result("another config", lambda: node_with_another_config(tmp_path_factory, tiny_model_dir,
+                                                                              tiny_dataset))
+    codes, text = run["codes"], run["text"]
     assert codes[0] != 0 and codes[1] != 0
-    text = node0.output() + node1.output()
     assert "config key learning_rate differs between nodes" in text and "node 1 (" in text and "node 0 (" in text
-    assert not (tmp_path / "output" / "checkpoint-4").exists(), "it trained before noticing"
+    assert not run["trained"], "it trained before noticing"
 
 
 def wait_for_step(output: Path, step: int, nodes: list[Node], timeout: float = JOB_TIMEOUT) -> float:
@@ -515,7 +559,7 @@ EXIT_AFTER_SAVE_S = 8  # a worker's exit (~1 s), the launchers learning that eve
 
 @pytest.mark.alone
 def test_sigterm_to_node_0s_launcher_saves_ends_every_node_within_seconds_and_a_relaunch_resumes_exactly(
-        cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset):
+        cluster, tmp_path, baseline, tiny_model_dir, tiny_dataset, untimed_from_here):
     """Kubernetes signals only the container's first process: node 0's meshtune launcher. Signalled after step 5
     (save_steps 4), every node writes a checkpoint between the periodic ones (the ranks' stop vote is read a step
     late, so checkpoint-6 or -7) and exits 143 (128 + SIGTERM) within seconds of it; relaunched, the job resumes
@@ -537,6 +581,7 @@ def test_sigterm_to_node_0s_launcher_saves_ends_every_node_within_seconds_and_a_
     assert f"SIGTERM received: stopping after step {saved} of {STEPS}; writing checkpoint-{saved}" in text
     assert "run the same command again to resume" in nodes[0].output().strip().splitlines()[-1], text[-4000:]
     assert not (output / "final").exists()
+    untimed_from_here()  # the relaunch and its comparison beside other tests
     cluster.run(config)
     text = "".join(node.output() for node in cluster.nodes[-2:])
     assert f"resumed from {output / f'checkpoint-{saved}'} at step {saved}" in text

@@ -22,7 +22,7 @@ from conftest import read_metrics
 from processes import alive, descendants
 from ranks import free_port
 from network_namespaces import NetworkNamespaces
-from test_faults import JOB_TIMEOUT, Cluster, Node, final_hash, job_config, losses, uninterrupted_run
+from test_faults import JOB_TIMEOUT, Cluster, Node, final_hash, job_config, losses, shared_uninterrupted_run
 
 pytestmark = pytest.mark.slow  # bounds of a minute or more after the cut: they hold beside another test
 HANG_TIMEOUT = 10
@@ -46,7 +46,7 @@ def spaces():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model_dir, tiny_dataset) -> dict:
     """The job on 2 x 1 ranks without a fault: its losses and final weights."""
-    return uninterrupted_run(tmp_path_factory.mktemp("reference"), tiny_model_dir, tiny_dataset, 1)
+    return shared_uninterrupted_run(tmp_path_factory, tiny_model_dir, tiny_dataset, 1)
 
 
 @pytest.fixture

@@ -111,13 +111,32 @@ def test_a_store_answers_the_probe_and_a_listener_that_is_none_does_not():
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)  # accepts connections (the kernel's backlog) and never says a word
-        assert ask_store("127.0.0.1", listener.getsockname()[1], 3) is False
-    assert ask_store("127.0.0.1", store.port, 10) is True
-    assert ask_store("127.0.0.1", store.port, 10, "meshtune/job/refused", "why") is True
-    assert store.get("meshtune/job/refused") == b"why"
+    for fork in (True, False):  # the client forked from this process, and in a fresh Python
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(16)  # accepts connections (the kernel's backlog) and never says a word
+            assert ask_store("127.0.0.1", listener.getsockname()[1], 3, fork=fork) is False
+        assert ask_store("127.0.0.1", store.port, 10, fork=fork) is True
+        assert ask_store("127.0.0.1", store.port, 10, f"meshtune/job/refused-{fork}", "why", fork=fork) is True
+        assert store.get(f"meshtune/job/refused-{fork}") == b"why"
+
+
+def test_the_store_probe_forks_only_beside_threads_that_never_enter_torch(monkeypatch):
+    """A joining node's launcher (or doctor) has torch imported and, beside its main thread, at most the output_dir
+    lock's heartbeat: its store probes are forked, with no Python start-up. A fork beside any other thread could
+    catch it inside torch, so those probes start a fresh Python."""
+    import threading
+
+    import torch.distributed  # noqa: F401 - imported, as in a launcher
+
+    from meshtune.doctor import reachability
+    from meshtune.launch.output_lock import HEARTBEAT_THREAD
+
+    main, beat = threading.main_thread(), threading.Thread(name=HEARTBEAT_THREAD)
+    monkeypatch.setattr(threading, "enumerate", lambda: [main, beat])
+    assert reachability.can_fork_client()
+    monkeypatch.setattr(threading, "enumerate", lambda: [main, beat, threading.Thread(name="store-watch")])
+    assert not reachability.can_fork_client()
 
 
 SILENT_CLIENT = "import time; print('ready', flush=True); time.sleep(60)"  # connected, and no answer comes
@@ -126,7 +145,8 @@ ENDING_CLIENT = "import os, time; print('ready', flush=True); os.close(1); time.
 
 @pytest.mark.slow
 def test_the_probe_calls_a_silent_port_foreign_only_while_it_still_accepts(monkeypatch):
-    """A store client that got no answer says "another program holds the port" only when the port still accepts:
+    """A store client (here a fresh Python's, whose script is swapped) that got no answer says "another program holds
+    the port" only when the port still accepts:
     node 0 killed (or between its stores) mid-probe leaves a client retrying to connect, which is no verdict."""
     from meshtune.doctor import reachability
 
@@ -135,8 +155,8 @@ def test_the_probe_calls_a_silent_port_foreign_only_while_it_still_accepts(monke
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
         port = listener.getsockname()[1]
-        assert ask_store("127.0.0.1", port, 0.5) is False
-    assert ask_store("127.0.0.1", port, 0.5) is None  # nothing listens there any more
+        assert ask_store("127.0.0.1", port, 0.5, fork=False) is False
+    assert ask_store("127.0.0.1", port, 0.5, fork=False) is None  # nothing listens there any more
 
 
 @pytest.mark.slow
@@ -147,7 +167,7 @@ def test_a_client_that_ended_without_an_answer_is_no_verdict_while_it_exits(monk
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
-        assert ask_store("127.0.0.1", listener.getsockname()[1], 0.5) is None
+        assert ask_store("127.0.0.1", listener.getsockname()[1], 0.5, fork=False) is None
 
 
 @pytest.mark.slow

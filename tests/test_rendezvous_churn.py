@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ranks import free_port
-from test_faults import JOB_TIMEOUT, Cluster, final_hash, job_config, losses, uninterrupted_run
+from test_faults import JOB_TIMEOUT, Cluster, final_hash, job_config, losses, shared_uninterrupted_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ os._exit(0)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model_dir, tiny_dataset) -> dict:
     """The job on 2 x 1 ranks without a fault: its losses and final weights."""
-    return uninterrupted_run(tmp_path_factory.mktemp("reference"), tiny_model_dir, tiny_dataset, 1)
+    return shared_uninterrupted_run(tmp_path_factory, tiny_model_dir, tiny_dataset, 1)
 
 
 @pytest.fixture

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import select
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from meshtune.errors import MeshtuneError
@@ -133,7 +136,9 @@ def rendezvous_failure(settings: LaunchSettings, timeout_s: int, joined: set[int
 
 # A client of torch's TCPStore, in a process of its own: one in the launcher would wait forever on a listener that
 # accepts and never answers (no timeout covers the handshake), and could not be stopped. It sets a key (a note
-# for node 0) or reads one, then says so.
+# for node 0) or reads one, then says so. Forked from this process when torch is imported here and no thread but
+# the output_dir lock's heartbeat runs (a launcher's, a doctor's): the child has torch already, where a fresh
+# Python spent seconds of CPU importing it, on each of a joining node's checks. Else a fresh Python runs it.
 STORE_CLIENT = """
 import sys
 from datetime import timedelta
@@ -147,14 +152,81 @@ else:
     store.check(["meshtune/probe"])
 print("answered", flush=True)
 """
+HEARTBEAT_THREAD = "meshtune-output-lock"  # the output_dir lock's heartbeat (launch/output_lock.py): file writes only
+FORK_SAFE_THREADS = (HEARTBEAT_THREAD,)  # threads that never enter torch: a fork cannot catch one inside it
 
 
-def ask_store(host: str, port: int, answer_s: float, key: str = "", value: str = "") -> bool | None:
+class ForkedClient:
+    """STORE_CLIENT's work in a child forked from this process, read and ended as the Popen of a fresh one."""
+
+    def __init__(self, host: str, port: int, answer_s: float, key: str, value: str):
+        read_end, write_end = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            self._client(read_end, write_end, host, port, answer_s, key, value)
+        os.close(write_end)
+        self.stdout = os.fdopen(read_end)
+        self.returncode: int | None = None
+
+    @staticmethod
+    def _client(read_end: int, write_end: int, host: str, port: int, answer_s: float, key: str, value: str):
+        code = 1
+        try:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+                signal.signal(signum, signal.SIG_DFL)  # the parent's handlers are the parent's
+            os.close(read_end)
+            quiet = os.open(os.devnull, os.O_RDWR)  # torch's C++ client logs each failed connect with a trace
+            for fd in (0, 1, 2):
+                os.dup2(quiet, fd)
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+
+            os.write(write_end, b"ready\n")
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=answer_s), wait_for_workers=False)
+            if key:
+                store.set(key, value)
+            else:
+                store.check(["meshtune/probe"])
+            os.write(write_end, b"answered\n")
+            code = 0
+        finally:
+            os._exit(code)  # no interpreter teardown: the parent's state is not the child's to finalise
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def can_fork_client() -> bool:
+    main = threading.main_thread()
+    return "torch.distributed" in sys.modules and threading.current_thread() is main and all(
+        thread is main or thread.name in FORK_SAFE_THREADS for thread in threading.enumerate())
+
+
+def ask_store(host: str, port: int, answer_s: float, key: str = "", value: str = "",
+              fork: bool | None = None) -> bool | None:
     """True when host:port answered as a TCPStore within `answer_s` (after setting `key`, when given); False when
     it stayed silent that long (a listener that is no store); None when the client failed at once (nothing
-    listens, or the connection broke), which says nothing either way."""
-    process = subprocess.Popen([sys.executable, "-c", STORE_CLIENT, host, str(port), str(answer_s), key, value],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    listens, or the connection broke), which says nothing either way. `fork`: the client forked from this process
+    or in a fresh Python (default: forked where `can_fork_client`)."""
+    if can_fork_client() if fork is None else fork:
+        process = ForkedClient(host, port, answer_s, key, value)
+    else:
+        process = subprocess.Popen([sys.executable, "-c", STORE_CLIENT, host, str(port), str(answer_s), key, value],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True)
     try:
         if _line(process, PROBE_IMPORT_S) != "ready":
             return None
@@ -173,7 +245,7 @@ def ask_store(host: str, port: int, answer_s: float, key: str = "", value: str =
         process.stdout.close()
 
 
-def _line(process: subprocess.Popen, timeout_s: float) -> str | None:
+def _line(process: subprocess.Popen | ForkedClient, timeout_s: float) -> str | None:
     """The child's next line within `timeout_s`: None when none came in time, "" when its output ended (it is
     ending, whether or not it has exited yet)."""
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)

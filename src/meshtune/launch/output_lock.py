@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from meshtune.doctor.reachability import HEARTBEAT_THREAD
 from meshtune.errors import ConfigError, StorageError
 
 LOCK = ".meshtune-lock"
@@ -97,7 +98,7 @@ class OutputLock:
             self.rejoined = self.same_job_takes_over and held.get("run_id") == self.run_id
             self._write()
             break
-        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True, name=HEARTBEAT_THREAD)
         self._beat.start()
         return self
 
