@@ -73,7 +73,11 @@ DELETING = ".deleting"  # a directory being deleted, or left so by a process kil
 
 def delete_sealed(path: Path) -> None:
     """Delete a published directory: renamed to `NAME.deleting` first (one step: from then on no reader takes it
-    for what it was), then removed. A deletion cut short leaves only that name, which `finish_deletions` clears."""
+    for what it was), then removed. A deletion cut short leaves only that name, which `finish_deletions` clears.
+    In an object store, which has no rename, the prefix is marked and emptied COMPLETE first (object_store.py)."""
+    if isinstance(path, StorePath):
+        object_store.delete_sealed(path)
+        return
     doomed = path.with_name(path.name + DELETING)
     if doomed.exists():
         shutil.rmtree(doomed)
