@@ -116,7 +116,14 @@ class CheckpointManager:
         self._barrier()
         writer = dcp_writer(tmp)  # creates tmp; on a file system fsyncs every shard it writes
         if self.async_save:
-            response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            try:
+                response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            except Exception as error:
+                if not self.in_store:
+                    raise
+                # the plan is made here, in this thread: a store that does not answer fails it on every rank
+                raise CheckpointError(f"writing {tmp} failed; it is not published and {self._resume_point()}: "
+                                      f"{one_line(error)}") from error
             future = getattr(response, "upload_completion", response)  # newer torch may return AsyncSaveResponse
             self._pending = _Pending(step, tmp, {**info, "step": step}, future.result,
                                      time.monotonic() - started, started)
@@ -143,8 +150,9 @@ class CheckpointManager:
                 maybe_die("save", pending.step, self.rank)  # the shards written (uploaded), nothing published
             own = sorted((p for p in pending.tmp.iterdir() if p.name.startswith(f"__{self.rank}_")), key=str)
             hashes = {p.name: hash_file(p, fsync=True) for p in own}  # in a store: read back from it
-        except Exception as exc:  # reported through rank 0 below, so no rank is left waiting at a collective
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}" if self.in_store else f"rank {self.rank}: {exc}"
+        except (Exception, CheckpointException) as exc:  # reported through rank 0 below, so no rank is left waiting
+            # at a collective (DCP's CheckpointException, what a failed background write raises, is no Exception)
+            error = f"rank {self.rank}: {one_line(exc)}" if self.in_store else f"rank {self.rank}: {exc}"
         reports = self._gather((error, hashes))
         outcome = self._publish(pending, reports) if self.rank == 0 else None
         outcome = self._broadcast(outcome)

@@ -40,7 +40,7 @@ def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
     settings = detect_node_settings(cfg)
     check_cpu_processes(settings.nproc_per_node)
     check_gpu_processes(settings.nproc_per_node, settings.source.get("nproc_per_node", "config"))
-    check_output_paths(cfg, settings.node_rank if settings.nnodes != 1 else None)
+    check_output_paths(cfg, settings.node_rank if str(settings.nnodes) != "1" else None)
     with output_lock(cfg.output_dir, settings) as lock:
         if needs_torchrun(settings):
             return run_node(cfg, settings, argv, debug, rejoining=lock is not None and lock.rejoined)
