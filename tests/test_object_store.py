@@ -192,3 +192,25 @@ def test_a_store_whose_package_is_missing_is_named_with_the_pip_command(monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gcsfs" else real(name, *a))
     with pytest.raises(StoreError, match=r"needs the gcsfs package .* pip install 'meshtune\[gcs\]'"):
         open_store("gs://bucket/run")
+
+
+def test_the_doctor_names_the_node_that_cannot_use_the_store_with_the_stores_error(s3, tmp_path, tiny_model_dir,
+                                                                                   tiny_dataset):
+    from test_doctor import row, run_nodes
+
+    url = f"s3://{BUCKET}/doctor"
+    values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "output", checkpoint_dir=url)
+    del values["nproc_per_node"]
+    config = write_config(tmp_path, **values)
+    # node 1 has no credentials; each node's output_dir is its own local folder: with a store that is fine
+    (code0, out0), (code1, out1) = run_nodes(config, [
+        {"NODE_RANK": "0"},
+        {"NODE_RANK": "1", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+         "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+         "args": [f"output_dir={tmp_path / 'node1-output'}"]}])
+    assert code0 == 1 and code1 == 1, out0
+    store = row(out0, "checkpoint_dir: the store lists, writes, reads, deletes")
+    assert store.count("✔") == 1 and "✘" in store and "NoCredentialsError" in store, out0
+    assert "✘" not in row(out0, "output_dir: writable, shared, space"), out0
+    assert "AWS_ACCESS_KEY_ID" in out1  # the fix, on the node that needs it
+    assert not [p for p in open_store(url).parent.iterdir() if p.name.startswith(".meshtune-probe")]
