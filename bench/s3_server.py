@@ -44,11 +44,17 @@ class S3Server:
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
     def make_bucket(self, name: str) -> None:
-        import s3fs
-
-        s3fs.S3FileSystem(endpoint_url=self.endpoint, key=self.env["AWS_ACCESS_KEY_ID"],
-                          secret=self.env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True).mkdir(name)
+        client(self).mkdir(name)
 
     def stop(self) -> None:
         kill_tree(self.process.pid)
         self.process.wait(timeout=30)
+
+
+def client(server: S3Server):
+    """An s3fs filesystem on `server`, for a test or a bench script to look into the bucket."""
+    import s3fs
+
+    return s3fs.S3FileSystem(endpoint_url=server.endpoint, key=server.env["AWS_ACCESS_KEY_ID"],
+                             secret=server.env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True,
+                             use_listings_cache=False)
