@@ -76,7 +76,7 @@ def delete_sealed(path: Path) -> None:
     for what it was), then removed. A deletion cut short leaves only that name, which `finish_deletions` clears.
     In an object store, which has no rename, the prefix is marked and emptied COMPLETE first (object_store.py)."""
     if isinstance(path, StorePath):
-        object_store.delete_sealed(path)
+        object_store.delete_sealed(path, (COMPLETE, MANIFEST))
         return
     doomed = path.with_name(path.name + DELETING)
     if doomed.exists():
@@ -90,7 +90,7 @@ def finish_deletions(directory: Path) -> list[Path]:
     """Remove the `.deleting` directories in `directory` that a process killed while deleting left; the ones
     removed (in an object store: the prefixes left with their `.deleting` marker). Call from one process only."""
     if isinstance(directory, StorePath):
-        return object_store.finish_deletions(directory)
+        return object_store.finish_deletions(directory, (COMPLETE, MANIFEST))
     done = []
     for doomed in sorted(Path(directory).glob(f"*{DELETING}")):
         if doomed.is_dir():

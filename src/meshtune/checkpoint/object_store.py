@@ -191,22 +191,19 @@ class StorePath:
             self.fs.get_file(f"{self.key}/{name}", str(target))
         return directory
 
-    def rename(self, target: StorePath) -> StorePath:
-        """A store has no rename: every object copied to `target`, then this prefix deleted (`delete_sealed`)."""
+    def copy_to(self, target: StorePath) -> StorePath:
+        """Every object under this prefix copied to `target` (in the store: a store has no rename)."""
         for name in sorted(self.files()):
             self.fs.copy(f"{self.key}/{name}", f"{target.key}/{name}")
-        delete_sealed(self)
         return target
 
 
-def delete_sealed(prefix: StorePath) -> None:
+def delete_sealed(prefix: StorePath, seals: tuple[str, ...]) -> None:
     """Delete a checkpoint's prefix so that a kill at any point leaves it unusable and recognised: the `.deleting`
-    marker first, then COMPLETE (from here on it is never resumed from), the manifest, every other object, the
-    marker last."""
-    from meshtune.checkpoint.manifest import COMPLETE, MANIFEST
-
+    marker first, then `seals` in order (COMPLETE, then the manifest: from here on it is never resumed from), every
+    other object, the marker last."""
     (prefix / DELETING_MARKER).write_text("being deleted\n")
-    for name in (COMPLETE, MANIFEST):
+    for name in seals:
         (prefix / name).unlink(missing_ok=True)
     rest = [f"{prefix.key}/{name}" for name in sorted(prefix.files()) if name != DELETING_MARKER]
     if rest:
@@ -214,12 +211,12 @@ def delete_sealed(prefix: StorePath) -> None:
     (prefix / DELETING_MARKER).unlink(missing_ok=True)
 
 
-def finish_deletions(root: StorePath) -> list[StorePath]:
+def finish_deletions(root: StorePath, seals: tuple[str, ...]) -> list[StorePath]:
     """The prefixes under `root` that a kill left half-deleted (their `.deleting` marker still there), deleted."""
     done = []
     for child in sorted(root.iterdir(), key=str):
         if (child / DELETING_MARKER).is_file():
-            delete_sealed(child)
+            delete_sealed(child, seals)
             done.append(child)
     return done
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtune.checkpoint.manifest import COMPLETE, MANIFEST, NO_COMPLETE, CheckpointError, read_manifest, verify
+from meshtune.checkpoint.manifest import (COMPLETE, MANIFEST, NO_COMPLETE, CheckpointError, delete_sealed,
+                                          read_manifest, verify)
 from meshtune.checkpoint.object_store import StorePath, location
 
 NAME = re.compile(r"^checkpoint-(\d+)(\.tmp)?$")
@@ -100,7 +101,11 @@ def set_aside(path: Path) -> Path:
     while target.exists():
         n += 1
         target = path.with_name(f"{path.name}{DAMAGED}-{n}")
-    path.rename(target)
+    if isinstance(path, StorePath):
+        path.copy_to(target)
+        delete_sealed(path)
+    else:
+        path.rename(target)
     return target
 
 
