@@ -53,7 +53,7 @@ def killed_upload_then_fresh_resume(s3, tmp_path_factory, tiny_model_dir, tiny_d
                          save_total_limit=2)
     local = run(build_config(values))
     url = f"s3://{BUCKET}/killed"
-    stored = {**values, "checkpoint_dir": url, "output_dir": str(root / "node-a")}
+    stored = {**values, "checkpoint_dir": url, "output_dir": str(root / "node-a"), "report_to": ["tensorboard"]}
     config = write_config(root / "config", **stored)
     killed, _ = run_cli(["train", str(config)], env={"MESHTUNE_FAULT": "save:3:0"})
     after_kill = {c.path.name: c.complete for c in list_checkpoints(url)}
@@ -73,7 +73,10 @@ def test_a_kill_during_an_upload_leaves_no_complete_and_a_fresh_node_resumes_exa
     local_losses = [r["loss"] for r in runs["local"].records]
     assert [r["loss"] for r in runs["resumed"].records] == local_losses[2:]  # steps 3 and 4, from checkpoint-2
     # retention by the resumed run: the newest two complete prefixes, nothing else under the URL
-    assert sorted(p.name for p in store.iterdir()) == ["checkpoint-3", "checkpoint-4", "final"]
+    assert sorted(p.name for p in store.iterdir()) == ["checkpoint-3", "checkpoint-4", "final", "trackers.json"]
+    # the fresh node continued the tracker run the lost one started: trackers.json came from the store
+    first, fresh = (json.loads((runs["root"] / node / "trackers.json").read_text()) for node in ("node-a", "node-b"))
+    assert fresh["tensorboard"] == first["tensorboard"]
     manifest = json.loads((store / "checkpoint-4" / "manifest.json").read_text())
     assert set(manifest["save_seconds"]) == {"blocked_s", "published_s"}
     assert manifest["save_seconds"]["blocked_s"] <= manifest["save_seconds"]["published_s"]
