@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -636,3 +637,53 @@ def test_two_hosts_with_their_own_addresses_train_like_the_baseline(side_jobs, t
     assert "preflight: 2 nodes, all checks passed" in run["node0"], run["node0"][-4000:]
     assert losses(run["output"]) == baseline(1)["losses"]
     assert final_hash(run["output"]) == baseline(1)["hash"]
+
+
+@pytest.fixture(scope="module")
+def job_into_a_bucket(tmp_path_factory, baseline, tiny_model_dir, tiny_dataset):
+    """The job with checkpoint_dir in s3:// on a local S3 server (moto): both nodes killed once checkpoint-4 is
+    sealed in the bucket, as spot nodes are reclaimed; then the job launched again on fresh nodes: new output
+    folders (node 1's its own, not shared), a new tokenized cache, only the URL in common with the first."""
+    from s3_server import S3Server, client
+
+    root = tmp_path_factory.mktemp("s3-job")
+    server = S3Server(root / "moto.log")
+    c = Cluster(root)
+    try:
+        server.make_bucket("meshtune-job")
+        url, bucket = "s3://meshtune-job/run", client(server)
+        first = job_config(root / "cfg-first", tiny_model_dir, tiny_dataset, root / "first", checkpoint_dir=url)
+        nodes = c.start_job(first, free_port(), env=server.env)
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not bucket.exists("meshtune-job/run/checkpoint-4/COMPLETE"):
+            assert time.monotonic() < deadline and nodes[0].process.poll() is None, nodes[0].output()[-3000:]
+            time.sleep(0.05)
+        for node in reversed(nodes):
+            node.kill()
+        assert not bucket.exists("meshtune-job/run/final/COMPLETE"), "the job ended before the kill"
+        fresh = root / "fresh"
+        again = job_config(root / "cfg-again", tiny_model_dir, tiny_dataset, fresh / "node0", checkpoint_dir=url,
+                           tokenized_path=str(fresh / "tokenized"))
+        port = free_port()
+        relaunched = [c.start(0, again, port, env=server.env)]
+        wait_for_port(port, relaunched[0].process, timeout=JOB_TIMEOUT)
+        relaunched.append(c.start(1, again, port, env=server.env, overrides=[f"output_dir={fresh / 'node1'}"]))
+        for node in relaunched:
+            assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
+        return {"url": url, "texts": [node.output() for node in relaunched], "losses": losses(fresh / "node0"),
+                "final": hashlib.sha256(bucket.cat_file("meshtune-job/run/final/model.safetensors")).hexdigest(),
+                "objects": bucket.ls("meshtune-job/run", detail=False), "reference": baseline(1)}
+    finally:
+        c.cleanup()
+        server.stop()
+
+
+def test_nodes_lost_after_checkpoint_4_in_a_bucket_resume_on_fresh_nodes_from_the_url_alone(job_into_a_bucket):
+    run = job_into_a_bucket
+    node0 = run["texts"][0]
+    resumed = re.search(rf"resumed from {re.escape(run['url'])}/checkpoint-(\d+) at step (\d+)", node0)
+    assert resumed and int(resumed.group(1)) >= 4, node0[-4000:]
+    step = int(resumed.group(1))
+    assert run["losses"] == run["reference"]["losses"][step:]  # bit for bit, from the resumed step on
+    assert run["final"] == run["reference"]["hash"]  # the final weights, as sealed in the bucket
+    assert "final" in {name.rsplit("/", 1)[-1] for name in run["objects"]}

@@ -9,8 +9,10 @@ import gc
 import logging
 import shlex
 import sys
+import tempfile
 import textwrap
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from meshtune import __version__, logs
@@ -462,17 +464,26 @@ def cmd_preview(args: argparse.Namespace) -> int:
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from meshtune.checkpoint import format_listing, verify
-    from meshtune.checkpoint.manifest import MANIFEST
+    from meshtune.checkpoint.object_store import is_url, location
 
     if args.ckpt_command == "list":
-        if not Path(args.output_dir).is_dir():
-            raise MeshtuneError(f"{args.output_dir} is not a directory")
-        print(format_listing(Path(args.output_dir)))
+        if not location(args.output_dir).is_dir():
+            raise MeshtuneError(f"{args.output_dir} is not a directory (nor a prefix holding objects)")
+        print(format_listing(location(args.output_dir)))
         return 0
+    if is_url(args.checkpoint) and not args.checkpoint.rstrip("/").endswith("/final"):
+        return print_verified(args.checkpoint, verify(location(args.checkpoint)))
+    with from_store(args.checkpoint) as checkpoint:
+        return verify_local(args.checkpoint, checkpoint)
+
+
+def verify_local(name: str, path: Path) -> int:
+    """`ckpt verify` of a checkpoint or final/ on this machine (a final/ from a store: its verified copy)."""
+    from meshtune.checkpoint import verify
+    from meshtune.checkpoint.manifest import MANIFEST
     from meshtune.model.final_weights import export_kind, verify_export  # imports torch: `verify` needs it, `list` not
     from meshtune.checkpoint.final import unsealed_problems
 
-    path = Path(args.checkpoint)
     kind = export_kind(path)
     if kind:  # output_dir/final: a model to load, not a checkpoint to resume
         sealed = (path / MANIFEST).is_file()  # meshtune's final save seals final/; other model dirs are not
@@ -480,25 +491,44 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         checked = ("COMPLETE, every file's size and sha256 match manifest.json, " if sealed else
                    "no manifest.json, so no checksums to compare; ")
         state = "INVALID" if problems else f"valid ({checked}every weights file matches its header; tokenizer present)"
-        print(f"{args.checkpoint}: a final export ({kind}), not a checkpoint: {state}")
+        print(f"{name}: a final export ({kind}), not a checkpoint: {state}")
         for problem in problems:
             print(f"  - {problem}")
         return 1 if problems else 0
-    problems = verify(Path(args.checkpoint))
+    return print_verified(name, verify(path))
+
+
+def print_verified(name: str, problems: list[str]) -> int:
     if problems:
-        print(f"{args.checkpoint}: INVALID")
+        print(f"{name}: INVALID")
         for problem in problems:
             print(f"  - {problem}")
         return 1
-    print(f"{args.checkpoint}: valid (COMPLETE, every file's size and sha256 match manifest.json)")
+    print(f"{name}: valid (COMPLETE, every file's size and sha256 match manifest.json)")
     return 0
+
+
+@contextlib.contextmanager
+def from_store(source: str) -> Iterator[Path]:
+    """`source` as a local path: itself, or for an object store's URL a verified copy in a temporary folder that
+    lives as long as the command (checkpoint/fetch.py)."""
+    from meshtune.checkpoint.object_store import is_url
+
+    if not is_url(source):
+        yield Path(source)
+        return
+    from meshtune.checkpoint.fetch import local_copy
+
+    with tempfile.TemporaryDirectory(prefix="meshtune-store-") as scratch:
+        yield local_copy(source, Path(scratch))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from meshtune.export.merge import export
 
-    print("meshtune: wrote "
-          f"{export(Path(args.source), Path(args.output), args.merge, args.dtype, args.force, args.base_model)}")
+    with from_store(args.source) as source:
+        written = export(source, Path(args.output), args.merge, args.dtype, args.force, args.base_model)
+    print(f"meshtune: wrote {written}")
     return 0
 
 
@@ -509,7 +539,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           device=args.device, dtype=args.dtype, show_prompt=args.show_prompt)
     interactive = sys.stdin.isatty()
-    return run_chat(Path(args.dir), options, terminal_lines() if interactive else sys.stdin, interactive)
+    with from_store(args.dir) as source:
+        return run_chat(source, options, terminal_lines() if interactive else sys.stdin, interactive)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -470,6 +470,12 @@ class TrainConfig(BaseModel):
                                                  "checkpoint path", scope=NODE)
     allow_local_checkpoints: bool = OUTPUT(False, "start even if output_dir is not shared by all nodes; the run then "
                                                   "writes no periodic checkpoint and does not resume")
+    checkpoint_dir: str | None = OUTPUT(None, "where checkpoints and final/ go when not output_dir: a shared path, or "
+                                              "an object store's URL (s3://bucket/prefix, gs://, az://; pip install "
+                                              "'meshtune[s3]', gcs or azure). With a URL, everything a resume needs is "
+                                              "in the store and output_dir (metrics, logs, the tokenized cache) may "
+                                              "be each node's local disk; credentials and endpoint come from the "
+                                              "store's client (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...)")
     log_level_all_ranks: Literal["debug", "info", "warning", "error"] | None = OUTPUT(
         None, "every rank logs from this level up, each line tagged [rank N], as HF's log_level_replica (env "
               "MESHTUNE_LOG_LEVEL_ALL_RANKS sets it too). Default: global rank 0 logs (at --log-level), the other "

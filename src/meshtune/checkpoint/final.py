@@ -5,6 +5,10 @@ A job that waits for final/ to appear never reads half a model, and `meshtune ck
 A rerun's final/ replaces the previous one with two renames (the old one aside to `final.old/`, the new one in):
 until the new one is complete the old one stays whole, and a reader finds the old final/, for an instant none, or
 the new one; never a partial one. Extra files (manifest.json, COMPLETE) are ignored by `from_pretrained`.
+
+With checkpoints in an object store, the sealed final/ is also uploaded to the store's `final/` prefix, COMPLETE
+last; a store has no rename, so the previous final/ there is deleted first (COMPLETE first), and until the new one's
+COMPLETE is written a reader finds none.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from meshtune.checkpoint.manifest import (COMPLETE, FINAL_KIND, CheckpointError, delete_sealed, files_in, fsync_dir,
                                           hash_file, read_manifest, write_manifest)
+from meshtune.checkpoint.object_store import StorePath
 from meshtune.checkpoint.resume import size_problems
 from meshtune.distributed import broadcast_from_rank0
 
@@ -26,9 +31,11 @@ STAGING = "final.tmp"  # being written, or left by a writer that died: never rea
 REPLACED = "final.old"  # the previous final/ during a replacement
 
 
-def publish_final(output_dir: Path, info: dict[str, Any], rank: int, write: Callable[[Path], None]) -> Path:
-    """Rank 0 calls `write(directory)` on an empty staging directory, seals it and renames it to final/; every rank
-    calls this and returns once final/ is in place, or raises the same CheckpointError when it is not."""
+def publish_final(output_dir: Path, info: dict[str, Any], rank: int, write: Callable[[Path], None],
+                  store: StorePath | None = None) -> Path:
+    """Rank 0 calls `write(directory)` on an empty staging directory, seals it and renames it to final/ (and uploads
+    it to `store`/final/, sealed); every rank calls this and returns once final/ is in place, or raises the same
+    CheckpointError when it is not."""
     output_dir = Path(output_dir)
     final = output_dir / FINAL
     failure = None
@@ -37,6 +44,8 @@ def publish_final(output_dir: Path, info: dict[str, Any], rank: int, write: Call
             staged = _staging(output_dir)
             write(staged)
             write_manifest(staged, {**info, "kind": FINAL_KIND}, hashes(staged))
+            if store is not None:
+                upload_sealed(staged, store / FINAL)
             _swap_in(staged, final)
         except Exception as error:  # every rank waits for this outcome
             shutil.rmtree(output_dir / STAGING, ignore_errors=True)
@@ -46,6 +55,13 @@ def publish_final(output_dir: Path, info: dict[str, Any], rank: int, write: Call
     if failure:
         raise CheckpointError(failure)
     return final
+
+
+def upload_sealed(staged: Path, target: StorePath) -> None:
+    """A sealed local directory uploaded to `target`, COMPLETE last, after the previous one there is deleted."""
+    if target.is_dir():
+        delete_sealed(target)
+    target.upload(staged, last=COMPLETE)
 
 
 def final_problems(path: Path) -> list[str]:

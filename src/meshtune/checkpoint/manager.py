@@ -7,6 +7,11 @@ A save is published in three steps so that no reader ever sees half of one:
 Only rank 0 deletes anything: ranks deleting the same files race on shared storage (transformers #20988).
 Every rank then waits for rank 0's outcome (the final barrier: nobody goes on before the rename), so a
 failure raises on every rank instead of leaving some waiting at a collective.
+
+In an object store (`checkpoint_dir` a URL; checkpoint/object_store.py) there is no rename: the shards go straight
+to the checkpoint's own prefix through DCP's FsspecWriter, always in the background (`dcp.async_save`: training
+waits only for the copy to CPU memory), each rank reads back and hashes what it uploaded, and COMPLETE, written
+after the manifest, is what publishes it.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, delete_sealed, file_problems, finish_deletions,
-                                          fsync_dir, hash_file, read_manifest, share, verify, write_manifest)
+from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, dcp_reader, dcp_writer, delete_sealed,
+                                          file_problems, finish_deletions, fsync_dir, hash_file, read_manifest, share,
+                                          verify, write_manifest)
+from meshtune.checkpoint.object_store import StorePath, location
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume, set_aside
 from meshtune.checkpoint.state import RNGState
 from meshtune.config import key_default, math_hash
@@ -57,15 +63,18 @@ class CheckpointManager:
     and the next `save` or `wait` publishes it. Call `close()` (it waits) before the process group is destroyed.
     """
 
-    def __init__(self, output_dir: Path, save_total_limit: int | None, async_save: bool, rank: int,
+    def __init__(self, output_dir: Path | StorePath | str, save_total_limit: int | None, async_save: bool, rank: int,
                  world_size: int, save_steps: int = 0):
         """`save_steps`: `maybe_save` writes a checkpoint every that many steps and at the last one (0: never);
-        `save_at` adds steps to save at (save_strategy: epoch, once the run's epochs are known)."""
+        `save_at` adds steps to save at (save_strategy: epoch, once the run's epochs are known). `output_dir` may be
+        an object store's URL (or StorePath): its saves are always asynchronous."""
         if save_total_limit is not None and save_total_limit < 1:
             raise CheckpointError(f"save_total_limit must be at least 1 (or unset to keep all), got {save_total_limit}")
         if world_size > 1 and not dist.is_initialized():
             raise CheckpointError("CheckpointManager with world_size > 1 needs an initialised process group")
-        self.output_dir = Path(output_dir)
+        self.output_dir = location(output_dir)
+        self.in_store = isinstance(self.output_dir, StorePath)
+        async_save = async_save or self.in_store
         self.save_steps = save_steps
         self.save_steps_also: frozenset[int] = frozenset()
         self.save_total_limit = save_total_limit
@@ -101,15 +110,20 @@ class CheckpointManager:
         versions, ...) becomes manifest.json. Sync: returns once published. Async: returns once staged."""
         self.wait()
         started, self.last_step = time.monotonic(), step
-        tmp = checkpoint_dir(self.output_dir, step, tmp=True)
+        tmp = checkpoint_dir(self.output_dir, step, tmp=not self.in_store)
         if self.rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # an interrupted earlier attempt: its shards must not mix with these
+            self._clear(tmp)
         self._barrier()
-        writer = FileSystemWriter(str(tmp))  # creates tmp; fsyncs every shard it writes
+        writer = dcp_writer(tmp)  # creates tmp; on a file system fsyncs every shard it writes
         if self.async_save:
-            response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            try:
+                response = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+            except Exception as error:
+                if not self.in_store:
+                    raise
+                # the plan is made here, in this thread: a store that does not answer fails it on every rank
+                raise CheckpointError(f"writing {tmp} failed; it is not published and {self._resume_point()}: "
+                                      f"{one_line(error)}") from error
             future = getattr(response, "upload_completion", response)  # newer torch may return AsyncSaveResponse
             self._pending = _Pending(step, tmp, {**info, "step": step}, future.result,
                                      time.monotonic() - started, started)
@@ -132,9 +146,13 @@ class CheckpointManager:
         error, hashes = None, {}
         try:
             pending.wait()
-            hashes = {p.name: hash_file(p, fsync=True) for p in sorted(pending.tmp.glob(f"__{self.rank}_*"))}
-        except Exception as exc:  # reported through rank 0 below, so no rank is left waiting at a collective
-            error = f"rank {self.rank}: {exc}"
+            if self.async_save:
+                maybe_die("save", pending.step, self.rank)  # the shards written (uploaded), nothing published
+            own = sorted((p for p in pending.tmp.iterdir() if p.name.startswith(f"__{self.rank}_")), key=str)
+            hashes = {p.name: hash_file(p, fsync=True) for p in own}  # in a store: read back from it
+        except (Exception, CheckpointException) as exc:  # reported through rank 0 below, so no rank is left waiting
+            # at a collective (DCP's CheckpointException, what a failed background write raises, is no Exception)
+            error = f"rank {self.rank}: {one_line(exc)}" if self.in_store else f"rank {self.rank}: {exc}"
         reports = self._gather((error, hashes))
         outcome = self._publish(pending, reports) if self.rank == 0 else None
         outcome = self._broadcast(outcome)
@@ -195,7 +213,7 @@ class CheckpointManager:
         while (candidate := self._broadcast(None)) is not None:
             path, listed = candidate
             try:
-                found = file_problems(Path(path), listed, share(listed, self.world_size)[self.rank])
+                found = file_problems(location(path), listed, share(listed, self.world_size)[self.rank])
             except Exception as exc:  # reported through rank 0, so no rank is left waiting at the gather
                 found = {f"rank {self.rank}": f"rank {self.rank} could not check its files: {exc}"}
             self._gather(found)
@@ -244,9 +262,9 @@ class CheckpointManager:
         A rank the checkpoint has no random state for (it was saved by fewer ranks) keeps its own streams:
         its RNGState stays `restored = False`, and a warning says so.
         """
-        path = Path(path)
+        path = location(path)
         manifest = read_manifest(path)
-        saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        saved = set(dcp_reader(path).read_metadata().state_dict_metadata)
         request = {}
         for name, value in state.items():
             if isinstance(value, RNGState) and f"{name}.{value.key}" not in saved:
@@ -256,13 +274,37 @@ class CheckpointManager:
                 continue
             request[name] = value
         try:
-            dcp.load(request, storage_reader=FileSystemReader(str(path)))
+            dcp.load(request, storage_reader=dcp_reader(path))
         except CheckpointException as error:
             raise CheckpointError(f"cannot load {path} (was it saved by another model or finetuning type? "
                                   f"its manifest: world_size {manifest.get('world_size', '?')}, parallel "
                                   f"{manifest.get('parallel', '?')}): {one_line(error)}") from error
         state.update(request)  # dcp.load replaces plain (non-Stateful) values in the dict it was given
         return manifest
+
+    def _clear(self, target: Path | StorePath) -> None:
+        """Rank 0, before a save: an interrupted earlier attempt at `target` removed (its shards must not mix with
+        these); in a store, where the save writes the published prefix itself, also an earlier save of this step
+        (another timeline's, from before resuming at an older checkpoint), deleted sealed."""
+        if not self.in_store:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                shutil.rmtree(target)
+            return
+        try:
+            if target.is_dir():
+                delete_sealed(target)
+        except Exception as exc:  # the save's own write names the store's error on every rank
+            logger.warning(f"warning: could not clear {target} before saving: {type(exc).__name__}: {exc}")
+
+    def _resume_point(self) -> str:
+        """What stands after a failed save: the newest complete checkpoint, or that there is none."""
+        try:
+            newest = max((c.step for c in list_checkpoints(self.output_dir) if c.complete), default=None)
+        except Exception:  # the store that failed the save may not answer a listing either
+            return f"the newest complete checkpoint in {self.output_dir} stays the resume point"
+        return (f"checkpoint-{newest} stays the resume point" if newest is not None
+                else "no earlier checkpoint exists to resume from")
 
     def _write_failure(self, tmp: Path, error: Exception) -> str:
         """What a failed write tells the user: the path, the space left there, and what still stands."""
@@ -285,7 +327,9 @@ class CheckpointManager:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns what went wrong, or None."""
         errors = [error for error, _ in reports if error]
         if errors:
-            return f"checkpoint-{pending.step} was not saved ({pending.tmp} is left unpublished): {'; '.join(errors)}"
+            stands = f"; {self._resume_point()}" if self.in_store else ""
+            return (f"checkpoint-{pending.step} was not saved ({pending.tmp} is left unpublished{stands}): "
+                    f"{'; '.join(errors)}")
         try:
             files = {name: digest for _, hashes in reports for name, digest in hashes.items()}
             present = {p.name for p in pending.tmp.iterdir()}
@@ -300,13 +344,17 @@ class CheckpointManager:
             timing = {"blocked_s": round(pending.staged_s, 3),
                       "published_s": round(time.monotonic() - pending.started, 3)}
             write_manifest(pending.tmp, {**pending.info, "save_seconds": timing}, files)
+            if self.in_store:  # COMPLETE, written last, published it
+                self._apply_retention(pending.step)
+                return None
             final = checkpoint_dir(self.output_dir, pending.step)
             if final.exists():  # an earlier save of this step, from before resuming at an older checkpoint
                 delete_sealed(final)
             os.rename(pending.tmp, final)
             fsync_dir(self.output_dir)
         except Exception as exc:  # every rank is waiting for this outcome
-            return f"publishing checkpoint-{pending.step} in {self.output_dir} failed: {exc}"
+            stands = f"; {self._resume_point()}" if self.in_store else ""
+            return f"publishing checkpoint-{pending.step} in {self.output_dir} failed{stands}: {exc}"
         self._apply_retention(pending.step)
         return None
 
@@ -328,17 +376,18 @@ class CheckpointManager:
         for checkpoint in doomed:
             try:
                 delete_sealed(checkpoint.path)
-            except OSError as error:
+            except (OSError if not self.in_store else Exception) as error:
                 warnings.warn(f"could not delete old checkpoint {checkpoint.path}: {error}", stacklevel=2)
 
     def _finish_deletions(self) -> None:
-        """Rank 0: the deletions a process killed while deleting left (`.deleting` directories), finished."""
-        if not self.output_dir.is_dir():
-            return
+        """Rank 0: the deletions a process killed while deleting left (`.deleting` directories, or prefixes with
+        their `.deleting` marker), finished."""
         try:
+            if not self.output_dir.is_dir():
+                return
             for path in finish_deletions(self.output_dir):
                 logger.info(f"finished deleting {path.name} (a deletion cut short by a process that stopped)")
-        except OSError as error:
+        except (OSError if not self.in_store else Exception) as error:
             warnings.warn(f"could not finish deleting old checkpoints in {self.output_dir}: {error}", stacklevel=2)
 
     def _barrier(self) -> None:

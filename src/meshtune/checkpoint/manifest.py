@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from meshtune.checkpoint import object_store
+from meshtune.checkpoint.object_store import StorePath
 from meshtune.checksums import file_checksum
 from meshtune.errors import MeshtuneError
 
@@ -31,13 +33,17 @@ class CheckpointError(MeshtuneError):
 
 
 def hash_file(path: Path, fsync: bool = False) -> dict[str, Any]:
-    """A file's entry in the manifest: size and sha256 (checksums.file_checksum, streamed, `fsync` on the way)."""
-    size, sha256 = file_checksum(path, fsync=fsync)
+    """A file's entry in the manifest: size and sha256 (checksums.file_checksum, streamed, `fsync` on the way; an
+    object in a store read back from it)."""
+    size, sha256 = path.checksum() if isinstance(path, StorePath) else file_checksum(path, fsync=fsync)
     return {"size": size, "sha256": sha256}
 
 
 def fsync_dir(path: Path) -> None:
-    """Make created / renamed entries of a directory durable (a rename is only as safe as its parent's fsync)."""
+    """Make created / renamed entries of a directory durable (a rename is only as safe as its parent's fsync). An
+    object store's writes are durable once they return."""
+    if isinstance(path, StorePath):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -46,6 +52,9 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durably(path: Path, text: str) -> None:
+    if isinstance(path, StorePath):
+        path.write_text(text)
+        return
     with path.open("w") as f:
         f.write(text)
         f.flush()
@@ -64,7 +73,11 @@ DELETING = ".deleting"  # a directory being deleted, or left so by a process kil
 
 def delete_sealed(path: Path) -> None:
     """Delete a published directory: renamed to `NAME.deleting` first (one step: from then on no reader takes it
-    for what it was), then removed. A deletion cut short leaves only that name, which `finish_deletions` clears."""
+    for what it was), then removed. A deletion cut short leaves only that name, which `finish_deletions` clears.
+    In an object store, which has no rename, the prefix is marked and emptied COMPLETE first (object_store.py)."""
+    if isinstance(path, StorePath):
+        object_store.delete_sealed(path, (COMPLETE, MANIFEST))
+        return
     doomed = path.with_name(path.name + DELETING)
     if doomed.exists():
         shutil.rmtree(doomed)
@@ -75,7 +88,9 @@ def delete_sealed(path: Path) -> None:
 
 def finish_deletions(directory: Path) -> list[Path]:
     """Remove the `.deleting` directories in `directory` that a process killed while deleting left; the ones
-    removed. Call from one process only."""
+    removed (in an object store: the prefixes left with their `.deleting` marker). Call from one process only."""
+    if isinstance(directory, StorePath):
+        return object_store.finish_deletions(directory, (COMPLETE, MANIFEST))
     done = []
     for doomed in sorted(Path(directory).glob(f"*{DELETING}")):
         if doomed.is_dir():
@@ -129,6 +144,8 @@ def file_problems(path: Path, listed: dict[str, dict[str, Any]], names: Iterable
 
 def files_in(path: Path) -> set[str]:
     """Every file under `path`, by its path relative to it."""
+    if isinstance(path, StorePath):
+        return path.files()
     return {file.relative_to(path).as_posix() for file in path.rglob("*") if file.is_file()}
 
 
@@ -140,7 +157,7 @@ def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[s
     (a shard from another save mixed in), and that every file DCP's `.metadata` points to is present.
     `check_files(listed)` checks the listed files (`file_problems`); by default this process reads them all.
     """
-    path = Path(path)
+    path = object_store.location(path)
     if not path.is_dir():
         return [f"not a directory: {path}"]
     problems = [] if (path / COMPLETE).is_file() else [NO_COMPLETE]
@@ -158,12 +175,33 @@ def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[s
     if DCP_METADATA not in listed:
         problems.append(f"the manifest lists no DCP {DCP_METADATA} file")
     elif not problems:
-        from torch.distributed.checkpoint import FileSystemReader  # here: listing checkpoints needs no torch
-
         try:
-            storage = FileSystemReader(str(path)).read_metadata().storage_data
+            storage = dcp_reader(path).read_metadata().storage_data
         except Exception as error:  # e.g. written by a newer torch: report it, `meshtune ckpt verify` must not crash
             return [f"unreadable DCP {DCP_METADATA}: {error}"]
         referenced = {info.relative_path for info in storage.values()}
         problems += [f"missing file {name} (DCP {DCP_METADATA} needs it)" for name in sorted(referenced - set(listed))]
     return problems
+
+
+def dcp_reader(path: Path | StorePath) -> Any:
+    """DCP's reader for a checkpoint: FileSystemReader on a file system, FsspecReader in an object store. Imported
+    here: listing checkpoints needs no torch."""
+    if isinstance(path, StorePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(path), **path.storage_options)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(path))
+
+
+def dcp_writer(path: Path | StorePath) -> Any:
+    """DCP's writer for a checkpoint's shards: FileSystemWriter (fsyncs every shard) or FsspecWriter."""
+    if isinstance(path, StorePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(str(path), **path.storage_options)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(str(path))

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtune.checkpoint.manifest import COMPLETE, MANIFEST, NO_COMPLETE, CheckpointError, read_manifest, verify
+from meshtune.checkpoint.manifest import (COMPLETE, MANIFEST, NO_COMPLETE, CheckpointError, delete_sealed,
+                                          read_manifest, verify)
+from meshtune.checkpoint.object_store import StorePath, location
 
 NAME = re.compile(r"^checkpoint-(\d+)(\.tmp)?$")
 TMP_REASON = ".tmp: being written or interrupted"
@@ -32,13 +34,15 @@ class CheckpointInfo:
         return self.path.name.endswith(".tmp")
 
 
-def checkpoint_dir(output_dir: Path, step: int, tmp: bool = False) -> Path:
-    return Path(output_dir) / f"checkpoint-{step}{'.tmp' if tmp else ''}"
+def checkpoint_dir(output_dir: Path | StorePath, step: int, tmp: bool = False) -> Path | StorePath:
+    """Where checkpoint `step` is published (`tmp`: written first, on a file system); a URL gives its prefix."""
+    return location(output_dir) / f"checkpoint-{step}{'.tmp' if tmp else ''}"
 
 
 def list_checkpoints(output_dir: Path) -> list[CheckpointInfo]:
-    """Every `checkpoint-N[.tmp]` directory, oldest first. Cheap: reads names and markers only."""
-    output_dir = Path(output_dir)
+    """Every `checkpoint-N[.tmp]` directory (or prefix of an object store), oldest first. Cheap: reads names and
+    markers only."""
+    output_dir = location(output_dir)
     if not output_dir.is_dir():
         return []
     found = []
@@ -65,7 +69,7 @@ def select_resume(output_dir: Path, named: Path | None, check: Callable[[Path], 
     several ranks passes one that splits the reading across them).
     """
     if named is not None:
-        path = Path(named)
+        path = location(named)
         problems = check(path)
         if problems:
             raise CheckpointError(f"cannot resume from {path}: {'; '.join(problems)}. "
@@ -91,18 +95,23 @@ def select_resume(output_dir: Path, named: Path | None, check: Callable[[Path], 
 
 def set_aside(path: Path) -> Path:
     """Move a published checkpoint that failed verification out of the way (never listed, resumed from, replaced by
-    a new save of its step, or pruned): `checkpoint-N.damaged`, numbered if that exists."""
+    a new save of its step, or pruned): `checkpoint-N.damaged`, numbered if that exists (in an object store, copied
+    there and then deleted)."""
     target, n = path.with_name(path.name + DAMAGED), 1
     while target.exists():
         n += 1
         target = path.with_name(f"{path.name}{DAMAGED}-{n}")
-    path.rename(target)
+    if isinstance(path, StorePath):
+        path.copy_to(target)
+        delete_sealed(path)
+    else:
+        path.rename(target)
     return target
 
 
 def format_listing(output_dir: Path) -> str:
     """The table `meshtune ckpt list OUTPUT_DIR` prints, newest last."""
-    rows = []
+    rows, output_dir = [], location(output_dir)
     for c in list_checkpoints(output_dir):
         details, status = "", c.status
         if c.complete or (c.path / MANIFEST).is_file():

@@ -48,7 +48,7 @@ def evaluate(cfg, settings: LaunchSettings, arrivals: dict[int, dict], skew_of: 
             config_row(facts, reference), accelerator_row(facts, reference), software_row(facts, reference),
             files_row("model files", "model", "model_name_or_path", facts, reference),
             files_row("dataset files", "dataset", "dataset", facts, reference),
-            output_row(cfg, facts), clock_row(facts, skews), network_row(facts)]
+            output_row(cfg, facts), *store_row(facts), clock_row(facts, skews), network_row(facts)]
     if bandwidth is not None:
         rows += bandwidth_rows(bandwidth, {i: p for p, i in enumerate(nodes)}, facts)
     ranks = [f["node_rank"] for f in facts]
@@ -192,6 +192,9 @@ def output_row(cfg, facts: list[dict]) -> Row:
         out = f["output_dir"]
         if not out.get("writable"):
             row.mark(position, FAIL, out.get("error", "not writable"), "output_dir must be writable on every node")
+        elif not out.get("sees node 0's file") and (f.get("checkpoint_store") or {}).get("url"):
+            row.mark(position, OK, f"node-local, {out['free_bytes'] / 2**30:,.0f} GiB free (checkpoints go to "
+                     f"{f['checkpoint_store']['url']})")
         elif not out.get("sees node 0's file"):
             row.mark(position, FAIL, "not the storage node 0 writes to", "output_dir must be one shared storage "
                      "(NFS, Lustre, ...) for all nodes, or set allow_local_checkpoints: true")
@@ -202,6 +205,27 @@ def output_row(cfg, facts: list[dict]) -> Row:
             row.mark(position, OK, f"{out['free_bytes'] / 2**30:,.0f} GiB free" + (
                 f" (~{need / 2**30:,.1f} GiB of checkpoints)" if need else ""))
     return row
+
+
+def store_row(facts: list[dict]) -> list[Row]:
+    """checkpoint_dir in an object store: each node listed, wrote, read back and deleted a probe object there.
+    No row where checkpoint_dir is no URL."""
+    stores = [f.get("checkpoint_store") for f in facts]
+    if not any(stores):
+        return []
+    row = Row("checkpoint_dir: the store lists, writes, reads, deletes")
+    for position, store in enumerate(stores):
+        if not store or "problem" not in store:
+            row.mark(position, FAIL, (store or {}).get("error", "not checked"), "run the doctor with the same config "
+                     "on every node")
+        elif store["problem"]:
+            row.mark(position, FAIL, store["problem"].replace(f" under {store['url']}", ""),
+                     f"{store['problem']}: give every node credentials for the store (for s3: AWS_ACCESS_KEY_ID / "
+                     f"AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and its endpoint (AWS_ENDPOINT_URL for MinIO or another "
+                     f"S3-compatible server); the bucket must exist")
+        else:
+            row.mark(position, OK, "probe object written, read back, deleted")
+    return [row]
 
 
 def checkpoint_bytes(cfg) -> int:

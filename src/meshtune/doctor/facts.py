@@ -34,7 +34,8 @@ def collect_facts(cfg, settings) -> dict:
                       ("model", lambda: directory_checksum(Path(cfg.model_name_or_path).expanduser())),
                       ("dataset", lambda: dataset_facts(cfg)),
                       ("output_dir", lambda: output_dir_facts(Path(cfg.output_dir).expanduser())),
-                      ("network", lambda: network_facts(settings.master_addr, settings.master_port))):
+                      ("network", lambda: network_facts(settings.master_addr, settings.master_port)),
+                      ("checkpoint_store", lambda: store_facts(cfg.checkpoint_dir))):
         try:
             facts[key] = fact()
         except Exception as exc:  # noqa: BLE001 - reported in the table, with the node
@@ -118,6 +119,16 @@ def output_dir_facts(path: Path) -> dict:
     except StorageError as exc:
         return {"writable": False, "error": str(exc)}
     return {"writable": True, "free_bytes": shutil.disk_usage(path).free}
+
+
+def store_facts(checkpoint_dir: str | None) -> dict | None:
+    """With checkpoint_dir in an object store: whether this node lists, writes, reads back and deletes a probe
+    object under its prefix with the credentials it has (None: checkpoint_dir is no URL)."""
+    from meshtune.checkpoint.object_store import is_url, probe
+
+    if not checkpoint_dir or not is_url(checkpoint_dir):
+        return None
+    return {"url": checkpoint_dir, "problem": probe(checkpoint_dir)}
 
 
 def interface_addresses() -> dict[str, str]:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtune.checkpoint.object_store import is_url
 from meshtune.config import torchrun_nproc
 from meshtune.errors import ConfigError
 from meshtune.worker_env import torchrun_worker
@@ -152,8 +153,11 @@ def detect_node_settings(cfg, environ: Mapping[str, str] = os.environ, hostname:
         values.setdefault(name, value)
         source.setdefault(name, origin)
     if "run_id" not in values:
-        values["run_id"] = _derived_run_id(values["master_addr"], values["master_port"], cfg.output_dir)
-        source["run_id"] = "derived from master address, port and output_dir"
+        # checkpoints in an object store leave output_dir to each node (its own local disk): the store names the job
+        store = getattr(cfg, "checkpoint_dir", None)
+        store = store if is_url(store) else None
+        values["run_id"] = _derived_run_id(values["master_addr"], values["master_port"], store or cfg.output_dir)
+        source["run_id"] = f"derived from master address, port and {'checkpoint_dir' if store else 'output_dir'}"
     for value in values.values():
         if isinstance(value, _Unresolved):
             raise ConfigError(value.message)
@@ -285,8 +289,8 @@ def _derived_run_id(master_addr: object, master_port: object, output_dir: str) -
     """The same on every node with no coordination: all nodes run one config against one master.
 
     The config hash is left out on purpose: nodes with different configs must still meet, so the startup
-    agreement check can name the difference instead of the rendezvous timing out. output_dir keeps two jobs
-    that reuse one master port apart.
+    agreement check can name the difference instead of the rendezvous timing out. output_dir (checkpoint_dir, when
+    it is an object store's URL) keeps two jobs that reuse one master port apart.
     """
     digest = hashlib.sha256(f"{master_addr}:{master_port}:{output_dir}".encode()).hexdigest()[:12]
     return f"meshtune-{digest}"

@@ -40,7 +40,7 @@ def launch_training(cfg, argv: list[str], debug: bool = False) -> int:
     settings = detect_node_settings(cfg)
     check_cpu_processes(settings.nproc_per_node)
     check_gpu_processes(settings.nproc_per_node, settings.source.get("nproc_per_node", "config"))
-    check_output_paths(cfg)
+    check_output_paths(cfg, settings.node_rank if str(settings.nnodes) != "1" else None)
     with output_lock(cfg.output_dir, settings) as lock:
         if needs_torchrun(settings):
             return run_node(cfg, settings, argv, debug, rejoining=lock is not None and lock.rejoined)
@@ -313,14 +313,28 @@ def check_gpu_processes(nproc: int, source: str, gpus: int | None = None) -> Non
                       f"{gpus} (or leave it unset: one process per visible GPU), or run on a node with {nproc} GPUs")
 
 
-def check_output_paths(cfg) -> None:
-    """output_dir and the tokenized cache are writable: one named error here, not one per worker."""
+def check_output_paths(cfg, node_rank: int | None = None) -> None:
+    """output_dir, the tokenized cache and checkpoint_dir are writable: one named error here, not one per worker."""
     from meshtune.data.pipeline import cache_dir
     from meshtune.train.storage import ensure_writable_dir
 
     ensure_writable_dir(cfg.output_dir, "output_dir")
     ensure_writable_dir(cache_dir(cfg), "tokenized_path" if cfg.tokenized_path else "output_dir")
+    if cfg.checkpoint_dir:
+        check_checkpoint_dir(cfg.checkpoint_dir, node_rank)
 
+
+def check_checkpoint_dir(checkpoint_dir: str, node_rank: int | None = None) -> None:
+    """An object store this node cannot list, write, read back and delete in (its package missing, credentials
+    missing or refused, the endpoint unreachable) is named here, before any process group; a path must be
+    writable."""
+    from meshtune.checkpoint.object_store import check_store, is_url
+    from meshtune.train.storage import ensure_writable_dir
+
+    if not is_url(checkpoint_dir):
+        ensure_writable_dir(checkpoint_dir, "checkpoint_dir")
+        return
+    check_store(checkpoint_dir, f" (node {node_rank})" if node_rank is not None else "")
 
 def prepare_data_once(cfg, nproc: int) -> None:
     """Tokenize and plan in the launching process: data errors show before any worker starts, workers hit the cache."""

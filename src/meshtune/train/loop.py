@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from meshtune.checkpoint import CheckpointManager, TrainingProgress, publish_final, training_state
+from meshtune.checkpoint.object_store import StorePath, is_url, location
 from meshtune.config import TrainConfig
 from meshtune.cpu_affinity import apply_cpu_affinity
 from meshtune.data.chat_template import serving_chat_template
@@ -96,10 +97,13 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     if env.is_main:
         ensure_writable_dir(output_dir, "output_dir")
     seed_everything(cfg.seed)
-    shared = check_shared_output_dir(output_dir, env, cfg.allow_local_checkpoints)
-    checkpoints = CheckpointManager(output_dir, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
+    where = location(cfg.checkpoint_dir or output_dir)  # an object store is shared by every node by its nature
+    shared = isinstance(where, StorePath) or check_shared_output_dir(where, env, cfg.allow_local_checkpoints)
+    checkpoints = CheckpointManager(where, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
                                     save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0)
     wanted, named = resume_request(cfg, shared)  # auto: the newest complete, verified checkpoint
+    if wanted and is_url(cfg.resume_from_checkpoint):
+        named = cfg.resume_from_checkpoint
     verify_began = time.monotonic()
     resume_path, manifest, notes = (checkpoints.find_resume(named, cfg.math(), cfg.resume_allow_changed) if wanted
                                     else (None, None, []))
@@ -175,8 +179,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                           target_share=1 / plan.context_parallel, metric_names=objective.metric_names,
                           metric_sums=objective.metric_sums)
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
+    store = where if isinstance(where, StorePath) else None
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
-                         open_trackers(cfg, plan, progress.step, env.is_main))  # report_to's, on rank 0
+                         open_trackers(cfg, plan, progress.step, env.is_main, store))  # report_to's, on rank 0
     checkpoints.on_published = metrics.trackers.checkpoint_published
     profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
@@ -268,7 +273,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     if cfg.save_final:
         weights = gather_state_dict(model, trainable_only=cfg.is_lora)  # a collective: full tensors on rank 0
         final_dir = publish_final(output_dir, {**run_info, "step": progress.step, "epoch": progress.epoch},
-                                  env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template))
+                                  env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template),
+                                  store=store)
     if env.is_main:
         if cfg.plot_loss:
             plot_losses(metrics.records, output_dir / "loss.png")

@@ -19,6 +19,7 @@ from meshtune.errors import ConfigError
 from meshtune.train.sinks import SINKS, Sink
 
 if TYPE_CHECKING:  # the launcher checks the trackers' packages without the training stack
+    from meshtune.checkpoint.object_store import StorePath
     from meshtune.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,12 @@ class Trackers:
                     sink.close(finished=False)
 
 
-def open_trackers(cfg: TrainConfig, plan: RunPlan, start_step: int, enabled: bool) -> Trackers:
+def open_trackers(cfg: TrainConfig, plan: RunPlan, start_step: int, enabled: bool, store: StorePath | None = None
+                  ) -> Trackers:
     """Rank 0 (`enabled`): the trackers `report_to` selects, each continuing the run trackers.json names when this
     run resumes at `start_step` (else a new one), given the config and the run plan; a resume is an event. A
-    tracker that cannot start is left out with a warning. Elsewhere, and with report_to none: none."""
+    tracker that cannot start is left out with a warning. Elsewhere, and with report_to none: none. With checkpoints
+    in an object store (`store`), trackers.json is kept there too: a resume on fresh nodes continues the same runs."""
     names = selected(cfg.report_to) if enabled else []
     if enabled and cfg.report_to == ["all"] and not names:
         logger.warning(f"warning: report_to: all finds none of {', '.join(TRACKERS)} installed; metrics go to "
@@ -96,6 +99,8 @@ def open_trackers(cfg: TrainConfig, plan: RunPlan, start_step: int, enabled: boo
     if not names:
         return Trackers([])
     output_dir = Path(cfg.output_dir)
+    if start_step and store is not None and not (output_dir / IDENTITIES).is_file():
+        fetch_identities(store / IDENTITIES, output_dir / IDENTITIES)
     known = read_identities(output_dir) if start_step else {}
     sinks = []
     for name in names:
@@ -105,11 +110,33 @@ def open_trackers(cfg: TrainConfig, plan: RunPlan, start_step: int, enabled: boo
             logger.warning(f"warning: {name} could not start ({type(error).__name__}: {error}); the run goes on "
                            f"without it, output_dir/metrics.jsonl keeps every record")
     (output_dir / IDENTITIES).write_text(json.dumps({**known, **{s.name: s.identity for s in sinks}}, indent=1))
+    if store is not None:
+        keep_identities(output_dir / IDENTITIES, store / IDENTITIES)
     trackers = Trackers(sinks)
     trackers.describe({"config": cfg.model_dump(), "run_plan": asdict(plan)})
     if start_step:
         trackers.event(start_step, "resumed_from", f"resumed from {plan.resumed_from} at step {start_step}")
     return trackers
+
+
+def fetch_identities(source: StorePath, target: Path) -> None:
+    """The store's trackers.json, where this node's output_dir has none (a resume on fresh nodes)."""
+    try:
+        if source.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    except Exception as error:  # the store's client raises its own kinds
+        logger.warning(f"warning: could not read {source} ({type(error).__name__}: {error}); the trackers start new "
+                       f"runs")
+
+
+def keep_identities(source: Path, target: StorePath) -> None:
+    """trackers.json copied to the store beside the checkpoints."""
+    try:
+        target.write_bytes(source.read_bytes())
+    except Exception as error:
+        logger.warning(f"warning: could not write {target} ({type(error).__name__}: {error}); a resume on other "
+                       f"nodes starts new tracker runs")
 
 
 def read_identities(output_dir: Path) -> dict[str, dict]:

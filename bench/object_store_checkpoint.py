@@ -1,0 +1,149 @@
+"""Save and resume through an object store beside the same on local disk, for a model shape.
+
+For each location (`local`: checkpoints in output_dir on this machine's disk; `store`: `checkpoint_dir` in the
+object store at --store, or in a local S3 server this script starts, moto's server mode on 127.0.0.1) two
+`meshtune train` runs of a full fine-tuning of the shape:
+  1. --steps optimizer steps, the last one saving checkpoint-N. Its manifest.json records `save_seconds`: how long
+     training was blocked (the copy to host memory: both locations save in the background here, as a store always
+     does) and how long until it was published (shards written, read back and hashed by every rank, then the
+     manifest and COMPLETE; on disk also the rename).
+  2. one more step, resuming from checkpoint-N; for the store on a fresh output_dir, as a new node would. Its log
+     line "resumed from ... (verified in A s, loaded in B s)" gives the verification (every rank hashes a share of
+     the objects, read from the store) and the DCP load.
+
+  python3 bench/object_store_checkpoint.py --size 1.5b --nproc 4 --out results/object-store
+  python3 bench/object_store_checkpoint.py --size tiny --out /tmp/object-store          # on a CPU
+  python3 bench/object_store_checkpoint.py --size 0.5b --store s3://bucket/bench --out /tmp/object-store
+With --store the store's own client settings apply (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import kill_tree  # noqa: E402
+from s3_server import S3Server  # noqa: E402
+from workspace import SIZES, prepare_workspace  # noqa: E402
+
+RESUMED = re.compile(r"resumed from \S+ at step (\d+) of \d+ \(verified in ([\d.]+) s, loaded in ([\d.]+) s\)")
+
+
+def job_config(args, work: Path, name: str, output_dir: Path, checkpoint_dir: str | None, model_dir: Path,
+               data_file: Path, steps: int, save: bool) -> Path:
+    values = dict(
+        model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
+        output_dir=str(output_dir), finetuning_type="full", per_device_train_batch_size=1, max_steps=steps,
+        logging_steps=1, learning_rate=1e-5, cutoff_len=args.maxlen, seed=1, torch_compile=False, async_save=True,
+        save_strategy="steps" if save else "no", save_steps=args.steps, save_final=False, plot_loss=False,
+        preflight=False, ddp_timeout=1800, resume_allow_changed=["max_steps"])  # the resume run goes one step further
+    if checkpoint_dir:
+        values["checkpoint_dir"] = checkpoint_dir
+    config = work / f"{name}-{steps}.yaml"
+    config.write_text(yaml.safe_dump(values))
+    return config
+
+
+def run(args, config: Path, log: Path, env: dict) -> tuple[int | str, str, float]:
+    """One `meshtune train` on --nproc processes: exit code, log text, wall seconds."""
+    began = time.monotonic()
+    environ = {**os.environ, **env, "NPROC_PER_NODE": str(args.nproc), "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "meshtune", "train", str(config)], stdout=out,
+                                   stderr=subprocess.STDOUT, env=environ)
+    try:
+        code: int | str = process.wait(timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    finally:
+        kill_tree(process.pid)
+    return code, log.read_text(), time.monotonic() - began
+
+
+def manifest_of(where: str, step: int) -> dict:
+    from meshtune.checkpoint import read_manifest
+    from meshtune.checkpoint.object_store import location
+
+    return read_manifest(location(where) / f"checkpoint-{step}")
+
+
+def measure(args, work: Path, name: str, store: str | None, model_dir: Path, data_file: Path, env: dict) -> dict:
+    first, again = work / f"{name}-out", work / f"{name}-out-fresh"
+    for folder in (first, again):
+        shutil.rmtree(folder, ignore_errors=True)
+    row: dict = {"location": name, "size": args.size, "nproc": args.nproc, "problem": None}
+    code, text, row["save_run_s"] = run(args, job_config(args, work, name, first, store, model_dir, data_file,
+                                                         args.steps, save=True), work / f"{name}-save.log", env)
+    if code != 0:
+        row["problem"] = f"save run exited {code}: {text[-1500:]}"
+        return row
+    manifest = manifest_of(store or str(first), args.steps)
+    row["checkpoint_bytes"] = sum(f["size"] for f in manifest["files"].values())
+    row.update(manifest["save_seconds"])
+    resume_dir = again if store else first  # a store resumes on a fresh output_dir, as on new nodes
+    code, text, row["resume_run_s"] = run(args, job_config(args, work, name, resume_dir, store, model_dir, data_file,
+                                                           args.steps + 1, save=False), work / f"{name}-resume.log",
+                                          env)
+    found = RESUMED.search(text)
+    if code != 0 or not found:
+        row["problem"] = f"resume run exited {code}{'' if found else ' without resuming'}: {text[-1500:]}"
+        return row
+    row["verified_s"], row["loaded_s"] = float(found.group(2)), float(found.group(3))
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| location | checkpoint | training blocked | published | resume: verified | loaded |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["problem"]:
+            lines.append(f"| {r['location']} | {r['problem'][:80]} | | | | |")
+            continue
+        lines.append(f"| {r['location']} | {r['checkpoint_bytes'] / 1e6:,.1f} MB | {r['blocked_s']:.2f} s | "
+                     f"{r['published_s']:.2f} s | {r['verified_s']:.2f} s | {r['loaded_s']:.2f} s |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="the model shape")
+    parser.add_argument("--store", help="the store's URL (default: a local S3 server this script starts)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs; gloo processes on a CPU)")
+    parser.add_argument("--steps", type=int, default=1, help="steps before the checkpoint")
+    parser.add_argument("--maxlen", type=int, default=256)
+    parser.add_argument("--run-timeout", type=float, default=3600)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    work = args.out
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, data_file = prepare_workspace(args.size, work, 64, args.maxlen // 2, args.maxlen)
+    server, env, store = None, {}, args.store
+    if store is None:
+        server = S3Server(work / "moto.log")
+        env = server.env
+        os.environ.update(env)  # this process reads the manifests from it too
+        server.make_bucket("meshtune-bench")
+        store = f"s3://meshtune-bench/{args.size}-{int(time.time())}"
+    try:
+        rows = [measure(args, work, "local", None, model_dir, data_file, env),
+                measure(args, work, "store", store, model_dir, data_file, env)]
+    finally:
+        if server:
+            server.stop()
+    (work / "object_store_checkpoint.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return 1 if any(r["problem"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""Checkpoints in an object store, against a real S3 server process (moto's server mode on 127.0.0.1): the same
+promises as on a file system where there is no rename. Every test here shares one server (module-scoped)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from conftest import base_config, run_cli, run_cli_here, write_config
+from s3_server import S3Server
+from meshtune.checkpoint import CheckpointManager, list_checkpoints, verify
+from meshtune.checkpoint.object_store import DELETING_MARKER, open_store
+from meshtune.config import build_config
+from meshtune.train.loop import run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+BUCKET = "meshtune-ckpt"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
+    saved = {name: os.environ.get(name) for name in server.env}
+    os.environ.update(server.env)
+    try:
+        server.make_bucket(BUCKET)
+        yield server
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+ADAPTER = "adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def killed_upload_then_fresh_resume(s3, tmp_path_factory, tiny_model_dir, tiny_dataset):
+    """An uninterrupted local run; the same run into s3:// killed (SIGKILL) after its step-3 shards were uploaded,
+    before they were sealed; then the run again on a fresh output_dir with only the URL."""
+    root = tmp_path_factory.mktemp("store_runs")
+    values = base_config(tiny_model_dir, tiny_dataset, root / "local", max_steps=4, save_steps=1,
+                         save_total_limit=2)
+    local = run(build_config(values))
+    url = f"s3://{BUCKET}/killed"
+    stored = {**values, "checkpoint_dir": url, "output_dir": str(root / "node-a"), "report_to": ["tensorboard"]}
+    config = write_config(root / "config", **stored)
+    killed, _ = run_cli(["train", str(config)], env={"MESHTUNE_FAULT": "save:3:0"})
+    after_kill = {c.path.name: c.complete for c in list_checkpoints(url)}
+    resumed = run(build_config({**stored, "output_dir": str(root / "node-b")}))
+    return {"root": root, "url": url, "local": local, "killed": killed, "after_kill": after_kill,
+            "resumed": resumed}
+
+
+def test_a_kill_during_an_upload_leaves_no_complete_and_a_fresh_node_resumes_exactly_from_the_url(
+        killed_upload_then_fresh_resume):
+    runs = killed_upload_then_fresh_resume
+    assert runs["killed"].returncode != 0 and "killing rank 0 at save of step 3" in runs["killed"].stdout
+    assert runs["after_kill"] == {"checkpoint-1": True, "checkpoint-2": True, "checkpoint-3": False}
+    store = open_store(runs["url"])
+    assert (store / "final" / "COMPLETE").is_file() and not verify(store / "final")
+    assert (store / "final" / ADAPTER).read_bytes() == (runs["local"].final_dir / ADAPTER).read_bytes()
+    local_losses = [r["loss"] for r in runs["local"].records]
+    assert [r["loss"] for r in runs["resumed"].records] == local_losses[2:]  # steps 3 and 4, from checkpoint-2
+    # retention by the resumed run: the newest two complete prefixes, nothing else under the URL
+    assert sorted(p.name for p in store.iterdir()) == ["checkpoint-3", "checkpoint-4", "final", "trackers.json"]
+    # the fresh node continued the tracker run the lost one started: trackers.json came from the store
+    first, fresh = (json.loads((runs["root"] / node / "trackers.json").read_text()) for node in ("node-a", "node-b"))
+    assert fresh["tensorboard"] == first["tensorboard"]
+    manifest = json.loads((store / "checkpoint-4" / "manifest.json").read_text())
+    assert set(manifest["save_seconds"]) == {"blocked_s", "published_s"}
+    assert manifest["save_seconds"]["blocked_s"] <= manifest["save_seconds"]["published_s"]
+
+
+def test_ckpt_list_verify_and_export_take_the_url(killed_upload_then_fresh_resume, tmp_path, capfd):
+    runs = killed_upload_then_fresh_resume
+    listing = run_cli_here(["ckpt", "list", runs["url"]], capfd)
+    assert listing.returncode == 0 and "checkpoint-4" in listing.stdout and "complete" in listing.stdout
+    checked = run_cli_here(["ckpt", "verify", f"{runs['url']}/checkpoint-4"], capfd)
+    assert checked.returncode == 0 and "valid" in checked.stdout, checked.stdout
+    exported = run_cli_here(["export", runs["url"], "--output", str(tmp_path / "adapter")], capfd)
+    assert exported.returncode == 0, exported.stdout[-3000:]
+    assert digest(tmp_path / "adapter" / ADAPTER) == digest(runs["local"].final_dir / ADAPTER)
+
+
+def tiny_state(step: int) -> dict:
+    import torch
+
+    from meshtune.checkpoint import TrainerState, TrainingProgress
+
+    return {"weights": torch.arange(64, dtype=torch.float32) * step, "trainer": TrainerState(TrainingProgress(step))}
+
+
+def saved(url: str, steps: range, limit: int | None = None) -> CheckpointManager:
+    manager = CheckpointManager(url, limit, async_save=False, rank=0, world_size=1)
+    for step in steps:
+        manager.save(step, tiny_state(step), {"world_size": 1})
+    manager.wait()
+    return manager
+
+
+def test_a_flipped_byte_in_an_object_is_a_checksum_mismatch_and_resume_falls_back_moving_it_aside(s3, capfd):
+    url = f"s3://{BUCKET}/flipped"
+    manager = saved(url, range(1, 3))
+    shard = open_store(url) / "checkpoint-2" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    checked = run_cli_here(["ckpt", "verify", f"{url}/checkpoint-2"], capfd)
+    assert checked.returncode == 1 and "checksum mismatch in __0_0.distcp" in checked.stdout, checked.stdout
+    path, _, notes = manager.find_resume(None, {})
+    assert path.name == "checkpoint-1"
+    assert any("checksum mismatch" in note and "moved aside to checkpoint-2.damaged" in note for note in notes), notes
+    names = sorted(p.name for p in open_store(url).iterdir())
+    assert names == ["checkpoint-1", "checkpoint-2.damaged"]
+    assert verify(open_store(url) / "checkpoint-2.damaged") == ["checksum mismatch in __0_0.distcp"]  # as it was
+
+
+def test_retention_deletes_whole_prefixes_and_a_half_deleted_one_is_finished_at_the_next_start(s3):
+    url = f"s3://{BUCKET}/retention"
+    saved(url, range(1, 4), limit=2)
+    store = open_store(url)
+    assert sorted(p.name for p in store.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    # a kill during the deletion of checkpoint-2, right after its marker and COMPLETE went: its shards are left
+    (store / "checkpoint-2" / DELETING_MARKER).write_text("being deleted\n")
+    (store / "checkpoint-2" / "COMPLETE").unlink()
+    assert [c.complete for c in list_checkpoints(url)] == [False, True]  # never resumed from, even so
+    path, _, _ = CheckpointManager(url, 2, async_save=False, rank=0, world_size=1).find_resume(None, {})
+    assert path.name == "checkpoint-3"
+    assert sorted(p.name for p in store.iterdir()) == ["checkpoint-3"]
+
+
+def test_a_store_unreachable_during_a_save_publishes_nothing_and_names_the_cause(s3, monkeypatch):
+    from meshtune.checkpoint import CheckpointError
+    from ranks import free_port
+
+    url = f"s3://{BUCKET}/unreachable"
+    manager = saved(url, range(1, 2))
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries: the same failure, sooner
+    with pytest.raises(CheckpointError) as raised:
+        manager.save(2, tiny_state(2), {"world_size": 1})
+        manager.wait()
+    message = str(raised.value)
+    assert "checkpoint-2 was not saved" in message and "checkpoint-1 stays the resume point" in message, message
+    assert dead in message or "Could not connect" in message or "connect" in message.lower(), message
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    assert [(c.path.name, c.complete) for c in list_checkpoints(url)] == [("checkpoint-1", True)]
+
+
+@pytest.mark.parametrize("credentials", ["missing", "wrong"])
+def test_credentials_missing_or_wrong_are_named_before_any_process_group(s3, tmp_path, tiny_model_dir,
+                                                                        tiny_dataset, monkeypatch, capfd,
+                                                                        credentials):
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    if credentials == "missing":
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        server = None
+    else:  # a server that checks them: the dummy keys are unknown to it
+        server = S3Server(tmp_path / "moto-auth.log", check_credentials=True)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    try:
+        url = f"s3://{BUCKET}/credentials"
+        config = write_config(tmp_path, **base_config(tiny_model_dir, tiny_dataset, tmp_path / "out",
+                                                      nproc_per_node=2, checkpoint_dir=url))
+        result = run_cli_here(["train", str(config)], capfd)
+    finally:
+        if server:
+            server.stop()
+    assert result.returncode == 1, result.stdout[-3000:]
+    cause = "NoCredentialsError" if credentials == "missing" else "Forbidden"
+    assert f"checkpoint_dir {url}: cannot list under {url}" in result.stdout and cause in result.stdout, result.stdout
+    assert "AWS_ACCESS_KEY_ID" in result.stdout  # what to check
+    assert "Traceback" not in result.stdout and "torch.distributed" not in result.stdout  # no worker started
+
+
+def test_a_store_whose_package_is_missing_is_named_with_the_pip_command(monkeypatch):
+    from meshtune.checkpoint.object_store import StoreError
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gcsfs" else real(name, *a))
+    with pytest.raises(StoreError, match=r"needs the gcsfs package .* pip install 'meshtune\[gcs\]'"):
+        open_store("gs://bucket/run")
+
+
+def test_the_doctor_names_the_node_that_cannot_use_the_store_with_the_stores_error(s3, tmp_path, tiny_model_dir,
+                                                                                   tiny_dataset):
+    from test_doctor import row, run_nodes
+
+    url = f"s3://{BUCKET}/doctor"
+    values = base_config(tiny_model_dir, tiny_dataset, tmp_path / "output", checkpoint_dir=url)
+    del values["nproc_per_node"]
+    config = write_config(tmp_path, **values)
+    # node 1 has no credentials; each node's output_dir is its own local folder: with a store that is fine
+    (code0, out0), (code1, out1) = run_nodes(config, [
+        {"NODE_RANK": "0"},
+        {"NODE_RANK": "1", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+         "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+         "args": [f"output_dir={tmp_path / 'node1-output'}"]}])
+    assert code0 == 1 and code1 == 1, out0
+    store = row(out0, "checkpoint_dir: the store lists, writes, reads, deletes")
+    assert store.count("✔") == 1 and "✘" in store and "NoCredentialsError" in store, out0
+    assert "✘" not in row(out0, "output_dir: writable, shared, space"), out0
+    assert "AWS_ACCESS_KEY_ID" in out1  # the fix, on the node that needs it
+    assert not [p for p in open_store(url).parent.iterdir() if p.name.startswith(".meshtune-probe")]
