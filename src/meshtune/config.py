@@ -74,14 +74,16 @@ class Section:
 
 MATH, JOB, NODE = "math", "job", "node"
 TEXT_FORMAT = "text"  # how stage: pt reads its datasets (data/raw_text.py)
+UNPAIRED_FORMAT = "unpaired"  # how stage: kto reads its datasets (data/unpaired.py)
 OTHER_STAGES = {"rm": "reward-model training (rm)", "ppo": "PPO", "grpo": "GRPO",
-                "dpo": "DPO preference training", "kto": "KTO preference training"}
+                "dpo": "DPO preference training"}
 FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 value (torch.finfo(torch.float32).max)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to's trackers (train/sinks.py)
 # the other trackers HF's and LLaMA-Factory's report_to know
 OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "neptune", "swanlab",
                   "trackio")
 MODEL = Section("model and method", MATH)
+PREFERENCE = Section("preference training (stage: kto)", MATH)
 DATA = Section("data", MATH)
 OPTIMIZATION = Section("optimisation", MATH)
 SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; "
@@ -99,12 +101,15 @@ class TrainConfig(BaseModel):
 
     model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, "
                                                 "tokenizer); meshtune never downloads")
-    stage: Literal["sft", "pt"] = MODEL(
+    stage: Literal["sft", "pt", "kto"] = MODEL(
         "sft", "what the run trains (LLaMA-Factory's key): sft (supervised fine-tuning on conversations: the "
                "assistant's replies are trained) | pt (continued pre-training on raw text: LLaMA-Factory's columns "
                "{prompt: text}, a JSONL or JSON of records with a 'text' field, or .txt files read a document a line; "
                "every token trained, an EOS after each document, a document longer than cutoff_len split into pieces "
-               "that overlap by one token, packed by default with no attention across documents)")
+               "that overlap by one token, packed by default with no attention across documents) | kto (KTO, as TRL's "
+               "KTOTrainer: unpaired responses, each marked desirable or not: LLaMA-Factory's kto_tag column, or "
+               "TRL's prompt / completion / label; the last assistant turn is the response trained, against the "
+               "base model with the adapters off; lora and qlora)")
     finetuning_type: Literal["full", "lora", "qlora"] = MODEL(
         "lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose "
                 "transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do "
@@ -150,6 +155,13 @@ class TrainConfig(BaseModel):
                               "dynamic loss scale (torch's GradScaler, its sharded one under zero2 / zero3 / hsdp: a "
                               "step whose gradients overflow is skipped and the scale halves), fp32 master weights; "
                               "FSDP2 then gathers fp32 parameters. CPU runs fp32")
+
+    pref_beta: float = PREFERENCE(0.1, "beta of the preference loss (LLaMA-Factory's key; TRL's beta): how far the "
+                                       "policy may move from the reference; larger keeps it closer", gt=0.0)
+    kto_chosen_weight: float = PREFERENCE(1.0, "stage: kto: the weight of a desirable sample's loss "
+                                               "(LLaMA-Factory's key; TRL's desirable_weight)", ge=0.0)
+    kto_rejected_weight: float = PREFERENCE(1.0, "stage: kto: the weight of an undesirable sample's loss "
+                                                 "(LLaMA-Factory's key; TRL's undesirable_weight)", ge=0.0)
 
     dataset: list[str] = DATA(description="training data: file(s), JSON list or JSONL, or names in "
                                           "dataset_dir/dataset_info.json (LLaMA-Factory's registry); comma-separated "
@@ -558,7 +570,8 @@ class TrainConfig(BaseModel):
         """The stages of LLaMA-Factory and TRL meshtune has no trainer for, refused by name."""
         if isinstance(value, str) and value.lower() in OTHER_STAGES:
             raise ValueError(f"{value}: {OTHER_STAGES[value.lower()]} is another trainer's; meshtune trains "
-                             f"supervised fine-tuning (sft) and continued pre-training on raw text (pt)")
+                             f"supervised fine-tuning (sft), continued pre-training on raw text (pt) and KTO on "
+                             f"unpaired preference data (kto)")
         return value
 
     @field_validator("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm", "lora_alpha")
@@ -597,6 +610,8 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"dataset_format: {self.dataset_format} reads conversations; stage: pt reads raw text "
                                  f"(a 'text' field, LLaMA-Factory's columns {{prompt: text}}, or .txt files): drop "
                                  f"dataset_format")
+        if self.stage == "kto":
+            self._check_kto()
         if self.finetuning_type == "qlora" and self.cpu_offload:
             raise ValueError("cpu_offload: true with finetuning_type: qlora is not supported: the 4-bit shards stay on "
                              "the GPU. Shard them over more GPUs instead (parallel: zero3 across nodes)")
@@ -646,6 +661,26 @@ class TrainConfig(BaseModel):
             raise ValueError(f"val_size: {self.val_size} is neither a fraction below 1 nor a whole count")
         return self
 
+    def _check_kto(self) -> None:
+        """What KTO does not combine with, refused by name with what to set."""
+        refused = [(self.finetuning_type == "full", "finetuning_type: full (the reference is the base model with the "
+                    "adapters off, and full fine-tuning has no adapters to turn off): use finetuning_type: lora or "
+                    "qlora"),
+                   (self.packing, "packing: true (each sample's response is scored on its own, beside another "
+                    "sample's response to its prompt): drop packing"),
+                   (self.tensor_parallel > 1, "tensor_parallel above 1 (a response's log-prob is read from whole logits, "
+                    "which tensor parallel splits by vocabulary): set tensor_parallel: 1"),
+                   (self.context_parallel > 1, "context_parallel above 1 (a response's log-prob would be summed over "
+                    "positions split across processes): set context_parallel: 1"),
+                   (self.train_on_prompt or self.mask_history, "train_on_prompt or mask_history: KTO trains the "
+                    "last assistant turn, the response its tag judges; drop them"),
+                   (self.dataset_format not in ("auto", "sharegpt", "messages"), f"dataset_format: "
+                    f"{self.dataset_format}: KTO reads sharegpt or messages records with a kto_tag, or TRL's prompt / "
+                    f"completion / label; leave dataset_format auto")]
+        for hit, why in refused:
+            if hit:
+                raise ValueError(f"stage: kto cannot be combined with {why}")
+
     @property
     def is_lora(self) -> bool:
         """LoRA adapters train and the base is frozen (lora and qlora)."""
@@ -660,9 +695,11 @@ class TrainConfig(BaseModel):
     @property
     def named_format(self) -> str | None:
         """dataset_format, or None (auto): each file's format is detected from its records; `text` (raw text) for
-        stage: pt."""
+        stage: pt; `unpaired` (records with a desirability tag, each file's format detected) for stage: kto."""
         if self.stage == "pt":
             return TEXT_FORMAT
+        if self.stage == "kto":
+            return UNPAIRED_FORMAT
         return None if self.dataset_format == "auto" else self.dataset_format
 
     @property

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-LF, HF, QWEN, AXOLOTL = "LLaMA-Factory's", "HF TrainingArguments'", "Qwen's finetune.py's", "Axolotl's"
+from meshtune.config import TrainConfig
+
+LF, HF, QWEN, AXOLOTL, TRL = ("LLaMA-Factory's", "HF TrainingArguments'", "Qwen's finetune.py's", "Axolotl's",
+                              "TRL's")
 
 
 @dataclass
@@ -76,6 +79,7 @@ CACHE = ("the data is tokenized once per job into a shared cache, rebuilt by its
 SHARDING = ("meshtune shards with FSDP2 through its own keys: parallel: zero3 (or zero2, hsdp), cpu_offload: true, "
             "and nnodes / nproc_per_node / master_addr / master_port (or the launcher's environment)")
 
+OWN_KEYS = frozenset(TrainConfig.model_fields)
 # key -> (whose key it is, what meshtune does with its value)
 FOREIGN: dict[str, tuple[str, Handler]] = {
     # method
@@ -229,6 +233,10 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
                                      "does not have: it trains text models only")),
     # Axolotl
     "micro_batch_size": (AXOLOTL, renamed("per_device_train_batch_size")),  # Axolotl's batch per GPU per micro-step
+    # TRL's KTOConfig
+    "beta": (TRL, renamed("pref_beta")),
+    "desirable_weight": (TRL, renamed("kto_chosen_weight")),
+    "undesirable_weight": (TRL, renamed("kto_rejected_weight")),
 }
 
 METHODS = "meshtune trains LoRA, Q-LoRA or full with AdamW"
@@ -285,14 +293,16 @@ FAMILIES = (
                                 "each of nnodes nodes", ("ray_",), ("resources_per_worker", "placement_strategy")),
     Family(LF, "a SwanLab setting", "metrics go to output_dir/metrics.jsonl and loss.png", ("swanlab_",),
            ("use_swanlab",)),
-    Family(LF, "a preference or RL training setting", "read only by stage: dpo, kto, ppo or rm, and meshtune trains "
-                                                      "sft and pt", ("pref_", "dpo_", "kto_", "ppo_", "simpo_",
+    Family(LF, "a preference or RL training setting", "read only by stage: dpo, ppo or rm, and meshtune trains "
+                                                      "sft, pt and kto", ("pref_", "dpo_", "kto_", "ppo_", "simpo_",
                                                                      "ref_model", "reward_model"), ("ld_alpha",)),
 )
 
 
 def foreign_handler(key: str) -> tuple[str, Handler] | None:
     """(whose key it is, what meshtune does with its value) for a key of another tool; None for any other key."""
+    if key in OWN_KEYS:  # ours, though a family's prefix may match it (pref_beta)
+        return None
     if key in FOREIGN:
         return FOREIGN[key]
     for family in FAMILIES:

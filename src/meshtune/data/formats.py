@@ -63,6 +63,7 @@ class DatasetSpec:
     columns: dict[str, str | None] | None = None
     tags: dict[str, str | None] | None = None
     registry: Path | None = None  # the dataset_info.json that defined it
+    unpaired: bool = False  # stage: kto: each record also says whether its response is desirable (data/unpaired.py)
 
     def label(self, fmt: str) -> str:
         """How record errors name the reading rules in force."""
@@ -72,7 +73,8 @@ class DatasetSpec:
 
     def identity(self) -> str:
         """Everything but the files' bytes that decides the conversations (checksums.dataset_checksum)."""
-        return json.dumps({"fmt": self.fmt, "columns": self.columns, "tags": self.tags}, sort_keys=True)
+        read = {"fmt": self.fmt, "columns": self.columns, "tags": self.tags}
+        return json.dumps({**read, "unpaired": True} if self.unpaired else read, sort_keys=True)
 
 
 def file_spec(path: Path, fmt: str | None = None) -> DatasetSpec:

@@ -14,6 +14,7 @@ from meshtune.data.templates import LLAMAFACTORY_SAVES_ITS_FORMAT
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
 from meshtune.data.tokenized import load_or_build
+from meshtune.data.unpaired import load_or_build_unpaired, unpaired_template
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,11 @@ def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool, 
         return load_or_build_raw_text(specs, tokenizer, cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid,
                                       max_samples=cfg.max_samples, cache_dir=cache_dir(cfg),
                                       show_progress=show_progress)
+    if cfg.stage == "kto":
+        return load_or_build_unpaired(specs, tokenizer, template=cfg.named_template, cutoff_len=cfg.cutoff_len,
+                                      skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
+                                      cache_dir=cache_dir(cfg), show_progress=show_progress,
+                                      default_system=cfg.default_system)
     return load_or_build(specs, tokenizer, template=cfg.named_template, cutoff_len=cfg.cutoff_len,
                          skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
                          train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
@@ -47,11 +53,19 @@ def describe(name: str, stats: dict) -> list[str]:
         lines.append(f"warning: {name}: dropped {stats['n_dropped_no_target']:,} samples with no assistant token "
                      f"left after truncation to cutoff_len"
                      f"{examples(stats.get('dropped_examples'), stats['n_dropped_no_target'])}")
+    if stats.get("n_dropped_long_response"):
+        lines.append(f"warning: {name}: dropped {stats['n_dropped_long_response']:,} samples whose response alone "
+                     f"fills cutoff_len, leaving no prompt"
+                     f"{examples(stats.get('dropped_examples'), stats['n_dropped_long_response'])}")
+    if "n_desirable" in stats:
+        lines.append(f"{name}: {stats['n_desirable']:,} desirable and {stats['n_undesirable']:,} undesirable "
+                     f"responses")
     if stats.get("n_split_documents"):
         lines.append(f"{name}: {stats['n_split_documents']:,} of {stats['n_documents']:,} documents longer than "
                      f"cutoff_len split into pieces")
     if stats.get("n_truncated"):
-        lines.append(f"{name}: {stats['n_truncated']:,} samples truncated to cutoff_len")
+        kept = " (each response kept whole, the prompt's start cut)" if "n_desirable" in stats else ""
+        lines.append(f"{name}: {stats['n_truncated']:,} samples truncated to cutoff_len{kept}")
     return lines
 
 
@@ -71,6 +85,10 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
     trains += ", only the last assistant turn trained" if cfg.mask_history else ""
     if cfg.stage == "pt":
         _report(["raw text (stage: pt): every token trained, an EOS after each document"], report)
+    elif cfg.stage == "kto":
+        template = unpaired_template(tokenizer, cfg.named_template, cfg.default_system)
+        _report([f"chat template: {template.description}; stage: kto trains each sample's response, its last "
+                 f"assistant turn", *saved_template_note(template)], report)
     else:
         template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
         _report([f"chat template: {template.description}{trains}", *saved_template_note(template)], report)
