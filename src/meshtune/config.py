@@ -668,10 +668,10 @@ class TrainConfig(BaseModel):
                     "qlora"),
                    (self.packing, "packing: true (each sample's response is scored on its own, beside another "
                     "sample's response to its prompt): drop packing"),
-                   (self.tensor_parallel > 1, "tensor_parallel above 1 (a response's log-prob is read from whole logits, "
-                    "which tensor parallel splits by vocabulary): set tensor_parallel: 1"),
-                   (self.context_parallel > 1, "context_parallel above 1 (a response's log-prob would be summed over "
-                    "positions split across processes): set context_parallel: 1"),
+                   (self.tensor_parallel > 1, "tensor_parallel above 1 (a response's log-prob is read from whole "
+                    "logits, which tensor parallel splits by vocabulary): set tensor_parallel: 1"),
+                   (self.context_parallel > 1, "context_parallel above 1 (a response's log-prob would be summed "
+                    "over positions split across processes): set context_parallel: 1"),
                    (self.train_on_prompt or self.mask_history, "train_on_prompt or mask_history: KTO trains the "
                     "last assistant turn, the response its tag judges; drop them"),
                    (self.dataset_format not in ("auto", "sharegpt", "messages"), f"dataset_format: "

@@ -279,6 +279,10 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["fused_loss"] = ("off under tensor_parallel: the head's vocabulary is split over the tensor-parallel "
                              "processes, and the loss is computed across their shares of the logits "
                              "(vocabulary-parallel cross-entropy), which are never gathered whole")
+    if cfg.stage == "kto" and fused_loss:
+        fused_loss = False
+        why["fused_loss"] = ("off for stage: kto: the loss needs each response's summed log-prob under the policy and "
+                             "the reference, read from the logits")
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,
                    fused_loss=fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,

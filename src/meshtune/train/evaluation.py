@@ -19,11 +19,14 @@ class Evaluator:
 
     def __init__(self, dataset, batch_size: int, eval_steps: int | None, total_steps: int, env: DistEnv,
                  collate: Callable[[list[list[int]]], Batch], loss: Callable[[Batch], torch.Tensor],
-                 count: Callable[[Batch], float], also_at: frozenset[int] = frozenset(), target_share: float = 1.0):
+                 count: Callable[[Batch], float], also_at: frozenset[int] = frozenset(), target_share: float = 1.0,
+                 prepare: Callable[[list[list[int]], list[list[list[int]]]], None] | None = None):
         self.dataset, self.batch_size, self.eval_steps, self.total_steps = dataset, batch_size, eval_steps, total_steps
         self.env, self.collate, self.loss, self.count, self.also_at = env, collate, loss, count, also_at
         # 1 / cp under context parallel: each process of a cp group sums the loss of its share of the batch's targets
         self.target_share = target_share
+        # the objective's pass over each round of batches (all ranks' rows, this rank's): KTO's KL estimate
+        self.prepare = prepare
 
     def due(self, step: int) -> bool:
         if self.dataset is None:
@@ -40,6 +43,9 @@ class Evaluator:
         for start in range(0, len(self.dataset), size * env.world_size):
             first = start + env.rank * size
             mine = list(range(first, min(first + size, len(self.dataset))))
+            if self.prepare is not None:
+                every = range(start, min(start + size * env.world_size, len(self.dataset)))
+                self.prepare([[i] for i in every], [[[i] for i in mine]])
             batch = self.collate([[i] for i in mine] or [[0]])
             if not mine:
                 batch.ignore_all()

@@ -48,6 +48,8 @@ from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.nonfinite import NonFiniteSteps, sample_ids
 from meshtune.train.objectives import Objective, normalised
+from meshtune.train.objectives.kto import KTOLoss
+from meshtune.train.objectives.kto_loss import KTOSettings
 from meshtune.train.objectives.token_loss import TokenLoss
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
@@ -144,9 +146,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     pad_id = tokenizer.pad_token_id
     # tensor and context parallel: every process holds an equal share of a row's positions
     row_length_multiple = row_multiple(plan.context_parallel, plan.tensor_parallel)
-    objective = TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
-                          autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
-                          padding_free=plan.padding_free)
+    objective = build_objective(cfg, plan, model, env, pad_id, row_length_multiple)
     collate_rows = partial(objective.collate, dataset=train_data, packed=cfg.packing)
     # an empty share of a last partial step: the shortest sample, trained on nothing
     filler_rows = [[int(np.argmin(train_data.lengths))]]
@@ -171,7 +171,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
                           partial(objective.collate, dataset=eval_data, packed=False), split.around(objective.loss_sum),
                           objective.count, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
-                          target_share=1 / plan.context_parallel)
+                          target_share=1 / plan.context_parallel,
+                          prepare=partial(objective.prepare_step, dataset=eval_data))
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
                          open_trackers(cfg, plan, progress.step, env.is_main))  # report_to's, on rank 0
@@ -198,11 +199,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(step + 1, "preparing the batch")
             profiler.begin(step + 1)
             epoch, step_in_epoch = batches.position(step)
-            micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, data.rank)]
+            micro_rows = batches.micro_batches(epoch, step_in_epoch, data.rank)
+            micro = [rows_to_batch(rows) for rows in micro_rows]
             watch.at(step + 1, "counting the step's tokens (all-reduce)")
             targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, objective, built.flops, env,
                                                                               stop.vote, own))
             stop.tally(votes)
+            watch.at(step + 1, "the objective's pass over the step before its micro-batches")
+            objective.prepare_step(batches.step_rows(epoch, step_in_epoch), micro_rows, train_data)
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             reported = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
@@ -231,7 +235,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(done, "summing the step's loss (all-reduce)")
             sums = times.line_up(lambda: all_reduce_sum(torch.cat([loss_sum.view(1), reported]) * own_loss))
             meter.add(normalised(sums[0], targets), tokens, flops, counted=updated,
-                      reported=dict(zip(objective.metric_names, normalised(sums[1:], targets))))
+                      reported=objective.metrics(sums[1:], targets))
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
@@ -272,6 +276,18 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             plot_losses(metrics.records, output_dir / "loss.png")
         logger.info(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
     return TrainResult(model, metrics.records, final_dir)
+
+
+def build_objective(cfg: TrainConfig, plan: RunPlan, model: torch.nn.Module, env: DistEnv, pad_id: int,
+                    row_length_multiple: int) -> Objective:
+    """What the run's stage optimises."""
+    if cfg.stage == "kto":
+        settings = KTOSettings(cfg.pref_beta, cfg.kto_chosen_weight, cfg.kto_rejected_weight)
+        return KTOLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, settings=settings,
+                       cutoff_len=cfg.cutoff_len, autocast_fp16=plan.fp16, padding_free=plan.padding_free)
+    return TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
+                     autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
+                     padding_free=plan.padding_free)
 
 
 def step_counts(batches: list[Batch], objective: Objective, flops: FlopCounter, env: DistEnv,

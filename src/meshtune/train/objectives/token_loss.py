@@ -46,12 +46,18 @@ class TokenLoss:
     def count(self, batch: Batch) -> int:
         return batch.num_targets
 
+    def prepare_step(self, step_rows: list[Row], micro_rows: list[list[Row]], dataset) -> None:
+        pass  # each micro-batch's loss is its own
+
     @property
     def metric_names(self) -> tuple[str, ...]:
         return ()  # the loss says it all
 
     def metric_sums(self, batch: Batch) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64, device=self.env.device)
+
+    def metrics(self, sums: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
