@@ -1,0 +1,154 @@
+"""stage: kto against TRL's KTOTrainer, on CPU in fp32: the loss, the metrics it logs and the gradients of a LoRA
+model's adapters for the same batch, TRL's own `_compute_loss` driven on TRL's own collated tensors (its KL
+completions rotated by one within the batch, as its dataset preparation makes them); and the pure loss function
+against TRL's for chosen / rejected weights. trl is a test-only dependency."""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from meshtune.data.collate import IGNORE
+from meshtune.distributed import DistEnv
+from meshtune.train.objectives import normalised
+from meshtune.train.objectives.kto import KTOLoss
+from meshtune.train.objectives.kto_loss import METRICS, KTOSettings
+
+trl = pytest.importorskip("trl")
+
+CPU = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t,
+                      unwrap_model=lambda m: m)
+CPU_ENV = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+
+
+class Samples:
+    """Unpaired samples as the tokenized dataset holds them: prompt then response ids, labels on the response."""
+
+    def __init__(self, prompts: list[list[int]], responses: list[list[int]], desirable: list[bool]):
+        self.items = [(np.asarray(p + r), np.asarray([IGNORE] * len(p) + r)) for p, r in zip(prompts, responses)]
+        self.prompts, self.responses = prompts, responses
+        self.desirable = np.asarray(desirable)
+        self.lengths = np.asarray([len(ids) for ids, _ in self.items])
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+def samples(vocab: int, desirable=(True, False, True, True, False)) -> Samples:
+    generator = torch.Generator().manual_seed(3)
+    lengths = [(4, 6), (7, 3), (5, 8), (3, 4), (6, 5)]
+    draw = lambda n: torch.randint(3, vocab, (n,), generator=generator).tolist()  # noqa: E731
+    return Samples([draw(p) for p, _ in lengths], [draw(r) for _, r in lengths], list(desirable))
+
+
+def lora_model(tiny_model_dir, seed: int = 3):
+    """The tiny Qwen2 with LoRA on every linear layer, its B matrices non-zero so that policy and reference differ."""
+    from peft import LoraConfig, get_peft_model
+
+    from meshtune.model.loading import load_model
+
+    torch.manual_seed(0)  # LoRA's A matrices
+    model = get_peft_model(load_model(tiny_model_dir, torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                         "gate_proj", "up_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def trl_kto(model, data: Samples, settings: KTOSettings):
+    """TRL KTOTrainer's loss and logged metrics for the batch of every sample, its reference the adapters off."""
+    from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference, KTOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "mean_logits"))
+    completions = data.responses
+    examples = [{"prompt_ids": p, "completion_ids": c, "KL_completion_ids": kl, "label": bool(tag)}
+                for p, c, kl, tag in zip(data.prompts, completions, completions[-1:] + completions[:-1],
+                                         data.desirable)]
+    inputs = DataCollatorForUnpairedPreference(pad_token_id=0)(examples)
+    trainer = SimpleNamespace(model=model, ref_model=None, accelerator=CPU, aux_loss_enabled=False,
+                              precompute_ref_logps=False, calculate_KL=True, loss_type="kto", beta=settings.beta,
+                              desirable_weight=settings.desirable_weight,
+                              undesirable_weight=settings.undesirable_weight,
+                              args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+                              _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+                              _total_train_tokens=0, _tp_size=1)
+    trainer._compute_kl_logps = lambda m, b: KTOTrainer._compute_kl_logps(trainer, m, b)
+    loss = KTOTrainer._compute_loss(trainer, model, inputs, False)
+    return loss, {name: values[-1] for name, values in trainer._metrics["eval"].items()}
+
+
+def meshtune_kto(model, data: Samples, settings: KTOSettings, micro: list[list[int]]):
+    """meshtune's objective over one step of `data` in its order, cut into the micro-batches `micro` (indices):
+    the step's loss and reported metrics, each micro-batch's backward as the loop runs it."""
+    objective = KTOLoss(model, CPU_ENV, pad_id=0, autocast_bf16=False, settings=settings, cutoff_len=64)
+    micro_rows = [[[i] for i in batch] for batch in micro]
+    objective.prepare_step([[i] for i in range(len(data))], micro_rows, data)
+    batches = [objective.collate(rows, data, packed=False) for rows in micro_rows]
+    count = sum(objective.count(b) for b in batches)
+    total, sums = torch.zeros((), dtype=torch.float64), 0
+    for batch in batches:
+        loss = objective.loss_sum(batch)
+        normalised(loss, count).backward()
+        total, sums = total + loss.detach().double(), sums + objective.metric_sums(batch)
+    return normalised(total, count), {name: float(v) for name, v in objective.metrics(sums, count).items()}
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.33, 0.7)])
+def test_kto_loss_metrics_and_lora_gradients_are_trls(tiny_model_dir, weights):
+    model = lora_model(tiny_model_dir)
+    theirs = copy.deepcopy(model)
+    data = samples(model.config.vocab_size)
+    settings = KTOSettings(beta=0.5, desirable_weight=weights[0], undesirable_weight=weights[1])
+    want, logged = trl_kto(theirs, data, settings)
+    got, reported = meshtune_kto(model, data, settings, [list(range(len(data)))])
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6)
+    assert logged["kl"] > 0  # the KL term is in play, not clamped away
+    for name in METRICS:
+        assert reported[name] == pytest.approx(logged[name], rel=1e-5, abs=1e-6), name
+    want.backward()
+    grads = 0
+    for (name, mine), other in zip(model.named_parameters(), theirs.parameters()):
+        if mine.requires_grad:
+            torch.testing.assert_close(mine.grad, other.grad, rtol=1e-5, atol=1e-6, msg=name)
+            grads += int(mine.grad.abs().sum() > 0)
+    assert grads > 0
+
+
+def test_the_step_is_the_same_split_into_micro_batches(tiny_model_dir):
+    """Accumulation (or processes) see one KL over the step's pairs: the loss, metrics and gradients of one
+    micro-batch of five equal those of three micro-batches of it."""
+    whole, split = lora_model(tiny_model_dir), lora_model(tiny_model_dir)
+    data = samples(whole.config.vocab_size)
+    settings = KTOSettings(beta=0.5)
+    one, one_reported = meshtune_kto(whole, data, settings, [[0, 1, 2, 3, 4]])
+    three, three_reported = meshtune_kto(split, data, settings, [[0, 1], [2, 3], [4]])
+    torch.testing.assert_close(three, one, rtol=1e-6, atol=1e-7)
+    assert three_reported == pytest.approx(one_reported, rel=1e-5)  # padding differs: fp32 rounding
+    for (name, a), b in zip(whole.named_parameters(), split.parameters()):
+        if a.requires_grad:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_step_without_undesirable_samples_reports_no_rejected_metrics(tiny_model_dir):
+    model = lora_model(tiny_model_dir)
+    data = samples(model.config.vocab_size, desirable=(True,) * 5)
+    _, reported = meshtune_kto(model, data, KTOSettings(), [[0, 1, 2, 3, 4]])
+    assert np.isnan(reported["rewards/rejected"]) and np.isnan(reported["rewards/margins"])
+    assert not np.isnan(reported["rewards/chosen"])
+    from meshtune.train.metrics import reported_means
+
+    means = reported_means({name: [torch.tensor(value)] for name, value in reported.items()})
+    assert "rewards/rejected" not in means and means["kl"] == reported["kl"]
