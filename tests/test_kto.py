@@ -6,14 +6,23 @@ against TRL's for chosen / rejected weights. trl is a test-only dependency."""
 from __future__ import annotations
 
 import copy
+import json
+import random
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import base_config, run_cli_here, sentence
+from meshtune.config import build_config
+from meshtune.data.chat_template import ChatTemplate
 from meshtune.data.collate import IGNORE
+from meshtune.data.pipeline import prepare_datasets
+from meshtune.errors import ConfigError, DataError
+from meshtune.model.model_dir import load_tokenizer
 from meshtune.distributed import DistEnv
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.kto import KTOLoss
@@ -152,3 +161,125 @@ def test_a_step_without_undesirable_samples_reports_no_rejected_metrics(tiny_mod
 
     means = reported_means({name: [torch.tensor(value)] for name, value in reported.items()})
     assert "rewards/rejected" not in means and means["kl"] == reported["kl"]
+
+
+# ---- data, config and the run
+
+FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+
+
+def kto_data(path: Path, records: int = 24) -> Path:
+    """Unpaired records in the messages format with a `label` tag, of varied lengths, some multi-turn."""
+    rng = random.Random(2)
+    with path.open("w") as f:
+        for i in range(records):
+            messages = []
+            for _ in range(1 + (i % 4 == 0)):
+                messages += [{"role": "user", "content": sentence(rng, 2, 12)},
+                             {"role": "assistant", "content": sentence(rng, 1, 10)}]
+            f.write(json.dumps({"messages": messages, "label": i % 3 != 1}) + "\n")
+    return path
+
+
+def kto_config(tmp_path: Path, model_dir: Path, dataset, **extra):
+    return build_config(base_config(model_dir, dataset, tmp_path / "out", stage="kto", **extra))
+
+
+def test_kto_samples_render_as_sft_renders_them_with_the_last_answer_trained(tmp_path, tiny_model_dir):
+    """The LLaMA-Factory entry (sharegpt, kto_tag) and the same conversations as a messages file agree token for
+    token with SFT's rendering; only the last assistant turn is labelled; each tag is the record's."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    records = json.loads((FIXTURES / "kto_en_demo.json").read_text())
+    named = prepare_datasets(kto_config(tmp_path, tiny_model_dir, "kto_en_demo", dataset_dir=str(FIXTURES),
+                                        cutoff_len=512), tokenizer, False)[0]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in records))
+    sft = prepare_datasets(build_config(base_config(tiny_model_dir, plain, tmp_path / "sft", cutoff_len=512)),
+                           tokenizer, False)[0]
+    assert len(named) == len(sft) == len(records)
+    assert named.desirable.tolist() == [r["label"] for r in records]
+    template = ChatTemplate(tokenizer, None)
+    for i, record in enumerate(records):
+        (ids, labels), (sft_ids, sft_labels) = named[i], sft[i]
+        assert ids.tolist() == sft_ids.tolist()
+        last = template.encode(record["messages"][:-1])[0]  # the prompt: everything before the last answer
+        assert (labels[:len(last)] == IGNORE).all() and (labels[len(last):] == sft_labels[len(last):]).all()
+    assert (sft[2][1][:len(template.encode(records[2]["messages"][:2])[0])] != IGNORE).any()  # sft trains turn 1
+
+
+@pytest.mark.parametrize("record, problem", [
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "no 'kto_tag' or 'label': each record says whether its response is desirable"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "label": 1},
+     "'label' is 1, not a boolean: write true"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                   {"role": "user", "content": "c"}, {"role": "assistant", "content": " "}], "label": True},
+     r"the response \(the last assistant turn\) is empty"),
+    ({"prompt": "a", "completion": "", "label": False}, r"the response \(the last assistant turn\) is empty"),
+    ({"prompt": "a", "completion": "b", "label": "yes"}, "'label' is 'yes', not a boolean"),
+])
+def test_each_bad_record_is_named_or_skipped(tmp_path, tiny_model_dir, record, problem):
+    good = {"prompt": "a b", "completion": "c", "label": True} if "prompt" in record else {
+        "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "label": True}
+    path = tmp_path / "kto.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=rf"kto\.jsonl: record 2 \(line 2\): {problem}.*\(stage: kto"):
+        prepare_datasets(kto_config(tmp_path, tiny_model_dir, path), load_tokenizer(tiny_model_dir), False)
+    data = prepare_datasets(kto_config(tmp_path, tiny_model_dir, path, skip_invalid=True),
+                            load_tokenizer(tiny_model_dir), False)[0]
+    assert len(data) == 1 and data.stats["n_skipped_invalid"] == 1
+
+
+def test_trl_prompt_completion_records_and_a_long_prompt_cut_from_its_start(tmp_path, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    long_prompt = " ".join(["the quick brown fox"] * 30)
+    path = tmp_path / "trl.jsonl"
+    rows = [{"prompt": long_prompt, "completion": "a lazy dog", "label": True},
+            {"prompt": [{"role": "user", "content": "seven birds"}],
+             "completion": [{"role": "assistant", "content": "sing"}], "label": False},
+            {"prompt": "rain", "completion": " ".join(["sun and wind"] * 40), "label": True}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare_datasets(kto_config(tmp_path, tiny_model_dir, path, cutoff_len=40), tokenizer, False)[0]
+    assert data.stats["n_truncated"] == 1 and data.stats["n_dropped_long_response"] == 1 and len(data) == 2
+    ids, labels = data[0]
+    whole = ChatTemplate(tokenizer, None).encode([{"role": "user", "content": long_prompt},
+                                                  {"role": "assistant", "content": "a lazy dog"}])[0]
+    assert len(ids) == 40 and ids.tolist() == whole[-40:]  # the response whole, the prompt's start cut
+    assert (labels != IGNORE).sum() == len(tokenizer.encode("a lazy dog", add_special_tokens=False)) + 2
+    assert data.desirable.tolist() == [True, False]
+
+
+def test_kto_keys_trl_names_and_refusals(tmp_path, tiny_model_dir, tiny_dataset, capfd):
+    from meshtune.compat.job_config import load_job_config
+
+    loaded = load_job_config(None, [f"model_name_or_path={tiny_model_dir}", "stage=kto", f"dataset={tiny_dataset}",
+                                    "beta=0.3", "desirable_weight=1.4", "undesirable_weight=0.6"]).config
+    assert (loaded.pref_beta, loaded.kto_chosen_weight, loaded.kto_rejected_weight) == (0.3, 1.4, 0.6)
+    for extra, refusal in [({"finetuning_type": "full"}, "finetuning_type: full .* use finetuning_type: lora"),
+                           ({"packing": True}, "packing: true"), ({"tensor_parallel": 2}, "tensor_parallel above 1"),
+                           ({"context_parallel": 2}, "context_parallel above 1"),
+                           ({"mask_history": True}, "train_on_prompt or mask_history")]:
+        with pytest.raises(ConfigError, match=f"stage: kto cannot be combined with {refusal}"):
+            kto_config(tmp_path, tiny_model_dir, tiny_dataset, **extra)
+    result = run_cli_here(["train", "--help"], capfd)
+    section = result.stdout.split("preference training (stage: kto)", 1)[1]
+    assert all(key in section.split("\n\n", 1)[0] for key in ("pref_beta", "kto_chosen_weight",
+                                                               "kto_rejected_weight"))
+
+
+@pytest.mark.slow
+def test_kto_losses_are_the_same_on_one_process_two_and_with_accumulation(tmp_path, tiny_model_dir):
+    """One global batch of 4 a step as 1 process x 1 micro-batch of 4, 1 x 2 micro-steps of 2, and 2 processes x 1:
+    one KL a step over the same mismatched pairs, so every step's loss and the final eval loss agree (the eval
+    on 2 processes too)."""
+    from test_topology import assert_close, train_all, train_losses
+
+    data = kto_data(tmp_path / "kto.jsonl")
+    layouts = [("lora", "ddp", 1, 1, {"per_device_train_batch_size": 4}), ("lora", "ddp", 1, 2, {}),
+               ("lora", "ddp", 2, 1, {})]
+    train_all(tmp_path, tiny_model_dir, data, [(m, p, n, a, {"stage": "kto", **e}) for m, p, n, a, e in layouts])
+    one = train_losses(tmp_path, tiny_model_dir, data, "lora", "ddp", 1, 1, stage="kto", per_device_train_batch_size=4)
+    assert one[4] < one[0]
+    for method, parallel, nproc, accumulation, extra in layouts[1:]:
+        losses = train_losses(tmp_path, tiny_model_dir, data, method, parallel, nproc, accumulation, stage="kto",
+                              **extra)
+        assert_close(losses, one, f"kto on {nproc} process(es) x {accumulation} micro-step(s)")

@@ -97,12 +97,15 @@ def unpaired_record(record: Any, fmt: str, spec: DatasetSpec) -> tuple[list[dict
     if not isinstance(record, dict):
         raise ValueError(f"record is a JSON {type(record).__name__}, not an object")
     if fmt == TRL_FORMAT:
-        messages, tools, key = trl_conversation(record), None, "label"
+        messages, tools, keys = trl_conversation(record), None, ("label",)
     else:
         messages, tools = convert(record, fmt, spec)
-        key = (spec.columns or {}).get("kto_tag") or next((k for k in TAG_FIELDS if k in record), TAG_FIELDS[0])
-    if key not in record:
-        raise ValueError(f"no '{key}': each record says whether its response is desirable (true) or not (false)")
+        named = (spec.columns or {}).get("kto_tag")  # a registry entry's kto_tag column
+        keys = (named,) if named else TAG_FIELDS
+    key = next((k for k in keys if k in record), None)
+    if key is None:
+        raise ValueError(f"no {' or '.join(repr(k) for k in keys)}: each record says whether its response is "
+                         f"desirable (true) or not (false)")
     tag = record[key]
     if not isinstance(tag, bool):
         raise ValueError(f"'{key}' is {tag!r}, not a boolean: write true (a desirable response) or false")

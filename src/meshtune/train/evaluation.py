@@ -25,7 +25,8 @@ class Evaluator:
         self.env, self.collate, self.loss, self.count, self.also_at = env, collate, loss, count, also_at
         # 1 / cp under context parallel: each process of a cp group sums the loss of its share of the batch's targets
         self.target_share = target_share
-        # the objective's pass over each round of batches (all ranks' rows, this rank's): KTO's KL estimate
+        # the objective's pass over the held-out set before its loss (the rows, this rank's micro-batches of them),
+        # as over a step's global batch: KTO's KL estimate
         self.prepare = prepare
 
     def due(self, step: int) -> bool:
@@ -40,12 +41,14 @@ class Evaluator:
         model.eval()
         env, size = self.env, self.batch_size
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)
-        for start in range(0, len(self.dataset), size * env.world_size):
+        starts = range(0, len(self.dataset), size * env.world_size)
+        if self.prepare is not None:  # over the whole held-out set in its order, this rank's share as it evaluates
+            rounds = [range(start + env.rank * size, min(start + (env.rank + 1) * size, len(self.dataset)))
+                      for start in starts]
+            self.prepare([[i] for i in range(len(self.dataset))], [[[i] for i in share] for share in rounds])
+        for start in starts:
             first = start + env.rank * size
             mine = list(range(first, min(first + size, len(self.dataset))))
-            if self.prepare is not None:
-                every = range(start, min(start + size * env.world_size, len(self.dataset)))
-                self.prepare([[i] for i in every], [[[i] for i in mine]])
             batch = self.collate([[i] for i in mine] or [[0]])
             if not mine:
                 batch.ignore_all()
