@@ -128,7 +128,7 @@ def test_help_lists_every_key_with_its_default_by_section():
     assert "0.0001" in text  # learning_rate's default
     sections = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert (sections[0] == "model and method:" and "parallelism:" in sections and "stragglers and hangs:" in sections
-            and len(sections) == 8)
+            and "preference training (stage: kto):" in sections and len(sections) == 9)
 
 
 def test_cli_reports_config_errors_fast_without_traceback(tmp_path, capfd):

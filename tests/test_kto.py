@@ -208,7 +208,8 @@ def test_kto_samples_render_as_sft_renders_them_with_the_last_answer_trained(tmp
 
 
 @pytest.mark.parametrize("record, problem", [
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "no 'kto_tag' or 'label': each record says whether its response is desirable"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "no 'kto_tag' or 'label': each record says whether its response is desirable"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "label": 1},
      "'label' is 1, not a boolean: write true"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},

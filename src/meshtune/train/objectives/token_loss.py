@@ -15,6 +15,7 @@ from meshtune.distributed import DistEnv
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import unwrap
 from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_loss_sum
+from meshtune.train.objectives import normalised
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class TokenLoss:
         return torch.zeros(0, dtype=torch.float64, device=self.env.device)
 
     def metrics(self, sums: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {}
+        return dict(zip(self.metric_names, normalised(sums, count)))  # each a sum over the step / the normaliser
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
