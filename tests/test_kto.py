@@ -284,3 +284,20 @@ def test_kto_losses_are_the_same_on_one_process_two_and_with_accumulation(tmp_pa
         losses = train_losses(tmp_path, tiny_model_dir, data, method, parallel, nproc, accumulation, stage="kto",
                               **extra)
         assert_close(losses, one, f"kto on {nproc} process(es) x {accumulation} micro-step(s)")
+
+
+def test_preview_shows_each_samples_tag_and_its_trained_response(tmp_path, tiny_model_dir):
+    from meshtune.data.preview import preview, render_text
+
+    cfg = kto_config(tmp_path, tiny_model_dir, "kto_en_demo", dataset_dir=str(FIXTURES), cutoff_len=60)
+    report = preview(cfg, load_tokenizer(tiny_model_dir), samples=3)
+    assert report["datasets"]["train"]["tags"] == {"desirable": 4, "undesirable": 4}
+    assert [s["desirable"] for s in report["samples"]] == [True, False, True]
+    assert report["datasets"]["train"]["truncated"]["count"] > 0
+    text = render_text(report, color=False)
+    assert "responses: 4 desirable, 4 undesirable" in text and "trains each sample's response" in text
+    assert "record 2): undesirable; " in text and "⟦Ooh ah! Bananas! The capital is a banana." in text
+    whole = preview(cfg.model_copy(update={"cutoff_len": 512}), load_tokenizer(tiny_model_dir), indices=[2])
+    kinds = {segment["text"].strip(): segment["kind"] for segment in whole["samples"][0]["segments"]}
+    assert kinds["Blue is another primary colour.<|im_end|>"] == "trained"
+    assert "Red.<|im_end|>" in next(text for text, kind in kinds.items() if kind == "context")  # prompt here
