@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import base_config, run_cli_here, sentence
+from conftest import base_config, read_metrics, run_cli_here, sentence
 from meshtune.config import build_config
 from meshtune.data.chat_template import ChatTemplate
 from meshtune.data.collate import IGNORE
@@ -302,3 +303,21 @@ def test_preview_shows_each_samples_tag_and_its_trained_response(tmp_path, tiny_
     kinds = {segment["text"].strip(): segment["kind"] for segment in whole["samples"][0]["segments"]}
     assert kinds["Blue is another primary colour.<|im_end|>"] == "trained"
     assert "Red.<|im_end|>" in next(text for text, kind in kinds.items() if kind == "context")  # prompt here
+
+
+def test_a_kto_run_resumed_from_its_checkpoint_goes_on_bit_for_bit(tmp_path, tiny_model_dir):
+    """3 steps, then the same run again from checkpoint-1: the KL of each step is formed anew from the step's rows,
+    so the losses and metrics of steps 2 and 3 and the final adapter are the run's own."""
+    from meshtune.train.loop import run
+
+    cfg = kto_config(tmp_path, tiny_model_dir, kto_data(tmp_path / "kto.jsonl", 12), max_steps=3, save_steps=1,
+                     per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    through = [{k: v for k, v in r.items() if "/" in k or k in ("loss", "kl")} for r in run(cfg).records]
+    out = Path(cfg.output_dir)
+    adapter = (out / "final" / "adapter_model.safetensors").read_bytes()
+    for later in ("checkpoint-2", "checkpoint-3", "final"):
+        shutil.rmtree(out / later)
+    run(cfg)
+    resumed = [{k: v for k, v in r.items() if "/" in k or k in ("loss", "kl")} for r in read_metrics(out)]
+    assert resumed == through and through[2]["kl"] > 0
+    assert (out / "final" / "adapter_model.safetensors").read_bytes() == adapter
