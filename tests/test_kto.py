@@ -321,3 +321,15 @@ def test_a_kto_run_resumed_from_its_checkpoint_goes_on_bit_for_bit(tmp_path, tin
     resumed = [{k: v for k, v in r.items() if "/" in k or k in ("loss", "kl")} for r in read_metrics(out)]
     assert resumed == through and through[2]["kl"] > 0
     assert (out / "final" / "adapter_model.safetensors").read_bytes() == adapter
+
+
+def test_a_kto_cache_never_serves_sft_of_the_same_file(tmp_path, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    data = kto_data(tmp_path / "kto.jsonl", 6)
+    cache = {"tokenized_path": str(tmp_path / "cache")}
+    kto = prepare_datasets(kto_config(tmp_path, tiny_model_dir, data, **cache), tokenizer, False)[0]
+    sft = prepare_datasets(build_config(base_config(tiny_model_dir, data, tmp_path / "sft", **cache)), tokenizer,
+                           False)[0]
+    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
+    assert kto.desirable is not None and sft.desirable is None
+    assert int((np.asarray(sft.labels) != IGNORE).sum()) > int((np.asarray(kto.labels) != IGNORE).sum())
