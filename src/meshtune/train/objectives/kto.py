@@ -84,8 +84,8 @@ class KTOLoss:
     cutoff_len: int
     autocast_fp16: bool = False
     padding_free: bool = False
-    kl: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    _sums: torch.Tensor | None = None
+    kl: torch.Tensor = field(default_factory=lambda: torch.zeros(()), init=False)
+    _sums: torch.Tensor | None = field(default=None, init=False, repr=False)  # of the micro-batch loss_sum last saw
 
     def collate(self, rows: list[Row], dataset, packed: bool) -> UnpairedBatch:
         samples = [index for row in rows for index in row]
