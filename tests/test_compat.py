@@ -208,8 +208,8 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
         load_job_config(config)
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
-    for expected in ("ppo: PPO is another trainer's; meshtune trains supervised fine-tuning (sft) and continued "
-                     "pre-training on raw text (pt)", "use_dft_loss: True", "pure_bf16: True",
+    for expected in ("ppo: PPO is another trainer's; meshtune trains supervised fine-tuning (sft), continued "
+                     "pre-training on raw text (pt) and KTO", "use_dft_loss: True", "pure_bf16: True",
                      "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
@@ -499,7 +499,7 @@ def test_keys_that_turn_on_another_method_are_refused_as_that_method(key, value,
                            "its processes with torchrun, not Ray: nproc_per_node processes on each of nnodes nodes"),
     ("resources_per_worker", {"GPU": 1}, "it is a Ray setting"),
     ("swanlab_project", "p", "it is a SwanLab setting"),
-    ("pref_beta", 0.1, "it is a preference or RL training setting: read only by stage: dpo, kto, ppo or rm"),
+    ("pref_loss", "sigmoid", "it is a preference or RL training setting: read only by stage: dpo, ppo or rm"),
     ("ref_model_adapters", "a", "it is a preference or RL training setting"),
     ("use_mca", True, "meshtune trains through DDP or FSDP2, not Megatron Core"),
 ])
