@@ -299,15 +299,19 @@ def test_a_full_kto_run_trains_against_a_frozen_copy_of_the_initial_model(tmp_pa
     """finetuning_type: full: the reference is a frozen copy of model_name_or_path (model/reference.py, as dpo's). At
     step 1 the policy is that model, so each log-ratio, the KL and the rewards are 0 and every sample's loss is
     1 - sigmoid(0) = 0.5; then the policy moves and the copy does not. The same run with ref_model set to that
-    folder trains the same, bit for bit."""
+    folder trains the same, bit for bit. The held-out set reports KTO's metrics."""
     from meshtune.train.loop import run
 
     data = kto_data(tmp_path / "kto.jsonl", 12)
     steps = lambda name, **extra: [r for r in run(kto_config(  # noqa: E731
         tmp_path / name, tiny_model_dir, data, finetuning_type="full", max_steps=2, logging_steps=1,
-        per_device_train_batch_size=12, learning_rate=1e-3, save_final=False, **extra)).records if "loss" in r]
+        per_device_train_batch_size=8, learning_rate=1e-3, save_final=False, val_size=4, **extra)).records
+        if "loss" in r]
     default = steps("copy")
     first, second = default
+    evaluated = {key for key in second if key.startswith("eval_")}  # KTO's metrics of the held-out set, by name
+    assert {"eval_loss", "eval_kl", "eval_rewards/chosen", "eval_logps/chosen"} <= evaluated
+    assert evaluated <= {"eval_loss", *(f"eval_{name}" for name in METRICS)}
     assert first["loss"] == 0.5 and first["kl"] == 0.0
     assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0
     assert second["loss"] != 0.5 and second["rewards/margins"] != 0.0  # the policy moved away from its reference
