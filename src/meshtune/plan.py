@@ -305,7 +305,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
 
 def reference_reason(cfg: TrainConfig) -> str:
     """What a dpo or kto run compares its policy against."""
-    if cfg.pref_loss in ("orpo", "simpo"):
+    if cfg.stage == "dpo" and cfg.pref_loss in ("orpo", "simpo"):
         return f"none: pref_loss {cfg.pref_loss} compares no reference"
     if cfg.ref_model:
         adapters = f" with the adapter {cfg.ref_model_adapters} merged" if cfg.ref_model_adapters else ""
