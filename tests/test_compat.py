@@ -209,8 +209,9 @@ def test_keys_of_other_tools_are_ignored_with_the_reason_or_refused(tmp_path):
     lines = str(err.value).splitlines()
     assert len(lines) == 6, lines
     for expected in ("ppo: PPO is another trainer's; meshtune trains supervised fine-tuning (sft), continued "
-                     "pre-training on raw text (pt) and DPO-family preference training (dpo)", "use_dft_loss: True",
-                     "pure_bf16: True", "quantization_bit: 8", "template: qwen2_vl is a vision-language template",
+                     "pre-training on raw text (pt), DPO-family preference training on pairs (dpo) and KTO",
+                     "use_dft_loss: True", "pure_bf16: True", "quantization_bit: 8",
+                     "template: qwen2_vl is a vision-language template",
                      "unknown key 'learning_rat'; did you mean 'learning_rate'?"):
         assert any(expected in line for line in lines), expected
 
@@ -249,8 +250,7 @@ def test_accelerate_fsdp_config_is_refused_with_meshtune_equivalents(source):
         assert key in message
 
 
-REFUSED = {"qwen3_lora_kto.yaml": "kto: KTO preference training is another trainer's",
-           "qwen3_lora_reward.yaml": r"rm: reward-model training \(rm\) is another trainer's",
+REFUSED = {"qwen3_lora_reward.yaml": r"rm: reward-model training \(rm\) is another trainer's",
            "fsdp_config.yaml": "is an accelerate launch config",
            "fsdp_config_multiple_nodes.yaml": "is an accelerate launch config"}
 EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
@@ -259,7 +259,8 @@ EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
     "qwen3_lora_sft.yaml": ("auto", "lora", False), "qwen3_full_sft.yaml": ("zero3", "full", False),
     "qwen3_lora_sft_ds3.yaml": ("zero3", "lora", False), "qwen3_lora_sft_otfq.yaml": ("auto", "qlora", False),
     "lora_pretrain.yaml": ("auto", "lora", False), "qwen3_lora_pretrain.yaml": ("auto", "lora", False),
-    "dpo.yaml": ("auto", "lora", False), "qwen3_lora_dpo.yaml": ("auto", "lora", False)}
+    "dpo.yaml": ("auto", "lora", False), "qwen3_lora_dpo.yaml": ("auto", "lora", False),
+    "lora_kto.yaml": ("auto", "lora", False), "qwen3_lora_kto.yaml": ("auto", "lora", False)}
 
 
 # one step of 8 micro-batches of pairs up to 2048 tokens each (the tiny tokenizer's tokens are short) is enough
@@ -289,6 +290,8 @@ def test_every_llamafactory_yaml_trains_three_steps_or_is_refused(source, tmp_pa
         assert (cfg.parallel, cfg.finetuning_type, cfg.cpu_offload) == EXPECTED[path.name], path.name
         records = run(cfg).records
         assert [r["step"] for r in records if "loss" in r][-1] == steps, path.name
+        if cfg.stage == "kto":  # TRL's metrics, the KL estimate among them
+            assert all({"kl", "logps/chosen", "logps/rejected"} <= set(r) for r in records if "loss" in r), path.name
         final = tmp_path / "out" / path.stem / "final"
         assert (final / "tokenizer_config.json").is_file(), path.name
 
@@ -501,8 +504,8 @@ def test_keys_that_turn_on_another_method_are_refused_as_that_method(key, value,
                            "its processes with torchrun, not Ray: nproc_per_node processes on each of nnodes nodes"),
     ("resources_per_worker", {"GPU": 1}, "it is a Ray setting"),
     ("swanlab_project", "p", "it is a SwanLab setting"),
-    ("kto_chosen_weight", 1.0, "it is a KTO, PPO or reward-model setting: read only by stage: kto, ppo or rm"),
-    ("reward_model", "a", "it is a KTO, PPO or reward-model setting"),
+    ("ppo_epochs", 4, "it is a PPO or reward-model setting: read only by stage: ppo or rm"),
+    ("reward_model", "a", "it is a PPO or reward-model setting"),
     ("use_mca", True, "meshtune trains through DDP or FSDP2, not Megatron Core"),
 ])
 def test_settings_of_another_method_are_ignored_as_that_methods(key, value, message):

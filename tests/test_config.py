@@ -129,10 +129,10 @@ def test_help_lists_every_key_with_its_default_by_section():
     sections = [line for line in text.splitlines() if line and not line.startswith(" ")]
     assert (sections[0] == "model and method:" and "parallelism:" in sections and "stragglers and hangs:" in sections
             and any(title.startswith("reduction across nodes") for title in sections) and len(sections) == 10)
-    assert sections[2] == "preference training (stage: dpo):"  # its own section, after the data
-    assert all(f"  {key} " in text.split("preference training (stage: dpo):")[1].split("optimisation:")[0]
+    assert sections[2] == "preference training (stage: dpo and kto):"  # its own section, after the data
+    assert all(f"  {key} " in text.split("preference training (stage: dpo and kto):")[1].split("optimisation:")[0]
                for key in ("pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma", "ref_model",
-                           "ref_model_adapters"))
+                           "ref_model_adapters", "kto_chosen_weight", "kto_rejected_weight"))
 
 
 def test_cli_reports_config_errors_fast_without_traceback(tmp_path, capfd):

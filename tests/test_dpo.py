@@ -165,7 +165,8 @@ def test_the_keys_their_trl_names_and_what_makes_no_sense_for_the_stage(tmp_path
                              {"beta": 0.3, "loss_type": "ipo", "label_smoothing": 0.0})
     assert (loaded.config.pref_beta, loaded.config.pref_loss) == (0.3, "ipo")
     refusals = [
-        ({"stage": "sft", "pref_beta": 0.2}, "pref_beta: preference-training keys, read only by stage: dpo"),
+        ({"stage": "sft", "pref_beta": 0.2}, "pref_beta: preference-training keys, read only by stage: dpo and kto"),
+        ({"kto_chosen_weight": 2.0}, "kto_chosen_weight: read only by stage: kto; this run is stage: dpo"),
         ({"pref_loss": "hinge", "dpo_label_smoothing": 0.1}, "smooths the sigmoid .* pref_loss: hinge does not read"),
         ({"pref_loss": "simpo", "ref_model": "/m"}, "pref_loss: simpo compares no reference"),
         ({"ref_model_adapters": "/a"}, "ref_model_adapters is an adapter merged into ref_model"),

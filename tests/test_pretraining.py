@@ -113,11 +113,11 @@ def test_pretraining_keys_and_the_stages_meshtune_does_not_train(tmp_path, tiny_
         pt_config(tmp_path, tiny_model_dir, tiny_dataset, train_on_prompt=True)
     with pytest.raises(ConfigError, match="dataset_format: alpaca reads conversations; stage: pt reads raw text"):
         pt_config(tmp_path, tiny_model_dir, tiny_dataset, dataset_format="alpaca")
-    for stage, what in (("rm", r"reward-model training \(rm\)"), ("ppo", "PPO"), ("grpo", "GRPO"),
-                        ("kto", "KTO preference training")):
+    for stage, what in (("rm", r"reward-model training \(rm\)"), ("ppo", "PPO"), ("grpo", "GRPO")):
         with pytest.raises(ConfigError, match=f"{stage}: {what} is another trainer's; meshtune trains supervised "
-                                              f"fine-tuning \\(sft\\), continued pre-training on raw text \\(pt\\) "
-                                              f"and DPO-family preference training \\(dpo\\)"):
+                                              f"fine-tuning \\(sft\\), continued pre-training on raw text \\(pt\\), "
+                                              f"DPO-family preference training on pairs \\(dpo\\) and KTO on "
+                                              f"unpaired preference data \\(kto\\)"):
             build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path, stage=stage))
 
 

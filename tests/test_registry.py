@@ -252,7 +252,8 @@ def test_a_missing_eval_dataset_is_named_with_its_key(tmp_path, monkeypatch):
                       r"loading scripts: download the data, put it under dataset_dir .* and give the entry a "
                       r"file_name, or pass the file path"),
         ("mllm_demo", r"'mllm_demo' maps media columns \(images: images\); meshtune trains on text only"),
-        ("kto_en_demo", r"'kto_en_demo' maps kto_tag \(label\): data for LLaMA-Factory's kto stage"),
+        ("kto_en_demo", r"'kto_en_demo' maps kto_tag \(label\): data for KTO \(answers marked desirable or not\); "
+                        r"train it with stage: kto"),
     ],
 )
 def test_llamafactory_entries_meshtune_refuses(data_dir, name, problem):

@@ -74,11 +74,13 @@ class Section:
 
 MATH, JOB, NODE = "math", "job", "node"
 TEXT_FORMAT = "text"  # how stage: pt reads its datasets (data/raw_text.py)
-OTHER_STAGES = {"rm": "reward-model training (rm)", "ppo": "PPO", "grpo": "GRPO",
-                "kto": "KTO preference training"}
-STAGES_TRAINED = ("supervised fine-tuning (sft), continued pre-training on raw text (pt) and DPO-family preference "
-                  "training (dpo)")
+UNPAIRED_FORMAT = "unpaired"  # how stage: kto reads its datasets (data/unpaired.py)
+OTHER_STAGES = {"rm": "reward-model training (rm)", "ppo": "PPO", "grpo": "GRPO"}
+STAGES_TRAINED = ("supervised fine-tuning (sft), continued pre-training on raw text (pt), DPO-family preference "
+                  "training on pairs (dpo) and KTO on unpaired preference data (kto)")
 PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")  # train/objectives/preference.py computes them
+DPO_ONLY = ("pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma")  # the PREFERENCE keys only dpo reads
+KTO_ONLY = ("kto_chosen_weight", "kto_rejected_weight")  # and those only kto reads
 FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 value (torch.finfo(torch.float32).max)
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to's trackers (train/sinks.py)
 # the other trackers HF's and LLaMA-Factory's report_to know
@@ -86,7 +88,7 @@ OTHER_TRACKERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "d
                   "trackio")
 MODEL = Section("model and method", MATH)
 DATA = Section("data", MATH)
-PREFERENCE = Section("preference training (stage: dpo)", MATH)
+PREFERENCE = Section("preference training (stage: dpo and kto)", MATH)
 OPTIMIZATION = Section("optimisation", MATH)
 SPEED = Section("speed: each lever is on where it pays and can be turned off to compare or debug; "
                 "the math stays the same", JOB)
@@ -104,14 +106,17 @@ class TrainConfig(BaseModel):
 
     model_name_or_path: str = MODEL(description="local Hugging Face model directory (config.json, safetensors, "
                                                 "tokenizer); meshtune never downloads")
-    stage: Literal["sft", "pt", "dpo"] = MODEL(
+    stage: Literal["sft", "pt", "dpo", "kto"] = MODEL(
         "sft", "what the run trains (LLaMA-Factory's key): sft (supervised fine-tuning on conversations: the "
                "assistant's replies are trained) | pt (continued pre-training on raw text: LLaMA-Factory's columns "
                "{prompt: text}, a JSONL or JSON of records with a 'text' field, or .txt files read a document a line; "
                "every token trained, an EOS after each document, a document longer than cutoff_len split into pieces "
                "that overlap by one token, packed by default with no attention across documents) | dpo (preference "
                "pairs: a prompt with a chosen and a rejected response, LLaMA-Factory's ranking: true data or TRL's "
-               "prompt / chosen / rejected; the loss pref_loss)")
+               "prompt / chosen / rejected; the loss pref_loss) | kto (KTO, as TRL's KTOTrainer: unpaired responses, "
+               "each marked desirable or not: LLaMA-Factory's kto_tag column, or TRL's prompt / completion / label; "
+               "the last assistant turn is the response trained). dpo and kto compare the policy with a frozen "
+               "reference (ref_model)")
     finetuning_type: Literal["full", "lora", "qlora"] = MODEL(
         "lora", "full (every weight trains) | lora (small adapters on a frozen base) | qlora (LoRA on a base whose "
                 "transformer-block weights are stored in 4-bit NF4: about a quarter of the memory, for models that do "
@@ -202,22 +207,28 @@ class TrainConfig(BaseModel):
                                              "epoch. Default: as HF Trainer, an epoch's last step trains the rows left "
                                              "over, so every sample is seen each epoch")
 
-    pref_beta: float = PREFERENCE(0.1, "beta: how far the policy may move from the reference (sigmoid, hinge, ipo); "
-                                       "the scale of the log-prob margin for orpo and simpo (TRL's beta)", gt=0.0)
+    pref_beta: float = PREFERENCE(0.1, "beta (LLaMA-Factory's key; TRL's beta): how far the policy may move from the "
+                                       "reference, larger keeps it closer (dpo's sigmoid, hinge, ipo; kto); the "
+                                       "scale of the log-prob margin for orpo and simpo", gt=0.0)
     pref_loss: Literal[PREF_LOSSES] = PREFERENCE(
-        "sigmoid", "sigmoid (DPO) | hinge (SLiC) | ipo | orpo (odds ratio, no reference) | simpo (length-normalised "
-                   "margin, no reference) (TRL's loss_type)")
-    pref_ftx: float = PREFERENCE(0.0, "weight of an SFT term beside the preference loss: the chosen response's mean "
-                                      "token negative log-likelihood (LLaMA-Factory's key)", ge=0.0)
-    dpo_label_smoothing: float = PREFERENCE(0.0, "conservative DPO: the probability that a pair's preference is wrong, "
-                                                 "sigmoid only (TRL's label_smoothing)", ge=0.0, le=0.5)
-    simpo_gamma: float = PREFERENCE(0.5, "simpo's target reward margin", ge=0.0)
+        "sigmoid", "stage: dpo: sigmoid (DPO) | hinge (SLiC) | ipo | orpo (odds ratio, no reference) | simpo "
+                   "(length-normalised margin, no reference) (TRL's loss_type)")
+    pref_ftx: float = PREFERENCE(0.0, "stage: dpo: weight of an SFT term beside the preference loss: the chosen "
+                                      "response's mean token negative log-likelihood (LLaMA-Factory's key)", ge=0.0)
+    dpo_label_smoothing: float = PREFERENCE(0.0, "stage: dpo: conservative DPO: the probability that a pair's "
+                                                 "preference is wrong, sigmoid only (TRL's label_smoothing)", ge=0.0,
+                                            le=0.5)
+    simpo_gamma: float = PREFERENCE(0.5, "stage: dpo: simpo's target reward margin", ge=0.0)
     ref_model: str | None = PREFERENCE(None, "a local model folder as the frozen reference (LLaMA-Factory's key). "
                                              "Default: lora and qlora, the model itself with its adapters turned off; "
                                              "full, a frozen copy of model_name_or_path sharded as the policy is; "
                                              "orpo and simpo have none")
     ref_model_adapters: str | None = PREFERENCE(None, "a PEFT adapter folder merged into ref_model for the reference "
                                                       "(LLaMA-Factory's key)")
+    kto_chosen_weight: float = PREFERENCE(1.0, "stage: kto: the weight of a desirable sample's loss "
+                                               "(LLaMA-Factory's key; TRL's desirable_weight)", ge=0.0)
+    kto_rejected_weight: float = PREFERENCE(1.0, "stage: kto: the weight of an undesirable sample's loss "
+                                                 "(LLaMA-Factory's key; TRL's undesirable_weight)", ge=0.0)
 
     per_device_train_batch_size: int = OPTIMIZATION(1, "samples (or packed rows) per process per micro-step", gt=0)
     gradient_accumulation_steps: int = OPTIMIZATION(1, "micro-steps per optimizer step; global batch = "
@@ -651,6 +662,8 @@ class TrainConfig(BaseModel):
                                  f"(a 'text' field, LLaMA-Factory's columns {{prompt: text}}, or .txt files): drop "
                                  f"dataset_format")
         self._check_preference()
+        if self.stage == "kto":
+            self._check_kto()
         if self.finetuning_type == "qlora" and self.cpu_offload:
             raise ValueError("cpu_offload: true with finetuning_type: qlora is not supported: the 4-bit shards stay on "
                              "the GPU. Shard them over more GPUs instead (parallel: zero3 across nodes)")
@@ -704,11 +717,21 @@ class TrainConfig(BaseModel):
         """Preference keys only where they are read, and in combinations that compute something."""
         given = [key for key in self.keys_of_section(PREFERENCE.title)
                  if getattr(self, key) != type(self).model_fields[key].default]
-        if self.stage != "dpo":
+        if self.stage not in ("dpo", "kto"):
             if given:
-                raise ValueError(f"{', '.join(given)}: preference-training keys, read only by stage: dpo; this run "
-                                 f"is stage: {self.stage}: drop them or set stage: dpo")
+                raise ValueError(f"{', '.join(given)}: preference-training keys, read only by stage: dpo and kto; "
+                                 f"this run is stage: {self.stage}: drop them or set stage: dpo or kto")
             return
+        other, other_stage = (KTO_ONLY, "kto") if self.stage == "dpo" else (DPO_ONLY, "dpo")
+        foreign = [key for key in given if key in other]
+        if foreign:
+            raise ValueError(f"{', '.join(foreign)}: read only by stage: {other_stage}; this run is stage: "
+                             f"{self.stage}: drop {'them' if len(foreign) > 1 else 'it'}")
+        if self.ref_model_adapters and not self.ref_model:
+            raise ValueError("ref_model_adapters is an adapter merged into ref_model; set ref_model (the folder of "
+                             "its base model) too")
+        if self.stage == "kto":
+            return  # _check_kto
         sft_only = [key for key in ("train_on_prompt", "mask_history") if getattr(self, key)]
         if sft_only:
             raise ValueError(f"{' and '.join(sft_only)} choose which turns of a conversation train; stage: dpo trains "
@@ -723,9 +746,6 @@ class TrainConfig(BaseModel):
         if self.pref_loss in ("orpo", "simpo") and (self.ref_model or self.ref_model_adapters):
             raise ValueError(f"pref_loss: {self.pref_loss} compares no reference, so ref_model / ref_model_adapters "
                              f"would go unused: drop them, or use pref_loss sigmoid, hinge or ipo")
-        if self.ref_model_adapters and not self.ref_model:
-            raise ValueError("ref_model_adapters is an adapter merged into ref_model; set ref_model (the folder of "
-                             "its base model) too")
         if self.context_parallel > 1 or self.tensor_parallel > 1:
             raise ValueError("stage: dpo runs data-parallel only (ddp, zero2, zero3, hsdp): context_parallel and "
                              "tensor_parallel are not supported for preference pairs; set both to 1")
@@ -750,6 +770,23 @@ class TrainConfig(BaseModel):
                              f"none: drop one of them")
         return self
 
+    def _check_kto(self) -> None:
+        """What KTO does not combine with, refused by name with what to set."""
+        refused = [(self.packing, "packing: true (each sample's response is scored on its own, beside another "
+                    "sample's response to its prompt): drop packing"),
+                   (self.tensor_parallel > 1, "tensor_parallel above 1 (a response's log-prob is read from whole "
+                    "logits, which tensor parallel splits by vocabulary): set tensor_parallel: 1"),
+                   (self.context_parallel > 1, "context_parallel above 1 (a response's log-prob would be summed "
+                    "over positions split across processes): set context_parallel: 1"),
+                   (self.train_on_prompt or self.mask_history, "train_on_prompt or mask_history: KTO trains the "
+                    "last assistant turn, the response its tag judges; drop them"),
+                   (self.dataset_format not in ("auto", "sharegpt", "messages"), f"dataset_format: "
+                    f"{self.dataset_format}: KTO reads sharegpt or messages records with a kto_tag, or TRL's prompt / "
+                    f"completion / label; leave dataset_format auto")]
+        for hit, why in refused:
+            if hit:
+                raise ValueError(f"stage: kto cannot be combined with {why}")
+
     @property
     def is_lora(self) -> bool:
         """LoRA adapters train and the base is frozen (lora and qlora)."""
@@ -764,9 +801,11 @@ class TrainConfig(BaseModel):
     @property
     def named_format(self) -> str | None:
         """dataset_format, or None (auto): each file's format is detected from its records; `text` (raw text) for
-        stage: pt."""
+        stage: pt; `unpaired` (records with a desirability tag, each file's format detected) for stage: kto."""
         if self.stage == "pt":
             return TEXT_FORMAT
+        if self.stage == "kto":
+            return UNPAIRED_FORMAT
         return None if self.dataset_format == "auto" else self.dataset_format
 
     @property

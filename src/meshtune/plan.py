@@ -292,12 +292,12 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["fused_loss"] = ("off under tensor_parallel: the head's vocabulary is split over the tensor-parallel "
                              "processes, and the loss is computed across their shares of the logits "
                              "(vocabulary-parallel cross-entropy), which are never gathered whole")
-    if cfg.stage == "dpo" and fused_loss:
+    if cfg.stage in ("dpo", "kto") and fused_loss:
         fused_loss = False
-        why["fused_loss"] = ("off for stage: dpo: the preference loss needs each response's summed log-prob, which "
-                             "the fused head (one summed loss, its gradient computed in forward) does not return; "
-                             "the logits are computed in full")
-    if cfg.stage == "dpo":
+        why["fused_loss"] = (f"off for stage: {cfg.stage}: the loss needs each response's summed log-prob under the "
+                             f"policy and the reference, which the fused head (one summed loss, its gradient computed "
+                             f"in forward) does not return; the logits are computed in full")
+    if cfg.stage in ("dpo", "kto"):
         why["reference"] = reference_reason(cfg)
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
                    padding_free=padding_free,
@@ -311,8 +311,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
 
 
 def reference_reason(cfg: TrainConfig) -> str:
-    """What a dpo run compares its policy against."""
-    if cfg.pref_loss in ("orpo", "simpo"):
+    """What a dpo or kto run compares its policy against."""
+    if cfg.stage == "dpo" and cfg.pref_loss in ("orpo", "simpo"):
         return f"none: pref_loss {cfg.pref_loss} compares no reference"
     if cfg.ref_model:
         adapters = f" with the adapter {cfg.ref_model_adapters} merged" if cfg.ref_model_adapters else ""

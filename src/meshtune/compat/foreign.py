@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-LF, HF, QWEN, AXOLOTL = "LLaMA-Factory's", "HF TrainingArguments'", "Qwen's finetune.py's", "Axolotl's"
+from meshtune.config import TrainConfig
+
+LF, HF, QWEN, AXOLOTL, TRL = ("LLaMA-Factory's", "HF TrainingArguments'", "Qwen's finetune.py's", "Axolotl's",
+                              "TRL's")
 
 
 @dataclass
@@ -76,6 +79,7 @@ CACHE = ("the data is tokenized once per job into a shared cache, rebuilt by its
 SHARDING = ("meshtune shards with FSDP2 through its own keys: parallel: zero3 (or zero2, hsdp), cpu_offload: true, "
             "and nnodes / nproc_per_node / master_addr / master_port (or the launcher's environment)")
 
+OWN_KEYS = frozenset(TrainConfig.model_fields)
 # key -> (whose key it is, what meshtune does with its value)
 FOREIGN: dict[str, tuple[str, Handler]] = {
     # method
@@ -124,8 +128,11 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
     "streaming": (LF, only({False: {}}, f"{CACHE}; streaming would change the order samples are drawn in")),
     "mix_strategy": (LF, only({"concat": {}}, "datasets are concatenated; interleaving is not supported")),
     "media_dir": (LF, ignored("meshtune trains text models only")),
-    # preference training: TRL's DPOConfig names for ours, LLaMA-Factory's that meshtune does not compute
-    "beta": ("TRL DPOConfig's", renamed("pref_beta")),
+    # preference training: TRL's DPOConfig and KTOConfig names for ours, LLaMA-Factory's that meshtune does not
+    # compute
+    "beta": ("TRL DPOConfig's and KTOConfig's", renamed("pref_beta")),
+    "desirable_weight": ("TRL KTOConfig's", renamed("kto_chosen_weight")),
+    "undesirable_weight": ("TRL KTOConfig's", renamed("kto_rejected_weight")),
     "loss_type": ("TRL DPOConfig's", renamed("pref_loss")),
     "label_smoothing": ("TRL DPOConfig's", renamed("dpo_label_smoothing")),
     "pref_bco_weight": (LF, off_at_zero("it adds BCO's classifier loss to DPO's, which meshtune does not compute")),
@@ -297,13 +304,15 @@ FAMILIES = (
                                 "each of nnodes nodes", ("ray_",), ("resources_per_worker", "placement_strategy")),
     Family(LF, "a SwanLab setting", "metrics go to output_dir/metrics.jsonl and loss.png", ("swanlab_",),
            ("use_swanlab",)),
-    Family(LF, "a KTO, PPO or reward-model setting", "read only by stage: kto, ppo or rm, and meshtune trains sft, "
-                                                     "pt and dpo", ("kto_", "ppo_", "reward_model")),
+    Family(LF, "a PPO or reward-model setting", "read only by stage: ppo or rm, and meshtune trains sft, pt, dpo "
+                                                "and kto", ("ppo_", "reward_model")),
 )
 
 
 def foreign_handler(key: str) -> tuple[str, Handler] | None:
     """(whose key it is, what meshtune does with its value) for a key of another tool; None for any other key."""
+    if key in OWN_KEYS:  # ours, though a family's prefix may match it (pref_beta)
+        return None
     if key in FOREIGN:
         return FOREIGN[key]
     for family in FAMILIES:

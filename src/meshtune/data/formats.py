@@ -64,6 +64,7 @@ class DatasetSpec:
     tags: dict[str, str | None] | None = None
     registry: Path | None = None  # the dataset_info.json that defined it
     ranking: bool = False  # LLaMA-Factory's ranking: true: preference pairs, a chosen and a rejected response
+    unpaired: bool = False  # stage: kto: each record also says whether its response is desirable (data/unpaired.py)
 
     def label(self, fmt: str) -> str:
         """How record errors name the reading rules in force."""
@@ -73,8 +74,10 @@ class DatasetSpec:
 
     def identity(self) -> str:
         """Everything but the files' bytes that decides the conversations (checksums.dataset_checksum)."""
+        # a flag only where set, so the caches of sft and pt runs keep their identity
         return json.dumps({"fmt": self.fmt, "columns": self.columns, "tags": self.tags,
-                           **({"ranking": True} if self.ranking else {})}, sort_keys=True)
+                           **({"ranking": True} if self.ranking else {}),
+                           **({"unpaired": True} if self.unpaired else {})}, sort_keys=True)
 
 
 def file_spec(path: Path, fmt: str | None = None) -> DatasetSpec:

@@ -15,6 +15,7 @@ from meshtune.data.templates import LLAMAFACTORY_SAVES_ITS_FORMAT
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.data.split import split_validation
 from meshtune.data.tokenized import load_or_build
+from meshtune.data.unpaired import load_or_build_unpaired, unpaired_template
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ def _load(cfg: TrainConfig, entries: list[str], tokenizer, show_progress: bool, 
         return load_or_build_raw_text(specs, tokenizer, cutoff_len=cfg.cutoff_len, skip_invalid=cfg.skip_invalid,
                                       max_samples=cfg.max_samples, cache_dir=cache_dir(cfg),
                                       show_progress=show_progress)
+    if cfg.stage == "kto":
+        return load_or_build_unpaired(specs, tokenizer, template=cfg.named_template, cutoff_len=cfg.cutoff_len,
+                                      skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
+                                      cache_dir=cache_dir(cfg), show_progress=show_progress,
+                                      default_system=cfg.default_system)
     return load_or_build(specs, tokenizer, template=cfg.named_template, cutoff_len=cfg.cutoff_len,
                          skip_invalid=cfg.skip_invalid, max_samples=cfg.max_samples,
                          train_on_prompt=cfg.train_on_prompt, mask_history=cfg.mask_history,
@@ -74,6 +80,13 @@ def describe(name: str, stats: dict) -> list[str]:
         lines.append(f"warning: {name}: dropped {stats['n_dropped_too_long']:,} pairs whose longer response does not "
                      f"fit cutoff_len with a prompt token"
                      f"{examples(stats.get('dropped_examples'), stats['n_dropped_too_long'])}")
+    if stats.get("n_dropped_long_response"):
+        lines.append(f"warning: {name}: dropped {stats['n_dropped_long_response']:,} samples whose response alone "
+                     f"fills cutoff_len, leaving no prompt"
+                     f"{examples(stats.get('dropped_examples'), stats['n_dropped_long_response'])}")
+    if "n_desirable" in stats:
+        lines.append(f"{name}: {stats['n_desirable']:,} desirable and {stats['n_undesirable']:,} undesirable "
+                     f"responses")
     if stats.get("n_pairs") and stats.get("n_truncated"):
         lines.append(f"{name}: {stats['n_truncated']:,} pairs longer than cutoff_len kept their responses, their "
                      f"prompts cut from the left (TRL's truncation_mode keep_end)")
@@ -82,7 +95,8 @@ def describe(name: str, stats: dict) -> list[str]:
         lines.append(f"{name}: {stats['n_split_documents']:,} of {stats['n_documents']:,} documents longer than "
                      f"cutoff_len split into pieces")
     if stats.get("n_truncated"):
-        lines.append(f"{name}: {stats['n_truncated']:,} samples truncated to cutoff_len")
+        kept = " (each response kept whole, the prompt's start cut)" if "n_desirable" in stats else ""
+        lines.append(f"{name}: {stats['n_truncated']:,} samples truncated to cutoff_len{kept}")
     return lines
 
 
@@ -106,6 +120,10 @@ def prepare_datasets(cfg: TrainConfig, tokenizer, show_progress: bool, report: b
         template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
         _report([f"chat template: {template.description}; preference pairs (stage: dpo): each response trained "
                  f"after its prompt", *saved_template_note(template)], report)
+    elif cfg.stage == "kto":
+        template = unpaired_template(tokenizer, cfg.named_template, cfg.default_system)
+        _report([f"chat template: {template.description}; stage: kto trains each sample's response, its last "
+                 f"assistant turn", *saved_template_note(template)], report)
     else:
         template = ChatTemplate(tokenizer, cfg.named_template, default_system=cfg.default_system)
         _report([f"chat template: {template.description}{trains}", *saved_template_note(template)], report)

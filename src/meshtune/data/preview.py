@@ -24,6 +24,8 @@ from meshtune.data.registry import resolve
 from meshtune.data.sampler import pack_rows, permutation
 from meshtune.data.split import Subset
 from meshtune.data.tokenized import TokenizedDataset, cut_reasons
+from meshtune.data.unpaired import cut_reasons as unpaired_cut_reasons
+from meshtune.data.unpaired import read_unpaired, unpaired_template
 from meshtune.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -45,15 +47,17 @@ def preview(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, samples: int =
             seed: int | None = None, show_progress: bool = False) -> dict:
     """The report: template, datasets with their statistics, and the samples chosen (`indices`: positions in the
     tokenized training data; else `samples` of them, the first ones or, with `seed`, drawn at random)."""
-    template = ChatTemplate(tokenizer, cfg.named_template, train_on_prompt=cfg.train_on_prompt,
-                            mask_history=cfg.mask_history, default_system=cfg.default_system)
+    template = (unpaired_template(tokenizer, cfg.named_template, cfg.default_system) if cfg.stage == "kto" else
+                ChatTemplate(tokenizer, cfg.named_template, train_on_prompt=cfg.train_on_prompt,
+                             mask_history=cfg.mask_history, default_system=cfg.default_system))
     cache = cache_dir(cfg)
     cached_before = set(cache.glob("*/meta.json"))
     train, evaluation = prepare_datasets(cfg, tokenizer, show_progress=show_progress, report=False)
     full = train.dataset if isinstance(train, Subset) else train  # val_size holds some of the samples out
     held_out = set(evaluation.indices.tolist()) if isinstance(evaluation, Subset) else set()
-    reasons = cut_reasons(cfg.cutoff_len, cfg.mask_history) if cfg.stage != "dpo" else pair_cut_reasons(cfg.cutoff_len)
-    read = read_documents if cfg.stage == "pt" else read_pairs if cfg.stage == "dpo" else read_dataset
+    reasons = (pair_cut_reasons(cfg.cutoff_len) if cfg.stage == "dpo" else unpaired_cut_reasons(cfg.cutoff_len)
+               if cfg.stage == "kto" else cut_reasons(cfg.cutoff_len, cfg.mask_history))
+    read = {"pt": read_documents, "dpo": read_pairs, "kto": read_unpaired}.get(cfg.stage, read_dataset)
     train_sources = read(resolve(cfg.dataset, cfg.dataset_dir, cfg.named_format), skip_invalid=cfg.skip_invalid,
                          max_samples=cfg.max_samples)
     sequences = sequences_of(full)  # a pair's chosen and rejected sequences: two samples of the cache
@@ -142,6 +146,9 @@ def trains(cfg: TrainConfig) -> str:
     if cfg.stage == "dpo":
         return ("each response of a pair, chosen and rejected (the assistant turn after the prompt, with its "
                 "end-of-turn); not the prompt")
+    if cfg.stage == "kto":
+        return ("each sample's response, its last assistant turn (text or tool calls and end-of-turn), toward or away "
+                "from it as its tag says; not the prompt")
     if cfg.train_on_prompt:
         return "every turn, prompts too (train_on_prompt: true)"
     answers = "the last assistant turn (mask_history: true)" if cfg.mask_history else "each assistant turn"
@@ -214,10 +221,12 @@ def dataset_report(cfg: TrainConfig, entries: list[str], data: TokenizedDataset,
         "tokens_before_cutoff": None if data.full_lengths is None else distribution(data.full_lengths),
         "trained_per_sample": distribution(trained),
         "truncated": {"count": stats["n_truncated"], "reason": reasons["truncated"]},
-        "dropped": {"count": stats["n_dropped_no_target"], "reason": reasons["dropped"],
-                    "examples": stats["dropped_examples"]},
+        "dropped": {"count": stats.get("n_dropped_no_target", stats.get("n_dropped_long_response")),
+                    "reason": reasons["dropped"], "examples": stats["dropped_examples"]},
         "skipped": {"count": stats["n_skipped_invalid"], "reason": reasons["skipped"],
                     "examples": stats["skipped_examples"]},
+        **({"tags": {"desirable": int(np.sum(data.desirable)), "undesirable": int(np.sum(~data.desirable))}}
+           if data.desirable is not None else {}),
     }
 
 
@@ -250,6 +259,7 @@ def sample_report(data: TokenizedDataset, flags: np.ndarray, position: int, toke
         "tokens": len(input_ids),
         "trained_tokens": int(trained.sum()),
         "tokens_before_cutoff": full,
+        **({"desirable": bool(data.desirable[position])} if data.desirable is not None else {}),
         "segments": segments(input_ids, labels, trained, tokenizer),
         "input_ids": input_ids.tolist(),
         "labels": labels.tolist(),
@@ -341,6 +351,8 @@ def dataset_lines(name: str, d: dict) -> list[str]:
     if d["tokens_before_cutoff"]:
         lines.append(f"  before cutoff_len:   {spread(d['tokens_before_cutoff'])}")
     lines.append(f"  trained per sample:  {spread(d['trained_per_sample'])}")
+    if "tags" in d:
+        lines.append(f"  responses: {d['tags']['desirable']:,} desirable, {d['tags']['undesirable']:,} undesirable")
     kinds = ((("split", "documents"),) if "split" in d else (("truncated", "pairs"), ("dropped", "pairs"))
              if "pairs" in d else (("truncated", "samples"), ("dropped", "samples")))
     for kind, what in (*kinds, ("skipped", "records")):
@@ -360,6 +372,8 @@ def piece_label(piece: dict) -> str:
 
 def sample_header(sample: dict, total: int) -> str:
     parts = [f"{sample['tokens']:,} tokens, {sample['trained_tokens']:,} trained"]
+    if "desirable" in sample:
+        parts.insert(0, "desirable" if sample["desirable"] else "undesirable")
     before = sample["tokens_before_cutoff"]
     if before is not None and before > sample["tokens"]:
         parts.append(f"cut from {before:,} tokens by cutoff_len")

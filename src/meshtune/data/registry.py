@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from meshtune.config import TEXT_FORMAT
+from meshtune.config import TEXT_FORMAT, UNPAIRED_FORMAT
 from meshtune.data.formats import EXTENSIONS, LF_COLUMNS, LF_TAGS, DatasetSpec
 from meshtune.errors import DataError
 
@@ -40,6 +41,9 @@ def resolve(entries: list[str], dataset_dir: str | Path, fmt: str | None = None,
     if fmt == TEXT_FORMAT:
         return [_text_path_spec(entry) if Path(entry).exists() else _text_named_spec(entry, info, dataset_dir, key)
                 for entry in entries]
+    if fmt == UNPAIRED_FORMAT:  # stage: kto: each file's format detected, the tag read beside the conversation
+        return [replace(_path_spec(entry, None), unpaired=True) if Path(entry).exists()
+                else _named_spec(entry, info, dataset_dir, key, unpaired=True) for entry in entries]
     return [_path_spec(entry, fmt) if Path(entry).exists() else _named_spec(entry, info, dataset_dir, key)
             for entry in entries]
 
@@ -117,9 +121,10 @@ def _read_info(dataset_dir: Path, entry: str, key: str) -> dict:
     return info
 
 
-def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSpec:
+def _named_spec(name: str, info: dict, dataset_dir: Path, key: str, unpaired: bool = False) -> DatasetSpec:
     """An entry read as LLaMA-Factory's parser and loader read it; subset and folder name parts of a hub dataset,
-    which LLaMA-Factory ignores for a local file, and so does this."""
+    which LLaMA-Factory ignores for a local file, and so does this. `unpaired` (stage: kto): the entry maps a
+    kto_tag column, kept in the spec's columns."""
     entry = _lookup(name, info, dataset_dir, key)
     where = _where(name, dataset_dir, key)
     _refuse_unsupported(entry, where, dataset_dir)
@@ -127,10 +132,19 @@ def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSp
     columns = _names(entry, "columns", COLUMN_NAMES, where)
     if columns is None:
         columns = dict(LF_COLUMNS[fmt])
-    _refuse_columns(columns, where)
+    _refuse_columns(columns, where, unpaired)
     ranking = bool(entry.get("ranking"))
+    if ranking and unpaired:
+        raise DataError(f"{where} is ranking: true, preference pairs (a chosen and a rejected response): train it "
+                        f"with stage: dpo; stage: kto reads single responses with a kto_tag")
+    tag = columns.get("kto_tag")
     kept = (*LF_COLUMNS[fmt], *(PAIR_COLUMNS if ranking else ()))
     columns = {key: columns.get(key) for key in kept}  # left out of `columns`: None, as in LLaMA-Factory
+    if unpaired:
+        if not tag:
+            raise DataError(f"{where} maps no kto_tag column: stage: kto needs each record to say whether its "
+                            f"response is desirable; add columns: {{\"kto_tag\": \"label\"}} (the record's key)")
+        columns["kto_tag"] = tag
     needed = ["messages" if fmt == "sharegpt" else "prompt" if ranking else "response"]
     needed += list(PAIR_COLUMNS) if ranking else []
     for column in needed:
@@ -148,7 +162,7 @@ def _named_spec(name: str, info: dict, dataset_dir: Path, key: str) -> DatasetSp
             raise DataError(f"{where}: its tags leave out {' and '.join(missing)}, which sharegpt needs to read a "
                             f"turn (LLaMA-Factory sets every tag an entry's tags leave out to none); add them")
     return DatasetSpec(name, _entry_files(entry, where, dataset_dir), fmt, columns, tags, dataset_dir / INFO_FILE,
-                       ranking=ranking)
+                       ranking=ranking, unpaired=unpaired)
 
 
 def _where(name: str, dataset_dir: Path, key: str) -> str:
@@ -218,14 +232,14 @@ def _names(entry: dict, key: str, allowed: tuple[str, ...], where: str) -> dict 
     return value
 
 
-def _refuse_columns(columns: dict, where: str) -> None:
+def _refuse_columns(columns: dict, where: str, unpaired: bool = False) -> None:
     media = [f"{key}: {columns[key]}" for key in MEDIA_COLUMNS if columns.get(key)]
     if media:
         raise DataError(f"{where} maps media columns ({', '.join(media)}); meshtune trains on text only: use a "
                         f"dataset without images, videos or audios")
-    if columns.get("kto_tag"):
-        raise DataError(f"{where} maps kto_tag ({columns['kto_tag']}): data for LLaMA-Factory's kto stage "
-                        f"(answers marked desirable or not), which meshtune does not train; use sft or pt data")
+    if columns.get("kto_tag") and not unpaired:
+        raise DataError(f"{where} maps kto_tag ({columns['kto_tag']}): data for KTO (answers marked desirable or "
+                        f"not); train it with stage: kto, or use conversations without the tag")
 
 
 def _entry_files(entry: dict, where: str, dataset_dir: Path, extensions: tuple[str, ...] = EXTENSIONS) -> list[Path]:

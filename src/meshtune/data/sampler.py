@@ -137,11 +137,15 @@ class GlobalBatchPlan:
     def row_length(self, row: Row) -> int:
         return sum(int(self.lengths[i]) for i in row)
 
+    def step_rows(self, epoch: int, step: int) -> list[Row]:
+        """The step's global batch in the epoch's order, the same on every layout."""
+        start = step * self.global_batch
+        return self.rows(epoch)[start:start + self.global_batch]
+
     def micro_batches(self, epoch: int, step: int, dp_rank: int) -> list[list[Row]]:
         """This rank's micro-batches, each a list of up to `micro_batch` rows: `accumulation` of them, or
         `micro_steps` in a last partial step, where some may be empty (the loop runs a filler for those)."""
-        start = step * self.global_batch
-        batch = self.rows(epoch)[start:start + self.global_batch]
+        batch = self.step_rows(epoch, step)
         micro_steps = self.micro_steps(epoch, step)
         if self.balance_tokens:
             slots = balanced_slots(batch, [self.row_length(row) for row in batch], self.dp_size * micro_steps)

@@ -15,6 +15,8 @@ class Subset:
         self.dataset = dataset
         self.indices = np.asarray(indices, dtype=np.int64)
         self.lengths = np.asarray(dataset.lengths)[self.indices]
+        tags = getattr(dataset, "desirable", None)  # unpaired preference data's tags go with their samples
+        self.desirable = None if tags is None else np.asarray(tags)[self.indices]
 
     def __len__(self) -> int:
         return len(self.indices)

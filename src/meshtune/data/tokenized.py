@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 # Bump when the on-disk layout or the tokenization/masking rules change, so old caches are not reused.
 FORMAT_VERSION = 4
 _ARRAYS = ("input_ids", "labels", "offsets")
-_ORIGINS = ("record_index", "full_lengths")  # per sample: which conversation it is, its length before cutoff_len
+# per sample: which conversation it is, its length before cutoff_len; stage: kto also whether its response is
+# desirable (data/unpaired.py)
+_ORIGINS = ("record_index", "full_lengths", "desirable")
 
 
 class TokenizedDataset:
@@ -43,11 +45,13 @@ class TokenizedDataset:
     Flat arrays load with mmap, so all ranks of a node share one copy in the page cache. `record_index[i]` is the
     conversation sample i was tokenized from (its place in `read_dataset`'s order, so `sources[record_index[i]]`)
     and `full_lengths[i]` its token count before cutoff_len cut it: `meshtune preview` names and measures samples
-    by them. A dataset written without them (a benchmark's synthetic cache) has None.
+    by them. A dataset written without them (a benchmark's synthetic cache) has None. `desirable[i]`: unpaired
+    preference data's tag of sample i (None for other data).
     """
 
     def __init__(self, input_ids: np.ndarray, labels: np.ndarray, offsets: np.ndarray, stats: dict,
-                 record_index: np.ndarray | None = None, full_lengths: np.ndarray | None = None) -> None:
+                 record_index: np.ndarray | None = None, full_lengths: np.ndarray | None = None,
+                 desirable: np.ndarray | None = None) -> None:
         self.input_ids = input_ids
         self.labels = labels
         self.offsets = offsets
@@ -55,6 +59,7 @@ class TokenizedDataset:
         self.lengths = np.diff(offsets)
         self.record_index = record_index
         self.full_lengths = full_lengths
+        self.desirable = desirable
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -1,5 +1,5 @@
-"""The frozen reference a preference loss compares the policy against: its logits for a micro-batch, never a
-gradient.
+"""The frozen reference a preference loss (stage: dpo and kto) compares the policy against: its logits for a
+micro-batch, never a gradient.
 
 - LoRA and Q-LoRA without `ref_model`: the policy itself with its adapters turned off (peft's `disable_adapter`), so
   the reference is the base the adapters train on and costs no second copy.
@@ -7,7 +7,7 @@ gradient.
   into it, as LLaMA-Factory loads it), its weights read once per job as the policy's are and sharded as the policy is
   (FSDP2 on the same mesh under zero2 / zero3 / hsdp; a whole copy on each process under ddp); no optimizer and no
   gradients, and under FSDP2 it reshards after forward, since it never runs backward.
-- orpo and simpo: none.
+- dpo's orpo and simpo: none.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ class FrozenCopy:
 
 
 def build_reference(cfg: TrainConfig, plan: RunPlan, env: DistEnv, policy: torch.nn.Module) -> Reference | None:
-    """The run's reference (see the module's docstring); None where pref_loss has none."""
-    if cfg.pref_loss in ("orpo", "simpo"):
+    """The run's reference, for stage: dpo and kto alike (see the module's docstring); None where dpo's pref_loss has
+    none."""
+    if cfg.stage == "dpo" and cfg.pref_loss in ("orpo", "simpo"):
         return None
     if cfg.is_lora and not cfg.ref_model:
         return AdaptersOff(policy)

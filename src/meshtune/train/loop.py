@@ -50,6 +50,8 @@ from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.nonfinite import NonFiniteSteps, sample_ids
 from meshtune.train.objectives import Objective, normalised
+from meshtune.train.objectives.kto import KTOLoss
+from meshtune.train.objectives.kto_loss import KTOSettings
 from meshtune.train.objectives.pair_loss import PairLoss
 from meshtune.train.objectives.preference import PreferenceSettings
 from meshtune.train.objectives.token_loss import TokenLoss
@@ -177,7 +179,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                           partial(objective.collate, dataset=eval_data, packed=False), split.around(objective.loss_sum),
                           objective.count, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
                           target_share=1 / plan.context_parallel, metric_names=objective.metric_names,
-                          metric_sums=objective.metric_sums)
+                          metric_sums=objective.metric_sums, metrics=objective.metrics,
+                          prepare=partial(objective.prepare_step, dataset=eval_data))
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
     store = where if isinstance(where, StorePath) else None
     metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
@@ -205,11 +208,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(step + 1, "preparing the batch")
             profiler.begin(step + 1)
             epoch, step_in_epoch = batches.position(step)
-            micro = [rows_to_batch(rows) for rows in batches.micro_batches(epoch, step_in_epoch, data.rank)]
+            micro_rows = batches.micro_batches(epoch, step_in_epoch, data.rank)
+            micro = [rows_to_batch(rows) for rows in micro_rows]
             watch.at(step + 1, "counting the step's tokens (all-reduce)")
             targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, objective, built.flops, env,
                                                                               stop.vote, own))
             stop.tally(votes)
+            watch.at(step + 1, "the objective's pass over the step before its micro-batches")
+            objective.prepare_step(batches.step_rows(epoch, step_in_epoch), micro_rows, train_data)
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             reported = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
@@ -238,7 +244,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(done, "summing the step's loss (all-reduce)")
             sums = times.line_up(lambda: all_reduce_sum(torch.cat([loss_sum.view(1), reported]) * own_loss))
             meter.add(normalised(sums[0], targets), tokens, flops, counted=updated,
-                      reported=dict(zip(objective.metric_names, normalised(sums[1:], targets))))
+                      reported=objective.metrics(sums[1:], targets))
             times.end()
             record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
             if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
@@ -284,12 +290,18 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
 
 def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.nn.Module, pad_id: int,
                     row_length_multiple: int) -> Objective:
-    """What the stage optimises: token cross-entropy (sft, pt) or the preference loss of pairs (dpo), with its
-    reference built here (model/reference.py), after the policy."""
-    if cfg.stage == "dpo":
+    """What the stage optimises: token cross-entropy (sft, pt), the preference loss of pairs (dpo) or KTO's loss of
+    unpaired samples (kto), the last two with their reference built here (model/reference.py), after the policy."""
+    if cfg.stage in ("dpo", "kto"):
         reference = build_reference(cfg, plan, env, model)
-        logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: "
-                    f"{reference.description if reference else 'none (' + cfg.pref_loss + ' has none)'}")
+        described = reference.description if reference else f"none ({cfg.pref_loss} has none)"
+        if cfg.stage == "kto":
+            logger.info(f"kto, beta {cfg.pref_beta:g}; reference: {described}")
+            settings = KTOSettings(cfg.pref_beta, cfg.kto_chosen_weight, cfg.kto_rejected_weight)
+            return KTOLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, settings=settings,
+                           reference=reference, cutoff_len=cfg.cutoff_len, autocast_fp16=plan.fp16,
+                           padding_free=plan.padding_free)
+        logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: {described}")
         return PairLoss(model, env, pad_id, preference_settings(cfg), reference, autocast_bf16=plan.autocast_bf16,
                         autocast_fp16=plan.fp16)
     return TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,

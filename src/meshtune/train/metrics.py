@@ -71,7 +71,7 @@ class StepMeter:
         norm = float(grad_norm)
         record = {"step": step, "epoch": round(epoch, 4),
                   **({"loss": torch.stack(self.losses).mean().item()} if self.losses else {}),
-                  **{name: torch.stack(values).mean().item() for name, values in self.reported.items()},
+                  **reported_means(self.reported),
                   "grad_norm": norm if math.isfinite(norm) else None, "lr": lr, "tokens": tokens,
                   "tokens_per_s": round(tokens / seconds, 1), "tflops_per_gpu": float(f"{flops_per_gpu / 1e12:.4g}"),
                   "peak_mem_gib": round(peak_memory_gib(self.env.device), 3)}
@@ -207,3 +207,10 @@ def summary(records: list[dict], seconds: float, total_tokens: int, final_dir: P
     lines.append(f"  saved          {final_dir or 'nothing (save_final: false)'}")
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def reported_means(reported: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Each of the objective's metrics averaged over the interval's steps that define it (NaN: a step that does not,
+    such as one with no desirable sample for a desirable response's reward); left out where none does."""
+    means = {name: torch.stack(values).double().nanmean().item() for name, values in reported.items()}
+    return {name: value for name, value in means.items() if not math.isnan(value)}

@@ -18,6 +18,7 @@ from meshtune.data.collate import Batch, collate
 from meshtune.data.sampler import Row
 from meshtune.distributed import DistEnv
 from meshtune.model.reference import Reference
+from meshtune.train.objectives import normalised
 from meshtune.train.objectives.preference import METRICS, PreferenceSettings, metric_sums, pair_losses, sequence_logps
 
 
@@ -71,6 +72,12 @@ class PairLoss:
 
     def count(self, batch: Batch) -> int:
         return 0 if batch.filler else batch.input_ids.shape[0] // 2
+
+    def prepare_step(self, step_rows: list[Row], micro_rows: list[list[Row]], dataset) -> None:
+        pass  # a pair's loss is its own
+
+    def metrics(self, sums: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.metric_names, normalised(sums, count)))  # each a sum over pairs / the pair count
 
     @property
     def metric_names(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from meshtune.distributed import DistEnv
 from meshtune.model.loss_head import targets_for
 from meshtune.model.parallel import unwrap
 from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_loss_sum
+from meshtune.train.objectives import normalised
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,18 @@ class TokenLoss:
     def count(self, batch: Batch) -> int:
         return batch.num_targets
 
+    def prepare_step(self, step_rows: list[Row], micro_rows: list[list[Row]], dataset) -> None:
+        pass  # each micro-batch's loss is its own
+
     @property
     def metric_names(self) -> tuple[str, ...]:
         return ()  # the loss says it all
 
     def metric_sums(self, batch: Batch) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64, device=self.env.device)
+
+    def metrics(self, sums: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(self.metric_names, normalised(sums, count)))  # each a sum over the step / the normaliser
 
 
 def forward_loss(model: torch.nn.Module, batch: Batch, env: DistEnv, autocast_bf16: bool,
