@@ -2,13 +2,15 @@
 loss), on the same card, model shape and pairs, the runs alternating.
 
 What a run measures. Both sides train a random-init model of a Qwen2.5 shape (bench/workspace.py; weights do not
-change speed) in bf16 on the same synthetic pairs: a prompt of U(--prompt-min, --prompt-max) words, a chosen and a
+change speed) in bf16 on the same synthetic pairs: a prompt of U(--prompt-min, --prompt-max) tokens, a chosen and a
 rejected response of U(--resp-min, --resp-max) tokens each (seed 1), text that both sides tokenize with the same
-tokenizer (meshtune with `template: empty`, TRL's plain prompt + completion). LoRA is r 64, alpha 16, dropout 0.05 on every linear layer,
-its reference the base with the adapters off; full fine-tuning trains against a frozen reference copy. Gradient
-checkpointing is on for both, batch --bs pairs a step, sigmoid DPO with beta 0.1. tokens/s counts each pair's
-tokens, the prompt once for each response (as both forwards process it), after 5 warm-up steps: meshtune's from
-its metrics, the peer's from the same tokenizer's count of the pairs it timed. Peak memory: torch's peak allocated on the GPU.
+tokenizer (meshtune with `template: empty`, TRL's plain prompt + completion). LoRA is r 64, alpha 16, dropout 0.05
+on every linear layer, its reference the base with the adapters off; full fine-tuning trains against a frozen
+reference copy. Gradient checkpointing is on for both, batch --bs pairs a step, sigmoid DPO with beta 0.1. tokens/s
+counts each pair's tokens, the prompt once for each response (as both forwards process it), after 5 warm-up steps:
+meshtune's from its metrics, the peer's from the same tokenizer's count of the pairs it timed. Peak memory: torch's
+peak allocated on the GPU. meshtune's first run on a machine also fills the compiler's cache: alternate enough
+rounds (--repeats 3 or more) that the median is of warm runs.
 
 The peer runner is bench/peer_trl_dpo.py (needs trl and datasets; liger-kernel for the Liger side). Every run starts
 from a fresh output folder; sides alternate within each repeat; the table gives each side's median and min-max, and
@@ -136,7 +138,8 @@ def summarise(runs: list[dict], sides: list[str]) -> list[dict]:
 def render(a, rows: list[dict], card: str) -> str:
     head = (f"DPO {a.mode} {a.size}, {a.bs} pairs a step, {a.steps} steps ({WARMUP} untimed), prompt "
             f"{a.prompt_min}-{a.prompt_max}, responses {a.resp_min}-{a.resp_max} tokens, {card}\n\n"
-            "| side | runs | tokens/s median (min-max) | peak GiB | meshtune's speed over it | meshtune's memory share |\n"
+            "| side | runs | tokens/s median (min-max) | peak GiB | meshtune's speed over it | meshtune's memory share "
+            "|\n"
             "|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
@@ -186,7 +189,7 @@ def main(argv=None) -> None:
     for round_ in range(a.repeats):
         order = sides if round_ % 2 == 0 else sides[::-1]  # alternate who goes first
         for side in order:
-            log = a.out / f"{side}-{round_}.log"
+            log = a.out / f"{side.replace('+', '-')}-{round_}.log"  # names of letters, digits, '.', '_', '-'
             if side == "meshtune":
                 run_dir = work / f"run-{round_}"
                 shutil.rmtree(run_dir, ignore_errors=True)

@@ -26,7 +26,7 @@ def test_demo_loss_falls_and_heldout_answers_improve(tmp_path):
 
 
 @pytest.mark.slow
-def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(tmp_path, capfd):
+def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(tmp_path, capfd, monkeypatch):
     """2 processes under zero3 vs 1 process with accumulation doubled: the same global batches, bit for bit.
 
     Two things would otherwise move the last bits, both found by bisecting these runs: (1) intra-op threads:
@@ -35,7 +35,12 @@ def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(t
     its shards, a different order from the full-tensor norm, so the clip factor differs by ~1e-7 (Adam's
     near scale-invariance hides it for a while; with clipping on, the two runs agree to 4e-6 relative for the
     first 60 steps of the demo and drift to ~1e-2 relative as the loss nears 0). Clipping is off here.
+    Both run on the CPU on every machine (CUDA hidden): bit-identity is gloo's claim, and a one-GPU machine has no
+    second GPU for the second process.
     """
+    from meshtune import cpu_affinity
+
+    monkeypatch.setattr(cpu_affinity, "cuda_device_count", lambda: 0)  # the CPU's config, whatever the machine
     directory = tmp_path / "D"
     result = run_cli_here(["demo", "--prepare", str(directory)], capfd)  # writes files only: in this process
     assert result.returncode == 0, result.stdout
@@ -45,7 +50,8 @@ def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(t
         out = tmp_path / name
         # 40 of the demo's steps, each logged: bit-identity shows from the first step, and holds however long
         result, _ = run_cli(["train", config, *overrides, "max_grad_norm=0", "max_steps=40", "logging_steps=2",
-                             "eval_steps=20", f"output_dir={out}"], timeout=240, env={"OMP_NUM_THREADS": "1"})
+                             "eval_steps=20", f"output_dir={out}"], timeout=240,
+                             env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
         assert result.returncode == 0, result.stdout[-4000:]
         return read_metrics(out)
 
