@@ -16,10 +16,10 @@ a local S3 server this script starts, moto's server mode on 127.0.0.1) two `mesh
 The table gives seconds and GB/s (checkpoint bytes / seconds) for each: training blocked by the save, the save
 published, the resume (verified + loaded). The JSON beside it keeps every figure.
 
-Disk: the local run's checkpoint, the server's objects (moto keeps large objects in temporary files) and the
-resume's copy, about 3 checkpoints (65 GB at 1.5b); memory: the model's training state on each GPU's host process
-(fp32 weights and moments are copied to host memory for the background save). Output folders are deleted once
-measured (--keep keeps them).
+Disk: at most about two checkpoints at once (45 GB at 1.5b): the local run's is deleted once measured, then the
+store holds one (moto keeps large objects in temporary files, under TMPDIR) while the resume makes its node-local
+copy. Host memory: the training state of each process, copied there for the background save. Output folders and
+the store's prefix are deleted once measured (--keep keeps them).
 
   python3 bench/object_store_checkpoint.py --size 1.5b --nproc 4 --out results/object-store
   python3 bench/object_store_checkpoint.py --size tiny --out /tmp/object-store          # on a CPU
@@ -128,7 +128,7 @@ def parameters(model_dir: Path) -> int:
 
 
 def rate(nbytes: int, seconds: float) -> str:
-    return f"{nbytes / 1e9 / seconds:.2f}" if seconds > 0 else "-"
+    return f"{nbytes / 1e9 / seconds:.3g}" if seconds > 0 else "-"
 
 
 def table(rows: list[dict]) -> str:
@@ -138,7 +138,9 @@ def table(rows: list[dict]) -> str:
              "resume: verified s | loaded s | total s | GB/s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        model = f"{r['size']} ({r['parameters'] / 1e9:.2f}B), {r['nproc']} proc"
+        count = r["parameters"]
+        shown = f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+        model = f"{r['size']} ({shown}), {r['nproc']} proc"
         if r["problem"]:
             lines.append(f"| {r['location']} | {model} | {r['problem'][:80]!r} | | | | | | | | |")
             continue
@@ -174,6 +176,12 @@ def main() -> int:
     try:
         rows = [measure(args, work, "local", None, model_dir, data_file, env),
                 measure(args, work, "store", store, model_dir, data_file, env)]
+        if not args.keep:
+            from meshtune.checkpoint.object_store import open_store
+
+            prefix = open_store(store)
+            if prefix.exists():
+                prefix.fs.rm(prefix.key, recursive=True)
     finally:
         if server:
             server.stop()
