@@ -28,7 +28,7 @@ from meshtune.checksums import dataset_checksum
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import (FILE_COLUMNS, DatasetSpec, FileRead, Unparseable, convert, converted, dataset_files,
                                    nothing_usable)
-from meshtune.data.tokenized import EXAMPLES, FORMAT_VERSION, TokenizedDataset, cached, tokenizer_identity
+from meshtune.data.tokenized import FORMAT_VERSION, TokenizedDataset, cached, token_counts, tokenizer_identity
 from meshtune.errors import DataError
 
 if TYPE_CHECKING:
@@ -246,11 +246,7 @@ def build_pairs(read: PairRecords, template: ChatTemplate, cutoff_len: int, show
         "n_dropped_no_target": 0,
         "n_dropped_too_long": len(dropped),
         "n_truncated": n_truncated,
-        "n_tokens": int(offsets[-1]),
-        "n_target_tokens": int((labels_all != IGNORE_INDEX).sum()),
-        "n_skipped_invalid": len(read.skipped),
-        "dropped_examples": dropped[:EXAMPLES],
-        "skipped_examples": read.skipped[:EXAMPLES],
+        **token_counts(offsets, labels_all, read.skipped, dropped),
     }
     return TokenizedDataset(np.concatenate([ids for ids, _ in parts]), labels_all, offsets, stats,
                             np.asarray(record_index, dtype=np.int64), np.asarray(full_lengths, dtype=np.int64))

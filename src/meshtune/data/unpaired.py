@@ -27,7 +27,7 @@ from tqdm import tqdm
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
 from meshtune.data.formats import (DatasetSpec, FileRead, Unparseable, convert, converted, dataset_files, detect_format,
                                    nothing_usable)
-from meshtune.data.tokenized import EXAMPLES, TokenizedDataset, cache_key, cached
+from meshtune.data.tokenized import TokenizedDataset, cache_key, cached, token_counts
 from meshtune.errors import DataError
 
 TAG_FIELDS = ("kto_tag", "label")  # a file given by path: the first of these a record has is its tag
@@ -175,11 +175,7 @@ def build_unpaired(read: UnpairedRecords, template: ChatTemplate, cutoff_len: in
         "n_undesirable": int((~tags).sum()),
         "n_dropped_long_response": len(dropped),
         "n_truncated": n_truncated,
-        "n_tokens": int(offsets[-1]),
-        "n_target_tokens": int((labels_all != IGNORE_INDEX).sum()),
-        "n_skipped_invalid": len(read.skipped),
-        "dropped_examples": dropped[:EXAMPLES],
-        "skipped_examples": read.skipped[:EXAMPLES],
+        **token_counts(offsets, labels_all, read.skipped, dropped),
     }
     return TokenizedDataset(np.concatenate(ids_parts), labels_all, offsets, stats,
                             np.asarray(record_index, dtype=np.int64), np.asarray(full_lengths, dtype=np.int64),
