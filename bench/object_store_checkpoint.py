@@ -1,15 +1,25 @@
 """Save and resume through an object store beside the same on local disk, for a model shape.
 
-For each location (`local`: checkpoints in output_dir on this machine's disk; `store`: `checkpoint_dir` in the
-object store at --store, or in a local S3 server this script starts, moto's server mode on 127.0.0.1) two
-`meshtune train` runs of a full fine-tuning of the shape:
+The model is a random-init Qwen2.5 shape (bench/workspace.py: --size 1.5b is Qwen2.5-1.5B's layers with its
+151,936-id vocabulary and an untied head, 1.78B parameters), fully fine-tuned with AdamW, so a checkpoint holds
+the fp32 weights and both moments (12 bytes a parameter: about 21 GB at 1.5b). For each location (`local`:
+checkpoints in output_dir on this machine's disk; `store`: `checkpoint_dir` in the object store at --store, or in
+a local S3 server this script starts, moto's server mode on 127.0.0.1) two `meshtune train` runs:
   1. --steps optimizer steps, the last one saving checkpoint-N. Its manifest.json records `save_seconds`: how long
      training was blocked (the copy to host memory: both locations save in the background here, as a store always
      does) and how long until it was published (shards written, read back and hashed by every rank, then the
      manifest and COMPLETE; on disk also the rename).
   2. one more step, resuming from checkpoint-N; for the store on a fresh output_dir, as a new node would. Its log
-     line "resumed from ... (verified in A s, loaded in B s)" gives the verification (every rank hashes a share of
-     the objects, read from the store) and the DCP load.
+     line "resumed from ... (verified in A s, loaded in B s)" gives the verification (on disk: every rank hashes a
+     share of the files; from the store: each rank fetches a share of the objects into the node's copy and hashes
+     it there) and the DCP load (from the store: of that copy).
+The table gives seconds and GB/s (checkpoint bytes / seconds) for each: training blocked by the save, the save
+published, the resume (verified + loaded). The JSON beside it keeps every figure.
+
+Disk: at most about two checkpoints at once (45 GB at 1.5b): the local run's is deleted once measured, then the
+store holds one (moto keeps large objects in temporary files, under TMPDIR) while the resume makes its node-local
+copy. Host memory: the training state of each process, copied there for the background save. Output folders and
+the store's prefix are deleted once measured (--keep keeps them).
 
   python3 bench/object_store_checkpoint.py --size 1.5b --nproc 4 --out results/object-store
   python3 bench/object_store_checkpoint.py --size tiny --out /tmp/object-store          # on a CPU
@@ -81,7 +91,8 @@ def measure(args, work: Path, name: str, store: str | None, model_dir: Path, dat
     first, again = work / f"{name}-out", work / f"{name}-out-fresh"
     for folder in (first, again):
         shutil.rmtree(folder, ignore_errors=True)
-    row: dict = {"location": name, "size": args.size, "nproc": args.nproc, "problem": None}
+    row: dict = {"location": name, "size": args.size, "nproc": args.nproc, "parameters": parameters(model_dir),
+                 "problem": None}
     code, text, row["save_run_s"] = run(args, job_config(args, work, name, first, store, model_dir, data_file,
                                                          args.steps, save=True), work / f"{name}-save.log", env)
     if code != 0:
@@ -99,18 +110,45 @@ def measure(args, work: Path, name: str, store: str | None, model_dir: Path, dat
         row["problem"] = f"resume run exited {code}{'' if found else ' without resuming'}: {text[-1500:]}"
         return row
     row["verified_s"], row["loaded_s"] = float(found.group(2)), float(found.group(3))
+    row["resume_s"] = round(row["verified_s"] + row["loaded_s"], 3)
+    if not args.keep:
+        for folder in (first, again):
+            shutil.rmtree(folder, ignore_errors=True)
     return row
 
 
+def parameters(model_dir: Path) -> int:
+    """The model's parameter count, from its config (built on the meta device: nothing allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / 1e9 / seconds:.3g}" if seconds > 0 else "-"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| location | checkpoint | training blocked | published | resume: verified | loaded |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """Seconds and GB/s of the save (training blocked; published) and the resume (verified + loaded), a location a
+    row."""
+    lines = ["| location | model | checkpoint | save: blocked s | GB/s | published s | GB/s | "
+             "resume: verified s | loaded s | total s | GB/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        count = r["parameters"]
+        shown = f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+        model = f"{r['size']} ({shown}), {r['nproc']} proc"
         if r["problem"]:
-            lines.append(f"| {r['location']} | {r['problem'][:80]} | | | | |")
+            lines.append(f"| {r['location']} | {model} | {r['problem'][:80]!r} | | | | | | | | |")
             continue
-        lines.append(f"| {r['location']} | {r['checkpoint_bytes'] / 1e6:,.1f} MB | {r['blocked_s']:.2f} s | "
-                     f"{r['published_s']:.2f} s | {r['verified_s']:.2f} s | {r['loaded_s']:.2f} s |")
+        size = r["checkpoint_bytes"]
+        lines.append(f"| {r['location']} | {model} | {size / 1e9:,.3f} GB | {r['blocked_s']:.2f} | "
+                     f"{rate(size, r['blocked_s'])} | {r['published_s']:.2f} | {rate(size, r['published_s'])} | "
+                     f"{r['verified_s']:.2f} | {r['loaded_s']:.2f} | {r['resume_s']:.2f} | "
+                     f"{rate(size, r['resume_s'])} |")
     return "\n".join(lines)
 
 
@@ -123,6 +161,7 @@ def main() -> int:
     parser.add_argument("--maxlen", type=int, default=256)
     parser.add_argument("--run-timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--keep", action="store_true", help="keep the output folders (checkpoints) measured")
     args = parser.parse_args()
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
@@ -137,6 +176,12 @@ def main() -> int:
     try:
         rows = [measure(args, work, "local", None, model_dir, data_file, env),
                 measure(args, work, "store", store, model_dir, data_file, env)]
+        if not args.keep:
+            from meshtune.checkpoint.object_store import open_store
+
+            prefix = open_store(store)
+            if prefix.exists():
+                prefix.fs.rm(prefix.key, recursive=True)
     finally:
         if server:
             server.stop()

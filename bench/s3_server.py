@@ -5,20 +5,24 @@ credentials are dummies that the server accepts (unless started with `check_cred
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from processes import free_port, kill_tree
+
+_GET = re.compile(r'"(?:\x1b\[[\d;]*m)*GET /([^ ?]+) HTTP')  # a request line of the log (colours and all)
 
 
 class S3Server:
     """`moto_server` running; `env` points an S3 client at it (dummy keys, AWS_ENDPOINT_URL)."""
 
     def __init__(self, log: Path, check_credentials: bool = False, timeout: float = 60):
-        self.port = free_port()
+        self.port, self.log = free_port(), log
         self.endpoint = f"http://127.0.0.1:{self.port}"
         server = Path(sys.executable).with_name("moto_server")
         environ = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if check_credentials else {})}
@@ -42,6 +46,16 @@ class S3Server:
         return {"AWS_ACCESS_KEY_ID": "meshtune-test", "AWS_SECRET_ACCESS_KEY": "meshtune-test-secret",
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.endpoint,
                 "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def object_reads(self, prefix: str) -> Counter:
+        """How many times the server was asked for each object under `prefix` (GETs of the object, by its name
+        relative to the prefix; listings are not counted), from its request log."""
+        reads: Counter = Counter()
+        for line in self.log.read_text(errors="replace").splitlines():
+            match = _GET.search(line)
+            if match and match.group(1).startswith(prefix.rstrip("/") + "/"):
+                reads[match.group(1)[len(prefix.rstrip("/")) + 1:]] += 1
+        return reads
 
     def make_bucket(self, name: str) -> None:
         client(self).mkdir(name)

@@ -1,7 +1,8 @@
 """Fault injection on a simulated cluster: two torchrun agents (each started by `meshtune train`, as a user would
 on each node) meeting on 127.0.0.1, training under hsdp. What a node does (dies, is relaunched, is signalled,
-never joins, resumes) runs on 2 nodes of 1 process; what a rank does among the others of its node (hangs and is
-ended by its node's reporting rank, straggles) on 2 nodes of 2 processes (2 replicas x 2 shards).
+never joins, resumes) runs on 2 nodes of 1 process (into a bucket: of 2); what a rank does among the others of its
+node (hangs and is ended by its node's reporting rank, straggles) on 2 nodes of 2 processes (2 replicas x 2
+shards).
 
 On CPU/gloo with one thread per process the runs are bit-exact, so "resumes exactly" is checked with ==: the
 losses after a recovery and the sha256 of the final weights equal the uninterrupted run's. That run (`baseline`,
@@ -641,9 +642,10 @@ def test_two_hosts_with_their_own_addresses_train_like_the_baseline(side_jobs, t
 
 @pytest.fixture(scope="module")
 def job_into_a_bucket(tmp_path_factory, baseline, tiny_model_dir, tiny_dataset):
-    """The job with checkpoint_dir in s3:// on a local S3 server (moto): both nodes killed once checkpoint-4 is
-    sealed in the bucket, as spot nodes are reclaimed; then the job launched again on fresh nodes: new output
-    folders (node 1's its own, not shared), a new tokenized cache, only the URL in common with the first."""
+    """The job of 2 nodes x 2 processes with checkpoint_dir in s3:// on a local S3 server (moto): node 1 killed
+    once checkpoint-4 is sealed in the bucket, as a spot node is reclaimed, and node 0 with it (the job is ended);
+    then the job launched again on fresh nodes: new output folders (node 1's its own, not shared), a new tokenized
+    cache, only the URL in common with the first."""
     from s3_server import S3Server, client
 
     root = tmp_path_factory.mktemp("s3-job")
@@ -652,8 +654,9 @@ def job_into_a_bucket(tmp_path_factory, baseline, tiny_model_dir, tiny_dataset):
     try:
         server.make_bucket("meshtune-job")
         url, bucket = "s3://meshtune-job/run", client(server)
-        first = job_config(root / "cfg-first", tiny_model_dir, tiny_dataset, root / "first", checkpoint_dir=url)
-        nodes = c.start_job(first, free_port(), env=server.env)
+        first = job_config(root / "cfg-first", tiny_model_dir, tiny_dataset, root / "first", per_node=2,
+                           checkpoint_dir=url)
+        nodes = c.start_job(first, free_port(), env=server.env, per_node=2)
         deadline = time.monotonic() + JOB_TIMEOUT
         while not bucket.exists("meshtune-job/run/checkpoint-4/COMPLETE"):
             assert time.monotonic() < deadline and nodes[0].process.poll() is None, nodes[0].output()[-3000:]
@@ -661,18 +664,23 @@ def job_into_a_bucket(tmp_path_factory, baseline, tiny_model_dir, tiny_dataset):
         for node in reversed(nodes):
             node.kill()
         assert not bucket.exists("meshtune-job/run/final/COMPLETE"), "the job ended before the kill"
+        sealed = {name.rsplit("/", 2)[-2]: json.loads(bucket.cat_file(name.replace("COMPLETE", "manifest.json")))
+                  for name in bucket.glob("meshtune-job/run/checkpoint-*/COMPLETE")}  # the manifests a resume reads
         fresh = root / "fresh"
-        again = job_config(root / "cfg-again", tiny_model_dir, tiny_dataset, fresh / "node0", checkpoint_dir=url,
-                           tokenized_path=str(fresh / "tokenized"))
-        port = free_port()
-        relaunched = [c.start(0, again, port, env=server.env)]
+        again = job_config(root / "cfg-again", tiny_model_dir, tiny_dataset, fresh / "node0", per_node=2,
+                           checkpoint_dir=url, tokenized_path=str(fresh / "tokenized"))
+        port, reads_before = free_port(), server.object_reads("meshtune-job/run")
+        relaunched = [c.start(0, again, port, env=server.env, per_node=2)]
         wait_for_port(port, relaunched[0].process, timeout=JOB_TIMEOUT)
-        relaunched.append(c.start(1, again, port, env=server.env, overrides=[f"output_dir={fresh / 'node1'}"]))
+        relaunched.append(c.start(1, again, port, env=server.env, per_node=2,
+                                  overrides=[f"output_dir={fresh / 'node1'}"]))
         for node in relaunched:
             assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
-        return {"url": url, "texts": [node.output() for node in relaunched], "losses": losses(fresh / "node0"),
+        return {"url": url, "reads": server.object_reads("meshtune-job/run") - reads_before, "sealed": sealed,
+                "copies": sorted(str(p) for p in fresh.rglob(".resume-copy/*/*")),
+                "texts": [node.output() for node in relaunched], "losses": losses(fresh / "node0"),
                 "final": hashlib.sha256(bucket.cat_file("meshtune-job/run/final/model.safetensors")).hexdigest(),
-                "objects": bucket.ls("meshtune-job/run", detail=False), "reference": baseline(1)}
+                "objects": bucket.ls("meshtune-job/run", detail=False), "reference": baseline(2)}
     finally:
         c.cleanup()
         server.stop()
@@ -687,3 +695,8 @@ def test_nodes_lost_after_checkpoint_4_in_a_bucket_resume_on_fresh_nodes_from_th
     assert run["losses"] == run["reference"]["losses"][step:]  # bit for bit, from the resumed step on
     assert run["final"] == run["reference"]["hash"]  # the final weights, as sealed in the bucket
     assert "final" in {name.rsplit("/", 1)[-1] for name in run["objects"]}
+    # each node read every object of the checkpoint once: fetched, checked and loaded from its copy, then deleted
+    listed = run["sealed"][f"checkpoint-{step}"]["files"]
+    reads = {name: run["reads"][f"checkpoint-{step}/{name}"] for name in listed}
+    assert reads == dict.fromkeys(listed, 2), run["reads"]
+    assert not run["copies"]

@@ -82,6 +82,23 @@ def test_a_kill_during_an_upload_leaves_no_complete_and_a_fresh_node_resumes_exa
     assert manifest["save_seconds"]["blocked_s"] <= manifest["save_seconds"]["published_s"]
 
 
+def test_ckpt_verify_of_a_damaged_final_in_the_store_reports_it_invalid_as_a_local_one(
+        killed_upload_then_fresh_resume, capfd):
+    runs = killed_upload_then_fresh_resume
+    damaged = open_store(runs["url"]).parent / "damaged-final"
+    (open_store(runs["url"]) / "final").copy_to(damaged / "final")
+    adapter = damaged / "final" / ADAPTER
+    data = bytearray(adapter.read_bytes())
+    data[len(data) // 2] ^= 1
+    adapter.write_bytes(bytes(data))
+    checked = run_cli_here(["ckpt", "verify", f"{damaged}/final"], capfd)
+    assert checked.returncode == 1, checked.stdout
+    assert f"{damaged}/final: a final export (PEFT adapter), not a checkpoint: INVALID" in checked.stdout
+    assert f"checksum mismatch in {ADAPTER}" in checked.stdout and "error" not in checked.stdout, checked.stdout
+    missing = run_cli_here(["ckpt", "verify", f"{damaged}/nothing/final"], capfd)
+    assert missing.returncode == 1 and "INVALID" in missing.stdout and "not a directory" in missing.stdout
+
+
 def test_ckpt_list_verify_and_export_take_the_url(killed_upload_then_fresh_resume, tmp_path, capfd):
     runs = killed_upload_then_fresh_resume
     listing = run_cli_here(["ckpt", "list", runs["url"]], capfd)
@@ -124,6 +141,33 @@ def test_a_flipped_byte_in_an_object_is_a_checksum_mismatch_and_resume_falls_bac
     names = sorted(p.name for p in open_store(url).iterdir())
     assert names == ["checkpoint-1", "checkpoint-2.damaged"]
     assert verify(open_store(url) / "checkpoint-2.damaged") == ["checksum mismatch in __0_0.distcp"]  # as it was
+
+
+def test_a_resume_from_the_store_reads_each_object_once_and_loads_the_copy_it_checked(s3, tmp_path):
+    url = f"s3://{BUCKET}/read-once"
+    saved(url, range(1, 3))
+    before = s3.object_reads(f"{BUCKET}/read-once/checkpoint-2")
+    manager = CheckpointManager(url, None, async_save=False, rank=0, world_size=1, staging=tmp_path / "copies")
+    path, manifest, _ = manager.find_resume(None, {})
+    state = tiny_state(0)
+    manager.load(path, state)
+    reads = s3.object_reads(f"{BUCKET}/read-once/checkpoint-2") - before
+    assert path.name == "checkpoint-2" and state["trainer"].progress.step == 2
+    assert state["weights"].tolist() == tiny_state(2)["weights"].tolist()
+    assert {name: reads[name] for name in manifest["files"]} == dict.fromkeys(manifest["files"], 1), reads
+    assert not list((tmp_path / "copies").rglob("*.distcp"))  # the node's copy is gone once loaded
+
+
+def test_the_plan_names_the_store_a_resume_looks_in(s3, tmp_path, tiny_model_dir, tiny_dataset):
+    from meshtune.plan import resume_reason
+
+    url = f"s3://{BUCKET}/plan"
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", checkpoint_dir=url))
+    assert resume_reason(cfg, True, None) == f"auto: no complete checkpoint in {url}"
+    found = resume_reason(cfg, True, open_store(url) / "checkpoint-4")
+    assert found == f"auto: the newest complete, verified checkpoint in {url}"
+    local = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out"))
+    assert resume_reason(local, True, None) == "auto: no complete checkpoint in output_dir"
 
 
 def test_retention_deletes_whole_prefixes_and_a_half_deleted_one_is_finished_at_the_next_start(s3):

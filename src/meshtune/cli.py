@@ -471,10 +471,16 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             raise MeshtuneError(f"{args.output_dir} is not a directory (nor a prefix holding objects)")
         print(format_listing(location(args.output_dir)))
         return 0
-    if is_url(args.checkpoint) and not args.checkpoint.rstrip("/").endswith("/final"):
-        return print_verified(args.checkpoint, verify(location(args.checkpoint)))
-    with from_store(args.checkpoint) as checkpoint:
-        return verify_local(args.checkpoint, checkpoint)
+    if not is_url(args.checkpoint):
+        return verify_local(args.checkpoint, Path(args.checkpoint))
+    from meshtune.checkpoint.final import FINAL
+
+    stored = location(args.checkpoint)
+    if stored.name != FINAL or not stored.is_dir():  # a checkpoint is verified in the store itself
+        return print_verified(args.checkpoint, verify(stored))
+    # a final/ is judged as a local one is, on a copy: its weights files are read as a model loader reads them
+    with tempfile.TemporaryDirectory(prefix="meshtune-store-") as scratch:
+        return verify_local(args.checkpoint, stored.download(Path(scratch) / FINAL))
 
 
 def verify_local(name: str, path: Path) -> int:

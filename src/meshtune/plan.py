@@ -420,8 +420,9 @@ def resume_reason(cfg: TrainConfig, shared: bool, resumed_from: Path | None) -> 
         return "output_dir is not shared by all nodes (allow_local_checkpoints): no resume"
     if cfg.resume_from_checkpoint != "auto":
         return None
-    return ("auto: the newest complete, verified checkpoint in output_dir" if resumed_from else
-            "auto: no complete checkpoint in output_dir")
+    place = cfg.checkpoint_dir or "output_dir"  # where the checkpoints are: a store's URL names itself
+    return (f"auto: the newest complete, verified checkpoint in {place}" if resumed_from else
+            f"auto: no complete checkpoint in {place}")
 
 
 def gradient_crossing(cfg: TrainConfig, world_size: int, parallel: str, why: dict[str, str]

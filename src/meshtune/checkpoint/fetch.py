@@ -1,13 +1,16 @@
-"""A local copy of what an object store holds, for the commands that read a model from files (`meshtune export`,
-`chat`, `ckpt verify` of a final/): the objects are verified in the store first (sizes and sha256 against the
-manifest), so only a sealed, intact final/ or checkpoint is ever copied."""
+"""A local copy of what an object store holds: for the commands that read a model from files (`meshtune export`,
+`chat`), verified in the store first (sizes and sha256 against the manifest), so only a sealed, intact final/ or
+checkpoint is ever copied; for a resume, each object fetched once and checked in the copy, which is then what
+DCP loads (`fetch_checked`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from meshtune.checkpoint.final import FINAL
-from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, verify
+from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, file_problems, verify
 from meshtune.checkpoint.object_store import StorePath, open_store
 from meshtune.checkpoint.resume import NAME, select_resume
 
@@ -38,3 +41,22 @@ def _verified(prefix: StorePath) -> StorePath:
     if problems:
         raise CheckpointError(f"{prefix} cannot be used: {'; '.join(problems)}")
     return prefix
+
+
+def fetch_checked(prefix: StorePath, listed: dict[str, dict[str, Any]], names: Iterable[str], into: Path
+                  ) -> dict[str, str]:
+    """`names` (objects the manifest lists) copied from `prefix` into local `into`, then checked there as
+    `file_problems` checks files: the problem of each, by name. The store is read once; the copy is what a resume
+    loads."""
+    found, fetched = {}, []
+    for name in names:
+        target = into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            (prefix / name).get(target)
+            fetched.append(name)
+        except FileNotFoundError:
+            found[name] = f"missing file {name}"
+        except Exception as error:  # the store's client raises its own kinds (botocore, aiohttp, ...)
+            found[name] = f"unreadable file {name}: {type(error).__name__}: {error}"
+    return {**found, **file_problems(into, listed, fetched)}

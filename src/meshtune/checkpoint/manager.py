@@ -11,7 +11,8 @@ failure raises on every rank instead of leaving some waiting at a collective.
 In an object store (`checkpoint_dir` a URL; checkpoint/object_store.py) there is no rename: the shards go straight
 to the checkpoint's own prefix through DCP's FsspecWriter, always in the background (`dcp.async_save`: training
 waits only for the copy to CPU memory), each rank reads back and hashes what it uploaded, and COMPLETE, written
-after the manifest, is what publishes it.
+after the manifest, is what publishes it. A resume from the store reads each object once: every node's processes
+fetch a share each into a node-local folder (`staging`), the checks run on that copy, and DCP loads it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -30,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshtune.checkpoint.fetch import fetch_checked
 from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, dcp_reader, dcp_writer, delete_sealed,
                                           file_problems, finish_deletions, fsync_dir, hash_file, read_manifest, share,
                                           verify, write_manifest)
@@ -42,6 +45,7 @@ from meshtune.logs import RankWarning
 from meshtune.units import byte_size
 
 logger = logging.getLogger(__name__)
+RESUME_COPY = ".resume-copy"  # in output_dir: each node's copy of the checkpoint a resume from a store loads
 
 
 @dataclass
@@ -64,10 +68,13 @@ class CheckpointManager:
     """
 
     def __init__(self, output_dir: Path | StorePath | str, save_total_limit: int | None, async_save: bool, rank: int,
-                 world_size: int, save_steps: int = 0):
+                 world_size: int, save_steps: int = 0, local_rank: int = 0, local_world_size: int = 1,
+                 staging: Path | None = None):
         """`save_steps`: `maybe_save` writes a checkpoint every that many steps and at the last one (0: never);
         `save_at` adds steps to save at (save_strategy: epoch, once the run's epochs are known). `output_dir` may be
-        an object store's URL (or StorePath): its saves are always asynchronous."""
+        an object store's URL (or StorePath): its saves are always asynchronous. `staging`: a node-local folder
+        where a resume from a store copies the checkpoint it checks and loads (default: under the system's
+        temporary folder); `local_rank` / `local_world_size` place this process on its node."""
         if save_total_limit is not None and save_total_limit < 1:
             raise CheckpointError(f"save_total_limit must be at least 1 (or unset to keep all), got {save_total_limit}")
         if world_size > 1 and not dist.is_initialized():
@@ -81,6 +88,11 @@ class CheckpointManager:
         self.async_save = async_save
         self.rank = rank
         self.world_size = world_size
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        # one folder per node, so that nodes sharing an output_dir never write the same files
+        self._copied: Path | None = None  # this node's copy of the checkpoint select_resume chose in a store
+        self.staging = ((staging or Path(tempfile.gettempdir()) / f"meshtune-resume-{os.getuid()}")
+                        / f"node-{rank // local_world_size}")
         self._distributed = dist.is_initialized() and world_size > 1
         # new_group is collective: every rank builds the manager at the same point of the loop
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
@@ -187,7 +199,11 @@ class CheckpointManager:
                 self._broadcast(None)  # no further candidate: the other ranks leave `_hash_shares`
         else:
             self._hash_shares()
-        answer = self._broadcast(answer)
+        answer = self._broadcast(answer)  # every rank's fetches are done: rank 0 gathered their checks
+        chosen = None if isinstance(answer, str) else answer[0]
+        self._copied = self._copy_of(chosen) if isinstance(chosen, StorePath) else None
+        if self.local_rank == 0:
+            self._drop_copies(keep=self._copied)
         if isinstance(answer, str):
             raise CheckpointError(answer)
         return answer
@@ -196,27 +212,49 @@ class CheckpointManager:
         """Rank 0: `verify(path)`, with the listed files dealt across the ranks (`share`), each hashing its own at
         the same time; rank 0 gathers what they found and checks the rest (marker, manifest, unlisted files, DCP's
         index)."""
-        if not self._distributed:
+        in_store = isinstance(path, StorePath)
+        if not self._distributed and not in_store:
             return verify(path)
 
         def check_files(listed: dict[str, dict[str, Any]]) -> dict[str, str]:
             self._broadcast((str(path), listed))  # the manifest rank 0 read: every rank deals the same shares
-            found = file_problems(path, listed, share(listed, self.world_size)[0])
+            found = self._check_share(path, listed)
             for theirs in self._gather(found)[1:]:
                 found.update(theirs)
             return found
 
-        return verify(path, check_files)
+        return verify(path, check_files, copy=self._copy_of(path) if in_store else None)
 
     def _hash_shares(self) -> None:
         """The other ranks: check their share of each candidate rank 0 names, until it names none."""
         while (candidate := self._broadcast(None)) is not None:
             path, listed = candidate
             try:
-                found = file_problems(location(path), listed, share(listed, self.world_size)[self.rank])
+                found = self._check_share(location(path), listed)
             except Exception as exc:  # reported through rank 0, so no rank is left waiting at the gather
                 found = {f"rank {self.rank}": f"rank {self.rank} could not check its files: {exc}"}
             self._gather(found)
+
+    def _check_share(self, path: Path | StorePath, listed: dict[str, dict[str, Any]]) -> dict[str, str]:
+        """This rank's share of the listed files checked. In a store, the share of its node's processes, fetched
+        into the node's copy and checked there: each node reads every object once, and loads that copy."""
+        if isinstance(path, StorePath):
+            names = share(listed, self.local_world_size)[self.local_rank]
+            return fetch_checked(path, listed, names, self._copy_of(path))
+        return file_problems(path, listed, share(listed, self.world_size)[self.rank])
+
+    def _copy_of(self, path: StorePath) -> Path:
+        """Where this node copies checkpoint `path` of a store while a resume checks and loads it."""
+        return self.staging / path.name
+
+    def _drop_copies(self, keep: Path | None) -> None:
+        """This node's local process 0, once every rank's fetches are done: the copies other than `keep` (the one
+        to load) deleted."""
+        if not self.staging.is_dir():
+            return
+        for copy in self.staging.iterdir():
+            if copy != keep:
+                shutil.rmtree(copy, ignore_errors=True)
 
     @staticmethod
     def _aside(path: Path, reason: str) -> tuple[Path, str]:
@@ -264,7 +302,10 @@ class CheckpointManager:
         """
         path = location(path)
         manifest = read_manifest(path)
-        saved = set(dcp_reader(path).read_metadata().state_dict_metadata)
+        # from a store: the copy `select_resume` fetched and checked (the same answer on every rank)
+        copy = self._copied if isinstance(path, StorePath) and self._copied == self._copy_of(path) else None
+        source = copy or path
+        saved = set(dcp_reader(source).read_metadata().state_dict_metadata)
         request = {}
         for name, value in state.items():
             if isinstance(value, RNGState) and f"{name}.{value.key}" not in saved:
@@ -274,12 +315,17 @@ class CheckpointManager:
                 continue
             request[name] = value
         try:
-            dcp.load(request, storage_reader=dcp_reader(path))
+            dcp.load(request, storage_reader=dcp_reader(source))
         except CheckpointException as error:
             raise CheckpointError(f"cannot load {path} (was it saved by another model or finetuning type? "
                                   f"its manifest: world_size {manifest.get('world_size', '?')}, parallel "
                                   f"{manifest.get('parallel', '?')}): {one_line(error)}") from error
         state.update(request)  # dcp.load replaces plain (non-Stateful) values in the dict it was given
+        if copy is not None:
+            self._copied = None
+            self._barrier()  # every process of the node has read the copy
+            if self.local_rank == 0:
+                shutil.rmtree(copy, ignore_errors=True)
         return manifest
 
     def _clear(self, target: Path | StorePath) -> None:

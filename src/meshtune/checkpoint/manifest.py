@@ -149,13 +149,14 @@ def files_in(path: Path) -> set[str]:
     return {file.relative_to(path).as_posix() for file in path.rglob("*") if file.is_file()}
 
 
-def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[str, str]] | None = None
-           ) -> list[str]:
+def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[str, str]] | None = None,
+           copy: Path | None = None) -> list[str]:
     """Problems that make `path` unsafe to resume from (or, for final/, to load); an empty list means it is valid.
 
     Checks the marker, the manifest, every listed file's size and sha256, files the manifest does not list
     (a shard from another save mixed in), and that every file DCP's `.metadata` points to is present.
     `check_files(listed)` checks the listed files (`file_problems`); by default this process reads them all.
+    `copy`: a local copy of the listed files that `check_files` made and checked; DCP's index is read from it.
     """
     path = object_store.location(path)
     if not path.is_dir():
@@ -176,7 +177,7 @@ def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[s
         problems.append(f"the manifest lists no DCP {DCP_METADATA} file")
     elif not problems:
         try:
-            storage = dcp_reader(path).read_metadata().storage_data
+            storage = dcp_reader(copy or path).read_metadata().storage_data
         except Exception as error:  # e.g. written by a newer torch: report it, `meshtune ckpt verify` must not crash
             return [f"unreadable DCP {DCP_METADATA}: {error}"]
         referenced = {info.relative_path for info in storage.values()}

@@ -176,6 +176,10 @@ class StorePath:
                 size += len(block)
         return size, digest.hexdigest()
 
+    def get(self, target: Path) -> None:
+        """This object into local file `target` (replaced)."""
+        self.fs.get_file(self.key, str(target))
+
     def upload(self, directory: Path, last: str | None = None) -> None:
         """Every file under local `directory` to this prefix; `last` (a name in it: the COMPLETE marker) after
         all the others, so the prefix is sealed only once whole."""
@@ -188,7 +192,7 @@ class StorePath:
         for name in sorted(self.files()):
             target = directory / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(f"{self.key}/{name}", str(target))
+            (self / name).get(target)
         return directory
 
     def copy_to(self, target: StorePath) -> StorePath:

@@ -9,9 +9,11 @@ is one converter here and nothing else.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from meshtune.errors import DataError
 
@@ -42,6 +44,8 @@ FILE_COLUMNS = {
 }
 SHAREGPT_ROLES = {**{LF_TAGS[tag]: role for tag, role in TAG_ROLES.items()}, "user": "user", "assistant": "assistant"}
 QWEN_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+
+T = TypeVar("T")
 
 _FORMAT_HELP = (
     "supported: messages (OpenAI 'messages' list), sharegpt ('conversations' with from human/gpt), "
@@ -417,40 +421,73 @@ def read_dataset(datasets: list[DatasetSpec | Path], fmt: str | None = None, ski
         if spec.fmt is not None and spec.fmt not in FORMATS:
             raise DataError(f"unknown dataset_format '{spec.fmt}'; use auto or one of {', '.join(FORMATS)}")
     read = Conversations([], [], [], [])
+    for spec, path, located, records in dataset_files(specs, skip_invalid, max_samples):
+        file_fmt = (spec.fmt or detect_format([r for r, _ in records], path)) if records else spec.fmt
+        convert_one = partial(convert, fmt=file_fmt, spec=spec)
+        for messages, tools in converted(read, path, located, records, file_fmt, convert_one, skip_invalid,
+                                         spec.label(file_fmt)):
+            read.conversations.append(messages)
+            read.tools.append(tools)
+    if not read.conversations:
+        raise nothing_usable(specs, read.skipped, "record", "check the files and their format")
+    return read
+
+
+Located = list[tuple[Any, str]]  # a file's records, each with where it is (located_records)
+
+
+def dataset_files(specs: list[DatasetSpec], skip_invalid: bool, max_samples: int | None,
+                  locate: Callable[[DatasetSpec, Path, bool], Located] | None = None
+                  ) -> Iterator[tuple[DatasetSpec, Path, Located, Located]]:
+    """Each file of the datasets in order, with all its records and those to read: `max_samples` keeps the first N
+    records of each dataset, counted before any is skipped, and a file past them is not opened. `locate(spec, path,
+    keep_unparseable)` finds a file's records (default: located_records); an unparseable record is kept for
+    `skip_invalid` to skip."""
     for spec in specs:
         left = max_samples
         for path in spec.files:
             if left == 0:
                 break
-            located = located_records(path, keep_unparseable=skip_invalid)
+            path = Path(path)
+            located = (locate(spec, path, skip_invalid) if locate is not None
+                       else located_records(path, keep_unparseable=skip_invalid))
             records = located[:left]
             left = None if left is None else left - len(records)
-            file_fmt = _convert_file(records, path, spec, skip_invalid, read) if records else spec.fmt
-            read.files.append(FileRead(path, file_fmt, len(located), len(records)))
-    if not read.conversations:
-        names = ", ".join(str(path) for spec in specs for path in spec.files)
-        raise DataError(f"no usable record in {names} ({len(read.skipped)} invalid skipped); check the files and "
-                        f"their format")
-    return read
+            yield spec, path, located, records
 
 
-def _convert_file(records: list[tuple[Any, str]], path: Path, spec: DatasetSpec, skip_invalid: bool,
-                  read: Conversations) -> str:
-    """Convert a file's records into `read`; returns the format they were read in."""
-    file_fmt = detect_format([r for r, _ in records], path) if spec.fmt is None else spec.fmt
+class Bookkeeping(Protocol):
+    """What a reader collects beside its samples: where each came from, the records skipped, each file read."""
+
+    sources: list[str]
+    skipped: list[str]
+    files: list[FileRead]
+
+
+def converted(read: Bookkeeping, path: Path, located: Located, records: Located, fmt: str | None,
+              convert_one: Callable[[Any], T], skip_invalid: bool, rules: str) -> list[T]:
+    """Each record of a file converted, its source (`path: record N`) noted in `read.sources`, and the file in
+    `read.files`.
+
+    A record `convert_one` rejects (ValueError) stops the read naming the file, the record, the problem and the
+    `rules` it was read by; with `skip_invalid` it is noted in `read.skipped` and left out."""
+    out = []
     for record, where in records:
         try:
-            messages, tools = convert(record, file_fmt, spec)
+            out.append(convert_one(record))
         except ValueError as e:
             if not skip_invalid:
-                raise DataError(
-                    f"{path}: {where}: {e} ({spec.label(file_fmt)}; records are numbered from 1). "
-                    "Fix the record, or set `skip_invalid: true` to skip such records"
-                ) from None
+                raise DataError(f"{path}: {where}: {e} ({rules}; records are numbered from 1). Fix the record, or set "
+                                f"`skip_invalid: true` to skip such records") from None
             read.skipped.append(f"{path}: {where}: {e}")
             continue
-        read.conversations.append(messages)
-        read.tools.append(tools)
         read.sources.append(f"{path}: {where}")
-    return file_fmt
+    read.files.append(FileRead(path, fmt, len(located), len(records)))
+    return out
+
+
+def nothing_usable(specs: list[DatasetSpec], skipped: list[str], what: str, hint: str) -> DataError:
+    """The error of datasets that left nothing to train on."""
+    names = ", ".join(str(path) for spec in specs for path in spec.files)
+    return DataError(f"no usable {what} in {names} ({len(skipped)} invalid skipped); {hint}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,9 @@ from tqdm import tqdm
 
 from meshtune.checksums import dataset_checksum
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
-from meshtune.data.formats import FILE_COLUMNS, DatasetSpec, FileRead, Unparseable, convert, located_records
-from meshtune.data.tokenized import EXAMPLES, FORMAT_VERSION, TokenizedDataset, cached, tokenizer_identity
+from meshtune.data.formats import (FILE_COLUMNS, DatasetSpec, FileRead, Unparseable, convert, converted, dataset_files,
+                                   nothing_usable)
+from meshtune.data.tokenized import FORMAT_VERSION, TokenizedDataset, cached, token_counts, tokenizer_identity
 from meshtune.errors import DataError
 
 if TYPE_CHECKING:
@@ -181,38 +183,20 @@ def convert_pair(record: Any, fmt: str, spec: DatasetSpec | None = None
 def read_pairs(specs: list[DatasetSpec], skip_invalid: bool = False, max_samples: int | None = None) -> PairRecords:
     """Every pair of the datasets, in order; `max_samples`: the first N records of each dataset."""
     read = PairRecords()
-    for spec in specs:
-        left = max_samples
-        for path in spec.files:
-            if left == 0:
-                break
-            located = located_records(Path(path), keep_unparseable=skip_invalid)
-            records = located[:left]
-            left = None if left is None else left - len(records)
-            fmt = spec.fmt or detect_pair_format([r for r, _ in records], path)  # dataset_format, else detected
-            if fmt not in PAIR_FORMATS:
-                raise DataError(f"{path}: dataset_format {fmt} holds no preference pairs; stage: dpo reads "
-                                f"{', '.join(PAIR_FORMATS)} pairs (leave dataset_format auto)")
-            for record, where in records:
-                try:
-                    prompt, chosen, rejected, tools = convert_pair(record, fmt, spec)
-                except ValueError as e:
-                    if not skip_invalid:
-                        raise DataError(f"{path}: {where}: {e} (preference pairs, {spec.label(fmt)}; records are "
-                                        f"numbered from 1). Fix the record, or set `skip_invalid: true` to skip "
-                                        f"such records") from None
-                    read.skipped.append(f"{path}: {where}: {e}")
-                    continue
-                read.prompts.append(prompt)
-                read.chosen.append(chosen)
-                read.rejected.append(rejected)
-                read.tools.append(tools)
-                read.sources.append(f"{path}: {where}")
-            read.files.append(FileRead(Path(path), fmt, len(located), len(records)))
+    for spec, path, located, records in dataset_files(specs, skip_invalid, max_samples):
+        fmt = spec.fmt or detect_pair_format([r for r, _ in records], path)  # dataset_format, else detected
+        if fmt not in PAIR_FORMATS:
+            raise DataError(f"{path}: dataset_format {fmt} holds no preference pairs; stage: dpo reads "
+                            f"{', '.join(PAIR_FORMATS)} pairs (leave dataset_format auto)")
+        convert_one, rules = partial(convert_pair, fmt=fmt, spec=spec), f"preference pairs, {spec.label(fmt)}"
+        for prompt, chosen, rejected, tools in converted(read, path, located, records, fmt, convert_one, skip_invalid,
+                                                         rules):
+            read.prompts.append(prompt)
+            read.chosen.append(chosen)
+            read.rejected.append(rejected)
+            read.tools.append(tools)
     if not read.prompts:
-        names = ", ".join(str(path) for spec in specs for path in spec.files)
-        raise DataError(f"no usable preference pair in {names} ({len(read.skipped)} invalid skipped); check the "
-                        f"files")
+        raise nothing_usable(specs, read.skipped, "preference pair", "check the files")
     return read
 
 
@@ -262,11 +246,7 @@ def build_pairs(read: PairRecords, template: ChatTemplate, cutoff_len: int, show
         "n_dropped_no_target": 0,
         "n_dropped_too_long": len(dropped),
         "n_truncated": n_truncated,
-        "n_tokens": int(offsets[-1]),
-        "n_target_tokens": int((labels_all != IGNORE_INDEX).sum()),
-        "n_skipped_invalid": len(read.skipped),
-        "dropped_examples": dropped[:EXAMPLES],
-        "skipped_examples": read.skipped[:EXAMPLES],
+        **token_counts(offsets, labels_all, read.skipped, dropped),
     }
     return TokenizedDataset(np.concatenate([ids for ids, _ in parts]), labels_all, offsets, stats,
                             np.asarray(record_index, dtype=np.int64), np.asarray(full_lengths, dtype=np.int64))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,8 @@ import numpy as np
 from tqdm import tqdm
 
 from meshtune.checksums import dataset_checksum
-from meshtune.data.formats import DatasetSpec, FileRead, Unparseable, located_records
+from meshtune.data.formats import (DatasetSpec, FileRead, Unparseable, converted, dataset_files, located_records,
+                                   nothing_usable)
 from meshtune.data.tokenized import EXAMPLES, FORMAT_VERSION, TokenizedDataset, cached, tokenizer_identity
 from meshtune.errors import DataError
 
@@ -69,33 +71,23 @@ def document_text(record: Any, column: str) -> str:
     return text
 
 
+def _text_column(spec: DatasetSpec) -> str:
+    return (spec.columns or {}).get("prompt") or "text"
+
+
+def _located(spec: DatasetSpec, path: Path, keep_unparseable: bool) -> list[tuple[Any, str]]:
+    return located_documents(path, _text_column(spec), keep_unparseable)
+
+
 def read_documents(specs: list[DatasetSpec], skip_invalid: bool = False, max_samples: int | None = None) -> Documents:
     """Every document of the datasets, in order; `max_samples`: the first N records of each dataset."""
     read = Documents([], [])
-    for spec in specs:
-        column = (spec.columns or {}).get("prompt") or "text"
-        left = max_samples
-        for path in spec.files:
-            if left == 0:
-                break
-            located = located_documents(Path(path), column, keep_unparseable=skip_invalid)
-            records = located[:left]
-            left = None if left is None else left - len(records)
-            for record, where in records:
-                try:
-                    read.texts.append(document_text(record, column))
-                except ValueError as e:
-                    if not skip_invalid:
-                        raise DataError(f"{path}: {where}: {e} (raw text for stage: pt; records are numbered from "
-                                        f"1). Fix the record, or set `skip_invalid: true` to skip such records"
-                                        ) from None
-                    read.skipped.append(f"{path}: {where}: {e}")
-                    continue
-                read.sources.append(f"{path}: {where}")
-            read.files.append(FileRead(Path(path), "text", len(located), len(records)))
+    for spec, path, located, records in dataset_files(specs, skip_invalid, max_samples, locate=_located):
+        convert_one = partial(document_text, column=_text_column(spec))
+        read.texts += converted(read, path, located, records, "text", convert_one, skip_invalid,
+                                "raw text for stage: pt")
     if not read.texts:
-        names = ", ".join(str(path) for spec in specs for path in spec.files)
-        raise DataError(f"no usable document in {names} ({len(read.skipped)} invalid skipped); check the files")
+        raise nothing_usable(specs, read.skipped, "document", "check the files")
     return read
 
 

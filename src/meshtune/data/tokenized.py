@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -153,11 +153,7 @@ def build_tokenized(
         "n_samples": len(ids_parts),
         "n_dropped_no_target": len(dropped),
         "n_truncated": n_truncated,
-        "n_tokens": int(offsets[-1]),
-        "n_target_tokens": int((labels_all != IGNORE_INDEX).sum()),
-        "n_skipped_invalid": len(skipped or []),
-        "dropped_examples": dropped[:EXAMPLES],
-        "skipped_examples": (skipped or [])[:EXAMPLES],
+        **token_counts(offsets, labels_all, skipped or [], dropped),
     }
     return TokenizedDataset(np.concatenate(ids_parts), labels_all, offsets, stats,
                             np.asarray(record_index, dtype=np.int64), np.asarray(full_lengths, dtype=np.int64))
@@ -190,6 +186,13 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
         "all_special_tokens": sorted(tokenizer.all_special_tokens),
     }
     return vocab + json.dumps(extra, sort_keys=True, default=str)
+
+
+def token_counts(offsets: np.ndarray, labels: np.ndarray, skipped: list[str], dropped: list) -> dict[str, Any]:
+    """The counts every builder's stats end with: tokens, target tokens, records skipped, and examples of both."""
+    return {"n_tokens": int(offsets[-1]), "n_target_tokens": int((labels != IGNORE_INDEX).sum()),
+            "n_skipped_invalid": len(skipped), "dropped_examples": dropped[:EXAMPLES],
+            "skipped_examples": skipped[:EXAMPLES]}
 
 
 def cache_key(

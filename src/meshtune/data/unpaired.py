@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ import numpy as np
 from tqdm import tqdm
 
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate
-from meshtune.data.formats import DatasetSpec, FileRead, Unparseable, convert, detect_format, located_records
-from meshtune.data.tokenized import EXAMPLES, TokenizedDataset, cache_key, cached
+from meshtune.data.formats import (DatasetSpec, FileRead, Unparseable, convert, converted, dataset_files, detect_format,
+                                   nothing_usable)
+from meshtune.data.tokenized import TokenizedDataset, cache_key, cached, token_counts
 from meshtune.errors import DataError
 
 TAG_FIELDS = ("kto_tag", "label")  # a file given by path: the first of these a record has is its tag
@@ -49,34 +51,16 @@ def read_unpaired(specs: list[DatasetSpec], skip_invalid: bool = False,
     """All records of the datasets; a bad one stops the run naming file, record and problem, or is skipped with
     `skip_invalid`. `max_samples`: the first N records of each dataset, as for SFT."""
     read = UnpairedRecords()
-    for spec in specs:
-        left = max_samples
-        for path in spec.files:
-            if left == 0:
-                break
-            located = located_records(path, keep_unparseable=skip_invalid)
-            records = located[:left]
-            left = None if left is None else left - len(records)
-            fmt = file_format(records, path, spec) if records else spec.fmt
-            for record, where in records:
-                try:
-                    messages, tools, tag = unpaired_record(record, fmt, spec)
-                except ValueError as e:
-                    if not skip_invalid:
-                        raise DataError(f"{path}: {where}: {e} (stage: kto, {spec.label(fmt)}; records are numbered "
-                                        f"from 1). Fix the record, or set `skip_invalid: true` to skip such "
-                                        f"records") from None
-                    read.skipped.append(f"{path}: {where}: {e}")
-                    continue
-                read.conversations.append(messages)
-                read.tools.append(tools)
-                read.desirable.append(tag)
-                read.sources.append(f"{path}: {where}")
-            read.files.append(FileRead(path, fmt, len(located), len(records)))
+    for spec, path, located, records in dataset_files(specs, skip_invalid, max_samples):
+        fmt = file_format(records, path, spec) if records else spec.fmt
+        convert_one = partial(unpaired_record, fmt=fmt, spec=spec)
+        for messages, tools, tag in converted(read, path, located, records, fmt, convert_one, skip_invalid,
+                                              f"stage: kto, {spec.label(fmt)}"):
+            read.conversations.append(messages)
+            read.tools.append(tools)
+            read.desirable.append(tag)
     if not read.conversations:
-        names = ", ".join(str(path) for spec in specs for path in spec.files)
-        raise DataError(f"no usable record in {names} ({len(read.skipped)} invalid skipped); check the files and "
-                        f"their format")
+        raise nothing_usable(specs, read.skipped, "record", "check the files and their format")
     return read
 
 
@@ -191,11 +175,7 @@ def build_unpaired(read: UnpairedRecords, template: ChatTemplate, cutoff_len: in
         "n_undesirable": int((~tags).sum()),
         "n_dropped_long_response": len(dropped),
         "n_truncated": n_truncated,
-        "n_tokens": int(offsets[-1]),
-        "n_target_tokens": int((labels_all != IGNORE_INDEX).sum()),
-        "n_skipped_invalid": len(read.skipped),
-        "dropped_examples": dropped[:EXAMPLES],
-        "skipped_examples": read.skipped[:EXAMPLES],
+        **token_counts(offsets, labels_all, read.skipped, dropped),
     }
     return TokenizedDataset(np.concatenate(ids_parts), labels_all, offsets, stats,
                             np.asarray(record_index, dtype=np.int64), np.asarray(full_lengths, dtype=np.int64),

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from meshtune.checkpoint import CheckpointManager, TrainingProgress, publish_final, training_state
+from meshtune.checkpoint.manager import RESUME_COPY
 from meshtune.checkpoint.object_store import StorePath, is_url, location
 from meshtune.config import TrainConfig
 from meshtune.cpu_affinity import apply_cpu_affinity
@@ -102,7 +103,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     where = location(cfg.checkpoint_dir or output_dir)  # an object store is shared by every node by its nature
     shared = isinstance(where, StorePath) or check_shared_output_dir(where, env, cfg.allow_local_checkpoints)
     checkpoints = CheckpointManager(where, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
-                                    save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0)
+                                    save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0,
+                                    local_rank=env.local_rank, local_world_size=env.local_world_size,
+                                    staging=output_dir / RESUME_COPY)  # a resume from a store: the node's copy
     wanted, named = resume_request(cfg, shared)  # auto: the newest complete, verified checkpoint
     if wanted and is_url(cfg.resume_from_checkpoint):
         named = cfg.resume_from_checkpoint
