@@ -135,14 +135,14 @@ def measured_from(path: Path, job: str) -> dict:
                                         if "busbw_gbs" in link}}
 
 
-# The one-GPU rate each projected job computes at (tokens/s a GPU), from docs/benchmarks.md, and its modes: the
+# The one-GPU rate each projected job computes at (tokens/s a GPU), from docs/benchmarks/, and its modes: the
 # link run's variant whose measured bytes calibrate each, and the config keys the mode sets.
 PROJECTED = {
-    "full-7b": ("7b", "full", 6622.0, "full 7B, zero3 on 4 × H100, 36.1% MFU (docs/benchmarks.md, 7B models)"),
+    "full-7b": ("7b", "full", 6622.0, "full 7B, zero3 on 4 × H100, 36.1% MFU (docs/benchmarks/one-gpu.md, 7B models)"),
     "full-72b": ("72b", "full", None, "full 7B's rate × 7B / 72B FLOPs a token (an assumption: the same MFU)"),
-    "lora-7b": ("7b", "lora", 14556.0, "LoRA 7B, one node of 2 × H200, ddp (docs/benchmarks.md, Several nodes)"),
+    "lora-7b": ("7b", "lora", 14556.0, "LoRA 7B, one node of 2 × H200, ddp (docs/benchmarks/scaling.md, Several nodes)"),
     "qlora-72b": ("72b", "qlora", None, "LoRA 7B's rate × 7B / 72B FLOPs a token × 0.70 (Q-LoRA 7B ran at 0.70× "
-                                        "LoRA 7B: docs/benchmarks.md, 7B models)"),
+                                        "LoRA 7B: docs/benchmarks/one-gpu.md, 7B models)"),
 }
 DERIVED = {"full-72b": ("full-7b", 1.0), "qlora-72b": ("lora-7b", 0.70)}  # rate from: job, factor
 FULL_MODES = {"ddp": ("ddp", {}), "zero2": ("zero2", {}), "zero3": ("zero3", {}),

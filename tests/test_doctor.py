@@ -294,7 +294,7 @@ def test_the_traffic_of_a_step_follows_the_parallel_mode():
 def test_each_node_sends_a_rings_share_of_the_collective_over_its_processes():
     """A ring over every process enters and leaves each node once: ddp over 2 nodes x 8 sends 2(16-1)/16 of the
     gradients out of each node, hsdp's all-reduce between the 2 replicas 2(2-1)/2. What bench/shaped_link.py counts
-    on the interfaces (docs/benchmarks.md): ddp 2 x 2 sends 1.5 S a node; on gloo zero2's reduce-scatter moves as much
+    on the interfaces (docs/benchmarks/network.md): ddp 2 x 2 sends 1.5 S a node; on gloo zero2's reduce-scatter moves as much
     as an all-reduce; zero3_reshard_to_node gathers across the nodes only for forward."""
     from meshtune.config import build_config
     from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives

@@ -619,7 +619,7 @@ def option_strings(parser: argparse.ArgumentParser) -> set[str]:
 
 # A command imports torch, transformers and peft on its way: hundreds of thousands of objects that live as long as
 # the process. At Python's default first-generation threshold (700 new objects) the collector walks them again
-# and again while they are created, a sixth of a worker's start-up on 2 cores (measured in docs/benchmarks.md).
+# and again while they are created, a sixth of a worker's start-up on 2 cores (measured in docs/benchmarks/where-the-time-goes.md).
 # The training loop collects at fixed steps on its own (train/garbage_collection.py).
 COMMAND_GC_THRESHOLD = (100_000, 50, 100)
 

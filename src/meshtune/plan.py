@@ -32,7 +32,7 @@ SHARD_EACH = "shard_each_micro_step"  # hsdp: reduce-scattered inside the replic
 EACH = "each_micro_step"            # reduce-scattered every micro-step, so gradients stay sharded
 MEASURE = "measure"  # recompute: the blocks to recompute are measured before training (train/memory_fit.py)
 UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the config leaves blocks per unit open
-MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks.md)
+MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks/where-the-time-goes.md)
 
 
 @dataclass(frozen=True)

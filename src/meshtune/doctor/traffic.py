@@ -33,7 +33,7 @@ from meshtune.plan import (EACH, NF4_BYTES, SHARDED, ModelSize, default_blocks_p
                            parallel_for)
 from meshtune.units import byte_size
 
-MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks.md)
+MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks/one-gpu.md, 7B models)
 SLOW_RATIO = 0.5    # communication above half the compute time: the network sets the pace
 
 
