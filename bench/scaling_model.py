@@ -140,7 +140,7 @@ def measured_from(path: Path, job: str) -> dict:
 PROJECTED = {
     "full-7b": ("7b", "full", 6622.0, "full 7B, zero3 on 4 × H100, 36.1% MFU (docs/benchmarks/one-gpu.md, 7B models)"),
     "full-72b": ("72b", "full", None, "full 7B's rate × 7B / 72B FLOPs a token (an assumption: the same MFU)"),
-    "lora-7b": ("7b", "lora", 14556.0, "LoRA 7B, one node of 2 × H200, ddp (docs/benchmarks/scaling.md, Several nodes)"),
+    "lora-7b": ("7b", "lora", 14556.0, "LoRA 7B, one node of 2 × H200, ddp (docs/benchmarks/scaling.md)"),
     "qlora-72b": ("72b", "qlora", None, "LoRA 7B's rate × 7B / 72B FLOPs a token × 0.70 (Q-LoRA 7B ran at 0.70× "
                                         "LoRA 7B: docs/benchmarks/one-gpu.md, 7B models)"),
 }
