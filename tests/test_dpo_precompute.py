@@ -223,6 +223,8 @@ def test_the_key_is_refused_where_no_reference_or_another_stage_computes_it(tiny
         build_config({**base, "stage": "kto"})
     with pytest.raises(Exception, match="precompute_ref_log_probs: preference-training keys"):
         build_config({**base, "stage": "sft"})
+    # a lever, not the math: a run may resume with it turned on or off
+    assert build_config(base).hash() == build_config({**base, "precompute_ref_log_probs": False}).hash()
     # TRL's name in a TRL-style file, as beta and loss_type are read
     cfg = load_job_config(None, [f"model_name_or_path={tiny_model_dir}", "dataset=d.jsonl", "stage=dpo"],
                           {"precompute_ref_log_probs": True, "beta": 0.2, "loss_type": "ipo"}).config

@@ -232,7 +232,8 @@ class TrainConfig(BaseModel):
                "the same values; the step then runs no reference forward, and full fine-tuning holds no frozen "
                "copy while it trains (TRL's key). Costs one forward pass over the pairs before training (none on a "
                "later run with the same data and reference) and 8 bytes a pair on disk; sigmoid, hinge and ipo "
-               "only (orpo and simpo have no reference)")
+               "only (orpo and simpo have no reference). The losses are those of the reference in the step, so a "
+               "run may resume with it turned on or off", scope=JOB)
     kto_chosen_weight: float = PREFERENCE(1.0, "stage: kto: the weight of a desirable sample's loss "
                                                "(LLaMA-Factory's key; TRL's desirable_weight)", ge=0.0)
     kto_rejected_weight: float = PREFERENCE(1.0, "stage: kto: the weight of an undesirable sample's loss "
