@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import base_config
+from conftest import base_config, read_metrics, write_config
 from meshtune.compat.job_config import load_job_config
 from meshtune.config import build_config
 from meshtune.data.pipeline import prepare_datasets
@@ -27,16 +27,18 @@ from meshtune.plan import RunPlan
 from meshtune.train.objectives.pair_loss import collate_pairs, reference_logps
 from meshtune.distributed import DistEnv
 from meshtune.train.reference_pass import precompute_reference, reference_identity
+from ranks import run_workers
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
 NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 def values(model_dir: Path, out: Path, tokenized: Path, **extra) -> dict:
-    return base_config(model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(FIXTURES), cutoff_len=256,
-                       val_size=3, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                       per_device_eval_batch_size=2, max_steps=3, eval_strategy="steps", eval_steps=3,
-                       learning_rate=5e-2, tokenized_path=str(tokenized), save_final=False, **extra)
+    return base_config(model_dir, "dpo_en_demo", out, **{
+        "stage": "dpo", "dataset_dir": str(FIXTURES), "cutoff_len": 256, "val_size": 3,
+        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "per_device_eval_batch_size": 2,
+        "max_steps": 3, "eval_strategy": "steps", "eval_steps": 3, "learning_rate": 5e-2,
+        "tokenized_path": str(tokenized), "save_final": False, **extra})
 
 
 def folders(tokenized: Path) -> list[Path]:
@@ -112,6 +114,25 @@ def test_precomputed_runs_train_the_losses_of_runs_with_the_reference_in_each_st
         assert plain[-1]["rewards/margins"] != 0  # the policy has moved from its reference
     # the values read are those computed: the two runs are one run, bit for bit
     assert math_of(runs["full-read"]["records"]) == math_of(runs["full-computed"]["records"])
+
+
+@pytest.mark.slow
+def test_lora_under_zero3_trains_its_adapters_after_the_pass_on_two_processes(runs, tiny_model_dir):
+    """The pass runs the policy with its adapters off through FSDP2; the adapters still train afterwards (peft turns
+    their requires_grad off and on again on whatever FSDP2 holds at the moment), with LoRA's one-process losses."""
+    work = runs["work"] / "zero3"
+    config = write_config(work, **values(tiny_model_dir, work / "out", work / "tokenized",  # its own pass
+                                         precompute_ref_log_probs=True, parallel="zero3", nproc_per_node=2,
+                                         per_device_train_batch_size=1))  # the global batch of the 1-process runs
+    codes, output = run_workers(["train", str(config)], 2, work / "ranks")
+    assert codes == [0, 0], output[-6000:]
+    assert "log-probs of 12 pairs computed in" in output and "on 2 process(es)" in output
+    records = read_metrics(work / "out")
+    plain = runs["lora-plain"]["records"]
+    for mine, other in zip(records, plain):
+        for name in NAMES:
+            assert mine[name] == pytest.approx(other[name], rel=1e-4, abs=1e-6), (mine["step"], name)
+    assert records[-1]["rewards/margins"] != 0
 
 
 @pytest.mark.slow

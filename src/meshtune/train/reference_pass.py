@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from meshtune.data.pipeline import cache_dir
 from meshtune.data.reference_logps import WithReference, digest_of, read, values_folder, write
 from meshtune.data.split import Subset
 from meshtune.distributed import DistEnv, all_reduce_sum, broadcast_from_rank0
-from meshtune.model.reference import Reference
+from meshtune.model.reference import AdaptersOff, Reference, trainable_flags_kept
 from meshtune.plan import RunPlan
 from meshtune.train.objectives.pair_loss import collate_pairs, reference_logps
 from meshtune.units import byte_size
@@ -184,26 +185,33 @@ def reference_pass(reference: Reference, pairs, env: DistEnv, pad_id: int, batch
     the batches summed into one array (a value has exactly one contributor, so the sum is exact)."""
     order = np.argsort(-np.asarray(pairs.lengths), kind="stable")  # the longest first: memory is found short at once
     chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    rounds = -(-len(chunks) // env.world_size)
     out = torch.zeros((len(pairs), 2), dtype=torch.float32, device=env.device)
-    model = getattr(reference, "policy", None) or getattr(reference, "model", None)
+    model = reference.policy if isinstance(reference, AdaptersOff) else getattr(reference, "model", None)
     was_training = model.training if model is not None else False
     if model is not None:
         model.eval()
     try:
-        for k in tqdm(range(rounds), desc="reference log-probs", unit="batch", disable=not show_progress):
-            c = k * env.world_size + env.rank
-            mine = chunks[min(c, len(chunks) - 1)]  # past the end: a forward like the others', its values unused
-            batch = collate_pairs([[int(i)] for i in mine], pairs, pad_id).to(env.device)
-            logps = reference_logps(reference, batch, env.device, autocast_bf16, autocast_fp16)
-            if c < len(chunks):
-                index = torch.from_numpy(np.asarray(mine, dtype=np.int64)).to(env.device)
-                out[index, 0] = logps[:len(mine)]
-                out[index, 1] = logps[len(mine):]
+        with trainable_flags_kept(model) if isinstance(reference, AdaptersOff) else nullcontext():
+            forwards(reference, pairs, env, pad_id, chunks, out, autocast_bf16, autocast_fp16, show_progress)
     finally:
         if model is not None:
             model.train(was_training)
     return all_reduce_sum(out).cpu().numpy()
+
+
+def forwards(reference: Reference, pairs, env: DistEnv, pad_id: int, chunks: list[np.ndarray], out: torch.Tensor,
+             autocast_bf16: bool, autocast_fp16: bool, show_progress: bool) -> None:
+    """This rank's share of the batches: round k takes batch k x ranks + rank."""
+    rounds = -(-len(chunks) // env.world_size)
+    for k in tqdm(range(rounds), desc="reference log-probs", unit="batch", disable=not show_progress):
+        c = k * env.world_size + env.rank
+        mine = chunks[min(c, len(chunks) - 1)]  # past the end: a forward like the others', its values unused
+        batch = collate_pairs([[int(i)] for i in mine], pairs, pad_id).to(env.device)
+        logps = reference_logps(reference, batch, env.device, autocast_bf16, autocast_fp16)
+        if c < len(chunks):
+            index = torch.from_numpy(np.asarray(mine, dtype=np.int64)).to(env.device)
+            out[index, 0] = logps[:len(mine)]
+            out[index, 1] = logps[len(mine):]
 
 
 def release_memory(device: torch.device) -> None:
