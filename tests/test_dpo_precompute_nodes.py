@@ -3,8 +3,9 @@ full fine-tuning under hsdp: a replica a node) resumes exactly after one node is
 
 The uninterrupted job (tests/ranks.py's forked ranks, told they are 2 nodes of 2) computes the values across its 4
 ranks and keeps them beside the tokenized cache; the job on the two torchrun agents reads them (never computing them
-again, nor building the frozen copy), loses node 1 to kill -9 after checkpoint-4, relaunches it, and ends with the
-uninterrupted job's losses and final weights bit for bit (CPU / gloo, one thread a process)."""
+again, nor building the frozen copy; node 1, whose tokenized_path is a disk of its own without them, takes node 0's and
+keeps them), loses node 1 to kill -9 after checkpoint-4, relaunches it, and ends with the uninterrupted job's losses
+and final weights bit for bit (CPU / gloo, one thread a process)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import base_config, read_metrics, write_config
-from ranks import free_port, run_workers
+from ranks import free_port, run_workers, wait_for_port
 from test_faults import JOB_TIMEOUT, Cluster, final_hash, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,10 @@ def jobs(tmp_path_factory, tiny_model_dir):
     cluster = Cluster(root)
     try:
         port = free_port()
-        nodes = cluster.start_job(config, port, per_node=PER_NODE)
+        own_cache = [f"tokenized_path={root / 'node1-tokenized'}"]  # a node's disk of its own: no values there
+        nodes = [cluster.start(0, config, port, per_node=PER_NODE)]
+        wait_for_port(port, nodes[0].process, timeout=JOB_TIMEOUT)
+        nodes.append(cluster.start(1, config, port, per_node=PER_NODE, overrides=own_cache))
         wait_for_checkpoint(output, SAVE_EVERY, nodes[0])
         nodes[1].kill()  # a dead machine: its agent and both its workers
         assert not (output / "final").exists(), "the job ended before the kill: nothing was tested"
@@ -58,10 +62,11 @@ def jobs(tmp_path_factory, tiny_model_dir):
         while time.monotonic() < deadline:  # node 0 must outlive the loss of node 1 (a duration: no condition)
             assert nodes[0].process.poll() is None, nodes[0].output()[-3000:]
             time.sleep(0.05)
-        nodes[1] = cluster.start(1, config, port, per_node=PER_NODE)
+        nodes[1] = cluster.start(1, config, port, per_node=PER_NODE, overrides=own_cache)
         for node in nodes:
             assert node.wait(JOB_TIMEOUT) == 0, node.output()[-4000:]
-        return {"through": through, "through_log": through_log, "output": output,
+        return {"through": through, "through_log": through_log, "output": output, "caches": [tokenized,
+                                                                                         root / "node1-tokenized"],
                 "logs": [node.output() for node in cluster.nodes]}
     finally:
         cluster.cleanup()
@@ -82,3 +87,7 @@ def test_the_values_are_computed_once_across_the_ranks_then_read_by_every_start(
     assert "log-probs of 12 pairs computed" not in logs and "is damaged" not in logs
     node0 = jobs["logs"][0]
     assert node0.count("precomputed before the first step (read from") == 2, node0[-4000:]  # the start, the restart
+    # node 1 started without them: it took rank 0's values and kept them on its own disk, read at its relaunch
+    assert node0.count("differs between the nodes or is missing on some") == 1, node0[-4000:]
+    kept = [sorted(cache.glob("*.reference-*/logps.npy")) for cache in jobs["caches"]]
+    assert len(kept[0]) == len(kept[1]) == 1 and kept[0][0].read_bytes() == kept[1][0].read_bytes()
