@@ -1,6 +1,7 @@
 """Every checksum meshtune takes of files: a file's size and sha256 (checkpoint manifests, the doctor's model
 files), the checksum of the data a run trains on (the nodes' agreement check, the doctor, the tokenized cache),
-and file checksums remembered across launches (the doctor).
+file checksums remembered across launches (the doctor), and a folder's files by those (the identity of the model a
+precomputed reference came from).
 
 Standard library only, and no import from meshtune: every layer hashes through here.
 """
@@ -94,3 +95,20 @@ class RememberedChecksums:
             tmp.replace(self.store)  # another node's doctor on a shared home reads a whole file
         except OSError:
             pass
+
+
+def remembered_store() -> Path:
+    """Where file checksums are remembered: the user's cache folder, shared by the doctor and training."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshtune" / "file-checksums.json"
+
+
+def folder_checksum(folder: Path) -> str:
+    """sha256 over a folder's files (hidden ones aside): each one's name inside it and its remembered sha256, so a
+    large model folder is read in full once, not at every launch."""
+    remembered = RememberedChecksums(remembered_store())
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_to(folder)}:{remembered.sha256(file)}\n".encode())
+    remembered.save()
+    return digest.hexdigest()

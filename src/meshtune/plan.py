@@ -117,7 +117,8 @@ class RunPlan:
                 ("gradient_checkpointing", "measured before training" if self.recompute == MEASURE else
                  f"{self.recompute:g} of the blocks" if self.recompute else "off")]
         if "reference" in self.why:  # stage: dpo
-            rows.append(("reference", "none" if self.why["reference"].startswith("none") else "in the loop"))
+            rows.append(("reference", "none" if self.why["reference"].startswith("none") else
+                         "precomputed" if self.why["reference"].startswith("precomputed") else "in the loop"))
         if self.tensor_parallel > 1:
             rows.append(("tensor_parallel", str(self.tensor_parallel)))
         if self.context_parallel > 1:
@@ -314,6 +315,8 @@ def reference_reason(cfg: TrainConfig) -> str:
     """What a dpo or kto run compares its policy against."""
     if cfg.stage == "dpo" and cfg.pref_loss in ("orpo", "simpo"):
         return f"none: pref_loss {cfg.pref_loss} compares no reference"
+    if cfg.stage == "dpo" and cfg.precompute_ref_log_probs:  # the run amends it with where the values are
+        return "precomputed before the first step (precompute_ref_log_probs); each step reads them"
     if cfg.ref_model:
         adapters = f" with the adapter {cfg.ref_model_adapters} merged" if cfg.ref_model_adapters else ""
         return f"ref_model {cfg.ref_model}{adapters}: a frozen copy, sharded as the policy is"

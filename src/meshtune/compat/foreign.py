@@ -140,8 +140,9 @@ FOREIGN: dict[str, tuple[str, Handler]] = {
                                  "meshtune does not compute")),
     "ref_model_quantization_bit": (LF, off_at_zero("it quantizes the reference model, which meshtune keeps in the "
                                                    "training precision")),
-    "precompute_ref_log_probs": ("TRL DPOConfig's", only({False: {}, None: {}}, "meshtune computes the reference's "
-                                                    "log-probs in the step, beside the policy's; leave it false")),
+    "precompute_ref_batch_size": ("TRL DPOConfig's", ignored("precompute_ref_log_probs' pass runs batches of "
+                                                             "per_device_train_batch_size pairs, a forward without "
+                                                             "gradients that the step's memory holds already")),
     "use_ref_model": ("TRL's", ignored("the reference follows from pref_loss: none for orpo and simpo")),
     # outputs and logging
     "overwrite_output_dir": (HF, ignored("output_dir is never cleared: a run resumes its newest complete checkpoint "

@@ -24,6 +24,7 @@ class Batch:
     cu_seqlens: torch.Tensor | None = None  # padding-free: sample boundaries in the single row (int32)
     sample_lengths: tuple[int, ...] = ()  # every sample's length (the attention term of the FLOP count)
     filler: bool = False  # trains nothing: it keeps a rank's collectives in step with the others' (ignore_all)
+    reference_logps: torch.Tensor | None = None  # stage: dpo's precomputed reference log-prob of each row
 
     def __post_init__(self) -> None:
         # found here on the host, so the step never waits on the GPU for them
@@ -58,7 +59,8 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         moved = Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
-                      self.num_tokens, move(self.cu_seqlens), self.sample_lengths, self.filler)
+                      self.num_tokens, move(self.cu_seqlens), self.sample_lengths, self.filler,
+                      move(self.reference_logps))
         moved.target_positions, moved.target_ids = move(self.target_positions), move(self.target_ids)
         return moved
 

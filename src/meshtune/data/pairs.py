@@ -256,8 +256,9 @@ class Pairs:
     """A tokenized dataset of pairs seen as one unit a pair: `len` pairs, `lengths` both sequences' tokens (what a
     pair weighs in a micro-batch), `[i]` the pair's (chosen, rejected) sequences, each (input_ids, labels)."""
 
-    def __init__(self, sequences: TokenizedDataset):
+    def __init__(self, sequences: TokenizedDataset, cache_key: str | None = None):
         self.sequences = sequences
+        self.cache_key = cache_key  # the tokenized cache's key: what a precomputed reference is keyed by
         self.stats = sequences.stats
         lengths = np.asarray(sequences.lengths)
         self.lengths = lengths[0::2] + lengths[1::2]
@@ -292,4 +293,4 @@ def load_or_build_pairs(specs: list[DatasetSpec], tokenizer: PreTrainedTokenizer
     def build() -> TokenizedDataset:
         return build_pairs(read_pairs(specs, skip_invalid, max_samples), chat, cutoff_len, show_progress)
 
-    return Pairs(cached(Path(cache_dir) / key, build, show_progress))
+    return Pairs(cached(Path(cache_dir) / key, build, show_progress), key)

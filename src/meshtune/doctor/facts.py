@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from meshtune.checksums import RememberedChecksums, dataset_checksum
+from meshtune.checksums import RememberedChecksums, dataset_checksum, remembered_store
 from meshtune.data.registry import resolve_all
 from meshtune.errors import StorageError
 from meshtune.train.agreement import package_versions, shared_config
@@ -83,7 +83,7 @@ def code_hash() -> str:
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshtune" / "file-checksums.json"
+    return remembered_store()
 
 
 def checksum_of(files: list[Path], base: Path) -> str:

@@ -13,10 +13,13 @@ micro-batch, never a gradient.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
@@ -50,6 +53,25 @@ class AdaptersOff:
         model = unwrap(self.policy)
         with model.disable_adapter():
             return model(**inputs, use_cache=False).logits
+
+
+@contextmanager
+def trainable_flags_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Many forwards of the policy with its adapters off (a pass before training) leave it as they found it.
+
+    peft's `disable_adapter` turns `requires_grad` off, and on again, on the parameters each module holds at that
+    moment. Under FSDP2 a unit left unsharded after forward gets them back on its unsharded parameters only, and its
+    sharded ones, which the optimizer collects and FSDP2's next all-gather copies the flag from, stay off. So every
+    unit is resharded and each parameter's flag set back as it was."""
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        for name, p in model.named_parameters():
+            p.requires_grad_(flags[name])
 
 
 class FrozenCopy:

@@ -58,6 +58,7 @@ from meshtune.train.objectives.preference import PreferenceSettings
 from meshtune.train.objectives.token_loss import TokenLoss
 from meshtune.train.optimizer import build_optimizer, clip_gradients
 from meshtune.train.preemption import StopRequest
+from meshtune.train.reference_pass import precompute_reference, reference_is_policy
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 from meshtune.train.sequence_split import SequenceSplit, row_multiple
@@ -130,8 +131,18 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
     if shared and cfg.save_strategy == "epoch":
         checkpoints.save_at(epoch_ends)
+    precompute = partial(precompute_reference, cfg, plan, env, tokenizer.pad_token_id, [train_data, eval_data],
+                         show_progress=env.is_main)
+    # a frozen copy's log-probs before the policy exists: the copy is freed before the policy takes the memory
+    precomputed = (precompute(lambda: build_reference(cfg, plan, env, None))
+                   if cfg.precompute_ref_log_probs and not reference_is_policy(cfg) else None)
     built = build_model(cfg, plan, env)
     model, plan = built.model, built.plan  # the plan as built: what the model could not do is off, with why
+    if cfg.precompute_ref_log_probs and reference_is_policy(cfg):  # the policy with its adapters off
+        precomputed = precompute(lambda: build_reference(cfg, plan, env, model))
+    if precomputed:
+        train_data, eval_data = precomputed.attach(train_data), precomputed.attach(eval_data)
+        plan = plan.amended("reference", precomputed.reason)
     logger.info(plan.describe())
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
@@ -294,7 +305,12 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
 def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.nn.Module, pad_id: int,
                     row_length_multiple: int) -> Objective:
     """What the stage optimises: token cross-entropy (sft, pt), the preference loss of pairs (dpo) or KTO's loss of
-    unpaired samples (kto), the last two with their reference built here (model/reference.py), after the policy."""
+    unpaired samples (kto), the last two with their reference built here (model/reference.py), after the policy;
+    none for dpo with precompute_ref_log_probs, whose batches bring the reference's log-probs."""
+    if cfg.stage == "dpo" and cfg.precompute_ref_log_probs:
+        logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: its log-probs precomputed")
+        return PairLoss(model, env, pad_id, preference_settings(cfg), None, autocast_bf16=plan.autocast_bf16,
+                        autocast_fp16=plan.fp16, precomputed=True)
     if cfg.stage in ("dpo", "kto"):
         reference = build_reference(cfg, plan, env, model)
         described = reference.description if reference else f"none ({cfg.pref_loss} has none)"

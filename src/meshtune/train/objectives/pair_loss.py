@@ -2,8 +2,9 @@
 
 The unit of data is a pair (data/pairs.py's `Pairs`). A micro-batch of n pairs is one padded batch of 2n rows, the
 chosen responses first and the rejected after them (TRL's concatenated forward): one policy forward, and one
-reference forward (model/reference.py) where the loss has a reference. Each row's log-prob is the sum over its
-response's tokens. The loss is the sum over pairs, the normaliser the pair count, so a step's loss is the mean over
+reference forward (model/reference.py) where the loss has a reference, unless its log-probs were precomputed
+(`precompute_ref_log_probs`: train/reference_pass.py) and come with the batch. Each row's log-prob is the sum over
+its response's tokens. The loss is the sum over pairs, the normaliser the pair count, so a step's loss is the mean over
 its global batch whatever the layout; the reported values (TRL's names) are sums over pairs, divided once by the
 summed count.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from meshtune.data.collate import Batch, collate
@@ -33,10 +35,24 @@ class PairRows:
 
 
 def collate_pairs(rows: list[Row], dataset, pad_id: int) -> Batch:
-    """Rows of one pair each -> a padded batch of 2 x pairs rows (chosen first)."""
+    """Rows of one pair each -> a padded batch of 2 x pairs rows (chosen first), with the rows' precomputed
+    reference log-probs where the dataset holds them (data/reference_logps.py's `WithReference`)."""
     pairs = [index for row in rows for index in row]
     sequences = PairRows(pairs, dataset)
-    return collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False)
+    batch = collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False)
+    known = getattr(dataset, "reference_logps", None)
+    if known is not None:
+        batch.reference_logps = torch.from_numpy(np.concatenate([known[pairs, 0], known[pairs, 1]]))
+    return batch
+
+
+def reference_logps(reference: Reference, batch: Batch, device: torch.device, autocast_bf16: bool,
+                    autocast_fp16: bool) -> torch.Tensor:
+    """Each row's summed log-prob under the reference: the step's arithmetic, which the precomputing pass
+    (train/reference_pass.py) runs too."""
+    dtype = torch.float16 if autocast_fp16 else torch.bfloat16
+    with torch.autocast(device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
+        return sequence_logps(reference.logits(batch.model_inputs()), batch.targets)[0]
 
 
 @dataclass
@@ -48,6 +64,7 @@ class PairLoss:
     reference: Reference | None
     autocast_bf16: bool = False
     autocast_fp16: bool = False
+    precomputed: bool = False  # the reference's log-probs come with each batch (precompute_ref_log_probs)
     last: dict = field(default_factory=dict)  # what loss_sum computed, for metric_sums
 
     def collate(self, rows: list[Row], dataset, packed: bool) -> Batch:
@@ -57,10 +74,14 @@ class PairLoss:
         dtype = torch.float16 if self.autocast_fp16 else torch.bfloat16
         inputs = batch.model_inputs()
         n = batch.input_ids.shape[0] // 2
+        if self.precomputed:
+            ref = batch.reference_logps
+            if ref is None:
+                raise RuntimeError("precompute_ref_log_probs: a batch of pairs came without their reference log-probs")
+        else:  # the reference first, reduced to a value a row: its logits are freed before the policy's exist
+            ref = (reference_logps(self.reference, batch, self.env.device, self.autocast_bf16, self.autocast_fp16)
+                   if self.reference is not None else None)
         with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.autocast_bf16 or self.autocast_fp16):
-            # the reference first, reduced to a value a row: its logits are freed before the policy's exist
-            ref = (sequence_logps(self.reference.logits(inputs), batch.targets)[0] if self.reference is not None
-                   else None)
             policy = self.model(**inputs, use_cache=False).logits
         logps, tokens = sequence_logps(policy, batch.targets)
         pairs = pair_losses(self.settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
