@@ -15,8 +15,8 @@ import torch
 from conftest import base_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
-from meshtune.plan import (ModelSize, default_blocks_per_unit, resolve, resume_request, sharding_for_full,
-                           sharding_for_qlora)
+from meshtune.plan import (EACH, ONCE, ModelSize, default_blocks_per_unit, full_state_bytes, gradient_reduction,
+                           reshard_after_forward, resolve, resume_request, sharding_for_full, sharding_for_qlora)
 from meshtune.train.garbage_collection import StepGarbageCollection, libraries_frozen
 from meshtune.train.loop import run
 
@@ -97,9 +97,30 @@ def test_default_units_hold_at_most_four_blocks_and_about_a_billion_parameters(p
     (72.7e9, 16, "zero3"),  # 72B: its bf16 weights alone are 145 GB
 ])
 def test_full_finetuning_on_several_gpus_shards_by_memory(n_params, gpus, expected):
-    mode, why = sharding_for_full(int(n_params), gpus, 80 * GIB)
+    mode, why = sharding_for_full(config(finetuning_type="full"), int(n_params), gpus, 80 * GIB)
     assert mode == expected, why
     assert f"on {gpus} GPUs" in why and "GiB" in why
+
+
+def test_one_memory_model_decides_every_choice_and_bf16_master_weights_halve_its_state():
+    fp32, bf16 = config(finetuning_type="full"), config(finetuning_type="full", master_weights="bf16")
+    n = int(6e9)
+    assert full_state_bytes(fp32, n, 4, whole_weights=True) == 2 * n + 16 * n / 4
+    assert full_state_bytes(bf16, n, 4, whole_weights=False, unsharded_grads=True) == 8 * n / 4 + 4 * n
+
+    def size(parameters: float):
+        return lambda: ModelSize(parameters=int(parameters), block_parameters=int(parameters) // 32, blocks=32)
+
+    def card():
+        return 80 * GIB
+
+    # each choice flips (at half of an 80 GiB card) where the state's bytes a parameter do: 16 in fp32, 8 in bf16
+    assert sharding_for_full(fp32, int(12e9), 8, card())[0] == "zero3"  # 2 + 16 / 8 bytes a parameter
+    assert sharding_for_full(bf16, int(12e9), 8, card())[0] == "zero2"  # 2 + 8 / 8
+    assert reshard_after_forward(fp32, "hsdp", 4, size(9e9), card, {}) is True   # 2 + 16 / 4
+    assert reshard_after_forward(bf16, "hsdp", 4, size(9e9), card, {}) is False  # 2 + 8 / 4
+    assert gradient_reduction(fp32, 4, "zero3", 2, size(6e9), card, {}) == EACH  # 16 / 4 + 4 unsharded
+    assert gradient_reduction(bf16, 4, "zero3", 2, size(6e9), card, {}) == ONCE  # 8 / 4 + 4
 
 
 @pytest.fixture

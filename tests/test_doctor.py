@@ -294,8 +294,8 @@ def test_the_traffic_of_a_step_follows_the_parallel_mode():
 def test_each_node_sends_a_rings_share_of_the_collective_over_its_processes():
     """A ring over every process enters and leaves each node once: ddp over 2 nodes x 8 sends 2(16-1)/16 of the
     gradients out of each node, hsdp's all-reduce between the 2 replicas 2(2-1)/2. What bench/shaped_link.py counts
-    on the interfaces (docs/benchmarks/network.md): ddp 2 x 2 sends 1.5 S a node; on gloo zero2's reduce-scatter moves as much
-    as an all-reduce; zero3_reshard_to_node gathers across the nodes only for forward."""
+    on the interfaces (docs/benchmarks/network.md): ddp 2 x 2 sends 1.5 S a node; on gloo zero2's reduce-scatter
+    moves as much as an all-reduce; zero3_reshard_to_node gathers across the nodes only for forward."""
     from meshtune.config import build_config
     from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives
     from meshtune.plan import ModelSize
@@ -389,9 +389,10 @@ def test_checkpoint_space_counts_the_saves_of_each_save_strategy(tmp_path):
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 2000)  # 1,000 bf16 parameters
     cfg = dict(model_name_or_path=str(tmp_path), finetuning_type="full", save_total_limit=None, max_steps=100,
-               save_steps=25, num_train_epochs=3.0)
+               save_steps=25, num_train_epochs=3.0, master_weights="fp32")
     per_save = checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="steps")) // 4
-    assert per_save > 0
+    assert per_save == 12_000  # fp32 weights and two moments of 1,000 parameters
+    assert checkpoint_bytes(SimpleNamespace(**{**cfg, "master_weights": "bf16"}, save_strategy="steps")) == 4 * 6_000
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="epoch")) == 3 * per_save
     assert checkpoint_bytes(SimpleNamespace(**cfg, save_strategy="no")) == 0
 

@@ -493,6 +493,16 @@ def parallel_for(cfg: TrainConfig, processes: int, per_node: int, gpus: bool, gp
     return mode, f"auto: {reason}"
 
 
+def full_state_bytes(cfg: TrainConfig, n_params: int, shards: int, whole_weights: bool,
+                     unsharded_grads: bool = False) -> float:
+    """One GPU's bytes of full fine-tuning's model state, the one estimate every choice of the plan reads: the bf16
+    weights where they stay whole (zero2, hsdp keeping them from forward to backward), the process's shard of the
+    state (16 bytes a parameter in fp32: weights, gradients, two AdamW moments; 8 with `master_weights: bf16`), and
+    gradients held unsharded under accumulation without sync (4 bytes a parameter, as FSDP2 accumulates them)."""
+    state = 8 if cfg.master_weights == "bf16" else 16
+    return (2 * n_params if whole_weights else 0) + state * n_params / shards + (4 * n_params if unsharded_grads else 0)
+
+
 def auto_parallel(cfg: TrainConfig, processes: int, per_node: int, gpus: bool, gpu_bytes: Callable[[], float],
                   model_size: Callable[[], ModelSize]) -> tuple[str, str]:
     """The mode `parallel: auto` picks, and why; the doctor asks the same from the nodes' facts.
@@ -517,11 +527,10 @@ def auto_parallel(cfg: TrainConfig, processes: int, per_node: int, gpus: bool, g
         return "ddp", "one process"
     if not gpus:
         return "ddp", "CPU processes"
-    state_bytes = 8 if cfg.master_weights == "bf16" else 16
     n_params = model_size().parameters
     if nodes == 1:
-        return sharding_for_full(n_params, processes, gpu_bytes(), state_bytes)
-    share = state_bytes * n_params / per_node
+        return sharding_for_full(cfg, n_params, processes, gpu_bytes())
+    share = full_state_bytes(cfg, n_params, per_node, whole_weights=False)
     if per_node == 1 and share <= 0.5 * gpu_bytes():
         return "ddp", (f"full fine-tuning on {nodes} nodes of one GPU: each holds the whole model "
                        f"({share / 2**30:.1f} GiB of state of {gpu_bytes() / 2**30:.0f} GiB), so only the gradients' "
@@ -530,17 +539,17 @@ def auto_parallel(cfg: TrainConfig, processes: int, per_node: int, gpus: bool, g
         return "hsdp", (f"full fine-tuning on {nodes} nodes x {per_node} GPUs: hsdp shards the model over each node's "
                         f"GPUs ({share / 2**30:.1f} GiB of state per GPU of {gpu_bytes() / 2**30:.0f} GiB) and "
                         f"replicates it across nodes, so only the gradients' all-reduce crosses the network")
-    mode, reason = sharding_for_full(n_params, processes, gpu_bytes(), state_bytes)
+    mode, reason = sharding_for_full(cfg, n_params, processes, gpu_bytes())
     if per_node > 1:
         reason += (f"; one node's {per_node} GPUs cannot hold the model's state for hsdp "
                    f"({share / 2**30:.1f} GiB each)")
     return mode, reason
 
 
-def sharding_for_full(n_params: int, world_size: int, gpu_bytes: float, state_bytes: int = 16) -> tuple[str, str]:
-    """zero2 unless its whole bf16 weights plus its share of the state (16 bytes a parameter in fp32: weights,
-    gradients, two Adam moments; 8 with bf16 master weights) would take over half of a GPU's memory."""
-    zero2_bytes = 2 * n_params + state_bytes * n_params / world_size
+def sharding_for_full(cfg: TrainConfig, n_params: int, world_size: int, gpu_bytes: float) -> tuple[str, str]:
+    """zero2 unless its whole bf16 weights plus its share of the state (`full_state_bytes`) would take over half of
+    a GPU's memory."""
+    zero2_bytes = full_state_bytes(cfg, n_params, world_size, whole_weights=True)
     share = f"{zero2_bytes / 2**30:.1f} GiB of weights and state per GPU of {gpu_bytes / 2**30:.0f} GiB"
     if zero2_bytes <= 0.5 * gpu_bytes:
         return "zero2", f"full fine-tuning on {world_size} GPUs, {share}"
@@ -589,7 +598,7 @@ def reshard_after_forward(cfg: TrainConfig, parallel: str, shard: int | None, mo
         why["reshard_after_forward"] = keep
         return False
     n_params = model_size().parameters
-    held = 2 * n_params + (8 if cfg.master_weights == "bf16" else 16) * n_params / shard
+    held = full_state_bytes(cfg, n_params, shard, whole_weights=True)
     if held <= 0.5 * card:
         why["reshard_after_forward"] = (f"{keep} ({held / 2**30:.1f} GiB of weights and state per GPU of "
                                         f"{card / 2**30:.0f} GiB)")
@@ -666,7 +675,7 @@ def gradient_reduction(cfg: TrainConfig, world_size: int, parallel: str, accumul
         verdict = "no GPU to hold"
     else:
         n_params = model_size().parameters
-        held = (2 * n_params if parallel == "zero2" else 0) + 16 * n_params / world_size + 4 * n_params
+        held = full_state_bytes(cfg, n_params, world_size, whole_weights=parallel == "zero2", unsharded_grads=True)
         once = held <= 0.5 * card
         verdict = f"{held / 2**30:.1f} GiB per GPU of {card / 2**30:.0f} GiB with unsharded fp32 gradients"
     if once:

@@ -15,6 +15,7 @@ from meshtune.units import byte_size
 OK, FAIL, WARN = "✔", "✘", "!"
 CLOCK_WARN_S, CLOCK_FAIL_S = 2.0, 60.0
 CHECKPOINT_BYTES_PER_PARAM = {"full": 12, "lora": 0, "qlora": 0}  # fp32 weights + two AdamW moments
+BF16_MASTER_CHECKPOINT_BYTES_PER_PARAM = 6  # master_weights: bf16: bf16 weights + two bf16 moments
 SLOW_PAIR = 0.5  # a pair below half the median pair's bandwidth is a slow link
 
 
@@ -230,9 +231,11 @@ def store_row(facts: list[dict]) -> list[Row]:
 
 def checkpoint_bytes(cfg) -> int:
     """Checkpoints kept (save_total_limit, else every save) for full fine-tuning: fp32 weights and two AdamW
-    moments a parameter, from the model's safetensors size (bf16: 2 bytes a parameter). LoRA's are small. With
-    save_strategy epoch, one save an epoch."""
+    moments a parameter (all three in bf16 with `master_weights: bf16`), from the model's safetensors size (bf16: 2
+    bytes a parameter). LoRA's are small. With save_strategy epoch, one save an epoch."""
     per_param = CHECKPOINT_BYTES_PER_PARAM.get(cfg.finetuning_type, 0)
+    if per_param and cfg.master_weights == "bf16":
+        per_param = BF16_MASTER_CHECKPOINT_BYTES_PER_PARAM
     by_steps = cfg.save_strategy == "steps" and cfg.save_steps
     if not per_param or not (by_steps or cfg.save_strategy == "epoch"):
         return 0
