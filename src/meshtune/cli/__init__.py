@@ -8,16 +8,13 @@ import contextlib
 import gc
 import shlex
 import sys
-import traceback
 
 from meshtune import __version__, logs
 from meshtune.cli import chat, ckpt, demo, doctor, export, launch, preview, train
 from meshtune.cli.job import job_arguments, log_level
 from meshtune.cli.options import LOG_LEVEL_HELP, debug_option
-from meshtune.errors import MeshtuneError, lasting_storage_error
-from meshtune.launch.torchrun import end_workers_line
-from meshtune.launch.supervise import (leave_launcher, lost_peers, mark_worker_started, ran_torchrun,
-                                       repeated_failure, report_to_launcher, stop_restarts, worker_label)
+from meshtune.launch.exit_policy import run_under_exit_policy
+from meshtune.launch.supervise import leave_launcher, mark_worker_started, ran_torchrun
 
 COMMANDS = {"train": train, "launch": launch, "doctor": doctor, "preview": preview, "ckpt": ckpt, "export": export,
             "chat": chat, "demo": demo}  # each: add_to(commands, debug, job) and run(args)
@@ -53,18 +50,6 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
     # peft reads a transformers property deprecated in v5
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-
-
-def restart_cannot_fix(exc: Exception) -> MeshtuneError | None:
-    """The error as a MeshtuneError when every restart would meet it again, so the job stops at once with it as
-    the last line: storage that is read-only, full or forbidden, or a worker failing exactly as in an earlier
-    attempt (its traceback is printed first). None for anything a restart may cure."""
-    if isinstance(exc, OSError) and (lasting := lasting_storage_error(exc)) is not None:
-        return lasting
-    repeated = repeated_failure(exc)
-    if repeated is not None:
-        traceback.print_exc()
-    return repeated
 
 
 # commands whose own options may stand before, among or after the config and its overrides
@@ -130,30 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """The command, its errors printed once without a trace (--debug raises them)."""
-    try:
-        try:
-            logs.configure(log_level(args))
-            return COMMANDS[args.command].run(args)
-        except MeshtuneError:
-            raise
-        except Exception as exc:
-            lasting = None if args.debug else restart_cannot_fix(exc)
-            if lasting is None and not args.debug and lost_peers(exc):
-                return 1  # said in one line; torchrun restarts the workers
-            if lasting is None:
-                raise  # a crash another attempt may not meet: torchrun restarts the workers
-            raise lasting from exc
-    except MeshtuneError as exc:
-        if args.debug:
-            raise
-        reported = report_to_launcher(str(exc))  # the launcher prints it once, last, and tells the other nodes
-        label = worker_label()
-        if label is not None and not reported:  # under the user's own torchrun one worker per node speaks
-            end_workers_line()
-            print(f"meshtune: error{label}: {exc}", file=sys.stderr)
-        stop_restarts()  # the same error would end every attempt
-        return getattr(exc, "exit_code", 1)
-    except KeyboardInterrupt:
-        print("meshtune: interrupted", file=sys.stderr)
-        return 130
+    """The command under the worker's exit policy (launch/exit_policy.py): its errors printed once without a trace
+    (--debug raises them)."""
+    def command() -> int:
+        logs.configure(log_level(args))
+        return COMMANDS[args.command].run(args)
+
+    return run_under_exit_policy(command, debug=args.debug)
