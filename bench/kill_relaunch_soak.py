@@ -114,15 +114,26 @@ def run_job(config: Path, output: Path, logs: Path, cycles: int, rng: random.Ran
             "seconds": round(time.monotonic() - began, 1)}
 
 
+# `meshtune ckpt verify` of each checkpoint named on the command line, in one process (one import of torch, not one
+# a checkpoint): each verdict, its exit code, a JSON object on the last line; the command's own output on stderr
+VERIFY_EACH = """
+import contextlib, json, sys
+from meshtune.cli import main
+with contextlib.redirect_stdout(sys.stderr):
+    codes = {path: main(["ckpt", "verify", path]) for path in sys.argv[1:]}
+print(json.dumps(codes))
+"""
+
+
 def verify_checkpoints(output: Path) -> dict[str, bool]:
-    verdicts = {}
-    for checkpoint in sorted(output.glob("checkpoint-*")):
-        if checkpoint.name.endswith(".tmp"):
-            continue
-        result = subprocess.run([sys.executable, "-m", "meshtune", "ckpt", "verify", str(checkpoint)],
-                                capture_output=True, text=True, timeout=300)
-        verdicts[checkpoint.name] = result.returncode == 0
-    return verdicts
+    checkpoints = [p for p in sorted(output.glob("checkpoint-*")) if not p.name.endswith(".tmp")]
+    if not checkpoints:
+        return {}
+    result = subprocess.run([sys.executable, "-c", VERIFY_EACH, *map(str, checkpoints)], capture_output=True,
+                            text=True, timeout=300)
+    lines = result.stdout.strip().splitlines()
+    codes = json.loads(lines[-1]) if result.returncode == 0 and lines else {}
+    return {p.name: codes.get(str(p)) == 0 for p in checkpoints}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,6 +98,48 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each module's own order kept
 
 
+class ModuleTimes:
+    """What the order above is kept true by: under pytest-xdist, each module's seconds (setup, call and teardown of
+    its tests) and the worker that ran it, and when each worker finished, printed at the end of the run."""
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.seconds: dict[str, float] = {}
+        self.worker: dict[str, str] = {}
+        self.ended: dict[str, float] = {}
+
+    def add(self, report) -> None:
+        worker = getattr(getattr(report, "node", None), "gateway", None)  # set by xdist on the controller's copy
+        if worker is None:
+            return
+        module = report.nodeid.split("::")[0]
+        self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+        self.worker[module] = worker.id
+        self.ended[worker.id] = time.monotonic() - self.started
+
+    def lines(self, shown: int = 25) -> list[str]:
+        ranked = sorted(self.seconds.items(), key=lambda item: -item[1])
+        lines = [f"{seconds:8.1f}s  {self.worker[module]}  {module}" for module, seconds in ranked[:shown]]
+        for worker, ended in sorted(self.ended.items()):
+            busy = sum(s for m, s in self.seconds.items() if self.worker[m] == worker)
+            lines.append(f"{worker}: its last test ended {ended:.0f} s into the run, {busy:.0f} s in tests")
+        return lines
+
+
+MODULE_TIMES = ModuleTimes()
+
+
+def pytest_runtest_logreport(report):
+    MODULE_TIMES.add(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if MODULE_TIMES.seconds:
+        terminalreporter.write_sep("=", "seconds by module, and each worker's end (tests/conftest.py)")
+        for line in MODULE_TIMES.lines():
+            terminalreporter.write_line(line)
+
+
 class WorkerLock:
     """Shared by the pytest-xdist workers of one run: a test marked `alone` (one that times itself or its steps
     against the clock) runs with no other test beside it; the others run side by side."""

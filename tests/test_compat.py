@@ -263,8 +263,9 @@ EXPECTED = {  # file: (parallel, finetuning_type, cpu_offload)
     "lora_kto.yaml": ("auto", "lora", False), "qwen3_lora_kto.yaml": ("auto", "lora", False)}
 
 
-# one step of 8 micro-batches of pairs up to 2048 tokens each (the tiny tokenizer's tokens are short) is enough
-STEPS = {"qwen3_lora_dpo.yaml": 1}
+# one step of 8 micro-batches of pairs (DPO) or of samples and their KL batch (KTO) up to 2048 tokens each (the tiny
+# tokenizer's tokens are short) is enough
+STEPS = {"qwen3_lora_dpo.yaml": 1, "qwen3_lora_kto.yaml": 1}
 
 
 @pytest.mark.slow

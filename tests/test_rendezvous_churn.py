@@ -8,7 +8,9 @@ default): node 0's torchrun died after it with a DistStoreError, and the relaunc
 agent of torch's own rendezvous handler joins node 0's round and exits at once, as a node killed just then.
 
 Two nodes of one process each on 127.0.0.1, as tests/test_faults.py runs them; and, without processes, a node
-whose node 0 is killed during the preflight's checks.
+whose node 0 is killed during the preflight's checks. The soak (bench/kill_relaunch_soak.py) runs beside the first
+test's job (a side job: its stall bound allows for it), and its test takes the result, or runs it itself when run
+alone.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from processes import kill_tree
 from ranks import free_port
-from test_faults import JOB_TIMEOUT, Cluster, final_hash, job_config, losses, shared_uninterrupted_run
+from test_faults import JOB_TIMEOUT, Cluster, SideJobs, final_hash, job_config, losses, shared_uninterrupted_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,12 +56,44 @@ def cluster(tmp_path):
     c.cleanup()
 
 
+@pytest.fixture(scope="module")
+def side_jobs():
+    jobs = SideJobs()
+    yield jobs
+    jobs.pool.shutdown(wait=True)
+
+
+def soak(root: Path, reference: dict, model_dir: Path, dataset: Path) -> subprocess.CompletedProcess:
+    """bench/kill_relaunch_soak.py: 3 seeded cycles on the job, held to the reference run's output."""
+    config = job_config(root / "cfg", model_dir, dataset, root / "unused")
+    command = [sys.executable, str(REPO / "bench" / "kill_relaunch_soak.py"), "--config", str(config), "--cycles",
+               "3", "--seed", "3", "--workdir", str(root / "soak"), "--reference", str(reference["output"]),
+               "--timeout", "600", "--max-stall-s", "150"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = process.communicate(timeout=900)
+    finally:  # the script kills the nodes it started; they go with it if it is stopped here
+        if process.poll() is None:
+            kill_tree(process.pid)
+            process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 @pytest.mark.slow
 def test_a_node_dead_as_its_rendezvous_round_completes_holds_the_job_up_seconds_not_minutes(
-        cluster, tmp_path, reference, tiny_model_dir, tiny_dataset):
+        cluster, tmp_path, reference, tiny_model_dir, tiny_dataset, side_jobs, tmp_path_factory):
     """rdzv_timeout 120 s: before, node 0's agent waited all of it for the dead agent's share, then its torchrun
     died. Now it gives up within seconds, node 0's launcher starts torchrun again, and node 1 (started once the dead
-    agent is gone) meets it in a new round: the job ends as the uninterrupted run did."""
+    agent is gone) meets it in a new round: the job ends as the uninterrupted run did. The soak runs beside it."""
+    side_jobs.start("soak", lambda: soak(tmp_path_factory.mktemp("soak"), reference, tiny_model_dir, tiny_dataset))
+    try:
+        node_dead_as_its_round_completes(cluster, tmp_path, reference, tiny_model_dir, tiny_dataset)
+    finally:  # it ends within this test: no `alone` test elsewhere starts beside it
+        side_jobs.wait("soak")
+
+
+def node_dead_as_its_round_completes(cluster: Cluster, tmp_path: Path, reference: dict, tiny_model_dir: Path,
+                                     tiny_dataset: Path) -> None:
     from meshtune.doctor.joining import connect_possible
     from meshtune.launch.nodes import _derived_run_id
     from test_node_exits import settings
@@ -92,15 +127,12 @@ def test_a_node_dead_as_its_rendezvous_round_completes_holds_the_job_up_seconds_
 
 @pytest.mark.slow
 def test_the_kill_relaunch_soak_runs_a_few_seeded_cycles_and_ends_as_the_uninterrupted_run(
-        tmp_path, reference, tiny_model_dir, tiny_dataset):
+        side_jobs, tmp_path_factory, reference, tiny_model_dir, tiny_dataset):
     """bench/kill_relaunch_soak.py: 3 cycles of a random node killed U(3, 25) s after the last relaunch (its whole
     tree), relaunched 1 s later; the final weights equal the reference's and every checkpoint verifies. (The stall
-    bound here allows for this test's load; the soak's own default is 60 s.)"""
-    config = job_config(tmp_path / "cfg", tiny_model_dir, tiny_dataset, tmp_path / "unused")
-    command = [sys.executable, str(REPO / "bench" / "kill_relaunch_soak.py"), "--config", str(config), "--cycles",
-               "3", "--seed", "3", "--workdir", str(tmp_path / "soak"), "--reference", str(reference["output"]),
-               "--timeout", "600", "--max-stall-s", "150"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    bound here allows for this test's load, the first test's job beside it; the soak's own default is 60 s.)"""
+    result = side_jobs.result("soak", lambda: soak(tmp_path_factory.mktemp("soak"), reference, tiny_model_dir,
+                                                   tiny_dataset))
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert result.returncode == 0 and report["ok"], result.stdout[-4000:] + result.stderr[-2000:]
     assert report["final_matches"] and report["checkpoints_verified"], report
