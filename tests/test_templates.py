@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from meshtune.data.chat_template import IGNORE_INDEX, ChatTemplate, serving_chat_template
+from meshtune.config import TEMPLATE_NAMES
 from meshtune.data.templates import FORMATS
 from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.errors import DataError
@@ -220,7 +221,7 @@ def test_glm4_tools_and_calls_as_llamafactory_writes_them(tokenizer):
 
 
 def test_every_config_name_has_a_format():
-    assert set(EXPECTED) == set(FORMATS)
+    assert set(EXPECTED) == set(FORMATS) == set(TEMPLATE_NAMES)  # the config's names are the formats rendered
 
 
 def test_qwen3_keeps_reasoning_that_is_there(tokenizer):

@@ -99,6 +99,13 @@ WATCH = Section("stragglers and hangs", JOB)
 CROSS_NODE = Section("reduction across nodes: fewer bytes between the nodes (bench/shaped_link.py measures each)", JOB)
 
 
+# the chat templates data/templates.py renders (its FORMATS, one each; tests/test_templates.py ties the two), by the
+# names LLaMA-Factory gives them, ChatML first
+TEMPLATE_NAMES = ("chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral", "gemma", "gemma3", "phi",
+                  "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2", "cohere", "default", "empty",
+                  "alpaca")
+
+
 class TrainConfig(BaseModel):
     """All keys of `meshtune train`. The field descriptions are the `--help` text."""
 
@@ -174,14 +181,10 @@ class TrainConfig(BaseModel):
                                          "default: all", gt=0)
     dataset_format: Literal["auto", "alpaca", "sharegpt", "qwen", "messages"] = DATA(
         "auto", "auto (detected per file) | alpaca | sharegpt | qwen | messages")
-    template: Literal["auto", "tokenizer", "chatml", "qwen", "qwen3", "qwen3_nothink", "llama3", "llama2", "mistral",
-                      "gemma", "gemma3", "phi", "phi4", "deepseek", "deepseek3", "glm4", "yi", "baichuan2", "intern2",
-                      "cohere", "default", "empty", "alpaca"] = DATA(
+    template: Literal[("auto", "tokenizer", *TEMPLATE_NAMES)] = DATA(
         "auto", "auto (the tokenizer's chat template, else ChatML) | tokenizer (its own, required) | chatml | "
-                "LLaMA-Factory's names: qwen, qwen3, qwen3_nothink, llama3, llama2, mistral, gemma, gemma3, phi, phi4, "
-                "deepseek, deepseek3, glm4, yi, baichuan2, intern2, cohere, default, empty, alpaca (rendered as "
-                "LLaMA-Factory renders them: the tokenizer's own template only where it renders the same text; "
-                "final/ saves the one trained)")
+                f"LLaMA-Factory's names: {', '.join(TEMPLATE_NAMES[1:])} (rendered as LLaMA-Factory renders them: the "
+                "tokenizer's own template only where it renders the same text; final/ saves the one trained)")
     default_system: str | None = DATA(None, "the system prompt of a conversation that has none (LLaMA-Factory's key): "
                                             "replaces the template's own default; Qwen's finetune.py flags set "
                                             "'You are a helpful assistant.', as finetune.py renders")
