@@ -8,9 +8,11 @@ tokenizer (meshtune with `template: empty`, TRL's plain prompt + completion). Lo
 on every linear layer, its reference the base with the adapters off; full fine-tuning trains against a frozen
 reference copy. Gradient checkpointing is on for both, batch --bs pairs a step, sigmoid DPO with beta 0.1. tokens/s
 counts each pair's tokens, the prompt once for each response (as both forwards process it), after 5 warm-up steps:
-meshtune's from its metrics, the peer's from the same tokenizer's count of the pairs it timed. Peak memory: torch's
-peak allocated on the GPU. meshtune's first run on a machine also fills the compiler's cache: alternate enough
-rounds (--repeats 3 or more) that the median is of warm runs.
+meshtune's from its metrics, the peer's from the same tokenizer's count of the pairs it timed. Peak memory:
+torch's peak allocated on the GPU. After the peer, meshtune runs once more a round at the peer's memory
+(`memory_budget`: the lowest peer peak measured; `--no-at-peer-memory` skips it). meshtune's first run on a
+machine also fills the compiler's cache: alternate enough rounds (--repeats 3 or more) that the median is of
+warm runs.
 
 The peer runner is bench/peer_trl_dpo.py (needs trl and datasets; liger-kernel for the Liger side). Every run starts
 from a fresh output folder; sides alternate within each repeat; the table gives each side's median and min-max, and
@@ -73,12 +75,14 @@ def build_workspace(a, work: Path) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def meshtune_run(a, model_dir: Path, data: Path, out: Path, log: Path) -> dict:
+def meshtune_run(a, model_dir: Path, data: Path, out: Path, log: Path, side: str = "meshtune",
+                 extra: dict | None = None) -> dict:
     config = dict(model_name_or_path=str(model_dir), dataset=str(data), output_dir=str(out), stage="dpo",
                   finetuning_type=a.mode, per_device_train_batch_size=a.bs, gradient_accumulation_steps=1,
                   max_steps=a.steps, logging_steps=1, save_steps=0, learning_rate=5e-6, lr_scheduler_type="cosine",
                   cutoff_len=4 * (a.prompt_max + a.resp_max), pref_beta=0.1, pref_loss="sigmoid", template="empty",
-                  gradient_checkpointing=True, nproc_per_node=1, plot_loss=False, seed=0, **a.extra)
+                  gradient_checkpointing=True, nproc_per_node=1, plot_loss=False, seed=0, **a.extra,
+                  **(extra or {}))
     if a.mode == "lora":
         config.update(LORA)
     if torch.cuda.is_available():
@@ -91,11 +95,11 @@ def meshtune_run(a, model_dir: Path, data: Path, out: Path, log: Path) -> dict:
         code = subprocess.run([sys.executable, "-m", "meshtune", "train", str(cfg_file)], stdout=handle,
                               stderr=subprocess.STDOUT, timeout=a.run_timeout).returncode
     if code:
-        return {"side": "meshtune", "error": f"exit {code}: see {log}"}
+        return {"side": side, "error": f"exit {code}: see {log}"}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed, seconds = timed_records([r for r in records if "tokens_per_s" in r], WARMUP)
     tokens = sum(r["tokens"] for r in timed)
-    return {"side": "meshtune", "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / len(timed), 4),
+    return {"side": side, "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / len(timed), 4),
             "tokens_per_step": round(tokens / len(timed)),  # logging_steps 1: a record a step
             "peak_gib": max(r.get("peak_mem_gib", 0) for r in records),
             "wall_s": round(time.perf_counter() - started, 1)}
@@ -118,6 +122,7 @@ def peer_run(a, peer: str, model_dir: Path, data: Path, log: Path) -> dict:
 
 
 def summarise(runs: list[dict], sides: list[str]) -> list[dict]:
+    """Each side's median and spread; meshtune's rows also over the first peer's median and peak memory."""
     rows = []
     for side in sides:
         ok = [r for r in runs if r["side"] == side and "tokens_per_s" in r]
@@ -127,19 +132,25 @@ def summarise(runs: list[dict], sides: list[str]) -> list[dict]:
         speeds = [r["tokens_per_s"] for r in ok]
         rows.append({"side": side, "runs": len(ok), "tokens_per_s": statistics.median(speeds),
                      "min": min(speeds), "max": max(speeds), "peak_gib": max(r["peak_gib"] or 0 for r in ok)})
-    ours = rows[0]
-    for row in rows[1:]:
-        if ours.get("runs") and row.get("runs"):
-            row["meshtune_over_this"] = round(ours["tokens_per_s"] / row["tokens_per_s"], 2)
-            row["meshtune_memory_share"] = round(ours["peak_gib"] / row["peak_gib"], 2) if row["peak_gib"] else None
+    peer = next((r for r in rows if not r["side"].startswith("meshtune") and r.get("runs")), None)
+    for row in rows:
+        if peer and row["side"].startswith("meshtune") and row.get("runs"):
+            row["over_peer"] = round(row["tokens_per_s"] / peer["tokens_per_s"], 2)
+            row["memory_share"] = round(row["peak_gib"] / peer["peak_gib"], 2) if peer["peak_gib"] else None
     return rows
 
 
+def peer_peak(runs: list[dict]) -> float | None:
+    """The lowest peak memory (GiB) a peer's run has measured so far."""
+    peaks = [r["peak_gib"] for r in runs if not r["side"].startswith("meshtune") and r.get("peak_gib")]
+    return min(peaks) if peaks else None
+
+
 def render(a, rows: list[dict], card: str) -> str:
+    peer = next((r["side"] for r in rows if not r["side"].startswith("meshtune")), "the peer")
     head = (f"DPO {a.mode} {a.size}, {a.bs} pairs a step, {a.steps} steps ({WARMUP} untimed), prompt "
             f"{a.prompt_min}-{a.prompt_max}, responses {a.resp_min}-{a.resp_max} tokens, {card}\n\n"
-            "| side | runs | tokens/s median (min-max) | peak GiB | meshtune's speed over it | meshtune's memory share "
-            "|\n"
+            f"| side | runs | tokens/s median (min-max) | peak GiB | over {peer} | memory share of {peer} |\n"
             "|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
@@ -147,7 +158,7 @@ def render(a, rows: list[dict], card: str) -> str:
             lines.append(f"| {r['side']} | 0 | not run: {'; '.join(r['errors'])} | | | |")
             continue
         lines.append(f"| {r['side']} | {r['runs']} | {r['tokens_per_s']:,.0f} ({r['min']:,}-{r['max']:,}) | "
-                     f"{r['peak_gib']} | {r.get('meshtune_over_this', '')} | {r.get('meshtune_memory_share', '')} |")
+                     f"{r['peak_gib']} | {r.get('over_peer', '')} | {r.get('memory_share', '')} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -165,6 +176,8 @@ def parse_args(argv=None):
     p.add_argument("--resp-max", type=int, default=512)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a meshtune config key for meshtune's runs (YAML value), e.g. --set fused_loss=false")
+    p.add_argument("--no-at-peer-memory", dest="at_peer_memory", action="store_false",
+                   help="skip meshtune's run at the peer's memory (memory_budget: the lowest peer peak measured)")
     p.add_argument("--run-timeout", type=float, default=900)
     p.add_argument("--out", type=Path, default=Path("dpo-speed"))
     a = p.parse_args(argv)
@@ -184,17 +197,22 @@ def main(argv=None) -> None:
     work = a.out / "work"
     model_dir, data = build_workspace(a, work)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    sides = ["meshtune", *a.peer_list]
+    sides = ["meshtune", *a.peer_list, *(["meshtune@peer-memory"] if a.peer_list and a.at_peer_memory else [])]
     runs: list[dict] = []
     for round_ in range(a.repeats):
         order = sides if round_ % 2 == 0 else sides[::-1]  # alternate who goes first
         for side in order:
-            log = a.out / f"{side.replace('+', '-')}-{round_}.log"  # names of letters, digits, '.', '_', '-'
-            if side == "meshtune":
-                run_dir = work / f"run-{round_}"
-                shutil.rmtree(run_dir, ignore_errors=True)
-                result = meshtune_run(a, model_dir, data, run_dir, log)
-                shutil.rmtree(run_dir, ignore_errors=True)
+            log = a.out / f"{side.replace('+', '-').replace('@', '-at-')}-{round_}.log"  # file names the device returns
+            if side.startswith("meshtune"):
+                budget = peer_peak(runs) if side != "meshtune" else None
+                if side != "meshtune" and budget is None:
+                    result = {"side": side, "error": "no peer run measured a peak to hold to"}
+                else:
+                    run_dir = work / f"run-{round_}"
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                    result = meshtune_run(a, model_dir, data, run_dir, log, side,
+                                          {"memory_budget": budget} if budget else None)
+                    shutil.rmtree(run_dir, ignore_errors=True)
             else:
                 result = peer_run(a, side, model_dir, data, log)
             result["round"] = round_
