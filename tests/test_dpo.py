@@ -211,7 +211,7 @@ def test_a_run_reports_trls_metrics_in_training_and_evaluation(dpo_run):
     for line in lines:
         assert line["rewards/margins"] == pytest.approx(line["rewards/chosen"] - line["rewards/rejected"], abs=1e-6)
     plan = json.loads((Path(cfg.output_dir) / "run_plan.json").read_text())
-    assert plan["fused_loss"] is False and "stage: dpo" in plan["why"]["fused_loss"]
+    assert plan["fused_loss"] is True and "summed log-prob under the policy" in plan["why"]["fused_loss"]
     assert "adapters turned off" in plan["why"]["reference"]
 
 

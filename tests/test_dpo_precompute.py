@@ -22,6 +22,7 @@ from meshtune.data.pipeline import prepare_datasets
 from meshtune.data.reference_logps import VALUES, read, values_folder
 from meshtune.model.loading import load_model
 from meshtune.model.model_dir import load_tokenizer
+from meshtune.model.loss_head import install_loss_head
 from meshtune.model.reference import FrozenCopy
 from meshtune.plan import RunPlan
 from meshtune.train.objectives.pair_loss import collate_pairs, reference_logps
@@ -149,6 +150,14 @@ def test_the_run_says_where_the_values_are_and_full_fine_tuning_holds_no_frozen_
     assert len(runs["full-read"]["folders"]) == 2  # one per reference: LoRA's base with adapters off, full's copy
 
 
+def tiny_reference(tiny_model_dir, fused: bool) -> FrozenCopy:
+    """The tiny model as the run's frozen reference: with the fused head where the run's plan has fused_loss."""
+    model = load_model(Path(tiny_model_dir), torch.float32).eval()
+    if fused:
+        install_loss_head(model)
+    return FrozenCopy(model, "the tiny model")
+
+
 @pytest.mark.slow
 def test_the_kept_values_are_the_per_step_references_log_probs(runs, tiny_model_dir):
     """Each pair's values, as the step's arithmetic computes them one pair a batch, against the file (both runs'
@@ -157,9 +166,10 @@ def test_the_kept_values_are_the_per_step_references_log_probs(runs, tiny_model_
     tokenizer = load_tokenizer(tiny_model_dir)
     train, _ = prepare_datasets(cfg, tokenizer, show_progress=False, report=False)
     pairs = train.dataset
-    reference = FrozenCopy(load_model(Path(tiny_model_dir), torch.float32).eval(), "the tiny model")
+    fused = json.loads((runs["work"] / "full-read" / "run_plan.json").read_text())["fused_loss"]
+    reference = tiny_reference(tiny_model_dir, fused)
     step = np.stack([reference_logps(reference, collate_pairs([[i]], pairs, tokenizer.pad_token_id),
-                                     torch.device("cpu"), False, False).numpy() for i in range(len(pairs))])
+                                     torch.device("cpu"), False, False, fused).numpy() for i in range(len(pairs))])
     for folder in runs["full-read"]["folders"]:
         kept, problem = read(folder, len(pairs))
         assert problem is None
@@ -182,7 +192,7 @@ def test_a_damaged_values_file_is_computed_again_with_a_line_saying_so(runs, tin
 
     def make_reference():
         made.append(1)
-        return FrozenCopy(load_model(Path(tiny_model_dir), torch.float32).eval(), "the tiny model")
+        return tiny_reference(tiny_model_dir, plan.fused_loss)
 
     folder = next(f for f in runs["full-read"]["folders"] if f not in runs["lora-computed"]["folders"])
     sound = (folder / VALUES).read_bytes()

@@ -293,11 +293,14 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["fused_loss"] = ("off under tensor_parallel: the head's vocabulary is split over the tensor-parallel "
                              "processes, and the loss is computed across their shares of the logits "
                              "(vocabulary-parallel cross-entropy), which are never gathered whole")
-    if cfg.stage in ("dpo", "kto") and fused_loss:
+    if cfg.stage == "dpo" and fused_loss:
+        why["fused_loss"] = ("stage: dpo: the head returns each response's summed log-prob under the policy, in row "
+                             "chunks over the trained positions (their logits computed again in backward); the "
+                             "reference's logits are computed in full, without gradients")
+    if cfg.stage == "kto" and fused_loss:
         fused_loss = False
-        why["fused_loss"] = (f"off for stage: {cfg.stage}: the loss needs each response's summed log-prob under the "
-                             f"policy and the reference, which the fused head (one summed loss, its gradient computed "
-                             f"in forward) does not return; the logits are computed in full")
+        why["fused_loss"] = ("off for stage: kto: its KL pass and losses read the policy's logits in full (the fused "
+                             "head returns the summed log-probs stage: dpo compares)")
     if cfg.stage in ("dpo", "kto"):
         why["reference"] = reference_reason(cfg)
     return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,

@@ -9,6 +9,11 @@ and the head runs inside the model's forward, so DDP and FSDP2 hooks see it as u
 
 Same math as `F.cross_entropy(logits.float(), targets, reduction="sum")` (the plain path): logits in the compute
 dtype, softmax in fp32.
+
+While `logps_for` is active the head returns each row's summed log-probability of its targets instead (what
+preference losses compare): the same chunks, the log-probs kept per position and summed per row; backward computes
+each chunk's logits again and scales its (one-hot - softmax) by the loss's gradient of that position's row, since
+that gradient is known only once the pair's loss is.
 """
 
 from __future__ import annotations
@@ -112,13 +117,84 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, positions: 
         return _chunked_loss(rows, w, targets, False, False, chunk, compiled)[0]
 
 
+def _chunk_token_logps(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, softmax_dtype: torch.dtype):
+    """The chunk's log-probability of each row's target."""
+    logits, lse, _ = _chunk_logits(h, weight, t, softmax_dtype)
+    return logits.gather(1, t[:, None]).squeeze(1) - lse
+
+
+def _chunk_logps_grad(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, g: torch.Tensor,
+                      softmax_dtype: torch.dtype):
+    """d(sum of g x log-prob)/d(logits) = g (one-hot - softmax), in the compute dtype."""
+    logits, lse, _ = _chunk_logits(h, weight, t, softmax_dtype)
+    onehot = torch.arange(logits.size(1), device=t.device)[None, :] == t[:, None]
+    return ((onehot.to(softmax_dtype) - torch.exp(logits - lse[:, None])) * g[:, None].to(softmax_dtype)).to(h.dtype)
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """Each row's target log-prob; backward recomputes each chunk's logits (no tokens x vocabulary tensor is kept)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, compiled):
+        softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.empty(hidden.size(0), dtype=softmax_dtype, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk):
+            out[start:start + chunk] = _kernel(_chunk_token_logps, compiled)(
+                hidden[start:start + chunk], weight, targets[start:start + chunk], softmax_dtype)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk, ctx.compiled, ctx.softmax_dtype = chunk, compiled, softmax_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=ctx.softmax_dtype, device=weight.device) if need_weight else None
+        for start in range(0, hidden.size(0), ctx.chunk):
+            h = hidden[start:start + ctx.chunk]
+            g = _kernel(_chunk_logps_grad, ctx.compiled)(h, weight, targets[start:start + ctx.chunk],
+                                                         grad_out[start:start + ctx.chunk], ctx.softmax_dtype)
+            if need_hidden:
+                torch.mm(g, weight, out=grad_hidden[start:start + ctx.chunk])
+            if need_weight:
+                grad_weight += g.t() @ h
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def linear_row_logps(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                     rows: torch.Tensor, n_rows: int, compiled: bool = False) -> torch.Tensor:
+    """(n_rows,): each row's summed log-probability of `targets` at flat `positions` of `hidden` (..., H), `rows`
+    naming each position's row; fp32 at least."""
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    with torch.autocast(device_type, enabled=False):
+        flat = hidden.reshape(-1, hidden.size(-1)).index_select(0, positions).to(dtype)
+        w = weight.to(dtype)
+        chunk = chunk_rows(weight.size(0))
+        if torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad):
+            token = _LinearLogProbs.apply(flat, w, targets, chunk, compiled)
+        else:
+            softmax_dtype = torch.promote_types(dtype, torch.float32)
+            token = torch.cat([_kernel(_chunk_token_logps, compiled)(flat[i:i + chunk], w, targets[i:i + chunk],
+                                                                     softmax_dtype)
+                               for i in range(0, flat.size(0), chunk)]) if flat.size(0) else flat.new_zeros(0).float()
+        return torch.zeros(n_rows, dtype=token.dtype, device=token.device).index_add(0, rows, token)
+
+
 class LossHead(torch.nn.Linear):
-    """The model's own output head; returns the summed loss while `pending` holds (positions, targets)."""
+    """The model's own output head; returns the summed loss while `pending` holds (positions, targets), or each
+    row's summed log-prob while `pending_logps` holds (positions, targets, rows, number of rows)."""
 
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    pending_logps: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
     compiled = False  # the loss chunks through torch.compile (with torch_compile)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.pending_logps is not None:
+            positions, targets, rows, n_rows = self.pending_logps
+            self.pending_logps = None
+            return linear_row_logps(hidden, self.weight, positions, targets, rows, n_rows, self.compiled)
         if self.pending is None:
             return super().forward(hidden)
         positions, targets = self.pending
@@ -154,3 +230,17 @@ def targets_for(model: torch.nn.Module, positions: torch.Tensor, targets: torch.
         yield
     finally:
         head.pending = None
+
+
+@contextmanager
+def logps_for(model: torch.nn.Module, targets: torch.Tensor, ignore_index: int):
+    """During the next forward, the head returns each row's summed log-prob of `targets` ((rows, positions), the
+    model's shifted labels, `ignore_index` where nothing is trained)."""
+    flat = targets.reshape(-1)
+    positions = (flat != ignore_index).nonzero().squeeze(1)
+    head = output_head(model)
+    head.pending_logps = (positions, flat.index_select(0, positions), positions // targets.size(1), targets.size(0))
+    try:
+        yield
+    finally:
+        head.pending_logps = None

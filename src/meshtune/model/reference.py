@@ -25,6 +25,7 @@ from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
 from meshtune.errors import ModelError
 from meshtune.model.loading import load_model, model_skeleton
+from meshtune.model.loss_head import LossHead, install_loss_head, logps_for, output_head
 from meshtune.model.model_dir import check_model_dir
 from meshtune.model.parallel import unwrap, wrap_model
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
@@ -38,6 +39,19 @@ class Reference(Protocol):
 
     def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's logits for the model inputs of a micro-batch, without a graph."""
+
+    def row_logps(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+                  ignore_index: int) -> torch.Tensor | None:
+        """Each row's summed log-prob of `targets` through the fused head (model/loss_head.py), the arithmetic of
+        the policy's under fused_loss; None where the reference's head is not one."""
+
+
+def head_row_logps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+                   ignore_index: int) -> torch.Tensor | None:
+    if not isinstance(output_head(model), LossHead):
+        return None
+    with logps_for(model, targets, ignore_index):
+        return model(**inputs, use_cache=False).logits
 
 
 class AdaptersOff:
@@ -53,6 +67,13 @@ class AdaptersOff:
         model = unwrap(self.policy)
         with model.disable_adapter():
             return model(**inputs, use_cache=False).logits
+
+    @torch.no_grad()
+    def row_logps(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+                  ignore_index: int) -> torch.Tensor | None:
+        model = unwrap(self.policy)
+        with model.disable_adapter():
+            return head_row_logps(model, inputs, targets, ignore_index)
 
 
 @contextmanager
@@ -84,6 +105,11 @@ class FrozenCopy:
     def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**inputs, use_cache=False).logits
 
+    @torch.no_grad()
+    def row_logps(self, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+                  ignore_index: int) -> torch.Tensor | None:
+        return head_row_logps(unwrap(self.model), inputs, targets, ignore_index)
+
 
 def build_reference(cfg: TrainConfig, plan: RunPlan, env: DistEnv, policy: torch.nn.Module) -> Reference | None:
     """The run's reference, for stage: dpo and kto alike (see the module's docstring); None where dpo's pref_loss has
@@ -108,6 +134,8 @@ def frozen_copy(model_dir: Path, adapters: str | None, plan: RunPlan, env: DistE
     model.requires_grad_(False)
     model.eval()
     model.config.use_cache = False
+    if plan.fused_loss:  # its log-probs summed as the policy's are (model/loss_head.py), before any wrapping
+        install_loss_head(model)
     if plan.weights_from_rank0:
         check_same_model(model, env)
     if plan.parallel == "ddp":

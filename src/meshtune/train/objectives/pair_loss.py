@@ -4,7 +4,8 @@ The unit of data is a pair (data/pairs.py's `Pairs`). A micro-batch of n pairs i
 chosen responses first and the rejected after them (TRL's concatenated forward): one policy forward, and one
 reference forward (model/reference.py) where the loss has a reference, unless its log-probs were precomputed
 (`precompute_ref_log_probs`: train/reference_pass.py) and come with the batch. Each row's log-prob is the sum over
-its response's tokens. The loss is the sum over pairs, the normaliser the pair count, so a step's loss is the mean over
+its response's tokens (with `fused_loss`, summed in chunks by the model's head: model/loss_head.py's `logps_for`). The
+loss is the sum over pairs, the normaliser the pair count, so a step's loss is the mean over
 its global batch whatever the layout; the reported values (TRL's names) are sums over pairs, divided once by the
 summed count.
 """
@@ -16,9 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from meshtune.data.collate import Batch, collate
+from meshtune.data.collate import IGNORE, Batch, collate
 from meshtune.data.sampler import Row
 from meshtune.distributed import DistEnv
+from meshtune.model.loss_head import logps_for
+from meshtune.model.parallel import unwrap
 from meshtune.model.reference import Reference
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.preference import METRICS, PreferenceSettings, metric_sums, pair_losses, sequence_logps
@@ -47,12 +50,14 @@ def collate_pairs(rows: list[Row], dataset, pad_id: int) -> Batch:
 
 
 def reference_logps(reference: Reference, batch: Batch, device: torch.device, autocast_bf16: bool,
-                    autocast_fp16: bool) -> torch.Tensor:
+                    autocast_fp16: bool, fused: bool = False) -> torch.Tensor:
     """Each row's summed log-prob under the reference: the step's arithmetic, which the precomputing pass
-    (train/reference_pass.py) runs too."""
+    (train/reference_pass.py) runs too; with `fused`, the fused head's, as the policy's are summed (so a policy
+    equal to its reference has a margin of exactly 0)."""
     dtype = torch.float16 if autocast_fp16 else torch.bfloat16
     with torch.autocast(device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
-        return sequence_logps(reference.logits(batch.model_inputs()), batch.targets)[0]
+        rows = reference.row_logps(batch.model_inputs(), batch.targets, IGNORE) if fused else None
+        return rows if rows is not None else sequence_logps(reference.logits(batch.model_inputs()), batch.targets)[0]
 
 
 @dataclass
@@ -65,6 +70,7 @@ class PairLoss:
     autocast_bf16: bool = False
     autocast_fp16: bool = False
     precomputed: bool = False  # the reference's log-probs come with each batch (precompute_ref_log_probs)
+    fused: bool = False  # fused_loss: the policy's head returns each row's summed log-prob (model/loss_head.py)
     last: dict = field(default_factory=dict)  # what loss_sum computed, for metric_sums
 
     def collate(self, rows: list[Row], dataset, packed: bool) -> Batch:
@@ -79,11 +85,15 @@ class PairLoss:
             if ref is None:
                 raise RuntimeError("precompute_ref_log_probs: a batch of pairs came without their reference log-probs")
         else:  # the reference first, reduced to a value a row: its logits are freed before the policy's exist
-            ref = (reference_logps(self.reference, batch, self.env.device, self.autocast_bf16, self.autocast_fp16)
-                   if self.reference is not None else None)
+            ref = (reference_logps(self.reference, batch, self.env.device, self.autocast_bf16, self.autocast_fp16,
+                                   self.fused) if self.reference is not None else None)
         with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.autocast_bf16 or self.autocast_fp16):
-            policy = self.model(**inputs, use_cache=False).logits
-        logps, tokens = sequence_logps(policy, batch.targets)
+            if self.fused:  # no rows x positions x vocabulary logits: the head sums each row's log-probs in chunks
+                with logps_for(unwrap(self.model), batch.targets, IGNORE):
+                    logps = self.model(**inputs, use_cache=False).logits
+                tokens = (batch.targets != IGNORE).sum(dim=1)
+            else:
+                logps, tokens = sequence_logps(self.model(**inputs, use_cache=False).logits, batch.targets)
         pairs = pair_losses(self.settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
                             None if ref is None else ref[:n], None if ref is None else ref[n:])
         self.last = {"pairs": pairs, "chosen": logps[:n], "rejected": logps[n:], "weight": 0.0 if batch.filler else 1.0}
