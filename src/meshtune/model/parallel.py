@@ -27,15 +27,16 @@ class FlatGradientSync:
     (measured); hundreds of adapter tensors are a few hundred MB, a few ms over NVLink, not worth overlapping."""
 
     def __init__(self, model: torch.nn.Module, world_size: int, reduce_dtype: torch.dtype | None = None,
-                 in_sync: bool = False):
+                 in_sync: bool = False, group: dist.ProcessGroup | None = None):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = world_size
         self.reduce_dtype = reduce_dtype  # None: the gradients' own
+        self.group = group  # None: every process (a pipeline stage's replicas otherwise)
         if in_sync:  # every replica already holds rank 0's values (rank0_weights)
             return
         for group in self._by_dtype([p.data for p in self.params]):
             flat = _flatten_dense_tensors(group)
-            dist.broadcast(flat, src=0)
+            dist.broadcast(flat, group=group, group_src=0)
             for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                 tensor.copy_(synced)
 
@@ -54,7 +55,7 @@ class FlatGradientSync:
             flat = _flatten_dense_tensors(grads)
             sent = flat.to(self.reduce_dtype or flat.dtype)
             sent.div_(self.world_size)  # as DDP: average, dividing before the sum
-            dist.all_reduce(sent)
+            dist.all_reduce(sent, group=self.group)
             flat.copy_(sent)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)

@@ -38,6 +38,7 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import model_size
 from meshtune.model.model_dir import check_model_dir, load_tokenizer
 from meshtune.model.reference import build_reference
+from meshtune.model.pipeline_parallel import gather_stage_weights
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, settle_gradient_buckets
 from meshtune.model.vocab_parallel_loss import vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
@@ -56,6 +57,7 @@ from meshtune.train.objectives.pair_loss import PairLoss
 from meshtune.train.objectives.preference import PreferenceSettings
 from meshtune.train.objectives.token_loss import TokenLoss
 from meshtune.train.optimizer import build_optimizer, clip_gradients
+from meshtune.train.pipeline_step import PipelineStep
 from meshtune.train.preemption import StopRequest
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
@@ -162,6 +164,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         return collate_rows(rows) if rows else collate_rows(filler_rows).ignore_all()
 
     split = SequenceSplit(plan.context_parallel, env)  # context parallel: each process's share of the positions
+    # pipeline_parallel: this process's stage and torch's schedule over the step's micro-batches
+    pipeline = (PipelineStep(model, built.pipeline, plan.pipeline_schedule, plan.gradient_accumulation_steps,
+                             env.device, pad_id, cfg.cutoff_len) if built.pipeline is not None else None)
+    stages = built.pipeline["pp"].get_group() if built.pipeline is not None else None
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
@@ -191,7 +197,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
-                               sample_ids(batches, train_data, plan.model_parallel), progress.nonfinite_skipped,
+                               sample_ids(batches, train_data, plan.model_parallel,
+                                          data.world_size if plan.pipeline_parallel > 1 else 0), progress.nonfinite_skipped,
                                checkpoints.close)
     own = float(env.rank == data.rank * plan.model_parallel)  # 0: a cp x tp peer counts this group's batches
     # a cp group's processes each hold the loss of their share of the positions; a tensor-parallel peer, a copy
@@ -219,7 +226,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             reported = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
-            for m, batch in enumerate(micro):
+            if pipeline is not None:  # the schedule runs every micro-batch's forward and backward through the stages
+                loss_sum = faults.nan_loss(pipeline.step(micro, targets, reducing, scaler.scale), step + 1, env.rank)
+            for m, batch in enumerate(micro if pipeline is None else []):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction,
                                    keep_gathered=plan.reshard_after_forward is False):
                     with split(batch.to(env.device)) as local:  # forward and backward on this process's share
@@ -230,7 +239,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
             scaler.unscale(optimizer)
-            grad_norm = clip_gradients(params, cfg.max_grad_norm)
+            grad_norm = clip_gradients(params, cfg.max_grad_norm, stages)
             lr = float(optimizer.param_groups[0]["lr"])  # the rate this step used (a tensor in torchao's AdamW)
             # fp16: gradients that overflow are the loss scale's to skip (and the scale lowers), not a fault
             checked_norm = torch.zeros_like(loss_sum) if plan.fp16 else grad_norm
@@ -277,7 +286,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
 
     final_dir = None
     if cfg.save_final:
-        weights = gather_state_dict(model, trainable_only=cfg.is_lora)  # a collective: full tensors on rank 0
+        # a collective: full tensors on rank 0 (from every stage under pipeline_parallel)
+        weights = (gather_state_dict(model, trainable_only=cfg.is_lora) if built.pipeline is None else
+                   gather_stage_weights(model, built.pipeline, trainable_only=cfg.is_lora))
         final_dir = publish_final(output_dir, {**run_info, "step": progress.step, "epoch": progress.epoch},
                                   env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template),
                                   store=store)
