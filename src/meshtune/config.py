@@ -812,8 +812,8 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"pipeline_parallel: {pp} cannot be combined with {why}")
         if self.parallel not in ("auto", "ddp"):
             raise ValueError(f"pipeline_parallel: {pp} with parallel: {self.parallel}: a stage's processes are "
-                             f"replicas of it (parallel: ddp), FSDP2 inside a stage is not supported yet; set parallel: "
-                             f"ddp, or pipeline_parallel: 1 for {self.parallel}")
+                             f"replicas of it (parallel: ddp), FSDP2 inside a stage is not supported yet; set "
+                             f"parallel: ddp, or pipeline_parallel: 1 for {self.parallel}")
         return self
 
     def _check_kto(self) -> None:

@@ -254,7 +254,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["torch_compile"] = "off under tensor_parallel: the blocks run eagerly between their DTensor collectives"
     if pp > 1 and compile_:
         compile_ = False
-        why["torch_compile"] = "off under pipeline_parallel: a stage's blocks run eagerly between its sends and receives"
+        why["torch_compile"] = ("off under pipeline_parallel: a stage's blocks run eagerly between its sends and "
+                                "receives")
     if cp > 1 and compile_:
         compile_ = False
         why["torch_compile"] = ("off under context_parallel: the ring attention swaps the blocks' attention for "

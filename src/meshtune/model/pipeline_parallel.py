@@ -4,13 +4,19 @@ Parameter names stay those of the whole model, so a DCP checkpoint of any layout
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
+from meshtune.model.loading import model_skeleton
+from meshtune.model.lora import add_lora
+from meshtune.plan import RunPlan
 
 
 class BlockOfAnotherStage(nn.Module):
@@ -78,3 +84,11 @@ def gather_stage_weights(model: nn.Module, mesh: DeviceMesh, trainable_only: boo
     stages: list | None = [None] * mesh["pp"].size() if first else None
     dist.gather_object(own, stages, group=mesh["pp"].get_group(), group_dst=0)
     return {name: tensor for stage in stages for name, tensor in stage.items()} if first else {}
+
+
+def whole_model(cfg: TrainConfig, plan: RunPlan) -> nn.Module:
+    """The whole model's modules on the meta device (no weights), LoRA's included: what `save_pretrained` walks
+    to name final/'s tensors (peft keeps an adapter's weights by its modules), which the stages hold between them."""
+    with torch.random.fork_rng():
+        model = model_skeleton(Path(cfg.model_name_or_path).expanduser(), plan.load_dtype)
+        return add_lora(model, cfg) if cfg.is_lora else model

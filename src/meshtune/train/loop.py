@@ -38,7 +38,7 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import model_size
 from meshtune.model.model_dir import check_model_dir, load_tokenizer
 from meshtune.model.reference import build_reference
-from meshtune.model.pipeline_parallel import gather_stage_weights
+from meshtune.model.pipeline_parallel import gather_stage_weights, whole_model
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, settle_gradient_buckets
 from meshtune.model.vocab_parallel_loss import vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
@@ -196,10 +196,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
+    per_stage = data.world_size if plan.pipeline_parallel > 1 else 0  # the processes of a pipeline stage
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
-                               sample_ids(batches, train_data, plan.model_parallel,
-                                          data.world_size if plan.pipeline_parallel > 1 else 0), progress.nonfinite_skipped,
-                               checkpoints.close)
+                               sample_ids(batches, train_data, plan.model_parallel, per_stage),
+                               progress.nonfinite_skipped, checkpoints.close)
     own = float(env.rank == data.rank * plan.model_parallel)  # 0: a cp x tp peer counts this group's batches
     # a cp group's processes each hold the loss of their share of the positions; a tensor-parallel peer, a copy
     own_loss = float(env.rank % plan.tensor_parallel == 0)
@@ -289,8 +289,11 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         # a collective: full tensors on rank 0 (from every stage under pipeline_parallel)
         weights = (gather_state_dict(model, trainable_only=cfg.is_lora) if built.pipeline is None else
                    gather_stage_weights(model, built.pipeline, trainable_only=cfg.is_lora))
+        # under pipeline_parallel rank 0 holds the first stage: the whole model's modules name the tensors
+        saving = whole_model(cfg, plan) if built.pipeline is not None and env.is_main else model
         final_dir = publish_final(output_dir, {**run_info, "step": progress.step, "epoch": progress.epoch},
-                                  env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template),
+                                  env.rank, lambda staged: save_final(saving, weights, tokenizer, staged,
+                                                                      chat_template),
                                   store=store)
     if env.is_main:
         if cfg.plot_loss:
