@@ -75,6 +75,20 @@ def test_pp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
+    """4 processes: 2 stages of 2 replicas each, 2 micro-batches a step on each replica (global batch 8)."""
+    one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
+    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2)
+    plan = pp2_dp2["plan"]
+    assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
+    assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
+    assert_same(pp2_dp2["losses"], one["losses"], f"{method} pp 2 x dp 2 loss")
+    assert_same(pp2_dp2["norms"], one["norms"], f"{method} pp 2 x dp 2 grad norm")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_final_of_pp2_holds_the_whole_model_and_the_adapter_by_their_names(jobs):
     for method, weights in (("full", "model.safetensors"), ("lora", "adapter_model.safetensors")):
         one = load_file(str(jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)["output"] / "final" / weights))
