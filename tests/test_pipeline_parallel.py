@@ -12,7 +12,106 @@ from safetensors.torch import load_file
 
 from conftest import base_config, read_metrics, write_config
 from meshtune.cli import main
+from meshtune.config import build_config
+from meshtune.distributed import DistEnv
+from meshtune.errors import ConfigError
+from meshtune.plan import ModelSize, resolve
 from ranks import run_workers
+
+
+QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2")
+
+
+def env(world_size: int, local_world_size: int | None = None, rank: int = 0) -> DistEnv:
+    local = local_world_size or world_size
+    return DistEnv(rank, world_size, rank % local, local, torch.device("cpu"))
+
+
+def plan_of(world_size: int = 4, local: int | None = None, size: ModelSize = QWEN_7B, **values):
+    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "pipeline_parallel": 2, **values})
+    return resolve(cfg, env(world_size, local), None, lambda: size)
+
+
+def test_the_stages_are_outermost_so_a_node_holds_a_stage_and_the_plan_names_them(tmp_path):
+    """2 nodes of 2: stage 0 is node 0's ranks, stage 1 node 1's; ranks 1 and 3 share their data."""
+    plan = plan_of(4, 2, finetuning_type="full", gradient_accumulation_steps=4)
+    assert plan.mesh == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert plan.parallel == "ddp" and plan.grad_sync == "flat" and not plan.weights_from_rank0
+    assert plan.pipeline_stages == [(0, 14), (14, 28)] and plan.pipeline_schedule == "1f1b"
+    for rank, data_rank in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        data = plan.data_env(env(4, 2, rank))
+        assert (data.rank, data.world_size) == (data_rank, 2), rank
+    assert not (plan.fused_loss or plan.padding_free or plan.compile)
+    assert "logits the schedule" in plan.why["fused_loss"] and "auto: 1f1b" in plan.why["pipeline_schedule"]
+    described = plan.describe()
+    assert "pipeline_stages              blocks 0-13, blocks 14-27" in described
+    assert "device_mesh                  pp 2 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1" in described
+    plan.write(tmp_path / "run_plan.json")
+    written = json.loads((tmp_path / "run_plan.json").read_text())
+    assert list(written["mesh"])[0] == "pp" and written["pipeline_stages"] == [[0, 14], [14, 28]]
+    assert written["pipeline_schedule"] == "1f1b"
+    # fewer micro-batches than stages: GPipe, which runs any number
+    assert plan_of(4, 2, gradient_accumulation_steps=1).pipeline_schedule == "gpipe"
+    assert plan_of(4, 2, gradient_accumulation_steps=4, pipeline_schedule="gpipe").pipeline_schedule == "gpipe"
+
+
+def test_without_pipeline_parallel_the_plan_has_no_stages():
+    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl"})
+    plan = resolve(cfg, env(4), None, lambda: QWEN_7B)
+    assert "pp" not in plan.mesh and plan.pipeline_schedule is None and plan.pipeline_stages == []
+    assert plan.pipeline_parallel == 1 and "pipeline" not in plan.describe()
+
+
+@pytest.mark.parametrize("world_size, size, values, message", [
+    (3, QWEN_7B, {}, "2 does not divide the job's 3 processes; counts that work here: 1, 3"),
+    (4, ModelSize(10, 1, 3, 4, 4, "qwen2"), {}, "does not divide the model's 3 blocks .* work here: 1$"),
+    (4, ModelSize(10, 1, 2, 4, 4, "gemma"), {}, "not model_type gemma"),
+    (4, ModelSize(10, 1, 2, 4, 4, "qwen2", tied_embeddings=True), {}, "tie_word_embeddings"),
+    (4, QWEN_7B, {"pipeline_schedule": "1f1b", "gradient_accumulation_steps": 1},
+     "1f1b needs at least pipeline_parallel \\(2\\) micro-batches .* gradient_accumulation_steps to 2"),
+])
+def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_size, size, values, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of(world_size, size=size, **values)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tensor_parallel": 2}, "tensor_parallel or context_parallel above 1"),
+    ({"context_parallel": 2}, "tensor_parallel or context_parallel above 1"),
+    ({"finetuning_type": "qlora"}, "finetuning_type: qlora"),
+    ({"stage": "dpo"}, "stage: dpo"),
+    ({"stage": "kto"}, "stage: kto"),
+    ({"packing": True}, "packing: true"),
+    ({"padding_free": True}, "padding_free: true"),
+    ({"fp16": True}, "fp16: true"),
+    ({"powersgd_rank": 2}, "powersgd_rank"),
+    ({"val_size": 0.1}, "a held-out set"),
+    ({"eval_dataset": "e.jsonl"}, "a held-out set"),
+    ({"finetuning_type": "full", "parallel": "zero3"}, "parallel: zero3: a stage's processes are replicas"),
+])
+def test_what_the_pipeline_does_not_combine_with_is_refused_before_any_process(values, message):
+    with pytest.raises(ConfigError, match=f"pipeline_parallel: 2 (cannot be combined )?with {message}"):
+        build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "pipeline_parallel": 2, **values})
+
+
+def test_a_stage_keeps_its_blocks_by_the_whole_model_s_names(tiny_model_dir):
+    """Stage 0 holds the embedding and block 0, stage 1 block 1, the norm and the head: together every name of the
+    whole model (LoRA's too), each once, so a checkpoint of either layout loads on the other."""
+    from meshtune.model.lora import add_lora
+    from meshtune.model.loading import load_model
+    from meshtune.model.pipeline_parallel import keep_stage
+
+    cfg = build_config({"model_name_or_path": str(tiny_model_dir), "dataset": "d.jsonl", "lora_target": "all"})
+    whole = set(add_lora(load_model(tiny_model_dir, torch.float32), cfg).state_dict())
+    held = []
+    for stage in (0, 1):
+        model = add_lora(load_model(tiny_model_dir, torch.float32), cfg)
+        keep_stage(model, stage, (stage, stage + 1), 2)
+        held.append(set(model.state_dict()))
+    assert not held[0] & held[1] and held[0] | held[1] == whole
+    assert "base_model.model.model.embed_tokens.weight" in held[0]
+    assert {"base_model.model.model.norm.weight", "base_model.model.lm_head.weight"} <= held[1]
+    assert all(".layers.1." not in name for name in held[0]) and all(".layers.0." not in name for name in held[1])
 
 
 class Jobs:
