@@ -207,3 +207,36 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_one_process_s_on_pp2(jobs):
     assert_same(from_pp2["losses"], one["losses"][2:], "pp 2 -> 1 process")
     to_pp2 = jobs.run("pp2-from-one", "full", 2, 2, 4, resume_from_checkpoint=str(one["output"] / "checkpoint-2"))
     assert_same(to_pp2["losses"], one["losses"][2:], "1 process -> pp 2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_2_node_pipeline_with_a_node_killed_after_checkpoint_4_ends_with_the_uninterrupted_weights(
+        tmp_path, tiny_model_dir, tiny_dataset):
+    """One stage a node (torchrun agents on 127.0.0.1, --nnodes 2): node 1 killed with kill -9 once checkpoint-4 is
+    published, relaunched alone; both stages resume from checkpoint-4 and the job ends with the losses and the
+    final weights, bit for bit, of the same job without the kill (its ranks forked on this machine)."""
+    from test_faults import Cluster, final_hash, job_config, kill_and_relaunch, losses
+    from ranks import free_port, run_meshtune_ranks
+
+    pipeline = dict(parallel="ddp", hsdp_shard_size=None, pipeline_parallel=2, gradient_accumulation_steps=2,
+                    max_steps=8, save_steps=4)
+    reference = tmp_path / "uninterrupted"
+    config = job_config(reference / "cfg", tiny_model_dir, tiny_dataset, reference / "output", **pipeline)
+    result = run_meshtune_ranks(["train", str(config)], 2, reference / "ranks", env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    killed = tmp_path / "killed"
+    config = job_config(killed / "cfg", tiny_model_dir, tiny_dataset, killed / "output", **pipeline)
+    cluster = Cluster(killed)
+    try:
+        port = free_port()
+        nodes = cluster.start_job(config, port)
+        kill_and_relaunch(cluster, config, port, killed / "output", nodes, victim=1, step=4)
+        for node in nodes:
+            assert node.wait(240) == 0, node.output()[-4000:]
+    finally:
+        cluster.cleanup()
+    texts = "".join(node.output() for node in cluster.nodes)
+    assert f"resumed from {killed / 'output' / 'checkpoint-4'} at step 4" in texts, texts[-4000:]
+    assert losses(killed / "output") == losses(reference / "output")
+    assert final_hash(killed / "output") == final_hash(reference / "output")

@@ -138,7 +138,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     scheduler = build_scheduler(optimizer, *schedule)
     logger.info(describe_schedule(*schedule))
     progress = TrainingProgress()
-    state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora)
+    state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora,
+                           optimizer_by_name=built.pipeline is not None)  # each stage's groups name other weights
     if resume_path:
         load_began = time.monotonic()
         checkpoints.load(resume_path, state)
