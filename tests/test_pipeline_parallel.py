@@ -240,3 +240,32 @@ def test_a_2_node_pipeline_with_a_node_killed_after_checkpoint_4_ends_with_the_u
     assert f"resumed from {killed / 'output' / 'checkpoint-4'} at step 4" in texts, texts[-4000:]
     assert losses(killed / "output") == losses(reference / "output")
     assert final_hash(killed / "output") == final_hash(reference / "output")
+
+
+def test_the_doctor_counts_a_pipeline_s_activations_as_what_crosses_the_nodes():
+    """Full 7B (hidden 3,584) on 2 nodes x 8 GPUs, a stage a node, 64 rows of 600 tokens a step in bf16: the 8
+    pipelines' activations, 64 x 600 x 3,584 x 2 bytes = 0.28 GB, cross each way, against ddp's ring all-reduce of
+    15 GB of bf16 gradients; a stage on 2 nodes (pp 2 on 4 nodes) adds its replicas' all-reduce of half of them."""
+    from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives
+
+    model = ModelFacts(QWEN_7B, QWEN_7B.parameters, 6_500_000_000, 28, 3584, hidden=3584)
+
+    def sent(pp: int, nodes: int, parallel: str = "ddp") -> float:
+        cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "full",
+                            "pipeline_parallel": pp, "per_device_train_batch_size": 8 // (nodes * 8 // pp // 8),
+                            "gradient_accumulation_steps": 1, "cutoff_len": 600, "grad_reduce_dtype": "bf16",
+                            "parallel": parallel})
+        return sent_by_each_node(step_collectives(cfg, parallel, model, True, True, nodes * 8, None, 8), nodes)
+
+    assert sent(2, 2) == pytest.approx(64 * 600 * 3584 * 2)
+    ddp = sent(1, 2)
+    assert ddp == pytest.approx(2 * 15 / 16 * QWEN_7B.parameters * 2)
+    assert sent(2, 2) / ddp < 0.02
+    # 4 nodes, 2 stages: each stage's 16 replicas on 2 nodes; 2 rows a process
+    four = step_collectives(build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "full",
+                                          "pipeline_parallel": 2, "per_device_train_batch_size": 2,
+                                          "cutoff_len": 600, "grad_reduce_dtype": "bf16"}),
+                            "ddp", model, True, True, 32, None, 8)
+    assert [(c.kind, c.what) for c in four] == [("send", "activations forward and their gradients back"),
+                                                ("all-reduce", "a stage's gradients")]
+    assert four[1].bytes == QWEN_7B.parameters * 2 / 2 and four[1].ranks == 16
