@@ -200,6 +200,7 @@ def test_final_of_pp2_holds_the_whole_model_and_the_adapter_by_their_names(jobs)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_pp2_checkpoint_resumes_on_one_process_and_one_process_s_on_pp2(jobs):
+    """Also on pp 2 itself: each stage's optimizer param groups name its own parameters, saved by name."""
     one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
     pp2 = jobs.run("pp2-full", "full", 2, 2, 4, **SAVED)
     from_pp2 = jobs.run("one-from-pp2", "full", 1, 1, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"))
@@ -207,6 +208,8 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_one_process_s_on_pp2(jobs):
     assert_same(from_pp2["losses"], one["losses"][2:], "pp 2 -> 1 process")
     to_pp2 = jobs.run("pp2-from-one", "full", 2, 2, 4, resume_from_checkpoint=str(one["output"] / "checkpoint-2"))
     assert_same(to_pp2["losses"], one["losses"][2:], "1 process -> pp 2")
+    again = jobs.run("pp2-from-pp2", "full", 2, 2, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"))
+    assert again["losses"] == pp2["losses"][2:], "pp 2 -> pp 2 goes on bit for bit"
 
 
 @pytest.mark.slow
