@@ -28,13 +28,14 @@ class PipelineStep:
     step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
 
     def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, schedule: str, micro_batches: int,
-                 device: torch.device, pad_id: int, length_cap: int):
+                 device: torch.device, pad_id: int, length_cap: int, autocast_bf16: bool = False):
         self.stage = mesh.get_local_rank("pp")
         self.stages = mesh["pp"].size()
         self.group = mesh["pp"].get_group()
         self.module = StageForward(model, first=self.stage == 0, last=self.stage == self.stages - 1)
         self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
         self.pad_id, self.length_cap = pad_id, length_cap
+        self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
         self.schedules: OrderedDict[tuple[int, int], object] = OrderedDict()
         self.sums: list[torch.Tensor] = []
         self.loss_of: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
@@ -73,12 +74,13 @@ class PipelineStep:
         self.loss_of = lambda total: scale(normalised(total * reducing, normaliser))
         inputs = stacked.to(self.device)
         kwargs = {"attention_mask": inputs.attention_mask, "position_ids": inputs.position_ids}
-        if self.stage == 0:
-            schedule.step(inputs.input_ids, **kwargs, **({"target": inputs.targets} if self.last else {}))
-        elif self.last:
-            schedule.step(**kwargs, target=inputs.targets)
-        else:
-            schedule.step(**kwargs)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            if self.stage == 0:
+                schedule.step(inputs.input_ids, **kwargs, **({"target": inputs.targets} if self.last else {}))
+            elif self.last:
+                schedule.step(**kwargs, target=inputs.targets)
+            else:
+                schedule.step(**kwargs)
         if not self.last:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         # the losses of this step's micro-batches: a stage set up for a new shape may run a forward on
