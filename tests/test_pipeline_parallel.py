@@ -176,10 +176,13 @@ def test_pp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
-    """4 processes: 2 stages of 2 replicas each, 2 micro-batches a step on each replica (global batch 8)."""
+    """4 processes: 2 stages of 2 replicas each, 2 micro-batches a step on each replica (global batch 8); LoRA under
+    GPipe, full fine-tuning under 1F1B."""
     one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
-    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2)
+    schedule = "gpipe" if method == "lora" else "1f1b"
+    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2, pipeline_schedule=schedule)
     plan = pp2_dp2["plan"]
+    assert plan["pipeline_schedule"] == schedule
     assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
     assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
     assert_same(pp2_dp2["losses"], one["losses"], f"{method} pp 2 x dp 2 loss")
