@@ -85,8 +85,6 @@ def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_s
     ({"padding_free": True}, "padding_free: true"),
     ({"fp16": True}, "fp16: true"),
     ({"powersgd_rank": 2}, "powersgd_rank"),
-    ({"val_size": 0.1}, "a held-out set"),
-    ({"eval_dataset": "e.jsonl"}, "a held-out set"),
     ({"finetuning_type": "full", "parallel": "zero3"}, "parallel: zero3: a stage's processes are replicas"),
 ])
 def test_what_the_pipeline_does_not_combine_with_is_refused_before_any_process(values, message):
@@ -140,7 +138,9 @@ class Jobs:
             codes, output = run_workers(["train", config], nproc, out / "ranks", timeout=240)
             assert codes == [0] * nproc, output[-6000:]
         records = read_metrics(out / "output")
-        self.done[name] = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records],
+        self.done[name] = {"losses": [r["loss"] for r in records if "loss" in r],
+                           "norms": [r["grad_norm"] for r in records if "grad_norm" in r],
+                           "eval": [r["eval_loss"] for r in records if "eval_loss" in r],
                            "output": out / "output", "plan": json.loads((out / "output" / "run_plan.json").read_text())}
         return self.done[name]
 
@@ -156,16 +156,20 @@ def assert_same(values: list[float], reference: list[float], what: str) -> None:
         assert abs(got - want) <= 1e-5 * abs(want), f"{what}: step {step}: {got} vs one process {want}"
 
 
-SAVED = dict(save_steps=2, save_final=True)
+HELD_OUT = dict(val_size=8, eval_steps=2, per_device_eval_batch_size=3)
+SAVED = dict(save_steps=2, save_final=True, **HELD_OUT)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_pp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
+    """And the held-out loss (val_size, evaluated every 2 steps: forward only through the stages)."""
     one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
     assert one["losses"][-1] < one["losses"][0], one["losses"]
     pp2 = jobs.run(f"pp2-{method}", method, 2, 2, 4, **SAVED)
+    assert len(one["eval"]) == 2
+    assert_same(pp2["eval"], one["eval"], f"{method} pp 2 eval_loss")
     assert pp2["plan"]["mesh"]["pp"] == 2 and pp2["plan"]["pipeline_schedule"] == "1f1b", pp2["plan"]
     assert_same(pp2["losses"], one["losses"], f"{method} pp 2 loss")
     # clipped at 0.5: the norm is the whole model's, every stage's gradients in it
@@ -180,13 +184,14 @@ def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
     GPipe, full fine-tuning under 1F1B."""
     one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
     schedule = "gpipe" if method == "lora" else "1f1b"
-    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2, pipeline_schedule=schedule)
+    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2, pipeline_schedule=schedule, **HELD_OUT)
     plan = pp2_dp2["plan"]
     assert plan["pipeline_schedule"] == schedule
     assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
     assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
     assert_same(pp2_dp2["losses"], one["losses"], f"{method} pp 2 x dp 2 loss")
     assert_same(pp2_dp2["norms"], one["norms"], f"{method} pp 2 x dp 2 grad norm")
+    assert_same(pp2_dp2["eval"], one["eval"], f"{method} pp 2 x dp 2 eval_loss")
 
 
 @pytest.mark.slow
@@ -206,12 +211,15 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_one_process_s_on_pp2(jobs):
     """Also on pp 2 itself: each stage's optimizer param groups name its own parameters, saved by name."""
     one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
     pp2 = jobs.run("pp2-full", "full", 2, 2, 4, **SAVED)
-    from_pp2 = jobs.run("one-from-pp2", "full", 1, 1, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"))
+    from_pp2 = jobs.run("one-from-pp2", "full", 1, 1, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"),
+                        **HELD_OUT)
     assert from_pp2["plan"]["resumed_from"].endswith("checkpoint-2")
     assert_same(from_pp2["losses"], one["losses"][2:], "pp 2 -> 1 process")
-    to_pp2 = jobs.run("pp2-from-one", "full", 2, 2, 4, resume_from_checkpoint=str(one["output"] / "checkpoint-2"))
+    to_pp2 = jobs.run("pp2-from-one", "full", 2, 2, 4, resume_from_checkpoint=str(one["output"] / "checkpoint-2"),
+                      **HELD_OUT)
     assert_same(to_pp2["losses"], one["losses"][2:], "1 process -> pp 2")
-    again = jobs.run("pp2-from-pp2", "full", 2, 2, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"))
+    again = jobs.run("pp2-from-pp2", "full", 2, 2, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"),
+                        **HELD_OUT)
     assert again["losses"] == pp2["losses"][2:], "pp 2 -> pp 2 goes on bit for bit"
 
 

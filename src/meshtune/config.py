@@ -804,9 +804,7 @@ class TrainConfig(BaseModel):
                    (self.fp16, "fp16: true (each stage would judge the loss scale's overflows by its own gradients): "
                     "use bf16 or fp32"),
                    (self.powersgd_rank > 0, "powersgd_rank (a stage's replicas average their gradients in one flat "
-                    "all-reduce, not DDP's buckets): drop powersgd_rank"),
-                   (self.val_size > 0 or bool(self.eval_dataset), "a held-out set (val_size or eval_dataset: its "
-                    "loss is not run through the stages yet): drop val_size and eval_dataset")]
+                    "all-reduce, not DDP's buckets): drop powersgd_rank")]
         for refuse, why in refused:
             if refuse:
                 raise ValueError(f"pipeline_parallel: {pp} cannot be combined with {why}")

@@ -182,11 +182,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         settle_gradient_buckets(model, lambda: objective.loss_sum(rows_to_batch(first).to(env.device)))
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
+    # under pipeline_parallel the last stage holds the loss, and each stage counts the targets: 1 / pp of them each
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
-                          partial(objective.collate, dataset=eval_data, packed=False), split.around(objective.loss_sum),
+                          partial(objective.collate, dataset=eval_data, packed=False),
+                          pipeline.eval_loss if pipeline is not None else split.around(objective.loss_sum),
                           objective.count, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
-                          target_share=1 / plan.context_parallel, metric_names=objective.metric_names,
+                          target_share=1 / (plan.context_parallel * plan.pipeline_parallel),
+                          metric_names=objective.metric_names,
                           metric_sums=objective.metric_sums, metrics=objective.metrics,
                           prepare=partial(objective.prepare_step, dataset=eval_data))
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)

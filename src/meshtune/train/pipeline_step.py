@@ -36,7 +36,9 @@ class PipelineStep:
         self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
         self.pad_id, self.length_cap = pad_id, length_cap
         self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
-        self.schedules: OrderedDict[tuple[int, int], object] = OrderedDict()
+        # (rows, length, micro-batches); evaluation's schedules apart (a stage first set up without backward would
+        # not run one later)
+        self.schedules: OrderedDict[tuple[int, int, int, bool], object] = OrderedDict()
         self.sums: list[torch.Tensor] = []
         self.loss_of: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
 
@@ -44,15 +46,16 @@ class PipelineStep:
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def _schedule(self, rows: int, length: int):
-        key = (rows, length)
+    def _schedule(self, rows: int, length: int, micro_batches: int, training: bool):
+        key = (rows, length, micro_batches, training)
         if key in self.schedules:
             self.schedules.move_to_end(key)
             return self.schedules[key]
         stage = PipelineStage(self.module, self.stage, self.stages, self.device, group=self.group)
-        # scale_grads off: each micro-batch's loss is already its share of the step's (see step)
-        made = SCHEDULES[self.schedule](stage, n_microbatches=self.micro_batches, loss_fn=self._loss,
-                                        scale_grads=False)
+        # scale_grads off: each micro-batch's loss is already its share of the step's (see step); evaluation runs
+        # one batch as one micro-batch, forward only
+        schedule = self.schedule if training else "gpipe"
+        made = SCHEDULES[schedule](stage, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
         self.schedules[key] = made
         if len(self.schedules) > SHAPES_KEPT:
             self.schedules.popitem(last=False)
@@ -68,24 +71,35 @@ class PipelineStep:
         """Forward and backward of the step's micro-batches (on this process's device); returns their summed loss on
         the last stage, 0 elsewhere. Each micro-batch's backward uses loss * reducing / normaliser, as the
         data-parallel step's does (`reducing`: the replicas the gradients are averaged over)."""
-        stacked = stack(micro, self.micro_batches, self.pad_id, self.length_cap)
-        schedule = self._schedule(*stacked.input_ids.shape[:1], stacked.input_ids.shape[1])
-        self.sums = []
         self.loss_of = lambda total: scale(normalised(total * reducing, normaliser))
+        return self._run(micro, self.micro_batches, training=True)
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of one held-out batch (on this process's device) through the stages, forward only: on the
+        last stage; 0 elsewhere."""
+        self.loss_of = lambda total: total
+        return self._run([batch], 1, training=False)
+
+    def _run(self, micro: list[Batch], count: int, training: bool) -> torch.Tensor:
+        stacked = stack(micro, count, self.pad_id, self.length_cap)
+        rows, length = stacked.input_ids.shape
+        schedule = self._schedule(rows // count, length, count, training)
+        self.sums = []
         inputs = stacked.to(self.device)
         kwargs = {"attention_mask": inputs.attention_mask, "position_ids": inputs.position_ids}
+        run = schedule.step if training else schedule.eval
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
             if self.stage == 0:
-                schedule.step(inputs.input_ids, **kwargs, **({"target": inputs.targets} if self.last else {}))
+                run(inputs.input_ids, **kwargs, **({"target": inputs.targets} if self.last else {}))
             elif self.last:
-                schedule.step(**kwargs, target=inputs.targets)
+                run(**kwargs, target=inputs.targets)
             else:
-                schedule.step(**kwargs)
+                run(**kwargs)
         if not self.last:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        # the losses of this step's micro-batches: a stage set up for a new shape may run a forward on
-        # placeholder inputs first (torch's shape inference), whose loss is not the step's
-        return torch.stack(self.sums[-self.micro_batches:]).double().sum()
+        # the losses of these micro-batches: a stage set up for a new shape may run a forward on placeholder
+        # inputs first (torch's shape inference), whose loss is not theirs
+        return torch.stack(self.sums[-count:]).double().sum()
 
 
 def stack(micro: list[Batch], count: int, pad_id: int, length_cap: int) -> Batch:
