@@ -85,7 +85,8 @@ def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_s
     ({"padding_free": True}, "padding_free: true"),
     ({"fp16": True}, "fp16: true"),
     ({"powersgd_rank": 2}, "powersgd_rank"),
-    ({"finetuning_type": "full", "parallel": "zero3"}, "parallel: zero3: a stage's processes are replicas"),
+    ({"finetuning_type": "full", "parallel": "hsdp"}, "parallel: hsdp: a stage's processes are its replicas"),
+    ({"finetuning_type": "full", "parallel": "zero3", "cpu_offload": True}, "cpu_offload: a stage's processes"),
 ])
 def test_what_the_pipeline_does_not_combine_with_is_refused_before_any_process(values, message):
     with pytest.raises(ConfigError, match=f"pipeline_parallel: 2 (cannot be combined )?with {message}"):
@@ -192,6 +193,25 @@ def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
     assert_same(pp2_dp2["losses"], one["losses"], f"{method} pp 2 x dp 2 loss")
     assert_same(pp2_dp2["norms"], one["norms"], f"{method} pp 2 x dp 2 grad norm")
     assert_same(pp2_dp2["eval"], one["eval"], f"{method} pp 2 x dp 2 eval_loss")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel", ["zero2", "zero3"])
+def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel):
+    """pp 2 x dp 2, each stage sharded over its 2 processes by FSDP2 (the stage's forward the root), full
+    fine-tuning; its checkpoint-2 resumes on one process."""
+    one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
+    sharded = jobs.run(f"pp2-{parallel}", "full", 4, 2, 2, parallel=parallel, save_steps=2, **HELD_OUT)
+    assert sharded["plan"]["parallel"] == parallel and sharded["plan"]["mesh"]["pp"] == 2
+    assert_same(sharded["losses"], one["losses"], f"pp 2 x {parallel} 2 loss")
+    assert_same(sharded["norms"], one["norms"], f"pp 2 x {parallel} 2 grad norm")
+    assert_same(sharded["eval"], one["eval"], f"pp 2 x {parallel} 2 eval_loss")
+    # the checkpoint's accumulation of 2 given, the plan keeps its global batch of 8: 4 micro-batches on one process
+    resumed = jobs.run(f"one-from-pp2-{parallel}", "full", 1, 1, 2, **HELD_OUT,
+                       resume_from_checkpoint=str(sharded["output"] / "checkpoint-2"))
+    assert resumed["plan"]["gradient_accumulation_steps"] == 4
+    assert_same(resumed["losses"], one["losses"][2:], f"pp 2 x {parallel} 2 -> 1 process")
 
 
 @pytest.mark.slow

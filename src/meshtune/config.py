@@ -380,7 +380,7 @@ class TrainConfig(BaseModel):
                                             "activations and their gradients pass between stages. Outermost in the "
                                             "mesh: with one stage a node, only activations cross the nodes. A divisor "
                                             "of the processes and of the model's blocks; each stage's processes are "
-                                            "data-parallel (parallel: ddp); every optimizer step's micro-batches "
+                                            "data-parallel (ddp, zero2 or zero3); every optimizer step's micro-batches "
                                             "(gradient_accumulation_steps) are the schedule's. Full and LoRA, "
                                             "stage: sft and pt; 1: off", gt=0)
     pipeline_schedule: Literal["auto", "gpipe", "1f1b"] = PARALLELISM(
@@ -808,10 +808,10 @@ class TrainConfig(BaseModel):
         for refuse, why in refused:
             if refuse:
                 raise ValueError(f"pipeline_parallel: {pp} cannot be combined with {why}")
-        if self.parallel not in ("auto", "ddp"):
-            raise ValueError(f"pipeline_parallel: {pp} with parallel: {self.parallel}: a stage's processes are "
-                             f"replicas of it (parallel: ddp), FSDP2 inside a stage is not supported yet; set "
-                             f"parallel: ddp, or pipeline_parallel: 1 for {self.parallel}")
+        if self.parallel == "hsdp" or self.cpu_offload:
+            raise ValueError(f"pipeline_parallel: {pp} with {'cpu_offload' if self.cpu_offload else 'parallel: hsdp'}"
+                             f": a stage's processes are its replicas (ddp) or shard it over all of them (zero2, "
+                             f"zero3), with the stages across the nodes; set parallel: ddp, zero2 or zero3")
         return self
 
     def _check_kto(self) -> None:

@@ -202,10 +202,10 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
                                 if env.device.type == "cuda" else None)
     parallel = choose_parallel(cfg, procs, model_size, gpu_bytes, why)
-    if pp > 1 and parallel != "ddp":  # the config refused a sharded mode named with pipeline_parallel
-        parallel = "ddp"
-        why["parallel"] = ("auto under pipeline_parallel: each stage's processes are its replicas (ddp), their "
-                           "gradients averaged in one all-reduce a step")
+    if pp > 1 and parallel == "hsdp":  # auto across nodes: the stages are across the nodes already
+        parallel = "zero2"
+        why["parallel"] = ("auto under pipeline_parallel: the stages lie across the nodes, and zero2 shards each "
+                           "stage over its processes")
     replicas_only = tp > 1 and parallel == "ddp"
     if replicas_only:  # DDP takes no DTensor parameters: FSDP2 holds whole replicas (a shard of one process)
         parallel = "hsdp"

@@ -37,6 +37,10 @@ class StageForward(nn.Module):
         self.model = model
         self.first, self.last = first, last
 
+    def get_base_model(self) -> nn.Module:
+        """The transformers model inside, as peft's wrapper answers: where its blocks are found by their classes."""
+        return causal_lm(self.model)
+
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         base = causal_lm(self.model)
@@ -76,7 +80,7 @@ def pipeline_mesh(env: DistEnv, stages: int) -> DeviceMesh:
 def gather_stage_weights(model: nn.Module, mesh: DeviceMesh, trainable_only: bool) -> dict[str, torch.Tensor]:
     """Every stage's weights, by the whole model's names, as CPU tensors on global rank 0 (empty elsewhere): the
     first replica of each stage sends its own to the first stage's. A collective of those processes."""
-    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)  # FSDP2: gathered
     own = {name: tensor.detach().cpu() for name, tensor in get_model_state_dict(model, options=options).items()}
     if mesh.get_local_rank("dp") != 0:
         return {}

@@ -27,12 +27,12 @@ class PipelineStep:
     receives are set up for one shape on its first step, and micro-batches of a step differ in length from the next
     step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, schedule: str, micro_batches: int,
+    def __init__(self, module: StageForward, mesh: DeviceMesh, schedule: str, micro_batches: int,
                  device: torch.device, pad_id: int, length_cap: int, autocast_bf16: bool = False):
         self.stage = mesh.get_local_rank("pp")
         self.stages = mesh["pp"].size()
         self.group = mesh["pp"].get_group()
-        self.module = StageForward(model, first=self.stage == 0, last=self.stage == self.stages - 1)
+        self.module = module
         self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
         self.pad_id, self.length_cap = pad_id, length_cap
         self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
