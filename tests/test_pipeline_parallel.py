@@ -200,7 +200,7 @@ def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
 @pytest.mark.parametrize("parallel", ["zero2", "zero3"])
 def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel):
     """pp 2 x dp 2, each stage sharded over its 2 processes by FSDP2 (the stage's forward the root), full
-    fine-tuning; its checkpoint-2 resumes on one process."""
+    fine-tuning (its checkpoint-2 resumes on one process) and, under zero3, LoRA."""
     one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
     sharded = jobs.run(f"pp2-{parallel}", "full", 4, 2, 2, parallel=parallel, save_steps=2, **HELD_OUT)
     assert sharded["plan"]["parallel"] == parallel and sharded["plan"]["mesh"]["pp"] == 2
@@ -211,6 +211,10 @@ def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel)
     resumed = jobs.run(f"one-from-pp2-{parallel}", "full", 1, 1, 2, **HELD_OUT,
                        resume_from_checkpoint=str(sharded["output"] / "checkpoint-2"))
     assert resumed["plan"]["gradient_accumulation_steps"] == 4
+    if parallel == "zero3":  # LoRA's frozen base sharded too (under zero2 LoRA runs as ddp)
+        lora = jobs.run("pp2-lora-zero3", "lora", 4, 2, 2, parallel="zero3", **HELD_OUT)
+        assert lora["plan"]["parallel"] == "zero3"
+        assert_same(lora["losses"], jobs.run("one-lora", "lora", 1, 1, 4, **SAVED)["losses"], "lora pp 2 x zero3 2")
     assert_same(resumed["losses"], one["losses"][2:], f"pp 2 x {parallel} 2 -> 1 process")
 
 
