@@ -28,6 +28,8 @@ Needs root and iproute2 (ip, tc). Every namespace is deleted at the end, on Ctrl
   python bench/shaped_link.py --size tiny --variant ddp:parallel=ddp --steps 3 --rate 1gbit
   python bench/shaped_link.py --size 512x8 --nproc-per-node 2 --rate 1gbit --unshaped --repeats 3 \\
       --variant ddp:parallel=ddp --variant zero3:parallel=zero3 --out results/shaped_link
+  python bench/shaped_link.py --size 512x8 --rate 1gbit --unshaped --variant ddp:parallel=ddp \\
+      --variant pp2:pipeline_parallel=2,gradient_accumulation_steps=2   (a stage a node: only activations cross)
   python bench/shaped_link.py --merge results/a.json results/b.json --out results/shaped_link   (one report)
 """
 

@@ -386,6 +386,21 @@ class TrainConfig(BaseModel):
                                            "data-parallel mode shards over them too. Not with packing, padding_free "
                                            "or tensor_parallel; 1: off", gt=0)
 
+    pipeline_parallel: int = PARALLELISM(1, "pipeline stages the model's blocks are split into (torch.distributed."
+                                            "pipelining): each stage holds a consecutive share of the blocks (the "
+                                            "embedding on the first, the final norm and head on the last) and only "
+                                            "activations and their gradients pass between stages. Outermost in the "
+                                            "mesh: with one stage a node, only activations cross the nodes. A divisor "
+                                            "of the processes and of the model's blocks; each stage's processes are "
+                                            "data-parallel (ddp, zero2 or zero3); every optimizer step's micro-batches "
+                                            "(gradient_accumulation_steps) are the schedule's. Full and LoRA, "
+                                            "stage: sft and pt; 1: off", gt=0)
+    pipeline_schedule: Literal["auto", "gpipe", "1f1b"] = PARALLELISM(
+        "auto", "pipeline_parallel's schedule (torch's ScheduleGPipe / Schedule1F1B): gpipe runs every micro-batch's "
+                "forward, then every backward; 1f1b alternates them once the pipeline is full, so a stage holds the "
+                "activations of at most pipeline_parallel micro-batches, not all of them. auto: 1f1b where the step "
+                "has at least pipeline_parallel micro-batches, else gpipe")
+
     zero3_reshard_to_node: bool = CROSS_NODE(
         False, "parallel zero3 on several nodes: after forward each unit's weights are resharded to the processes of "
                "one node, not to all (FSDP2's reshard_after_forward = processes a node, ZeRO++'s hierarchical "
@@ -788,6 +803,35 @@ class TrainConfig(BaseModel):
         if self.powersgd_rank and self.grad_sync == "flat":
             raise ValueError(f"powersgd_rank: {self.powersgd_rank} is a hook on DDP's buckets; grad_sync: flat has "
                              f"none: drop one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _check_pipeline(self) -> "TrainConfig":
+        """What pipeline_parallel does not combine with yet, refused by name with what to set."""
+        pp = self.pipeline_parallel
+        if pp == 1:
+            return self
+        refused = [(self.tensor_parallel > 1 or self.context_parallel > 1, "tensor_parallel or context_parallel "
+                    "above 1 (a stage's processes are data-parallel only): set both to 1, or pipeline_parallel: 1"),
+                   (self.finetuning_type == "qlora", "finetuning_type: qlora (its NF4 base is read and quantized "
+                    "block by block for the whole model): use lora, or pipeline_parallel: 1"),
+                   (self.stage in ("dpo", "kto"), f"stage: {self.stage} (its loss compares whole sequences' log-probs "
+                    f"against a reference, which the stages' schedule does not carry): pipeline_parallel: 1"),
+                   (self.packing, "packing: true (packed rows' block-diagonal attention is not carried between the "
+                    "stages): drop packing"),
+                   (self.padding_free is True, "padding_free: true (every stage receives micro-batches of one padded "
+                    "shape): leave padding_free unset"),
+                   (self.fp16, "fp16: true (each stage would judge the loss scale's overflows by its own gradients): "
+                    "use bf16 or fp32"),
+                   (self.powersgd_rank > 0, "powersgd_rank (a stage's replicas average their gradients in one flat "
+                    "all-reduce, not DDP's buckets): drop powersgd_rank")]
+        for refuse, why in refused:
+            if refuse:
+                raise ValueError(f"pipeline_parallel: {pp} cannot be combined with {why}")
+        if self.parallel == "hsdp" or self.cpu_offload:
+            raise ValueError(f"pipeline_parallel: {pp} with {'cpu_offload' if self.cpu_offload else 'parallel: hsdp'}"
+                             f": a stage's processes are its replicas (ddp) or shard it over all of them (zero2, "
+                             f"zero3), with the stages across the nodes; set parallel: ddp, zero2 or zero3")
         return self
 
     def _check_kto(self) -> None:

@@ -78,6 +78,9 @@ class RunPlan:
     # parallel), tp (tensor parallel, innermost: consecutive ranks, inside one node)
     mesh: dict[str, int] = field(default_factory=dict)
     powersgd_rank: int = 0       # ddp: gradients cross as PowerSGD's rank-r factors; 0: whole
+    # pipeline_parallel: torch's schedule (gpipe | 1f1b; None: no pipeline) and each stage's blocks [first, end)
+    pipeline_schedule: str | None = None
+    pipeline_stages: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tensor_parallel(self) -> int:
@@ -88,13 +91,20 @@ class RunPlan:
         return self.mesh.get("cp", 1)
 
     @property
+    def pipeline_parallel(self) -> int:
+        return self.mesh.get("pp", 1)
+
+    @property
     def model_parallel(self) -> int:
         """The consecutive processes that take the same micro-batches: a cp x tp group."""
         return self.context_parallel * self.tensor_parallel
 
     def data_env(self, env: DistEnv) -> DistEnv:
         """`env` as the data sees it: one data-parallel rank per cp x tp group, whose processes all take the same
-        micro-batches. The same `env` without tensor or context parallelism."""
+        micro-batches. The same `env` without tensor or context parallelism. Under pipeline_parallel the ranks
+        that share data are one of each stage, `world_size / pipeline_parallel` apart (the stages outermost)."""
+        if self.pipeline_parallel > 1:
+            return stage_env(env, self.pipeline_parallel)
         return data_parallel_env(env, self.model_parallel)
 
     @property
@@ -123,7 +133,11 @@ class RunPlan:
             rows.append(("tensor_parallel", str(self.tensor_parallel)))
         if self.context_parallel > 1:
             rows.append(("context_parallel", str(self.context_parallel)))
-        if self.model_parallel > 1:
+        if self.pipeline_parallel > 1:
+            rows.append(("pipeline_parallel", str(self.pipeline_parallel)))
+            rows.append(("pipeline_schedule", str(self.pipeline_schedule)))
+            rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" for a, b in self.pipeline_stages)))
+        if self.model_parallel > 1 or self.pipeline_parallel > 1:
             rows.append(("device_mesh", " x ".join(f"{name} {size}" for name, size in self.mesh.items())))
         if self.blocks_per_unit is not None:
             rows.append(("fsdp_blocks_per_unit", str(self.blocks_per_unit)))
@@ -179,15 +193,20 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     model_size = functools.cache(model_size)  # builds a model without weights: once, and only if a choice needs it
     tp = tensor_parallel_size(cfg, env, model_size)
     cp = context_parallel_size(cfg, env, tp)
+    pp = pipeline_parallel_size(cfg, env, model_size)
     # the processes the data-parallel wrapper reduces gradients over (and FSDP2 shards over): a tensor-parallel
     # group counts as one; a cp group's processes each hold partial gradients, so they count, as torchtitan's
-    # dp_shard x cp
-    procs = data_parallel_env(env, tp)
+    # dp_shard x cp; under pipeline_parallel, one stage's processes
+    procs = data_parallel_env(env, tp) if pp == 1 else stage_env(env, pp)
     dp = data_parallel_env(procs, cp)  # the data's ranks: a cp x tp group takes the same micro-batches
     # the smallest GPU of the job (a collective, the same on every rank), once and only if a choice needs it
     gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
                                 if env.device.type == "cuda" else None)
     parallel = choose_parallel(cfg, procs, model_size, gpu_bytes, why)
+    if pp > 1 and parallel == "hsdp":  # auto across nodes: the stages are across the nodes already
+        parallel = "zero2"
+        why["parallel"] = ("auto under pipeline_parallel: the stages lie across the nodes, and zero2 shards each "
+                           "stage over its processes")
     replicas_only = tp > 1 and parallel == "ddp"
     if replicas_only:  # DDP takes no DTensor parameters: FSDP2 holds whole replicas (a shard of one process)
         parallel = "hsdp"
@@ -218,14 +237,26 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["padding_free"] = ("off under context_parallel: rows are padded to a multiple of 64 x context_parallel, "
                                "each process holding two of their 2 x context_parallel chunks; the ring attention "
                                "takes whole rows")
+    if pp > 1 and padding_free:
+        padding_free = False
+        why["padding_free"] = ("off under pipeline_parallel: every micro-batch of a step is padded to one shape, "
+                               "the one the stages' sends and receives are set up for")
     # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
     # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
     recompute = recomputation(cfg, env, why)
+    if pp > 1 and recompute == MEASURE:
+        recompute = 0.0
+        why["gradient_checkpointing"] = ("not measured under pipeline_parallel (the measuring steps run the whole "
+                                         "model on one process): set gradient_checkpointing_ratio to recompute blocks")
     compile_clash = cfg.finetuning_type == "qlora" and parallel in SHARDED and recompute != 0
     compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda" and not compile_clash
     if tp > 1 and compile_:
         compile_ = False
         why["torch_compile"] = "off under tensor_parallel: the blocks run eagerly between their DTensor collectives"
+    if pp > 1 and compile_:
+        compile_ = False
+        why["torch_compile"] = ("off under pipeline_parallel: a stage's blocks run eagerly between its sends and "
+                                "receives")
     if cp > 1 and compile_:
         compile_ = False
         why["torch_compile"] = ("off under context_parallel: the ring attention swaps the blocks' attention for "
@@ -247,6 +278,10 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["gc_interval"] = ("default: all ranks collect at the same steps" if gc_interval else
                               "default with one process: Python's automatic collection")
     weights_from_rank0 = env.world_size > 1 and cfg.load_weights_on == "rank0" and cfg.finetuning_type != "qlora"
+    if pp > 1 and weights_from_rank0:
+        weights_from_rank0 = False
+        why["load_weights_on"] = ("every_rank under pipeline_parallel: each process reads the files and keeps its "
+                                  "stage's blocks")
     if cfg.finetuning_type == "qlora":
         why["load_weights_on"] = ("qlora: each process reads the files block by block, quantizes each block and keeps "
                                   "its shard")
@@ -276,6 +311,10 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     check_train_batch_size(cfg, accumulation, dp.world_size)
     reduction = gradient_reduction(cfg, procs.world_size, parallel, accumulation, model_size, gpu_bytes, why)
     grad_sync, reduce_dtype = gradient_crossing(cfg, procs.world_size, parallel, why)
+    if pp > 1 and grad_sync == "ddp":
+        grad_sync = "flat"
+        why["grad_sync"] = ("flat under pipeline_parallel: a stage's replicas average their gradients in one "
+                            "all-reduce after the schedule's last backward")
     reshard = reshard_to_node(cfg, parallel, reshard, procs, tp * cp, why)
     powersgd = powersgd_rank(cfg, parallel, procs.world_size, why)
     prefetch = cfg.fsdp_prefetch if parallel in SHARDED else None
@@ -293,10 +332,14 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["fused_loss"] = ("off under tensor_parallel: the head's vocabulary is split over the tensor-parallel "
                              "processes, and the loss is computed across their shares of the logits "
                              "(vocabulary-parallel cross-entropy), which are never gathered whole")
+    if pp > 1 and fused_loss:
+        fused_loss = False
+        why["fused_loss"] = ("off under pipeline_parallel: the last stage's head returns the logits the schedule "
+                             "hands to the loss")
     if cfg.stage == "dpo" and fused_loss:
         why["fused_loss"] = ("stage: dpo: the head returns each response's summed log-prob under the policy, in row "
                              "chunks over the trained positions (their logits computed again in backward); the "
-                             "reference's logits are computed in full, without gradients")
+                             "reference's are summed the same way, without gradients")
     if cfg.stage == "kto" and fused_loss:
         fused_loss = False
         why["fused_loss"] = ("off for stage: kto: its KL pass and losses read the policy's logits in full (the fused "
@@ -311,7 +354,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    gradient_accumulation_steps=accumulation, fused_adamw=fused_adamw, gc_interval=gc_interval,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
-                   mesh=mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp), powersgd_rank=powersgd)
+                   mesh=({"pp": pp} if pp > 1 else {}) | mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp),
+                   powersgd_rank=powersgd, **pipeline_choice(cfg, pp, accumulation, model_size, why))
 
 
 def reference_reason(cfg: TrainConfig) -> str:
@@ -390,6 +434,69 @@ def context_parallel_size(cfg: TrainConfig, env: DistEnv, tp: int) -> int:
         raise ConfigError(f"context_parallel: {cp} does not divide the job's {env.world_size} processes; counts "
                           f"that work here: {', '.join(map(str, working))}")
     return cp
+
+
+PP_MODEL_TYPES = TP_MODEL_TYPES  # decoders whose blocks, embedding, norm and head model/pipeline_parallel.py splits
+
+
+def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize]) -> int:
+    """`pipeline_parallel`, checked against the job and the model: the stages are outermost in the mesh (rank r is
+    on stage r // (world_size / pp)), so with the processes of one node a stage only activations cross nodes; each
+    stage holds an equal share of the blocks. What the config alone refuses, config.py does."""
+    pp = cfg.pipeline_parallel
+    if pp == 1:
+        return 1
+    if env.world_size % pp:
+        working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0]
+        raise ConfigError(f"pipeline_parallel: {pp} does not divide the job's {env.world_size} processes; counts "
+                          f"that work here: {', '.join(map(str, working))}")
+    size = model_size()
+    if size.model_type not in PP_MODEL_TYPES:
+        raise ConfigError(f"pipeline_parallel: {pp}: meshtune splits the decoders of {', '.join(PP_MODEL_TYPES)} "
+                          f"models into stages, not model_type {size.model_type or 'unknown'} of "
+                          f"{cfg.model_name_or_path}; set pipeline_parallel: 1")
+    if size.tied_embeddings:
+        raise ConfigError(f"pipeline_parallel: {pp}: {cfg.model_name_or_path} ties its output head to the input "
+                          f"embedding (tie_word_embeddings), one weight the first and the last stage would both "
+                          f"train; set pipeline_parallel: 1 (such models are small enough for parallel: zero3)")
+    if size.blocks % pp:
+        working = [d for d in range(1, size.blocks + 1) if size.blocks % d == 0 and env.world_size % d == 0]
+        raise ConfigError(f"pipeline_parallel: {pp} does not divide the model's {size.blocks} blocks (each stage "
+                          f"holds an equal share); counts that work here: {', '.join(map(str, working))}")
+    return pp
+
+
+def pipeline_choice(cfg: TrainConfig, pp: int, micro_batches: int, model_size: Callable[[], ModelSize],
+                    why: dict[str, str]) -> dict:
+    """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
+    (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
+    on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number."""
+    if pp == 1:
+        return {}
+    schedule = cfg.pipeline_schedule
+    if schedule == "1f1b" and micro_batches < pp:
+        raise ConfigError(f"pipeline_schedule: 1f1b needs at least pipeline_parallel ({pp}) micro-batches a step, "
+                          f"and the step has {micro_batches} (gradient_accumulation_steps): raise "
+                          f"gradient_accumulation_steps to {pp}, or use pipeline_schedule: gpipe")
+    if schedule not in ("gpipe", "1f1b"):
+        schedule = "1f1b" if micro_batches >= pp else "gpipe"
+        why["pipeline_schedule"] = (f"auto: 1f1b, {micro_batches} micro-batches a step fill {pp} stages, and a stage "
+                                    f"holds at most {pp} micro-batches' activations" if schedule == "1f1b" else
+                                    f"auto: gpipe, {micro_batches} micro-batches a step are fewer than the {pp} "
+                                    f"stages 1f1b needs")
+    blocks = model_size().blocks
+    share = blocks // pp
+    why["pipeline_stages"] = (f"{share} of the {blocks} blocks a stage; the embedding on the first, the final norm "
+                              f"and head on the last")
+    return {"pipeline_schedule": schedule, "pipeline_stages": [(s * share, (s + 1) * share) for s in range(pp)]}
+
+
+def stage_env(env: DistEnv, pp: int) -> DistEnv:
+    """One pipeline stage's view of `env`: the stages are outermost, so a stage is `world_size / pp` consecutive
+    ranks and this process's data rank is its place among them."""
+    per_stage = env.world_size // pp
+    return replace(env, rank=env.rank % per_stage, world_size=per_stage,
+                   local_rank=env.local_rank % per_stage, local_world_size=min(env.local_world_size, per_stage))
 
 
 def data_parallel_env(env: DistEnv, group: int) -> DistEnv:

@@ -38,7 +38,7 @@ from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, dcp_reader,
                                           verify, write_manifest)
 from meshtune.checkpoint.object_store import StorePath, location
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume, set_aside
-from meshtune.checkpoint.state import RNGState
+from meshtune.checkpoint.state import ModelOptimizerState, RNGState
 from meshtune.config import key_default, math_hash
 from meshtune.faults import maybe_die
 from meshtune.logs import RankWarning
@@ -313,6 +313,8 @@ class CheckpointManager:
                               f"and holds no random state for this rank; its random streams keep their seed",
                               RankWarning, stacklevel=2)
                 continue
+            if isinstance(value, ModelOptimizerState):  # a list of groups has its first group's keys
+                value.reading_by_name = not any(key.startswith(f"{name}.optim.param_groups.0.") for key in saved)
             request[name] = value
         try:
             dcp.load(request, storage_reader=dcp_reader(source))
@@ -320,6 +322,10 @@ class CheckpointManager:
             raise CheckpointError(f"cannot load {path} (was it saved by another model or finetuning type? "
                                   f"its manifest: world_size {manifest.get('world_size', '?')}, parallel "
                                   f"{manifest.get('parallel', '?')}): {one_line(error)}") from error
+        finally:
+            for value in request.values():
+                if isinstance(value, ModelOptimizerState):
+                    value.reading_by_name = None
         state.update(request)  # dcp.load replaces plain (non-Stateful) values in the dict it was given
         if copy is not None:
             self._copied = None

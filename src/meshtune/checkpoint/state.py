@@ -30,23 +30,36 @@ class ModelOptimizerState(Stateful):
 
     `trainable_only` (LoRA) saves only parameters with requires_grad and their optimizer state; the frozen base
     comes from the model directory again on resume.
+
+    `by_name` (pipeline stages, each holding other parameters): the optimizer's param groups are saved by parameter
+    name too (torch's flattened optimizer state dict), not as a list of groups each naming its parameters, which
+    DCP would keep from one rank only. A checkpoint is read in the form it was written (`reading_by_name`, set by
+    the manager from its keys), so either form resumes on any layout.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
+                 by_name: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.trainable_only = trainable_only
+        self.by_name = by_name
+        self.reading_by_name: bool | None = None  # None: as this run writes
+
+    @property
+    def _by_name(self) -> bool:
+        return self.by_name if self.reading_by_name is None else self.reading_by_name
 
     def state_dict(self) -> dict[str, Any]:
         # get_state_dict gives a fresh optimizer its state (a zero-lr step), so a resume template exists pre-step
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
-                                            options=StateDictOptions(ignore_frozen_params=self.trainable_only))
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
+            ignore_frozen_params=self.trainable_only, flatten_optimizer_state_dict=self._by_name))
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False only when frozen weights are left out on purpose: dcp.load has already failed on any
         # requested (trainable) key the checkpoint lacks
-        options = StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
+        options = StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only,
+                                   flatten_optimizer_state_dict=self._by_name)
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"], options=options)
 
@@ -125,10 +138,13 @@ class RNGState(Stateful):
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                   progress: TrainingProgress, rank: int, trainable_only: bool) -> dict[str, Any]:
+                   progress: TrainingProgress, rank: int, trainable_only: bool,
+                   optimizer_by_name: bool = False) -> dict[str, Any]:
     """The state dict the loop hands to `CheckpointManager.save` and `.load`.
 
     `progress` is updated in place on load; `state["rng"].restored` tells whether this rank got its streams back.
+    `optimizer_by_name`: param groups saved by parameter name (ModelOptimizerState).
     """
-    return {"model_optim": ModelOptimizerState(model, optimizer, trainable_only), "scheduler": scheduler,
+    return {"model_optim": ModelOptimizerState(model, optimizer, trainable_only, optimizer_by_name),
+            "scheduler": scheduler,
             "trainer": TrainerState(progress), "rng": RNGState(rank)}

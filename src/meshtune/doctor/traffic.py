@@ -15,7 +15,11 @@ optimizer step of A micro-steps (gradients cross once, on the last micro-step):
 - zero3: A all-gathers for forward, A again for backward of all but what stays gathered in between (the last unit
   of blocks and the head; none with zero3_reshard_to_node, whose backward gathers inside the node) + one
   reduce-scatter;
-- hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes.
+- hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes;
+- pipeline_parallel (stages outermost, ddp replicas inside a stage): at a stage boundary between nodes each
+  process's pipeline sends its micro-batches' activations forward (rows x length x hidden) and receives their
+  gradients back, the same bytes; a node inside the pipeline sends both ways. Where a stage spans nodes, its
+  replicas' all-reduce of the stage's gradients crosses them too.
 PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's shape.
 
 Weights cross in bf16 on GPUs (FSDP2's parameter dtype; Q-LoRA's blocks as NF4), gradients in `grad_reduce_dtype`.
@@ -46,6 +50,7 @@ class ModelFacts:
     dense: int            # parameters outside the input embedding (FLOPs per token)
     layers: int
     attention_width: int  # heads x head_dim
+    hidden: int = 0       # the residual stream's width: what a pipeline stage sends the next, a token
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ def model_facts(cfg) -> ModelFacts:
     trainable = size.parameters
     if cfg.is_lora:
         trainable = sum(p.numel() for p in add_lora(model, cfg).parameters() if p.requires_grad)
-    return ModelFacts(size, trainable, counter.dense_params, counter.layers, counter.heads * counter.head_dim)
+    return ModelFacts(size, trainable, counter.dense_params, counter.layers, counter.heads * counter.head_dim,
+                      model.config.hidden_size)
 
 
 def parallel_mode(cfg, processes: int, per_node: int, gpus: bool, gpu_bytes: float | None,
@@ -94,6 +100,8 @@ def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node
         weights = model.size.parameters * (2 if bf16 else 4)
     micro = cfg.gradient_accumulation_steps
     ranks = processes if processes > 1 else 0
+    if getattr(cfg, "pipeline_parallel", 1) > 1:
+        return pipeline_collectives(cfg, model, bf16, gradients, processes, per_node)
     if mode == "hsdp" and hsdp_in_node:
         return [Collective("all-reduce", "gradients", gradients, 1, ranks // per_node if ranks else 0)]
     if mode == "ddp":
@@ -110,6 +118,24 @@ def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node
     return [*gathers, scatter]
 
 
+def pipeline_collectives(cfg, model: ModelFacts, bf16: bool, gradients: float, processes: int,
+                         per_node: int) -> list[Collective]:
+    """What crosses the nodes a step under pipeline_parallel (see the module's docstring): each process's pipeline
+    carries per_device_train_batch_size x gradient_accumulation_steps rows of (at most) cutoff_len tokens."""
+    pp = cfg.pipeline_parallel
+    per_stage = max(processes // pp, 1)
+    nodes = max(processes // max(per_node, 1), 1)
+    if nodes == 1:
+        return []
+    tokens = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.cutoff_len
+    activations = tokens * model.hidden * (2 if bf16 else 4) * min(per_node, per_stage)
+    ways = 2 if min(pp, nodes) > 2 else 1  # a node between two others sends forward and backward
+    sent = [Collective("send", "activations forward and their gradients back", activations, ways)]
+    if per_stage > per_node:  # a stage's replicas on several nodes
+        sent.append(Collective("all-reduce", "a stage's gradients", gradients / pp, 1, per_stage))
+    return sent
+
+
 def kept_for_backward(cfg, size: ModelSize) -> float:
     """The share of the weights zero3 keeps gathered from forward to backward (model/parallel.py): the last unit of
     blocks and the head (a unit of its own, or with tied embeddings the root's), which backward needs first."""
@@ -122,6 +148,8 @@ def kept_for_backward(cfg, size: ModelSize) -> float:
 def sent_by_each_node(collectives: list[Collective], nodes: int) -> float:
     """The bytes each node sends a step: a ring's share of each collective (see the module's docstring)."""
     def share(c: Collective) -> float:
+        if c.kind == "send":  # point to point: the bytes themselves
+            return 1.0
         p = c.ranks or nodes
         return (2 if c.kind == "all-reduce" else 1) * (p - 1) / p
     return sum(c.bytes * c.times * share(c) for c in collectives)

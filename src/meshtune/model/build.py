@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
@@ -18,7 +19,8 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.lora import add_lora, set_adapter, starting_adapter
 from meshtune.model.loss_head import install_loss_head, output_head
-from meshtune.model.parallel import wrap_model
+from meshtune.model.parallel import FlatGradientSync, wrap_model
+from meshtune.model.pipeline_parallel import StageForward, keep_stage, pipeline_mesh
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
 from meshtune.model.recompute import enable_checkpointing
 from meshtune.plan import MEASURE, RunPlan
@@ -31,6 +33,8 @@ class BuiltModel:
     model: torch.nn.Module  # inside its data-parallel wrapper (DDP, FSDP2, the flat sync, or none on one process)
     flops: FlopCounter      # FLOPs a batch needs, counted on the model as loaded
     plan: RunPlan           # the plan it was built to: what the model could not do turned off, with the reason
+    pipeline: DeviceMesh | None = None  # pipeline_parallel's (pp, dp) mesh; the model is then this process's stage
+    stage: StageForward | None = None   # what the pipeline schedule runs: the stage's forward (FSDP2's root)
 
 
 def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
@@ -67,6 +71,9 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
         # before the wrapper: DDP's and FSDP2's hooks stay outside the compiled graphs
         compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)
     model.config.use_cache = False  # training never reads a key-value cache
+    if plan.pipeline_parallel > 1:
+        mesh, forward = pipeline_stage(model, plan, env)
+        return BuiltModel(model, flops, plan, pipeline=mesh, stage=forward)
     loader = None
     if cfg.finetuning_type == "qlora":
         loader = BlockLoader(model, model_dir, env.device, cfg.seed, nf4_shards(plan, env), start)
@@ -75,6 +82,29 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
         loader.close()
         logger.info(loader.describe(wrapped))
     return BuiltModel(wrapped, flops, plan)
+
+
+def pipeline_stage(model: torch.nn.Module, plan: RunPlan, env: DistEnv) -> tuple[DeviceMesh, StageForward]:
+    """The model cut down to this process's pipeline stage, on its device, and the forward the schedule runs. A
+    stage's processes (the mesh's dp dimension) are its replicas, averaging their gradients in one flat all-reduce
+    after the schedule's last backward (ddp), or shard it with FSDP2 (zero2 / zero3; the stage's forward the root,
+    as the schedule calls it, so torch's stage turns the reduce-scatter off but for the last micro-batch). Every
+    process read the same files and drew the same LoRA weights, so they start equal."""
+    mesh = pipeline_mesh(env, plan.pipeline_parallel)
+    stage = mesh.get_local_rank("pp")
+    keep_stage(model, stage, plan.pipeline_stages[stage], plan.pipeline_parallel)
+    forward = StageForward(model, first=stage == 0, last=stage == plan.pipeline_parallel - 1)
+    replicas = mesh["dp"].size()
+    if plan.parallel != "ddp" and replicas > 1:
+        wrap_model(forward, plan.parallel, env, plan.bf16, prefetch=plan.fsdp_prefetch,
+                   reduce_bf16=plan.grad_reduce_dtype == "bf16", blocks_per_unit=plan.blocks_per_unit or 1,
+                   reshard_after_forward=plan.reshard_after_forward, mesh=mesh["dp"])
+        return mesh, forward
+    model.to(env.device)
+    if replicas > 1:
+        model.meshtune_flat_sync = FlatGradientSync(model, replicas, torch.bfloat16 if plan.grad_reduce_dtype == "bf16"
+                                                    else None, in_sync=True, group=mesh["dp"].get_group())
+    return mesh, forward
 
 
 def nf4_shards(plan: RunPlan, env: DistEnv) -> int:

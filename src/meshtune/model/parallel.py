@@ -27,15 +27,16 @@ class FlatGradientSync:
     (measured); hundreds of adapter tensors are a few hundred MB, a few ms over NVLink, not worth overlapping."""
 
     def __init__(self, model: torch.nn.Module, world_size: int, reduce_dtype: torch.dtype | None = None,
-                 in_sync: bool = False):
+                 in_sync: bool = False, group: dist.ProcessGroup | None = None):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = world_size
         self.reduce_dtype = reduce_dtype  # None: the gradients' own
+        self.group = group  # None: every process (a pipeline stage's replicas otherwise)
         if in_sync:  # every replica already holds rank 0's values (rank0_weights)
             return
         for group in self._by_dtype([p.data for p in self.params]):
             flat = _flatten_dense_tensors(group)
-            dist.broadcast(flat, src=0)
+            dist.broadcast(flat, group=group, group_src=0)
             for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                 tensor.copy_(synced)
 
@@ -54,7 +55,7 @@ class FlatGradientSync:
             flat = _flatten_dense_tensors(grads)
             sent = flat.to(self.reduce_dtype or flat.dtype)
             sent.div_(self.world_size)  # as DDP: average, dividing before the sum
-            dist.all_reduce(sent)
+            dist.all_reduce(sent, group=self.group)
             flat.copy_(sent)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
@@ -114,7 +115,7 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                cpu_offload: bool = False, reshard_after_forward: bool | int | None = None,
                bucket_cap_mb: float | None = None, powersgd_rank: int = 0,
                before_shard: Callable[[list[torch.nn.Module]], None] | None = None,
-               mesh_layout: dict[str, int] | None = None) -> torch.nn.Module:
+               mesh_layout: dict[str, int] | None = None, mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
     already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more.
     `reduce_bf16`: gradients cross the processes in bf16 (half the bytes), and are summed back into fp32.
@@ -127,7 +128,8 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     `before_shard`: called with each unit's blocks, then with the model, right before FSDP2 shards them (Q-LoRA's
     block-by-block loading: only one unit is ever whole on the device). `mesh_layout` (the run plan's mesh): with
     a tp dimension above 1 the model is first split over it (model/tensor_parallel.py), then FSDP2 shards it over
-    the data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is then never ddp."""
+    the data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is then never ddp. `mesh`:
+    the processes FSDP2 shards over, given (a pipeline stage's), instead of every process."""
     if parallel == "ddp":
         if env.world_size == 1:
             return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
@@ -158,7 +160,7 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     tensor_parallel = bool(mesh_layout) and mesh_layout.get("tp", 1) > 1
     if tensor_parallel:
         mesh = tensor_parallel_mesh(model, parallel, env, mesh_layout)
-    else:
+    elif mesh is None:
         mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
     blocks = transformer_blocks(model)
     units = fsdp_units(blocks, blocks_per_unit)

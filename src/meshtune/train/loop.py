@@ -39,6 +39,7 @@ from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import model_size
 from meshtune.model.model_dir import check_model_dir, load_tokenizer
 from meshtune.model.reference import build_reference
+from meshtune.model.pipeline_parallel import gather_stage_weights, whole_model
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync, settle_gradient_buckets
 from meshtune.model.vocab_parallel_loss import vocab_shard
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
@@ -57,6 +58,7 @@ from meshtune.train.objectives.pair_loss import PairLoss
 from meshtune.train.objectives.preference import PreferenceSettings
 from meshtune.train.objectives.token_loss import TokenLoss
 from meshtune.train.optimizer import build_optimizer, clip_gradients
+from meshtune.train.pipeline_step import PipelineStep
 from meshtune.train.preemption import StopRequest
 from meshtune.train.reference_pass import precompute_reference, reference_is_policy
 from meshtune.train.profiling import StepProfiler
@@ -150,7 +152,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     scheduler = build_scheduler(optimizer, *schedule)
     logger.info(describe_schedule(*schedule))
     progress = TrainingProgress()
-    state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora)
+    state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora,
+                           optimizer_by_name=built.pipeline is not None)  # each stage's groups name other weights
     if resume_path:
         load_began = time.monotonic()
         checkpoints.load(resume_path, state)
@@ -176,6 +179,11 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         return collate_rows(rows) if rows else collate_rows(filler_rows).ignore_all()
 
     split = SequenceSplit(plan.context_parallel, env)  # context parallel: each process's share of the positions
+    # pipeline_parallel: this process's stage and torch's schedule over the step's micro-batches
+    pipeline = (PipelineStep(built.stage, built.pipeline, plan.pipeline_schedule, plan.gradient_accumulation_steps,
+                             env.device, pad_id, cfg.cutoff_len, plan.autocast_bf16)
+                if built.pipeline is not None else None)
+    stages = built.pipeline["pp"].get_group() if built.pipeline is not None else None
     model.train()
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
@@ -188,11 +196,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
         settle_gradient_buckets(model, lambda: objective.loss_sum(rows_to_batch(first).to(env.device)))
     if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
         describe_run(cfg, plan, output_dir)
+    # under pipeline_parallel the last stage holds the loss, and each stage counts the targets: 1 / pp of them each
     evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
                           cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
-                          partial(objective.collate, dataset=eval_data, packed=False), split.around(objective.loss_sum),
+                          partial(objective.collate, dataset=eval_data, packed=False),
+                          pipeline.eval_loss if pipeline is not None else split.around(objective.loss_sum),
                           objective.count, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
-                          target_share=1 / plan.context_parallel, metric_names=objective.metric_names,
+                          target_share=1 / (plan.context_parallel * plan.pipeline_parallel),
+                          metric_names=objective.metric_names,
                           metric_sums=objective.metric_sums, metrics=objective.metrics,
                           prepare=partial(objective.prepare_step, dataset=eval_data))
     meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
@@ -204,9 +215,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
+    per_stage = data.world_size if plan.pipeline_parallel > 1 else 0  # the processes of a pipeline stage
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
-                               sample_ids(batches, train_data, plan.model_parallel), progress.nonfinite_skipped,
-                               checkpoints.close)
+                               sample_ids(batches, train_data, plan.model_parallel, per_stage),
+                               progress.nonfinite_skipped, checkpoints.close)
     own = float(env.rank == data.rank * plan.model_parallel)  # 0: a cp x tp peer counts this group's batches
     # a cp group's processes each hold the loss of their share of the positions; a tensor-parallel peer, a copy
     own_loss = float(env.rank % plan.tensor_parallel == 0)
@@ -233,7 +245,9 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             watch.at(step + 1, "forward and backward, with the gradient reduction")
             loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
             reported = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
-            for m, batch in enumerate(micro):
+            if pipeline is not None:  # the schedule runs every micro-batch's forward and backward through the stages
+                loss_sum = faults.nan_loss(pipeline.step(micro, targets, reducing, scaler.scale), step + 1, env.rank)
+            for m, batch in enumerate(micro if pipeline is None else []):
                 with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction,
                                    keep_gathered=plan.reshard_after_forward is False):
                     with split(batch.to(env.device)) as local:  # forward and backward on this process's share
@@ -244,7 +258,7 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             finish_gradient_sync(model)
             watch.at(step + 1, "gradient clipping and optimizer step")
             scaler.unscale(optimizer)
-            grad_norm = clip_gradients(params, cfg.max_grad_norm)
+            grad_norm = clip_gradients(params, cfg.max_grad_norm, stages)
             lr = float(optimizer.param_groups[0]["lr"])  # the rate this step used (a tensor in torchao's AdamW)
             # fp16: gradients that overflow are the loss scale's to skip (and the scale lowers), not a fault
             checked_norm = torch.zeros_like(loss_sum) if plan.fp16 else grad_norm
@@ -291,9 +305,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
 
     final_dir = None
     if cfg.save_final:
-        weights = gather_state_dict(model, trainable_only=cfg.is_lora)  # a collective: full tensors on rank 0
+        # a collective: full tensors on rank 0 (from every stage under pipeline_parallel)
+        weights = (gather_state_dict(model, trainable_only=cfg.is_lora) if built.pipeline is None else
+                   gather_stage_weights(model, built.pipeline, trainable_only=cfg.is_lora))
+        # under pipeline_parallel rank 0 holds the first stage: the whole model's modules name the tensors
+        saving = whole_model(cfg, plan) if built.pipeline is not None and env.is_main else model
         final_dir = publish_final(output_dir, {**run_info, "step": progress.step, "epoch": progress.epoch},
-                                  env.rank, lambda staged: save_final(model, weights, tokenizer, staged, chat_template),
+                                  env.rank, lambda staged: save_final(saving, weights, tokenizer, staged,
+                                                                      chat_template),
                                   store=store)
     if env.is_main:
         if cfg.plot_loss:

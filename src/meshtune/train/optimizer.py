@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtune.config import TrainConfig
@@ -25,10 +26,16 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool
     return optimizer, params
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global gradient norm (DTensor shards included), clipping when max_norm > 0."""
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float,
+                   stages: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global gradient norm (DTensor shards included), clipping when max_norm > 0. `stages`: the processes of one
+    pipeline, each holding its stage's parameters; the norm is then the whole model's, from each stage's."""
     grads = [p.grad for p in params if p.grad is not None]
     total = gradient_norm(grads)
+    if stages is not None:
+        squared = total.double() ** 2
+        dist.all_reduce(squared, group=stages)
+        total = squared.sqrt().to(total.dtype)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # the scale goes to each gradient's device
     return total

@@ -1,0 +1,133 @@
+"""An optimizer step's forward and backward under pipeline_parallel, through torch.distributed.pipelining: the
+step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe or
+Schedule1F1B) splits back into them; the last stage computes each micro-batch's loss, normalised as the data-parallel
+step normalises it, so the sum over micro-batches is the one-process loss and its gradients."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from meshtune.data.collate import IGNORE, Batch
+from meshtune.model.pipeline_parallel import StageForward
+from meshtune.train.objectives import normalised
+from meshtune.train.objectives.token_loss import token_loss_sum
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+LENGTH_MULTIPLE = 64  # rows padded to a multiple: fewer distinct shapes, each a stage set up anew
+SHAPES_KEPT = 4       # stages (with their receive buffers) kept for the shapes seen last
+
+
+class PipelineStep:
+    """This process's stage of the pipeline and the schedules it runs, one per micro-batch shape: a stage's sends and
+    receives are set up for one shape on its first step, and micro-batches of a step differ in length from the next
+    step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
+
+    def __init__(self, module: StageForward, mesh: DeviceMesh, schedule: str, micro_batches: int,
+                 device: torch.device, pad_id: int, length_cap: int, autocast_bf16: bool = False):
+        self.stage = mesh.get_local_rank("pp")
+        self.stages = mesh["pp"].size()
+        self.group = mesh["pp"].get_group()
+        self.module = module
+        self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
+        self.pad_id, self.length_cap = pad_id, length_cap
+        self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
+        # (rows, length, micro-batches); evaluation's schedules apart (a stage first set up without backward would
+        # not run one later)
+        self.schedules: OrderedDict[tuple[int, int, int, bool], object] = OrderedDict()
+        self.sums: list[torch.Tensor] = []
+        self.loss_of: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def _schedule(self, rows: int, length: int, micro_batches: int, training: bool):
+        key = (rows, length, micro_batches, training)
+        if key in self.schedules:
+            self.schedules.move_to_end(key)
+            return self.schedules[key]
+        stage = PipelineStage(self.module, self.stage, self.stages, self.device, group=self.group)
+        # scale_grads off: each micro-batch's loss is already its share of the step's (see step); evaluation runs
+        # one batch as one micro-batch, forward only
+        schedule = self.schedule if training else "gpipe"
+        made = SCHEDULES[schedule](stage, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
+        self.schedules[key] = made
+        if len(self.schedules) > SHAPES_KEPT:
+            self.schedules.popitem(last=False)
+        return made
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        total = token_loss_sum(logits, targets)
+        self.sums.append(total.detach())
+        return self.loss_of(total)
+
+    def step(self, micro: list[Batch], normaliser: torch.Tensor, reducing: int,
+             scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (on this process's device); returns their summed loss on
+        the last stage, 0 elsewhere. Each micro-batch's backward uses loss * reducing / normaliser, as the
+        data-parallel step's does (`reducing`: the replicas the gradients are averaged over)."""
+        self.loss_of = lambda total: scale(normalised(total * reducing, normaliser))
+        return self._run(micro, self.micro_batches, training=True)
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        """The summed loss of one held-out batch (on this process's device) through the stages, forward only: on the
+        last stage; 0 elsewhere."""
+        self.loss_of = lambda total: total
+        return self._run([batch], 1, training=False)
+
+    def _run(self, micro: list[Batch], count: int, training: bool) -> torch.Tensor:
+        stacked = stack(micro, count, self.pad_id, self.length_cap)
+        rows, length = stacked.input_ids.shape
+        schedule = self._schedule(rows // count, length, count, training)
+        self.sums = []
+        inputs = stacked.to(self.device)
+        kwargs = {"attention_mask": inputs.attention_mask, "position_ids": inputs.position_ids}
+        run = schedule.step if training else schedule.eval
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
+            if self.stage == 0:
+                run(inputs.input_ids, **kwargs, **({"target": inputs.targets} if self.last else {}))
+            elif self.last:
+                run(**kwargs, target=inputs.targets)
+            else:
+                run(**kwargs)
+        if not self.last:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        # the losses of these micro-batches: a stage set up for a new shape may run a forward on placeholder
+        # inputs first (torch's shape inference), whose loss is not theirs
+        return torch.stack(self.sums[-count:]).double().sum()
+
+
+def stack(micro: list[Batch], count: int, pad_id: int, length_cap: int) -> Batch:
+    """The step's micro-batches as one batch of `count` equal chunks, each right-padded to one length (a multiple of
+    LENGTH_MULTIPLE, or the longest a row may be): padding is masked and trains nothing, so each chunk's loss is
+    its micro-batch's. A micro-batch with fewer rows, and a missing one (an epoch's short last step), is filled
+    with copies of a row whose targets are all ignored."""
+    rows = max(b.input_ids.size(0) for b in micro)
+    longest = max(b.input_ids.size(1) for b in micro)
+    length = max(longest, min(-(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, length_cap))
+    shape = (count * rows, length)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    targets = torch.full(shape, IGNORE, dtype=torch.long)
+    position_ids = torch.arange(length).repeat(count * rows, 1)
+    mask = torch.zeros(shape, dtype=torch.long)
+    spare = micro[0]
+    for m in range(count):
+        batch = micro[m] if m < len(micro) else None
+        for r in range(rows):
+            source = batch if batch is not None and r < batch.input_ids.size(0) else spare
+            row = r if source is batch else 0
+            n = source.input_ids.size(1)
+            at = m * rows + r
+            input_ids[at, :n] = source.input_ids[row]
+            position_ids[at, :n] = source.position_ids[row]
+            if source.attention_mask is not None:
+                mask[at, :n] = source.attention_mask[row]
+            if source is batch:
+                targets[at, :n] = source.targets[row]
+    return Batch(input_ids, targets, position_ids, mask, sum(b.num_tokens for b in micro))
+

@@ -1,0 +1,309 @@
+"""Pipeline parallelism: the run plan's mesh, stages and schedule and its refusals (no processes), a stage's blocks
+and names (one process), and on gloo ranks the losses and gradient norms of one process, full and LoRA, under pp 2
+and pp 2 x dp 2; a pp 2 checkpoint resumed on one process and one process's on pp 2, and final/ the whole model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import base_config, read_metrics, write_config
+from meshtune.cli import main
+from meshtune.config import build_config
+from meshtune.distributed import DistEnv
+from meshtune.errors import ConfigError
+from meshtune.plan import ModelSize, resolve
+from ranks import run_workers
+
+
+QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2")
+
+
+def env(world_size: int, local_world_size: int | None = None, rank: int = 0) -> DistEnv:
+    local = local_world_size or world_size
+    return DistEnv(rank, world_size, rank % local, local, torch.device("cpu"))
+
+
+def plan_of(world_size: int = 4, local: int | None = None, size: ModelSize = QWEN_7B, **values):
+    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "pipeline_parallel": 2, **values})
+    return resolve(cfg, env(world_size, local), None, lambda: size)
+
+
+def test_the_stages_are_outermost_so_a_node_holds_a_stage_and_the_plan_names_them(tmp_path):
+    """2 nodes of 2: stage 0 is node 0's ranks, stage 1 node 1's; ranks 1 and 3 share their data."""
+    plan = plan_of(4, 2, finetuning_type="full", gradient_accumulation_steps=4)
+    assert plan.mesh == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
+    assert plan.parallel == "ddp" and plan.grad_sync == "flat" and not plan.weights_from_rank0
+    assert plan.pipeline_stages == [(0, 14), (14, 28)] and plan.pipeline_schedule == "1f1b"
+    for rank, data_rank in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        data = plan.data_env(env(4, 2, rank))
+        assert (data.rank, data.world_size) == (data_rank, 2), rank
+    assert not (plan.fused_loss or plan.padding_free or plan.compile)
+    assert "logits the schedule" in plan.why["fused_loss"] and "auto: 1f1b" in plan.why["pipeline_schedule"]
+    described = plan.describe()
+    assert "pipeline_stages              blocks 0-13, blocks 14-27" in described
+    assert "device_mesh                  pp 2 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1" in described
+    plan.write(tmp_path / "run_plan.json")
+    written = json.loads((tmp_path / "run_plan.json").read_text())
+    assert list(written["mesh"])[0] == "pp" and written["pipeline_stages"] == [[0, 14], [14, 28]]
+    assert written["pipeline_schedule"] == "1f1b"
+    # fewer micro-batches than stages: GPipe, which runs any number
+    assert plan_of(4, 2, gradient_accumulation_steps=1).pipeline_schedule == "gpipe"
+    assert plan_of(4, 2, gradient_accumulation_steps=4, pipeline_schedule="gpipe").pipeline_schedule == "gpipe"
+
+
+def test_without_pipeline_parallel_the_plan_has_no_stages():
+    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl"})
+    plan = resolve(cfg, env(4), None, lambda: QWEN_7B)
+    assert "pp" not in plan.mesh and plan.pipeline_schedule is None and plan.pipeline_stages == []
+    assert plan.pipeline_parallel == 1 and "pipeline" not in plan.describe()
+
+
+@pytest.mark.parametrize("world_size, size, values, message", [
+    (3, QWEN_7B, {}, "2 does not divide the job's 3 processes; counts that work here: 1, 3"),
+    (4, ModelSize(10, 1, 3, 4, 4, "qwen2"), {}, "does not divide the model's 3 blocks .* work here: 1$"),
+    (4, ModelSize(10, 1, 2, 4, 4, "gemma"), {}, "not model_type gemma"),
+    (4, ModelSize(10, 1, 2, 4, 4, "qwen2", tied_embeddings=True), {}, "tie_word_embeddings"),
+    (4, QWEN_7B, {"pipeline_schedule": "1f1b", "gradient_accumulation_steps": 1},
+     "1f1b needs at least pipeline_parallel \\(2\\) micro-batches .* gradient_accumulation_steps to 2"),
+])
+def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_size, size, values, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of(world_size, size=size, **values)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tensor_parallel": 2}, "tensor_parallel or context_parallel above 1"),
+    ({"context_parallel": 2}, "tensor_parallel or context_parallel above 1"),
+    ({"finetuning_type": "qlora"}, "finetuning_type: qlora"),
+    ({"stage": "dpo"}, "stage: dpo"),
+    ({"stage": "kto"}, "stage: kto"),
+    ({"packing": True}, "packing: true"),
+    ({"padding_free": True}, "padding_free: true"),
+    ({"fp16": True}, "fp16: true"),
+    ({"powersgd_rank": 2}, "powersgd_rank"),
+    ({"finetuning_type": "full", "parallel": "hsdp"}, "parallel: hsdp: a stage's processes are its replicas"),
+    ({"finetuning_type": "full", "parallel": "zero3", "cpu_offload": True}, "cpu_offload: a stage's processes"),
+])
+def test_what_the_pipeline_does_not_combine_with_is_refused_before_any_process(values, message):
+    with pytest.raises(ConfigError, match=f"pipeline_parallel: 2 (cannot be combined )?with {message}"):
+        build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "pipeline_parallel": 2, **values})
+
+
+def test_a_stage_keeps_its_blocks_by_the_whole_model_s_names(tiny_model_dir):
+    """Stage 0 holds the embedding and block 0, stage 1 block 1, the norm and the head: together every name of the
+    whole model (LoRA's too), each once, so a checkpoint of either layout loads on the other."""
+    from meshtune.model.lora import add_lora
+    from meshtune.model.loading import load_model
+    from meshtune.model.pipeline_parallel import keep_stage
+
+    cfg = build_config({"model_name_or_path": str(tiny_model_dir), "dataset": "d.jsonl", "lora_target": "all"})
+    whole = set(add_lora(load_model(tiny_model_dir, torch.float32), cfg).state_dict())
+    held = []
+    for stage in (0, 1):
+        model = add_lora(load_model(tiny_model_dir, torch.float32), cfg)
+        keep_stage(model, stage, (stage, stage + 1), 2)
+        held.append(set(model.state_dict()))
+    assert not held[0] & held[1] and held[0] | held[1] == whole
+    assert "base_model.model.model.embed_tokens.weight" in held[0]
+    assert {"base_model.model.model.norm.weight", "base_model.model.lm_head.weight"} <= held[1]
+    assert all(".layers.1." not in name for name in held[0]) and all(".layers.0." not in name for name in held[1])
+
+
+class Jobs:
+    """The module's training runs, each run once and shared by the tests that read it."""
+
+    def __init__(self, workdir, model_dir, dataset):
+        self.workdir, self.model_dir, self.dataset = workdir, model_dir, dataset
+        self.done: dict[str, dict] = {}
+
+    def run(self, name: str, method: str, nproc: int, pp: int, accumulation: int, **extra) -> dict:
+        """A run of 4 steps at global batch 8 (2 rows a micro-step): its losses, grad norms, output_dir and plan."""
+        if name in self.done:
+            return self.done[name]
+        out = self.workdir / name
+        out.mkdir()
+        values = base_config(self.model_dir, self.dataset, out / "output", finetuning_type=method, parallel="ddp",
+                             nproc_per_node=nproc, pipeline_parallel=pp, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=accumulation, tokenized_path=str(self.workdir / "tokenized"),
+                             learning_rate=5e-3 if method == "lora" else 1e-3, max_steps=4, save_final=False,
+                             max_grad_norm=0.5)
+        values.update(extra)
+        config = str(write_config(out, **values))
+        if nproc == 1:
+            assert main(["train", config]) == 0
+        else:
+            codes, output = run_workers(["train", config], nproc, out / "ranks", timeout=240)
+            assert codes == [0] * nproc, output[-6000:]
+        records = read_metrics(out / "output")
+        self.done[name] = {"losses": [r["loss"] for r in records if "loss" in r],
+                           "norms": [r["grad_norm"] for r in records if "grad_norm" in r],
+                           "eval": [r["eval_loss"] for r in records if "eval_loss" in r],
+                           "output": out / "output", "plan": json.loads((out / "output" / "run_plan.json").read_text())}
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, tiny_model_dir, tiny_dataset) -> Jobs:
+    return Jobs(tmp_path_factory.mktemp("pipeline"), tiny_model_dir, tiny_dataset)
+
+
+def assert_same(values: list[float], reference: list[float], what: str) -> None:
+    assert len(values) == len(reference), f"{what}: {values} vs {reference}"
+    for step, (got, want) in enumerate(zip(values, reference), start=1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{what}: step {step}: {got} vs one process {want}"
+
+
+HELD_OUT = dict(val_size=8, eval_steps=2, per_device_eval_batch_size=3)
+SAVED = dict(save_steps=2, save_final=True, **HELD_OUT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_pp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
+    """And the held-out loss (val_size, evaluated every 2 steps: forward only through the stages)."""
+    one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
+    assert one["losses"][-1] < one["losses"][0], one["losses"]
+    pp2 = jobs.run(f"pp2-{method}", method, 2, 2, 4, **SAVED)
+    assert len(one["eval"]) == 2
+    assert_same(pp2["eval"], one["eval"], f"{method} pp 2 eval_loss")
+    assert pp2["plan"]["mesh"]["pp"] == 2 and pp2["plan"]["pipeline_schedule"] == "1f1b", pp2["plan"]
+    assert_same(pp2["losses"], one["losses"], f"{method} pp 2 loss")
+    # clipped at 0.5: the norm is the whole model's, every stage's gradients in it
+    assert_same(pp2["norms"], one["norms"], f"{method} pp 2 grad norm")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
+    """4 processes: 2 stages of 2 replicas each, 2 micro-batches a step on each replica (global batch 8); LoRA under
+    GPipe, full fine-tuning under 1F1B."""
+    one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
+    schedule = "gpipe" if method == "lora" else "1f1b"
+    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2, pipeline_schedule=schedule, **HELD_OUT)
+    plan = pp2_dp2["plan"]
+    assert plan["pipeline_schedule"] == schedule
+    assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
+    assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
+    assert_same(pp2_dp2["losses"], one["losses"], f"{method} pp 2 x dp 2 loss")
+    assert_same(pp2_dp2["norms"], one["norms"], f"{method} pp 2 x dp 2 grad norm")
+    assert_same(pp2_dp2["eval"], one["eval"], f"{method} pp 2 x dp 2 eval_loss")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel", ["zero2", "zero3"])
+def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel):
+    """pp 2 x dp 2, each stage sharded over its 2 processes by FSDP2 (the stage's forward the root), full
+    fine-tuning (its checkpoint-2 resumes on one process) and, under zero3, LoRA."""
+    one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
+    sharded = jobs.run(f"pp2-{parallel}", "full", 4, 2, 2, parallel=parallel, save_steps=2, **HELD_OUT)
+    assert sharded["plan"]["parallel"] == parallel and sharded["plan"]["mesh"]["pp"] == 2
+    assert_same(sharded["losses"], one["losses"], f"pp 2 x {parallel} 2 loss")
+    assert_same(sharded["norms"], one["norms"], f"pp 2 x {parallel} 2 grad norm")
+    assert_same(sharded["eval"], one["eval"], f"pp 2 x {parallel} 2 eval_loss")
+    # the checkpoint's accumulation of 2 given, the plan keeps its global batch of 8: 4 micro-batches on one process
+    resumed = jobs.run(f"one-from-pp2-{parallel}", "full", 1, 1, 2, **HELD_OUT,
+                       resume_from_checkpoint=str(sharded["output"] / "checkpoint-2"))
+    assert resumed["plan"]["gradient_accumulation_steps"] == 4
+    if parallel == "zero3":  # LoRA's frozen base sharded too (under zero2 LoRA runs as ddp)
+        lora = jobs.run("pp2-lora-zero3", "lora", 4, 2, 2, parallel="zero3", **HELD_OUT)
+        assert lora["plan"]["parallel"] == "zero3"
+        assert_same(lora["losses"], jobs.run("one-lora", "lora", 1, 1, 4, **SAVED)["losses"], "lora pp 2 x zero3 2")
+    assert_same(resumed["losses"], one["losses"][2:], f"pp 2 x {parallel} 2 -> 1 process")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_final_of_pp2_holds_the_whole_model_and_the_adapter_by_their_names(jobs):
+    for method, weights in (("full", "model.safetensors"), ("lora", "adapter_model.safetensors")):
+        one = load_file(str(jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)["output"] / "final" / weights))
+        pp2 = load_file(str(jobs.run(f"pp2-{method}", method, 2, 2, 4, **SAVED)["output"] / "final" / weights))
+        assert pp2.keys() == one.keys(), f"{method}: {sorted(set(pp2) ^ set(one))}"
+        for name, tensor in one.items():
+            torch.testing.assert_close(pp2[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_pp2_checkpoint_resumes_on_one_process_and_one_process_s_on_pp2(jobs):
+    """Also on pp 2 itself: each stage's optimizer param groups name its own parameters, saved by name."""
+    one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
+    pp2 = jobs.run("pp2-full", "full", 2, 2, 4, **SAVED)
+    from_pp2 = jobs.run("one-from-pp2", "full", 1, 1, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"),
+                        **HELD_OUT)
+    assert from_pp2["plan"]["resumed_from"].endswith("checkpoint-2")
+    assert_same(from_pp2["losses"], one["losses"][2:], "pp 2 -> 1 process")
+    to_pp2 = jobs.run("pp2-from-one", "full", 2, 2, 4, resume_from_checkpoint=str(one["output"] / "checkpoint-2"),
+                      **HELD_OUT)
+    assert_same(to_pp2["losses"], one["losses"][2:], "1 process -> pp 2")
+    again = jobs.run("pp2-from-pp2", "full", 2, 2, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"),
+                        **HELD_OUT)
+    assert again["losses"] == pp2["losses"][2:], "pp 2 -> pp 2 goes on bit for bit"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_2_node_pipeline_with_a_node_killed_after_checkpoint_4_ends_with_the_uninterrupted_weights(
+        tmp_path, tiny_model_dir, tiny_dataset):
+    """One stage a node (torchrun agents on 127.0.0.1, --nnodes 2): node 1 killed with kill -9 once checkpoint-4 is
+    published, relaunched alone; both stages resume from checkpoint-4 and the job ends with the losses and the
+    final weights, bit for bit, of the same job without the kill (its ranks forked on this machine)."""
+    from test_faults import Cluster, final_hash, job_config, kill_and_relaunch, losses
+    from ranks import free_port, run_meshtune_ranks
+
+    pipeline = dict(parallel="ddp", hsdp_shard_size=None, pipeline_parallel=2, gradient_accumulation_steps=2,
+                    max_steps=8, save_steps=4, preflight=False)  # the launches' own checks are tested elsewhere
+    reference = tmp_path / "uninterrupted"
+    config = job_config(reference / "cfg", tiny_model_dir, tiny_dataset, reference / "output", **pipeline)
+    result = run_meshtune_ranks(["train", str(config)], 2, reference / "ranks", env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    killed = tmp_path / "killed"
+    config = job_config(killed / "cfg", tiny_model_dir, tiny_dataset, killed / "output", **pipeline)
+    cluster = Cluster(killed)
+    try:
+        port = free_port()
+        nodes = cluster.start_job(config, port)
+        kill_and_relaunch(cluster, config, port, killed / "output", nodes, victim=1, step=4)
+        for node in nodes:
+            assert node.wait(240) == 0, node.output()[-4000:]
+    finally:
+        cluster.cleanup()
+    texts = "".join(node.output() for node in cluster.nodes)
+    assert f"resumed from {killed / 'output' / 'checkpoint-4'} at step 4" in texts, texts[-4000:]
+    assert losses(killed / "output") == losses(reference / "output")
+    assert final_hash(killed / "output") == final_hash(reference / "output")
+
+
+def test_the_doctor_counts_a_pipeline_s_activations_as_what_crosses_the_nodes():
+    """Full 7B (hidden 3,584) on 2 nodes x 8 GPUs, a stage a node, 64 rows of 600 tokens a step in bf16: the 8
+    pipelines' activations, 64 x 600 x 3,584 x 2 bytes = 0.28 GB, cross each way, against ddp's ring all-reduce of
+    15 GB of bf16 gradients; a stage on 2 nodes (pp 2 on 4 nodes) adds its replicas' all-reduce of half of them."""
+    from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives
+
+    model = ModelFacts(QWEN_7B, QWEN_7B.parameters, 6_500_000_000, 28, 3584, hidden=3584)
+
+    def sent(pp: int, nodes: int, parallel: str = "ddp") -> float:
+        cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "full",
+                            "pipeline_parallel": pp, "per_device_train_batch_size": 8 // (nodes * 8 // pp // 8),
+                            "gradient_accumulation_steps": 1, "cutoff_len": 600, "grad_reduce_dtype": "bf16",
+                            "parallel": parallel})
+        return sent_by_each_node(step_collectives(cfg, parallel, model, True, True, nodes * 8, None, 8), nodes)
+
+    assert sent(2, 2) == pytest.approx(64 * 600 * 3584 * 2)
+    ddp = sent(1, 2)
+    assert ddp == pytest.approx(2 * 15 / 16 * QWEN_7B.parameters * 2)
+    assert sent(2, 2) / ddp < 0.02
+    # 4 nodes, 2 stages: each stage's 16 replicas on 2 nodes; 2 rows a process
+    four = step_collectives(build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "full",
+                                          "pipeline_parallel": 2, "per_device_train_batch_size": 2,
+                                          "cutoff_len": 600, "grad_reduce_dtype": "bf16"}),
+                            "ddp", model, True, True, 32, None, 8)
+    assert [(c.kind, c.what) for c in four] == [("send", "activations forward and their gradients back"),
+                                                ("all-reduce", "a stage's gradients")]
+    assert four[1].bytes == QWEN_7B.parameters * 2 / 2 and four[1].ranks == 16
