@@ -302,7 +302,8 @@ class TrainConfig(BaseModel):
                                             "counts. Default: on with CUDA; elsewhere off (it works there too, one "
                                             "attention call per sample)")
     fused_loss: bool = SPEED(True, "the output head and cross-entropy in row chunks over target positions only: the "
-                                   "full-vocabulary logits are never stored. Turn off to compare with the plain "
+                                   "full-vocabulary logits are never stored (stage: dpo: each response's summed "
+                                   "log-prob the same way; off for kto). Turn off to compare with the plain "
                                    "F.cross_entropy path")
     torch_compile: bool | None = SPEED(None, "torch.compile every transformer block and the fused loss. Default: on "
                                              "with CUDA (the first steps then include compilation); turn off to debug")
