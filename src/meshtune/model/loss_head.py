@@ -103,15 +103,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                         targets: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """Summed cross-entropy of `hidden` (..., H) rows at flat `positions` against `targets` (same length)."""
+@contextmanager
+def _head_rows(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor):
+    """The rows of `hidden` (..., H) at flat `positions` and the head's weight, both in the compute dtype (autocast's,
+    else the weight's), and the rows a chunk takes; autocast is off inside, so each chunk's matmul keeps that dtype."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     with torch.autocast(device_type, enabled=False):
-        rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, positions).to(dtype)
-        w = weight.to(dtype)
-        chunk = chunk_rows(weight.size(0))
+        yield (hidden.reshape(-1, hidden.size(-1)).index_select(0, positions).to(dtype), weight.to(dtype),
+               chunk_rows(weight.size(0)))
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                         targets: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Summed cross-entropy of `hidden` (..., H) rows at flat `positions` against `targets` (same length)."""
+    with _head_rows(hidden, weight, positions) as (rows, w, chunk):
         if torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad):
             return _LinearCrossEntropy.apply(rows, w, targets, chunk, compiled)
         return _chunked_loss(rows, w, targets, False, False, chunk, compiled)[0]
@@ -131,19 +137,26 @@ def _chunk_logps_grad(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, g:
     return ((onehot.to(softmax_dtype) - torch.exp(logits - lse[:, None])) * g[:, None].to(softmax_dtype)).to(h.dtype)
 
 
+def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                 compiled: bool) -> torch.Tensor:
+    """(N,): each row of `hidden` (N, H)'s log-probability of its target, chunk by chunk; fp32 at least."""
+    softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    out = torch.empty(hidden.size(0), dtype=softmax_dtype, device=hidden.device)
+    for start in range(0, hidden.size(0), chunk):
+        out[start:start + chunk] = _kernel(_chunk_token_logps, compiled)(
+            hidden[start:start + chunk], weight, targets[start:start + chunk], softmax_dtype)
+    return out
+
+
 class _LinearLogProbs(torch.autograd.Function):
     """Each row's target log-prob; backward recomputes each chunk's logits (no tokens x vocabulary tensor is kept)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk, compiled):
-        softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)
-        out = torch.empty(hidden.size(0), dtype=softmax_dtype, device=hidden.device)
-        for start in range(0, hidden.size(0), chunk):
-            out[start:start + chunk] = _kernel(_chunk_token_logps, compiled)(
-                hidden[start:start + chunk], weight, targets[start:start + chunk], softmax_dtype)
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk, ctx.compiled, ctx.softmax_dtype = chunk, compiled, softmax_dtype
-        return out
+        ctx.chunk, ctx.compiled = chunk, compiled
+        ctx.softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        return _token_logps(hidden, weight, targets, chunk, compiled)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -166,19 +179,11 @@ def linear_row_logps(hidden: torch.Tensor, weight: torch.Tensor, positions: torc
                      rows: torch.Tensor, n_rows: int, compiled: bool = False) -> torch.Tensor:
     """(n_rows,): each row's summed log-probability of `targets` at flat `positions` of `hidden` (..., H), `rows`
     naming each position's row; fp32 at least."""
-    device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    with torch.autocast(device_type, enabled=False):
-        flat = hidden.reshape(-1, hidden.size(-1)).index_select(0, positions).to(dtype)
-        w = weight.to(dtype)
-        chunk = chunk_rows(weight.size(0))
+    with _head_rows(hidden, weight, positions) as (flat, w, chunk):
         if torch.is_grad_enabled() and (flat.requires_grad or w.requires_grad):
             token = _LinearLogProbs.apply(flat, w, targets, chunk, compiled)
         else:
-            softmax_dtype = torch.promote_types(dtype, torch.float32)
-            token = torch.cat([_kernel(_chunk_token_logps, compiled)(flat[i:i + chunk], w, targets[i:i + chunk],
-                                                                     softmax_dtype)
-                               for i in range(0, flat.size(0), chunk)]) if flat.size(0) else flat.new_zeros(0).float()
+            token = _token_logps(flat, w, targets, chunk, compiled)
         return torch.zeros(n_rows, dtype=token.dtype, device=token.device).index_add(0, rows, token)
 
 
