@@ -8,7 +8,7 @@ same datasets failed at its first Dataset (dill's PicklingError on pyarrow's Mon
   python3 bench/peer_trl_dpo.py --size tiny --mode lora --bs 2 --steps 6     # CPU smoke test
   python3 bench/peer_trl_dpo.py --size 7b --pairs pairs.jsonl --tokenizer MODEL_DIR   # the pairs meshtune reads
 Modes: lora (r 64, alpha 16, dropout 0.05, every linear layer; the reference is the base with adapters off) | full
-(a frozen reference copy). Sizes: tiny | 0.5b | 1.5b | 7b (Qwen2.5 shapes, random init: weights don't change speed).
+(a frozen reference copy). Sizes: bench/workspace.py's (Qwen2.5 shapes, random init: weights don't change speed).
 
 Pairs are synthetic unless --pairs names a file: a prompt of U(--prompt-min, --prompt-max) tokens, a chosen and a
 rejected response of U(--resp-min, --resp-max) tokens each (seed 1), written as text over a word-level tokenizer
@@ -19,22 +19,16 @@ Prints one JSON line: tokens/s, seconds a step and peak GiB after 5 untimed step
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM, TrainerCallback
 
-SIZES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4),
-}
-WARMUP = 5
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workspace import SIZES, WARMUP, model_config  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 
 
@@ -121,9 +115,8 @@ def main():
     from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
 
-    vocab = 151936 if a.size != "tiny" else 1000
-    tok, rows, lens = file_pairs(a) if a.pairs else word_pairs(a, vocab)
-    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **SIZES[a.size])
+    cfg = model_config(a.size)  # the shapes meshtune's bench runs (bench/workspace.py)
+    tok, rows, lens = file_pairs(a) if a.pairs else word_pairs(a, cfg.vocab_size)
     torch.manual_seed(0)
     with torch.device("cuda" if CUDA else "cpu"):  # random init on the card: minutes less on the CPU at 7B
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16 if CUDA else torch.float32)
