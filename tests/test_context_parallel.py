@@ -17,16 +17,13 @@ from meshtune.config import build_config
 from meshtune.data.collate import IGNORE, collate
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
-from meshtune.plan import ModelSize, resolve
+from meshtune.plan import resolve
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.sequence_split import SequenceSplit, row_multiple
-
-QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2")
-
+from plans import QWEN_7B, env
 
 def gpu_env(world_size: int, local_world_size: int | None = None, rank: int = 0, device: str = "cuda") -> DistEnv:
-    local = local_world_size or world_size
-    return DistEnv(rank, world_size, rank % local, local, torch.device(device))
+    return env(world_size, local_world_size, rank, device)
 
 
 def plan_of(world_size: int = 4, local: int | None = None, device: str = "cuda", **values):

@@ -14,22 +14,13 @@ from safetensors.torch import load_file
 from conftest import base_config, needs_gpus, read_metrics, run_cli, write_config
 from meshtune.cli import main
 from meshtune.config import build_config
-from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.plan import ModelSize, resolve
+from plans import QWEN_7B, env, plan_for
 from ranks import run_workers
 
-QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2")
-
-
-def env(world_size: int, local_world_size: int | None = None, rank: int = 0) -> DistEnv:
-    local = local_world_size or world_size
-    return DistEnv(rank, world_size, rank % local, local, torch.device("cpu"))
-
-
 def plan_of(world_size: int = 4, local: int | None = None, size: ModelSize = QWEN_7B, **values):
-    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "tensor_parallel": 2, **values})
-    return resolve(cfg, env(world_size, local), None, lambda: size)
+    return plan_for({"tensor_parallel": 2, **values}, world_size, local, size)
 
 
 def test_the_mesh_puts_tp_innermost_and_the_data_parallel_mode_over_the_groups():
