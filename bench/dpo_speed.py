@@ -8,7 +8,9 @@ tokenizer (meshtune with `template: empty`, TRL's plain prompt + completion). Lo
 on every linear layer, its reference the base with the adapters off; full fine-tuning trains against a frozen
 reference copy. Gradient checkpointing is on for both, batch --bs pairs a step, sigmoid DPO with beta 0.1. tokens/s
 counts each pair's tokens, the prompt once for each response (as both forwards process it), after 5 warm-up steps:
-meshtune's from its metrics, the peer's from the same tokenizer's count of the pairs it timed. Peak memory:
+meshtune's from its metrics, the peer's from the same tokenizer's count of the pairs it timed. A meshtune side with
+precompute_ref_log_probs (a --variant) also records the pass's seconds (precompute_s), which its steps do not
+include. Peak memory:
 torch's peak allocated on the GPU. After the peer, meshtune runs once more a round at the peer's memory
 (`memory_budget`: the lowest peer peak measured; `--no-at-peer-memory` skips it). meshtune's first run on a
 machine also fills the compiler's cache: alternate enough rounds (--repeats 3 or more) that the median is of
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -99,7 +102,10 @@ def meshtune_run(a, model_dir: Path, data: Path, out: Path, log: Path, side: str
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed, seconds = timed_records([r for r in records if "tokens_per_s" in r], WARMUP)
     tokens = sum(r["tokens"] for r in timed)
+    pass_s = re.search(r"precompute_ref_log_probs: the reference's log-probs of .* computed in ([0-9.]+) s",
+                       log.read_text())
     return {"side": side, "tokens_per_s": round(tokens / seconds), "step_s": round(seconds / len(timed), 4),
+            **({"precompute_s": float(pass_s.group(1))} if pass_s else {}),
             "tokens_per_step": round(tokens / len(timed)),  # logging_steps 1: a record a step
             "peak_gib": max(r.get("peak_mem_gib", 0) for r in records),
             "wall_s": round(time.perf_counter() - started, 1)}
@@ -132,6 +138,9 @@ def summarise(runs: list[dict], sides: list[str]) -> list[dict]:
         speeds = [r["tokens_per_s"] for r in ok]
         rows.append({"side": side, "runs": len(ok), "tokens_per_s": statistics.median(speeds),
                      "min": min(speeds), "max": max(speeds), "peak_gib": max(r["peak_gib"] or 0 for r in ok)})
+        passes = [r["precompute_s"] for r in ok if "precompute_s" in r]
+        if passes:
+            rows[-1]["precompute_s"] = statistics.median(passes)
     peer = next((r for r in rows if not r["side"].startswith("meshtune") and r.get("runs")), None)
     for row in rows:
         if peer and row["side"].startswith("meshtune") and row.get("runs"):
@@ -150,15 +159,16 @@ def render(a, rows: list[dict], card: str) -> str:
     peer = next((r["side"] for r in rows if not r["side"].startswith("meshtune")), "the peer")
     head = (f"DPO {a.mode} {a.size}, {a.bs} pairs a step, {a.steps} steps ({WARMUP} untimed), prompt "
             f"{a.prompt_min}-{a.prompt_max}, responses {a.resp_min}-{a.resp_max} tokens, {card}\n\n"
-            f"| side | runs | tokens/s median (min-max) | peak GiB | over {peer} | memory share of {peer} |\n"
-            "|---|---|---|---|---|---|\n")
+            f"| side | runs | tokens/s median (min-max) | peak GiB | over {peer} | memory share of {peer} | "
+            "reference pass s |\n|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         if not r.get("runs"):
-            lines.append(f"| {r['side']} | 0 | not run: {'; '.join(r['errors'])} | | | |")
+            lines.append(f"| {r['side']} | 0 | not run: {'; '.join(r['errors'])} | | | | |")
             continue
         lines.append(f"| {r['side']} | {r['runs']} | {r['tokens_per_s']:,.0f} ({r['min']:,}-{r['max']:,}) | "
-                     f"{r['peak_gib']} | {r.get('over_peer', '')} | {r.get('memory_share', '')} |")
+                     f"{r['peak_gib']} | {r.get('over_peer', '')} | {r.get('memory_share', '')} | "
+                     f"{r.get('precompute_s', '')} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -176,6 +186,10 @@ def parse_args(argv=None):
     p.add_argument("--resp-max", type=int, default=512)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a meshtune config key for meshtune's runs (YAML value), e.g. --set fused_loss=false")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="another meshtune side, run in every round with these keys on top of --set, e.g. "
+                        "--variant precompute:precompute_ref_log_probs=true; its row is meshtune+NAME. The run at "
+                        "the peer's memory takes the last variant's keys")
     p.add_argument("--no-at-peer-memory", dest="at_peer_memory", action="store_false",
                    help="skip meshtune's run at the peer's memory (memory_budget: the lowest peer peak measured)")
     p.add_argument("--run-timeout", type=float, default=900)
@@ -184,6 +198,13 @@ def parse_args(argv=None):
     if a.steps <= WARMUP:
         p.error(f"--steps {a.steps}: more than the {WARMUP} warm-up steps, or nothing is timed")
     a.extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in a.set)}
+    a.variants = {}
+    for item in a.variant:
+        name, _, keys = item.partition(":")
+        if not name or "=" not in keys:
+            p.error(f"--variant {item}: NAME:KEY=VALUE[,KEY=VALUE]")
+        a.variants[f"meshtune+{name}"] = {k: yaml.safe_load(v) for k, v in
+                                         (pair.split("=", 1) for pair in keys.split(","))}
     a.peer_list = [] if a.peers == "none" else [s.strip() for s in a.peers.split(",") if s.strip()]
     unknown = set(a.peer_list) - {"trl", "trl+liger"}
     if unknown:
@@ -197,21 +218,25 @@ def main(argv=None) -> None:
     work = a.out / "work"
     model_dir, data = build_workspace(a, work)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    sides = ["meshtune", *a.peer_list, *(["meshtune@peer-memory"] if a.peer_list and a.at_peer_memory else [])]
+    sides = ["meshtune", *a.variants, *a.peer_list,
+             *(["meshtune@peer-memory"] if a.peer_list and a.at_peer_memory else [])]
+    last_variant = list(a.variants.values())[-1] if a.variants else {}
     runs: list[dict] = []
     for round_ in range(a.repeats):
         order = sides if round_ % 2 == 0 else sides[::-1]  # alternate who goes first
         for side in order:
             log = a.out / f"{side.replace('+', '-').replace('@', '-at-')}-{round_}.log"  # file names the device returns
             if side.startswith("meshtune"):
-                budget = peer_peak(runs) if side != "meshtune" else None
-                if side != "meshtune" and budget is None:
+                at_peer = side == "meshtune@peer-memory"
+                budget = peer_peak(runs) if at_peer else None
+                if at_peer and budget is None:
                     result = {"side": side, "error": "no peer run measured a peak to hold to"}
                 else:
                     run_dir = work / f"run-{round_}"
                     shutil.rmtree(run_dir, ignore_errors=True)
+                    extra = a.variants.get(side, last_variant if at_peer else {})
                     result = meshtune_run(a, model_dir, data, run_dir, log, side,
-                                          {"memory_budget": budget} if budget else None)
+                                          {**extra, **({"memory_budget": budget} if budget else {})})
                     shutil.rmtree(run_dir, ignore_errors=True)
             else:
                 result = peer_run(a, side, model_dir, data, log)

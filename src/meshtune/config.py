@@ -769,9 +769,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{' and '.join(sft_only)} choose which turns of a conversation train; stage: dpo trains "
                              f"each pair's two responses after their prompt: drop {' and '.join(sft_only)}")
         if self.packing:
-            raise ValueError("packing: true with stage: dpo: packed preference pairs are not supported; a pair's "
-                             "chosen and rejected rows are padded in their micro-batch: drop packing (and "
-                             "neat_packing)")
+            raise ValueError("packing: true with stage: dpo: a micro-batch's pairs are already end to end in one "
+                             "row, with no padding and no attention between sequences, wherever padding_free is on "
+                             "(the default on CUDA); packing's rows of up to cutoff_len tokens do not apply to pairs: "
+                             "drop packing (and neat_packing), and raise per_device_train_batch_size for more pairs "
+                             "a row")
         if self.dpo_label_smoothing and self.pref_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing: {self.dpo_label_smoothing:g} smooths the sigmoid (DPO) loss only; "
                              f"pref_loss: {self.pref_loss} does not read it: drop it")

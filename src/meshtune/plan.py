@@ -228,10 +228,6 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         padding_free = False
         why["padding_free"] = ("off under tensor_parallel: rows are padded to a multiple of tensor_parallel, each "
                                "process holding an equal share of their positions (sequence parallel)")
-    if cfg.stage == "dpo" and padding_free:
-        padding_free = False
-        why["padding_free"] = ("off for stage: dpo: a micro-batch's chosen and rejected responses are padded rows, "
-                               "each row's log-prob summed on its own (pairs are not packed)")
     if cp > 1 and padding_free:
         padding_free = False
         why["padding_free"] = ("off under context_parallel: rows are padded to a multiple of 64 x context_parallel, "

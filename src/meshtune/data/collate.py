@@ -43,6 +43,11 @@ class Batch:
         return self.target_ids.numel()
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences in the batch: one a row, or under padding-free the samples of its one row."""
+        return self.input_ids.shape[0] if self.cu_seqlens is None else len(self.cu_seqlens) - 1
+
+    @property
     def max_length(self) -> int:
         """The longest sample (the varlen kernel's bound)."""
         return max(self.sample_lengths)
@@ -72,6 +77,18 @@ class Batch:
             inputs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
                           max_length_q=self.max_length, max_length_k=self.max_length)
         return inputs
+
+
+def sequence_sums(values: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """(rows, positions) values -> each sequence's sum: a row's, or under padding-free (one row) each sample's
+    between `cu_seqlens`. Sized from the values, so the device is never waited on."""
+    if cu_seqlens is None:
+        return values.sum(dim=1)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths,
+                                       output_size=values.numel())
+    return torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add_(0, sequence,
+                                                                                           values.reshape(-1))
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

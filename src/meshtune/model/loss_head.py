@@ -237,14 +237,25 @@ def targets_for(model: torch.nn.Module, positions: torch.Tensor, targets: torch.
         head.pending = None
 
 
+def sequence_of_positions(positions: torch.Tensor, row_length: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The sequence each flat position lies in: its row, or under padding-free its sample of the one row."""
+    if cu_seqlens is None:
+        return positions // row_length
+    return torch.searchsorted(cu_seqlens[1:].to(positions.device, torch.long), positions, right=True)
+
+
 @contextmanager
-def logps_for(model: torch.nn.Module, targets: torch.Tensor, ignore_index: int):
-    """During the next forward, the head returns each row's summed log-prob of `targets` ((rows, positions), the
-    model's shifted labels, `ignore_index` where nothing is trained)."""
+def logps_for(model: torch.nn.Module, targets: torch.Tensor, ignore_index: int,
+              cu_seqlens: torch.Tensor | None = None):
+    """During the next forward, the head returns each sequence's summed log-prob of `targets` ((rows, positions),
+    the model's shifted labels, `ignore_index` where nothing is trained): a row's, or under padding-free (one row,
+    `cu_seqlens` its samples' bounds) each sample's."""
     flat = targets.reshape(-1)
     positions = (flat != ignore_index).nonzero().squeeze(1)
     head = output_head(model)
-    head.pending_logps = (positions, flat.index_select(0, positions), positions // targets.size(1), targets.size(0))
+    sequences = targets.size(0) if cu_seqlens is None else len(cu_seqlens) - 1
+    head.pending_logps = (positions, flat.index_select(0, positions),
+                          sequence_of_positions(positions, targets.size(1), cu_seqlens), sequences)
     try:
         yield
     finally:

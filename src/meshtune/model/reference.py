@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
 from meshtune.errors import ModelError
+from meshtune.model.attention import use_varlen
 from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.loss_head import LossHead, install_loss_head, logps_for, output_head
 from meshtune.model.model_dir import check_model_dir
@@ -50,7 +51,7 @@ def head_row_logps(model: torch.nn.Module, inputs: dict[str, torch.Tensor], targ
                    ignore_index: int) -> torch.Tensor | None:
     if not isinstance(output_head(model), LossHead):
         return None
-    with logps_for(model, targets, ignore_index):
+    with logps_for(model, targets, ignore_index, inputs.get("cu_seq_lens_q")):  # padding-free: its samples
         return model(**inputs, use_cache=False).logits
 
 
@@ -136,6 +137,8 @@ def frozen_copy(model_dir: Path, adapters: str | None, plan: RunPlan, env: DistE
     model.config.use_cache = False
     if plan.fused_loss:  # its log-probs summed as the policy's are (model/loss_head.py), before any wrapping
         install_loss_head(model)
+    if plan.padding_free:  # it reads the policy's padding-free rows
+        use_varlen(model)
     if plan.weights_from_rank0:
         check_same_model(model, env)
     if plan.parallel == "ddp":

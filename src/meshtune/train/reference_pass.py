@@ -56,7 +56,8 @@ def reference_is_policy(cfg: TrainConfig) -> bool:
 def reference_identity(cfg: TrainConfig, plan: RunPlan) -> dict:
     """Everything that changes the reference's log-probs of given tokens."""
     identity = {"precision": {"load_dtype": str(plan.load_dtype), "bf16": plan.bf16, "fp16": plan.fp16,
-                              "autocast_bf16": plan.autocast_bf16, "fused_loss": plan.fused_loss}}
+                              "autocast_bf16": plan.autocast_bf16, "fused_loss": plan.fused_loss,
+                              "padding_free": plan.padding_free}}
     if reference_is_policy(cfg):
         identity.update(reference="the model with its adapters off", model=str(cfg.model_name_or_path),
                         model_files=folder_checksum(Path(cfg.model_name_or_path)),
@@ -155,7 +156,8 @@ def precompute_reference(cfg: TrainConfig, plan: RunPlan, env: DistEnv, pad_id: 
         for key in missing:
             pairs = sets[key]
             values[key] = reference_pass(reference, pairs, env, pad_id, cfg.per_device_train_batch_size,
-                                         plan.autocast_bf16, plan.fp16, show_progress, plan.fused_loss)
+                                         plan.autocast_bf16, plan.fp16, show_progress, plan.fused_loss,
+                                         plan.padding_free)
             if env.is_local_main:
                 write(folders[key], values[key], about)
             notes.append(f"computed for {len(pairs):,} pairs into {folders[key]} ({byte_size(values[key].nbytes)})")
@@ -180,7 +182,8 @@ def reason(cfg: TrainConfig, notes: list[str], computed: bool) -> str:
 
 @torch.no_grad()
 def reference_pass(reference: Reference, pairs, env: DistEnv, pad_id: int, batch_size: int, autocast_bf16: bool,
-                   autocast_fp16: bool, show_progress: bool, fused: bool = False) -> np.ndarray:
+                   autocast_fp16: bool, show_progress: bool, fused: bool = False,
+                   padding_free: bool = False) -> np.ndarray:
     """(pairs, 2) float32: each pair's chosen and rejected log-prob sums under `reference`, every rank's share of
     the batches summed into one array (a value has exactly one contributor, so the sum is exact)."""
     order = np.argsort(-np.asarray(pairs.lengths), kind="stable")  # the longest first: memory is found short at once
@@ -192,7 +195,8 @@ def reference_pass(reference: Reference, pairs, env: DistEnv, pad_id: int, batch
         model.eval()
     try:
         with trainable_flags_kept(model) if isinstance(reference, AdaptersOff) else nullcontext():
-            forwards(reference, pairs, env, pad_id, chunks, out, autocast_bf16, autocast_fp16, show_progress, fused)
+            forwards(reference, pairs, env, pad_id, chunks, out, autocast_bf16, autocast_fp16, show_progress, fused,
+                     padding_free)
     finally:
         if model is not None:
             model.train(was_training)
@@ -200,13 +204,14 @@ def reference_pass(reference: Reference, pairs, env: DistEnv, pad_id: int, batch
 
 
 def forwards(reference: Reference, pairs, env: DistEnv, pad_id: int, chunks: list[np.ndarray], out: torch.Tensor,
-             autocast_bf16: bool, autocast_fp16: bool, show_progress: bool, fused: bool = False) -> None:
+             autocast_bf16: bool, autocast_fp16: bool, show_progress: bool, fused: bool = False,
+             padding_free: bool = False) -> None:
     """This rank's share of the batches: round k takes batch k x ranks + rank."""
     rounds = -(-len(chunks) // env.world_size)
     for k in tqdm(range(rounds), desc="reference log-probs", unit="batch", disable=not show_progress):
         c = k * env.world_size + env.rank
         mine = chunks[min(c, len(chunks) - 1)]  # past the end: a forward like the others', its values unused
-        batch = collate_pairs([[int(i)] for i in mine], pairs, pad_id).to(env.device)
+        batch = collate_pairs([[int(i)] for i in mine], pairs, pad_id, padding_free).to(env.device)
         logps = reference_logps(reference, batch, env.device, autocast_bf16, autocast_fp16, fused)
         if c < len(chunks):
             index = torch.from_numpy(np.asarray(mine, dtype=np.int64)).to(env.device)

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from meshtune.data.collate import IGNORE, Batch, collate
+from meshtune.data.collate import Batch, collate
 from meshtune.data.sampler import Row
 from meshtune.data.unpaired import response_start
 from meshtune.distributed import DistEnv, all_reduce_sum
 from meshtune.model.reference import Reference
 from meshtune.train.objectives.kto_loss import (SUMS, KTOSettings, kl_estimate, kl_sums, kto_losses, metric_sums,
                                                 metrics)
+from meshtune.train.objectives.preference import sequence_logps
 
 
 @dataclass
@@ -158,13 +158,6 @@ class KTOLoss:
 
 
 def sample_logps(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Each sample's summed log-prob of its (shifted) targets: a row's, or under padding-free each segment's of the
-    one row (a sample's last target is ignored, so no segment reaches into the next)."""
-    targets = batch.targets
-    token = -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                             reduction="none")
-    if batch.cu_seqlens is None:
-        return token.view(targets.shape).sum(dim=1)
-    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long()
-    sample = torch.repeat_interleave(torch.arange(len(lengths), device=token.device), lengths)
-    return torch.zeros(len(lengths), dtype=token.dtype, device=token.device).index_add_(0, sample, token)
+    """Each sample's summed log-prob of its (shifted) targets: a row's, or under padding-free each sample's of the
+    one row."""
+    return sequence_logps(logits, batch.targets, batch.cu_seqlens)[0]

@@ -24,7 +24,8 @@ from meshtune.model.loss_head import logps_for
 from meshtune.model.parallel import unwrap
 from meshtune.model.reference import Reference
 from meshtune.train.objectives import normalised
-from meshtune.train.objectives.preference import METRICS, PreferenceSettings, metric_sums, pair_losses, sequence_logps
+from meshtune.train.objectives.preference import (METRICS, PreferenceSettings, metric_sums, pair_losses,
+                                                  sequence_logps, target_counts)
 
 
 class PairRows:
@@ -37,12 +38,15 @@ class PairRows:
         return self.sequences[i]
 
 
-def collate_pairs(rows: list[Row], dataset, pad_id: int) -> Batch:
-    """Rows of one pair each -> a padded batch of 2 x pairs rows (chosen first), with the rows' precomputed
-    reference log-probs where the dataset holds them (data/reference_logps.py's `WithReference`)."""
+def collate_pairs(rows: list[Row], dataset, pad_id: int, padding_free: bool = False) -> Batch:
+    """Rows of pairs -> a batch of 2 x pairs sequences, the chosen ones first: padded rows, a sequence each, or
+    with `padding_free` every sequence end to end in one row (a pair's two responses in it, each attending only to
+    itself); with the sequences' precomputed reference log-probs where the dataset holds them
+    (data/reference_logps.py's `WithReference`)."""
     pairs = [index for row in rows for index in row]
     sequences = PairRows(pairs, dataset)
-    batch = collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False)
+    batch = collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False,
+                    padding_free=padding_free)
     known = getattr(dataset, "reference_logps", None)
     if known is not None:
         batch.reference_logps = torch.from_numpy(np.concatenate([known[pairs, 0], known[pairs, 1]]))
@@ -57,7 +61,8 @@ def reference_logps(reference: Reference, batch: Batch, device: torch.device, au
     dtype = torch.float16 if autocast_fp16 else torch.bfloat16
     with torch.autocast(device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
         rows = reference.row_logps(batch.model_inputs(), batch.targets, IGNORE) if fused else None
-        return rows if rows is not None else sequence_logps(reference.logits(batch.model_inputs()), batch.targets)[0]
+        return rows if rows is not None else sequence_logps(reference.logits(batch.model_inputs()), batch.targets,
+                                                            batch.cu_seqlens)[0]
 
 
 @dataclass
@@ -71,15 +76,16 @@ class PairLoss:
     autocast_fp16: bool = False
     precomputed: bool = False  # the reference's log-probs come with each batch (precompute_ref_log_probs)
     fused: bool = False  # fused_loss: the policy's head returns each row's summed log-prob (model/loss_head.py)
+    padding_free: bool = False  # a micro-batch's sequences end to end in one row
     last: dict = field(default_factory=dict)  # what loss_sum computed, for metric_sums
 
     def collate(self, rows: list[Row], dataset, packed: bool) -> Batch:
-        return collate_pairs(rows, dataset, self.pad_id)
+        return collate_pairs(rows, dataset, self.pad_id, self.padding_free)
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         dtype = torch.float16 if self.autocast_fp16 else torch.bfloat16
         inputs = batch.model_inputs()
-        n = batch.input_ids.shape[0] // 2
+        n = batch.num_sequences // 2
         if self.precomputed:
             ref = batch.reference_logps
             if ref is None:
@@ -89,11 +95,12 @@ class PairLoss:
                                    self.fused) if self.reference is not None else None)
         with torch.autocast(self.env.device.type, dtype=dtype, enabled=self.autocast_bf16 or self.autocast_fp16):
             if self.fused:  # no rows x positions x vocabulary logits: the head sums each row's log-probs in chunks
-                with logps_for(unwrap(self.model), batch.targets, IGNORE):
+                with logps_for(unwrap(self.model), batch.targets, IGNORE, batch.cu_seqlens):
                     logps = self.model(**inputs, use_cache=False).logits
-                tokens = (batch.targets != IGNORE).sum(dim=1)
+                tokens = target_counts(batch.targets, batch.cu_seqlens)
             else:
-                logps, tokens = sequence_logps(self.model(**inputs, use_cache=False).logits, batch.targets)
+                logps, tokens = sequence_logps(self.model(**inputs, use_cache=False).logits, batch.targets,
+                                               batch.cu_seqlens)
         pairs = pair_losses(self.settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
                             None if ref is None else ref[:n], None if ref is None else ref[n:])
         self.last = {"pairs": pairs, "chosen": logps[:n], "rejected": logps[n:], "weight": 0.0 if batch.filler else 1.0}
@@ -102,7 +109,7 @@ class PairLoss:
         return pairs.losses.sum()
 
     def count(self, batch: Batch) -> int:
-        return 0 if batch.filler else batch.input_ids.shape[0] // 2
+        return 0 if batch.filler else batch.num_sequences // 2
 
     def prepare_step(self, step_rows: list[Row], micro_rows: list[list[Row]], dataset) -> None:
         pass  # a pair's loss is its own

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshtune.data.collate import IGNORE
+from meshtune.data.collate import IGNORE, sequence_sums
 
 PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -52,12 +52,19 @@ class PairLosses:
     rejected_rewards: torch.Tensor
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed log-probability of its targets (rows of one response each, labels shifted as collate
-    shifts them) and its count of target tokens; fp32 whatever the compute dtype."""
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's summed log-probability of its targets (labels shifted as collate shifts them, so no sequence
+    reaches into the next) and its count of target tokens; fp32 whatever the compute dtype. A sequence is a row, or
+    under padding-free (`cu_seqlens`) a sample of the one row."""
     token = -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
                              reduction="none").view(targets.shape)
-    return token.sum(dim=1), (targets != IGNORE).sum(dim=1)
+    return sequence_sums(token, cu_seqlens), target_counts(targets, cu_seqlens)
+
+
+def target_counts(targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sequence's count of target tokens."""
+    return sequence_sums((targets != IGNORE).long(), cu_seqlens)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
