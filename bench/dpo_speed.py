@@ -190,6 +190,9 @@ def parse_args(argv=None):
                    help="another meshtune side, run in every round with these keys on top of --set, e.g. "
                         "--variant precompute:precompute_ref_log_probs=true; its row is meshtune+NAME. The run at "
                         "the peer's memory takes the last variant's keys")
+    p.add_argument("--only-at-peer-memory", action="store_true",
+                   help="meshtune runs only at the peer's memory (and the --variant sides): no run with meshtune's "
+                        "own memory budget")
     p.add_argument("--no-at-peer-memory", dest="at_peer_memory", action="store_false",
                    help="skip meshtune's run at the peer's memory (memory_budget: the lowest peer peak measured)")
     p.add_argument("--run-timeout", type=float, default=900)
@@ -218,7 +221,7 @@ def main(argv=None) -> None:
     work = a.out / "work"
     model_dir, data = build_workspace(a, work)
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    sides = ["meshtune", *a.variants, *a.peer_list,
+    sides = [*([] if a.only_at_peer_memory else ["meshtune"]), *a.variants, *a.peer_list,
              *(["meshtune@peer-memory"] if a.peer_list and a.at_peer_memory else [])]
     last_variant = list(a.variants.values())[-1] if a.variants else {}
     runs: list[dict] = []

@@ -2,8 +2,8 @@
 DPO loss (`--liger 1`, DPOConfig.use_liger_kernel). bench/dpo_speed.py runs it beside meshtune's stage: dpo.
 
 Usage (on a GPU machine; needs trl and datasets, and liger-kernel for --liger 1). Checked on CPU in a fresh venv
-(torch 2.13, trl 1.16.0, datasets 5.2.0, 2026-12-01). Installed with --target over another venv's site-packages, the
-same datasets failed at its first Dataset (dill's PicklingError on pyarrow's MonthDayNano): prefer a venv.
+(torch 2.13, trl 1.16.0, datasets 5.2.0, 2026-12-01). Under Python 3.12 datasets' fingerprints fail to pickle
+pyarrow's MonthDayNano; the script then fingerprints with random names (fingerprints_that_never_fail).
   python3 bench/peer_trl_dpo.py --size 7b --mode lora --bs 2 --steps 25
   python3 bench/peer_trl_dpo.py --size tiny --mode lora --bs 2 --steps 6     # CPU smoke test
   python3 bench/peer_trl_dpo.py --size 7b --pairs pairs.jsonl --tokenizer MODEL_DIR   # the pairs meshtune reads
@@ -18,6 +18,7 @@ Prints one JSON line: tokens/s, seconds a step and peak GiB after 5 untimed step
 """
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -109,8 +110,26 @@ class Timer(TrainerCallback):
         self.t.append(time.perf_counter() - self.t0)
 
 
+def fingerprints_that_never_fail() -> None:
+    """datasets fingerprints every dataset and transform by pickling it with dill; under Python 3.12 dill cannot
+    pickle pyarrow's MonthDayNano type (PicklingError: "not found as builtins.MonthDayNano"), and the first Dataset
+    fails. A fingerprint only names cache files, which this run never reuses: where hashing fails, a random one."""
+    from datasets.fingerprint import Hasher, generate_random_fingerprint
+
+    hash_ = Hasher.hash.__func__
+
+    def hash_or_random(cls, value):
+        try:
+            return hash_(cls, value)
+        except Exception:  # noqa: BLE001 - any value dill cannot pickle
+            return generate_random_fingerprint()
+
+    Hasher.hash = classmethod(hash_or_random)
+
+
 def main():
     a = parse_args()
+    fingerprints_that_never_fail()
     from datasets import Dataset
     from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
@@ -126,6 +145,9 @@ def main():
         peft_config = LoraConfig(r=64, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM",
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
                                                  "down_proj"])
+    # full fine-tuning's reference: a frozen copy made here (TRL would load one from the model's name, and a
+    # random-init model has none)
+    ref_model = copy.deepcopy(model).requires_grad_(False).eval() if a.mode == "full" else None
     timer = Timer()
     args = DPOConfig(output_dir="/tmp/peer-dpo", per_device_train_batch_size=a.bs, max_steps=a.steps, bf16=CUDA,
                      use_cpu=not CUDA, learning_rate=5e-6, lr_scheduler_type="cosine", logging_steps=1000,
@@ -133,8 +155,8 @@ def main():
                      dataloader_num_workers=0, beta=a.beta, loss_type=[a.loss], max_length=None,
                      use_liger_kernel=bool(a.liger), precompute_ref_log_probs=bool(a.precompute_ref),
                      dataset_num_proc=None)
-    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
-                         peft_config=peft_config, callbacks=[timer])
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tok, peft_config=peft_config, callbacks=[timer])
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
