@@ -2,7 +2,9 @@
 
 The model is a random-init Qwen2.5 shape (bench/workspace.py: --size 1.5b is Qwen2.5-1.5B's layers with its
 151,936-id vocabulary and an untied head, 1.78B parameters), fully fine-tuned with AdamW, so a checkpoint holds
-the fp32 weights and both moments (12 bytes a parameter: about 21 GB at 1.5b). For each location (`local`:
+the fp32 weights and both moments (12 bytes a parameter: about 21 GB at 1.5b); with --master-weights bf16
+(`master_weights: bf16`) the weights and moments are bf16 (6 bytes a parameter: about 11 GB at 1.5b). For each
+location (`local`:
 checkpoints in output_dir on this machine's disk; `store`: `checkpoint_dir` in the object store at --store, or in
 a local S3 server this script starts, moto's server mode on 127.0.0.1) two `meshtune train` runs:
   1. --steps optimizer steps, the last one saving checkpoint-N. Its manifest.json records `save_seconds`: how long
@@ -16,12 +18,16 @@ a local S3 server this script starts, moto's server mode on 127.0.0.1) two `mesh
 The table gives seconds and GB/s (checkpoint bytes / seconds) for each: training blocked by the save, the save
 published, the resume (verified + loaded). The JSON beside it keeps every figure.
 
-Disk: at most about two checkpoints at once (45 GB at 1.5b): the local run's is deleted once measured, then the
-store holds one (moto keeps large objects in temporary files, under TMPDIR) while the resume makes its node-local
-copy. Host memory: the training state of each process, copied there for the background save. Output folders and
-the store's prefix are deleted once measured (--keep keeps them).
+Disk: at most about two checkpoints at once (45 GB at 1.5b; 23 GB in bf16): the local run's is deleted once
+measured, then the store holds one (moto keeps large objects in temporary files, under TMPDIR) while the resume
+makes its node-local copy. Host memory: the checkpointed state copied there for the background save (DCP's
+staging), beside, on a CPU, the training state itself: at 1.5b on CPU about 29 GB while a step runs (16 bytes a
+parameter) and 43 GB while the save uploads (the state and its copy), so 64 GB of RAM; in bf16 14 and 21 GB, so 32
+GB. On GPUs the state stays there and the host holds the copy (21 GB at 1.5b; 11 in bf16). Output folders and the
+store's prefix are deleted once measured (--keep keeps them).
 
   python3 bench/object_store_checkpoint.py --size 1.5b --nproc 4 --out results/object-store
+  python3 bench/object_store_checkpoint.py --size 1.5b --master-weights bf16 --out results/object-store-bf16
   python3 bench/object_store_checkpoint.py --size tiny --out /tmp/object-store          # on a CPU
   python3 bench/object_store_checkpoint.py --size 0.5b --store s3://bucket/bench --out /tmp/object-store
 With --store the store's own client settings apply (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...).
@@ -56,7 +62,8 @@ def job_config(args, work: Path, name: str, output_dir: Path, checkpoint_dir: st
         output_dir=str(output_dir), finetuning_type="full", per_device_train_batch_size=1, max_steps=steps,
         logging_steps=1, learning_rate=1e-5, cutoff_len=args.maxlen, seed=1, torch_compile=False, async_save=True,
         save_strategy="steps" if save else "no", save_steps=args.steps, save_final=False, plot_loss=False,
-        preflight=False, ddp_timeout=1800, resume_allow_changed=["max_steps"])  # the resume run goes one step further
+        preflight=False, ddp_timeout=1800, master_weights=args.master_weights,
+        resume_allow_changed=["max_steps"])  # the resume run goes one step further
     if checkpoint_dir:
         values["checkpoint_dir"] = checkpoint_dir
     config = work / f"{name}-{steps}.yaml"
@@ -92,7 +99,7 @@ def measure(args, work: Path, name: str, store: str | None, model_dir: Path, dat
     for folder in (first, again):
         shutil.rmtree(folder, ignore_errors=True)
     row: dict = {"location": name, "size": args.size, "nproc": args.nproc, "parameters": parameters(model_dir),
-                 "problem": None}
+                 "master_weights": args.master_weights, "problem": None}
     code, text, row["save_run_s"] = run(args, job_config(args, work, name, first, store, model_dir, data_file,
                                                          args.steps, save=True), work / f"{name}-save.log", env)
     if code != 0:
@@ -140,7 +147,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         count = r["parameters"]
         shown = f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
-        model = f"{r['size']} ({shown}), {r['nproc']} proc"
+        model = f"{r['size']} ({shown}, {r['master_weights']} state), {r['nproc']} proc"
         if r["problem"]:
             lines.append(f"| {r['location']} | {model} | {r['problem'][:80]!r} | | | | | | | | |")
             continue
@@ -157,6 +164,9 @@ def main() -> int:
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="the model shape")
     parser.add_argument("--store", help="the store's URL (default: a local S3 server this script starts)")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs; gloo processes on a CPU)")
+    parser.add_argument("--master-weights", choices=("fp32", "bf16"), default="fp32",
+                        help="the trained state: fp32 weights and moments (default) or bf16 (master_weights: bf16: "
+                             "half the checkpoint and the memory)")
     parser.add_argument("--steps", type=int, default=1, help="steps before the checkpoint")
     parser.add_argument("--maxlen", type=int, default=256)
     parser.add_argument("--run-timeout", type=float, default=3600)

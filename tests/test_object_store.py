@@ -3,9 +3,13 @@ promises as on a file system where there is no rename. Every test here shares on
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import json
 import os
+import re
+import sys
 
 import pytest
 
@@ -13,6 +17,7 @@ from conftest import base_config, run_cli, run_cli_here, write_config
 from s3_server import S3Server
 from meshtune.checkpoint import CheckpointManager, list_checkpoints, verify
 from meshtune.checkpoint.object_store import DELETING_MARKER, open_store
+from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.train.loop import run
 
@@ -99,7 +104,8 @@ def test_ckpt_verify_of_a_damaged_final_in_the_store_reports_it_invalid_as_a_loc
     assert missing.returncode == 1 and "INVALID" in missing.stdout and "not a directory" in missing.stdout
 
 
-def test_ckpt_list_verify_and_export_take_the_url(killed_upload_then_fresh_resume, tmp_path, capfd):
+def test_ckpt_list_verify_export_and_chat_take_the_url(killed_upload_then_fresh_resume, tmp_path, capfd,
+                                                       monkeypatch):
     runs = killed_upload_then_fresh_resume
     listing = run_cli_here(["ckpt", "list", runs["url"]], capfd)
     assert listing.returncode == 0 and "checkpoint-4" in listing.stdout and "complete" in listing.stdout
@@ -108,6 +114,18 @@ def test_ckpt_list_verify_and_export_take_the_url(killed_upload_then_fresh_resum
     exported = run_cli_here(["export", runs["url"], "--output", str(tmp_path / "adapter")], capfd)
     assert exported.returncode == 0, exported.stdout[-3000:]
     assert digest(tmp_path / "adapter" / ADAPTER) == digest(runs["local"].final_dir / ADAPTER)
+    # chat from the store's final/ answers as from the local run's, greedy
+    answers = [chat([source, "--max-new-tokens", "6"], "hello there\n", capfd, monkeypatch)
+               for source in (f"{runs['url']}/final", str(runs["local"].final_dir))]
+    assert answers[0] == answers[1] and answers[0][0] == 0 and answers[0][1].strip(), answers
+
+
+def chat(args: list[str], stdin: str, capfd, monkeypatch) -> tuple[int, str]:
+    """`meshtune chat ARGS` in this process with `stdin` piped in: exit code and stdout."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    capfd.readouterr()
+    code = main(["chat", *args])
+    return code, capfd.readouterr().out
 
 
 def tiny_state(step: int) -> dict:
@@ -126,7 +144,8 @@ def saved(url: str, steps: range, limit: int | None = None) -> CheckpointManager
     return manager
 
 
-def test_a_flipped_byte_in_an_object_is_a_checksum_mismatch_and_resume_falls_back_moving_it_aside(s3, capfd):
+def test_a_flipped_byte_in_an_object_is_a_checksum_mismatch_and_resume_falls_back_moving_it_aside(s3, capfd,
+                                                                                                   tmp_path):
     url = f"s3://{BUCKET}/flipped"
     manager = saved(url, range(1, 3))
     shard = open_store(url) / "checkpoint-2" / "__0_0.distcp"
@@ -135,6 +154,9 @@ def test_a_flipped_byte_in_an_object_is_a_checksum_mismatch_and_resume_falls_bac
     shard.write_bytes(bytes(data))
     checked = run_cli_here(["ckpt", "verify", f"{url}/checkpoint-2"], capfd)
     assert checked.returncode == 1 and "checksum mismatch in __0_0.distcp" in checked.stdout, checked.stdout
+    refused = run_cli_here(["export", f"{url}/checkpoint-2", "--output", str(tmp_path / "out")], capfd)
+    assert refused.returncode == 1 and "cannot be used: checksum mismatch in __0_0.distcp" in refused.stdout
+    assert not (tmp_path / "out").exists()  # nothing is exported from a checkpoint that fails its check
     path, _, notes = manager.find_resume(None, {})
     assert path.name == "checkpoint-1"
     assert any("checksum mismatch" in note and "moved aside to checkpoint-2.damaged" in note for note in notes), notes
@@ -184,22 +206,42 @@ def test_retention_deletes_whole_prefixes_and_a_half_deleted_one_is_finished_at_
     assert sorted(p.name for p in store.iterdir()) == ["checkpoint-3"]
 
 
-def test_a_store_unreachable_during_a_save_publishes_nothing_and_names_the_cause(s3, monkeypatch):
-    from meshtune.checkpoint import CheckpointError
-    from ranks import free_port
+def two_nodes_save_while_the_store_is_unreachable(env: dict[str, str], url: str, dead: str, rank: int,
+                                                  world_size: int, workdir) -> None:
+    """Two nodes of one process each (gloo ranks): checkpoint-1 saved into the store, then checkpoint-2 while
+    nothing answers at its endpoint; each rank writes down what the failed save told it."""
+    from meshtune.checkpoint import CheckpointError, RNGState
+
+    os.environ.update(env)
+    manager = CheckpointManager(url, None, async_save=False, rank=rank, world_size=world_size, local_rank=0,
+                                local_world_size=1)
+    state = {**tiny_state(1), "rng": RNGState(rank)}  # a shard of each rank's own: every node uploads
+    manager.save(1, state, {"world_size": world_size})
+    manager.wait()
+    os.environ.update({"AWS_ENDPOINT_URL": dead, "AWS_MAX_ATTEMPTS": "1"})  # botocore's retries: the same, sooner
+    try:
+        manager.save(2, {**tiny_state(2), "rng": RNGState(rank)}, {"world_size": world_size})
+        manager.wait()
+        told = "saved"
+    except CheckpointError as error:
+        told = str(error)
+    finally:
+        manager.close()
+    (workdir / f"told-{rank}.txt").write_text(told)
+
+
+def test_a_store_unreachable_during_a_save_publishes_nothing_and_every_node_names_the_cause(s3, tmp_path):
+    from ranks import free_port, run_ranks
 
     url = f"s3://{BUCKET}/unreachable"
-    manager = saved(url, range(1, 2))
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries: the same failure, sooner
-    with pytest.raises(CheckpointError) as raised:
-        manager.save(2, tiny_state(2), {"world_size": 1})
-        manager.wait()
-    message = str(raised.value)
+    run_ranks(functools.partial(two_nodes_save_while_the_store_is_unreachable, s3.env, url, dead), 2, tmp_path)
+    told = [(tmp_path / f"told-{rank}.txt").read_text() for rank in (0, 1)]
+    assert told[0] == told[1], told  # every node raises rank 0's verdict, which names each rank's cause
+    message = told[0]
     assert "checkpoint-2 was not saved" in message and "checkpoint-1 stays the resume point" in message, message
-    assert dead in message or "Could not connect" in message or "connect" in message.lower(), message
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: .*({re.escape(dead)}|[Cc]onnect)", message), message
     assert [(c.path.name, c.complete) for c in list_checkpoints(url)] == [("checkpoint-1", True)]
 
 
@@ -231,14 +273,23 @@ def test_credentials_missing_or_wrong_are_named_before_any_process_group(s3, tmp
     assert "Traceback" not in result.stdout and "torch.distributed" not in result.stdout  # no worker started
 
 
-def test_a_store_whose_package_is_missing_is_named_with_the_pip_command(monkeypatch):
-    from meshtune.checkpoint.object_store import StoreError
+@pytest.mark.parametrize("url, package, extra, credentials", [
+    ("gs://bucket/run", "gcsfs", "gcs", "GOOGLE_APPLICATION_CREDENTIALS"),
+    ("az://container/run", "adlfs", "azure", "AZURE_STORAGE_ANON=false")])
+def test_a_store_whose_package_is_missing_is_named_with_the_pip_command_and_what_it_reads(monkeypatch, url, package,
+                                                                                           extra, credentials):
+    from meshtune.checkpoint.object_store import StoreError, check_store
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gcsfs" else real(name, *a))
-    with pytest.raises(StoreError, match=r"needs the gcsfs package .* pip install 'meshtune\[gcs\]'"):
-        open_store("gs://bucket/run")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    with pytest.raises(StoreError, match=rf"needs the {package} package .* pip install 'meshtune\[{extra}\]'"):
+        open_store(url)
+    with pytest.raises(StoreError) as raised:  # the launcher's check, before any process group
+        check_store(url, " (node 1)")
+    message = str(raised.value)
+    assert message.startswith(f"checkpoint_dir {url} (node 1): ") and f"pip install 'meshtune[{extra}]'" in message
+    assert credentials in message and "AWS_" not in message, message  # what this store's client reads
 
 
 def test_the_doctor_names_the_node_that_cannot_use_the_store_with_the_stores_error(s3, tmp_path, tiny_model_dir,

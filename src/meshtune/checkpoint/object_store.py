@@ -11,8 +11,9 @@ in a bucket. What a store cannot do is done another way, here:
   nodes write the same prefix.
 The shards themselves are moved by DCP's `FsspecWriter` / `FsspecReader` (torch.distributed.checkpoint).
 
-Credentials and the endpoint come from the store's own client: for s3, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
-AWS_SESSION_TOKEN or a profile, AWS_ENDPOINT_URL for MinIO or another S3-compatible server.
+Credentials and the endpoint come from the store's own client (`CREDENTIALS` names what each reads): for s3,
+AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or a profile, AWS_ENDPOINT_URL for MinIO or another
+S3-compatible server.
 Imports no torch: `meshtune ckpt list URL` reads manifests without it.
 """
 
@@ -32,6 +33,14 @@ from meshtune.errors import MeshtuneError
 # protocol -> (the package that implements it, meshtune's extra that installs it)
 PACKAGES = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
             "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure")}
+# what each store's client reads for its credentials (and endpoint), by extra: named when a node cannot use the store
+CREDENTIALS = {
+    "s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and AWS_ENDPOINT_URL for MinIO or another "
+          "S3-compatible server",
+    "gcs": "GOOGLE_APPLICATION_CREDENTIALS (a service account's JSON key) or the node's default credentials",
+    "azure": "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or "
+             "AZURE_STORAGE_CONNECTION_STRING; for a managed identity AZURE_STORAGE_ANON=false",
+}
 DELETING_MARKER = ".deleting"  # inside a prefix being deleted; see `delete_sealed`
 PROBE = ".meshtune-probe"
 BLOCK = 8 << 20
@@ -250,10 +259,16 @@ def probe(url: str) -> str | None:
     return None
 
 
+def credentials_hint(url: str) -> str:
+    """What the client of `url`'s store reads for its credentials and endpoint, for an error to name."""
+    protocol = url.split("://", 1)[0].lower()
+    _, extra = PACKAGES.get(protocol, (None, None))
+    return CREDENTIALS.get(extra, f"the settings {protocol}://'s fsspec package reads")
+
+
 def check_store(url: str, node: str = "") -> None:
     """`probe`, as an error naming the node and what to do; before any process group exists."""
     problem = probe(url)
     if problem:
-        raise StoreError(f"checkpoint_dir {url}{node}: {problem}. Check the store's credentials (for s3: "
-                         f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE), its endpoint (AWS_ENDPOINT_URL "
-                         f"for MinIO or another S3-compatible server) and that the bucket exists")
+        raise StoreError(f"checkpoint_dir {url}{node}: {problem}. Check the store's credentials and endpoint "
+                         f"({credentials_hint(url)}) and that the bucket exists")

@@ -211,6 +211,8 @@ def output_row(cfg, facts: list[dict]) -> Row:
 def store_row(facts: list[dict]) -> list[Row]:
     """checkpoint_dir in an object store: each node listed, wrote, read back and deleted a probe object there.
     No row where checkpoint_dir is no URL."""
+    from meshtune.checkpoint.object_store import credentials_hint
+
     stores = [f.get("checkpoint_store") for f in facts]
     if not any(stores):
         return []
@@ -221,9 +223,8 @@ def store_row(facts: list[dict]) -> list[Row]:
                      "on every node")
         elif store["problem"]:
             row.mark(position, FAIL, store["problem"].replace(f" under {store['url']}", ""),
-                     f"{store['problem']}: give every node credentials for the store (for s3: AWS_ACCESS_KEY_ID / "
-                     f"AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and its endpoint (AWS_ENDPOINT_URL for MinIO or another "
-                     f"S3-compatible server); the bucket must exist")
+                     f"{store['problem']}: give every node credentials for the store and its endpoint "
+                     f"({credentials_hint(store['url'])}); the bucket must exist")
         else:
             row.mark(position, OK, "probe object written, read back, deleted")
     return [row]
