@@ -156,7 +156,8 @@ def link_calibration(path: Path) -> tuple[dict[str, float], dict]:
     """Per variant of a shaped-link report: the bytes a node sent a step, measured over predicted by the formula
     for that very run."""
     from meshtune.config import build_config
-    from meshtune.doctor.traffic import model_facts, sent_by_each_node, step_collectives
+    from meshtune.crossing import sent_by_each_node
+    from meshtune.doctor.traffic import model_facts, step_collectives
 
     report = json.loads(path.read_text())
     nodes, per_node = report["nodes"], report["nproc_per_node"]
@@ -192,7 +193,8 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
                    ratio: float) -> dict:
     """One optimizer step at `nodes` x `per_node`: the formula's crossing bytes x the link's ratio, hidden as
     step_seconds hides them (gradients behind the last backward, gathers behind the rest)."""
-    from meshtune.doctor.traffic import sent_by_each_node, step_collectives
+    from meshtune.crossing import sent_by_each_node
+    from meshtune.doctor.traffic import step_collectives
     from meshtune.plan import default_blocks_per_unit
 
     crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, None, per_node)

@@ -689,7 +689,8 @@ def test_the_projection_scales_the_formulas_bytes_by_what_the_shaped_link_counte
     mode measured at 1.5x its formula's bytes is projected slower than at 1x, and the faster link is never worse."""
     import scaling_model
     from meshtune.config import build_config
-    from meshtune.doctor.traffic import model_facts, sent_by_each_node, step_collectives
+    from meshtune.crossing import sent_by_each_node
+    from meshtune.doctor.traffic import model_facts, step_collectives
 
     from conftest import base_config
 

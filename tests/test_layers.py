@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "meshtune"
 LAYERS = [  # lowest first; a module imports from its own layer's package or from lower layers only
     ["meshtune", "meshtune.errors", "meshtune.worker_env", "meshtune.faults", "meshtune.checksums",
      "meshtune.mailbox", "meshtune.units"],
-    ["meshtune.config", "meshtune.distributed", "meshtune.hardware", "meshtune.logs"],
+    ["meshtune.config", "meshtune.distributed", "meshtune.hardware", "meshtune.logs", "meshtune.crossing"],
     ["meshtune.plan", "meshtune.compat"],
     ["meshtune.data", "meshtune.model", "meshtune.checkpoint"],
     ["meshtune.train", "meshtune.export"],
