@@ -11,7 +11,8 @@ from unittest import mock
 import pytest
 
 from meshtune.config import TrainConfig, build_config
-from meshtune.crossing import ModelSize
+from meshtune.crossing import (Collective, ModelSize, compute_seconds, data_parallel_step, full_model_facts,
+                               pipeline_step)
 from meshtune.errors import ConfigError
 from meshtune.plan import LinkChoice, link_candidates, resolve
 from plans import QWEN_7B, env
@@ -33,7 +34,9 @@ def gpu_plan(values: dict, nodes: int = 2, per_node: int = 8, size: ModelSize = 
 
 def predicted(values: dict, nodes: int = 2, per_node: int = 8) -> dict[LinkChoice, float]:
     """Each mode's predicted per-GPU efficiency, as the plan computes it."""
-    steps = link_candidates(config(**values), env(nodes * per_node, per_node, 0, "cuda"), QWEN_7B, 80 * 2**30, PEAK)
+    cfg = config(**values)
+    compute = compute_seconds(cfg, full_model_facts(QWEN_7B), PEAK)
+    steps = link_candidates(cfg, env(nodes * per_node, per_node, 0, "cuda"), QWEN_7B, 80 * 2**30, compute)
     return {choice: step.efficiency for choice, step in steps.items()}
 
 
@@ -102,3 +105,19 @@ def test_link_gbps_is_checked_and_changes_no_math():
             config(link_gbps=bad)
     assert config(link_gbps=100).hash() == config().hash()
     assert "link_gbps" in TrainConfig.keys_of("job")
+
+
+def test_a_pipeline_loses_its_bubble_and_hides_its_sends_behind_the_other_micro_batches():
+    """2 stages over 8 micro-batches: (2 - 1) / (8 + 2 - 1) of the step idles; one micro-batch's sends are exposed,
+    the rest hidden unless they outlast the compute."""
+    sends = [Collective("send", "activations", 1e9, 1)]
+    quick = pipeline_step(sends, 2, 1000e9, 1.0, 2, 8)  # 1 ms on the wire
+    assert quick.bubble_s == pytest.approx(1 / 8) and quick.exposed_s == pytest.approx(1 / 8 + 0.001 / 8)
+    assert quick.efficiency == pytest.approx(1 / (1 + 1 / 8 + 0.001 / 8)) and quick.efficiency < 8 / 9
+    slow = pipeline_step(sends, 2, 0.5e9, 1.0, 2, 8)  # 2 s on the wire against 1 s of compute
+    assert slow.exposed_s == pytest.approx(1 / 8 + 1.0)
+    # a data-parallel step: the gradients' all-reduce (2 replicas: S a node) behind backward but the last unit's share
+    grads = [Collective("all-reduce", "gradients", 2e9, 1, 2)]
+    hidden = data_parallel_step(grads, 2, 10e9, 1.0, 1, 4)  # 0.2 s, inside the 2/3 s backward
+    assert hidden.reduce_s == pytest.approx(0.2) and hidden.exposed_s == pytest.approx(0.05)
+    assert data_parallel_step(grads, 2, 1e9, 1.0, 1, 4).exposed_s == pytest.approx(2 - 2 / 3)

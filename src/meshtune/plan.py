@@ -680,13 +680,12 @@ def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], Mode
                             "GPUs (no compute estimate on CPU; LoRA's adapters move little), without tensor, "
                             "context or pipeline parallel set")
         return None
-    predicted = link_candidates(cfg, env, model_size(), gpu_bytes(), peak_flops())
+    compute = compute_seconds_of(cfg, full_model_facts(model_size()), peak_flops())
+    predicted = link_candidates(cfg, env, model_size(), gpu_bytes(), compute)
     rule, rule_reason = auto_parallel(cfg, env.world_size, env.local_world_size, True, gpu_bytes, model_size)
     label = {choice: link_label(choice, nodes) for choice in predicted}
-    best = min(predicted, key=lambda choice: predicted[choice].step_s)
     kept = LinkChoice(rule, 1)
-    if kept in predicted and predicted[best].step_s > (1 - LINK_MARGIN) * predicted[kept].step_s:
-        best = kept
+    best = link_pick(predicted, kept)
     step = predicted[best]
     others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted if c != best)
     why["parallel"] = (f"auto by the link ({cfg.link_gbps:g} Gb/s): {label[best]}, predicted at {step.efficiency:.1%} "
@@ -699,21 +698,28 @@ def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], Mode
     return best
 
 
+def link_pick(predicted: dict[LinkChoice, StepTime], rule: LinkChoice) -> LinkChoice:
+    """The shortest predicted step, unless auto's rule without the link is within LINK_MARGIN of it."""
+    best = min(predicted, key=lambda choice: predicted[choice].step_s)
+    if rule in predicted and predicted[best].step_s > (1 - LINK_MARGIN) * predicted[rule].step_s:
+        return rule
+    return best
+
+
 def link_label(choice: LinkChoice, nodes: int) -> str:
     return choice.mode if choice.pipeline == 1 else f"pipeline_parallel {nodes} ({choice.mode} inside each stage)"
 
 
 def link_candidates(cfg: TrainConfig, env: DistEnv, size: ModelSize, card: float,
-                    peak: float | None) -> dict[LinkChoice, StepTime]:
-    """Each mode's predicted optimizer step across the nodes where its state takes at most half of `card`: hsdp
-    over a node (ddp with one GPU a node), zero2, zero3, and a pipeline stage a node (where config.py and the model
-    allow it) sharded inside the node as zero2 or zero3 (`sharding_for_full`), its micro-batches the config's x the
-    stages so the global batch stays."""
+                    compute: float) -> dict[LinkChoice, StepTime]:
+    """Each mode's predicted optimizer step across the nodes, a GPU computing for `compute` seconds, where its state
+    takes at most half of `card`: hsdp over a node (ddp with one GPU a node), zero2, zero3, and a pipeline stage a
+    node (where config.py and the model allow it) sharded inside the node as zero2 or zero3 (`sharding_for_full`),
+    its micro-batches the config's x the stages so the global batch stays."""
     nodes, per_node, processes = env.world_size // env.local_world_size, env.local_world_size, env.world_size
     facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps
     bf16 = not cfg.fp16 and cfg.bf16 is not False
     busbw = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
-    compute = compute_seconds_of(cfg, facts, peak)
     units = max(1, size.blocks // (cfg.fsdp_blocks_per_unit or default_blocks_per_unit(size.block_parameters)))
     fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=per_node == 1),
             "zero2": full_state_bytes(cfg, n, processes, whole_weights=True), "zero3": 0.0}
