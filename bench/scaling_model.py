@@ -158,10 +158,10 @@ DERIVED = {"full-72b": ("full-7b", 1.0), "qlora-72b": ("lora-7b", 0.70)}  # rate
 FULL_MODES = {"ddp": ("ddp", {}, "ddp"), "zero2": ("zero2", {}, "zero2"), "zero3": ("zero3", {}, "zero3"),
               "zero3-node": ("zero3", {"zero3_reshard_to_node": True}, "zero3-node"), "hsdp": ("hsdp", {}, "hsdp"),
               "hsdp-bf16": ("hsdp", {"grad_reduce_dtype": "bf16"}, "hsdp-bf16"),
-              "pp": ("zero2", {}, "pp"), "pp-mb1": ("zero2", {}, "pp")}
+              "pp": ("zero2", {}, "pp2"), "pp-mb1": ("zero2", {}, "pp2")}
 LORA_MODES = {"lora-ddp": ("ddp", {}, "lora-ddp"),
               "lora-ddp-bf16": ("ddp", {"grad_reduce_dtype": "bf16"}, "lora-ddp-bf16"),
-              "lora-pp-mb1": ("ddp", {}, "pp")}
+              "lora-pp-mb1": ("ddp", {}, "pp2")}
 # a stage a node, dp inside it; the step's sequences a GPU in micro-batches of this many (the config's
 # per_device_train_batch_size; the plan's auto runs gradient_accumulation_steps x stages of them)
 SEQUENCES_A_GPU, TOKENS_A_SEQUENCE = 4, 576
@@ -218,6 +218,14 @@ def mode_config(method: str, mode: str, keys: dict, stages: int = 1, micro_batch
                              lora_alpha=16, lora_target="all", per_device_train_batch_size=micro_batch,
                              gradient_accumulation_steps=accumulation, cutoff_len=TOKENS_A_SEQUENCE, parallel=mode,
                              pipeline_parallel=stages, **keys))
+
+
+def stage_sharding(facts, stages: int, per_node: int, gpu_bytes: float) -> str:
+    """How the plan shards a pipeline stage of full fine-tuning over its node (meshtune.plan.sharding_for_full)."""
+    from meshtune.plan import sharding_for_full
+
+    cfg = mode_config("full", "auto", {})
+    return sharding_for_full(cfg, facts.size.parameters // stages, per_node, gpu_bytes)[0]
 
 
 def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
@@ -301,6 +309,8 @@ def project(args) -> None:
             pipeline = name in PIPELINE_MODES
             if pipeline and method == "qlora":
                 continue  # config.py refuses Q-LoRA under pipeline_parallel
+            if pipeline and method == "full":  # each stage sharded inside its node as the plan shards it
+                mode = stage_sharding(facts, nodes_list[0], per_node, gpu * 2**30)
             held = state_gib(method, mode, facts, nodes_list[0], per_node, nodes_list[0] if pipeline else 1)
             for gbps in gbps_list:
                 cells = []
@@ -317,6 +327,7 @@ def project(args) -> None:
                     cells.append(f"{step['efficiency']:.1%}")
                 fits = f"{held:,.0f}" + (" (does not fit)" if held > gpu else "")
                 marked = name if variant in ratios or not ratios else f"{name} (formula)"
+                marked += f" ({mode} inside a node)" if pipeline else ""
                 lines.append(f"| {marked} | {gbps:g} Gb/s | " + " | ".join(cells) + f" | {fits} |")
         for micro_batch, label in ((SEQUENCES_A_GPU, "auto"), (1, "auto-mb1")):
             if method != "full":
