@@ -251,18 +251,12 @@ def auto_pick(method: str, facts, nodes: int, per_node: int, gbps: float, comput
     """The projected mode `parallel: auto` picks with link_gbps (meshtune.plan.choose_by_link's arithmetic, at this
     compute time) for a GPU's 4 sequences in micro-batches of `micro_batch`; None where the link does not decide
     (LoRA and Q-LoRA: ddp)."""
-    import torch
-
-    from meshtune.distributed import DistEnv
-    from meshtune.plan import LinkChoice, auto_parallel, link_candidates, link_pick
+    from meshtune.plan import pick_by_link
 
     if method != "full":
         return None
     cfg = mode_config(method, "auto", {"link_gbps": gbps}, micro_batch=micro_batch)
-    env = DistEnv(0, nodes * per_node, 0, per_node, torch.device("cuda"))
-    predicted = link_candidates(cfg, env, facts.size, gpu_bytes, compute_s)
-    rule, _ = auto_parallel(cfg, nodes * per_node, per_node, True, lambda: gpu_bytes, lambda: facts.size)
-    pick = link_pick(predicted, LinkChoice(rule, 1))
+    pick, _, _ = pick_by_link(cfg, nodes * per_node, per_node, facts.size, gpu_bytes, compute_s)
     if pick.pipeline > 1:
         return "pp" if micro_batch == SEQUENCES_A_GPU else "pp-mb1"
     return pick.mode

@@ -36,7 +36,7 @@ def predicted(values: dict, nodes: int = 2, per_node: int = 8) -> dict[LinkChoic
     """Each mode's predicted per-GPU efficiency, as the plan computes it."""
     cfg = config(**values)
     compute = compute_seconds(cfg, full_model_facts(QWEN_7B), PEAK)
-    steps = link_candidates(cfg, env(nodes * per_node, per_node, 0, "cuda"), QWEN_7B, 80 * 2**30, compute)
+    steps = link_candidates(cfg, nodes * per_node, per_node, QWEN_7B, 80 * 2**30, compute)
     return {choice: step.efficiency for choice, step in steps.items()}
 
 
@@ -121,3 +121,19 @@ def test_a_pipeline_loses_its_bubble_and_hides_its_sends_behind_the_other_micro_
     hidden = data_parallel_step(grads, 2, 10e9, 1.0, 1, 4)  # 0.2 s, inside the 2/3 s backward
     assert hidden.reduce_s == pytest.approx(0.2) and hidden.exposed_s == pytest.approx(0.05)
     assert data_parallel_step(grads, 2, 1e9, 1.0, 1, 4).exposed_s == pytest.approx(2 - 2 / 3)
+
+
+def test_the_doctor_judges_the_mode_the_plan_picks_by_the_link():
+    """`meshtune doctor --bandwidth` with link_gbps: the plan's choice from the nodes' facts, the pipeline's
+    activations as what crosses (8 pipelines a node, 2 micro-batches of 4 x 576 tokens, hidden 3,584, bf16)."""
+    from meshtune.crossing import ModelFacts
+    from meshtune.doctor.traffic import verdict
+
+    model = ModelFacts(QWEN_7B, QWEN_7B.parameters, 6_500_000_000, 28, 3584, 3584)
+    judged = verdict(config(link_gbps=100), 2, 8, True, 80 * 2**30, 11.25e9, PEAK, model)
+    assert judged["parallel"] == gpu_plan({"link_gbps": 100}).parallel == "zero2"
+    assert "under zero2 inside pipeline_parallel 2 (auto by link_gbps 100)" in judged["text"]
+    assert [c["kind"] for c in judged["collectives"]] == ["send"]
+    assert judged["collectives"][0]["bytes"] == pytest.approx(8 * 4 * 2 * 576 * 3584 * 2)
+    fast = verdict(config(link_gbps=3200), 2, 8, True, 80 * 2**30, 11.25e9, PEAK, model)
+    assert fast["parallel"] == "hsdp" and [c["kind"] for c in fast["collectives"]] == ["all-reduce"]

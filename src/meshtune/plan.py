@@ -667,35 +667,50 @@ class LinkChoice:
 def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize],
                    gpu_bytes: Callable[[], float | None], peak_flops: Callable[[], float | None],
                    why: dict[str, str]) -> LinkChoice | None:
-    """`parallel: auto` for full fine-tuning on several nodes of GPUs with `link_gbps` set: of the modes whose state
-    fits (`link_candidates`), the one whose predicted step (meshtune.crossing: bytes a node at LINK_EFFICIENCY of the
-    line rate, hidden behind a GPU's compute at MFU_ASSUMED of its measured bf16 matmul rate) is shortest; auto's
-    rule stands unless another is LINK_MARGIN faster. None (the rules without the link) elsewhere."""
+    """`parallel: auto` chosen by the link (`pick_by_link`) where `link_applies`, a GPU's compute estimated at
+    MFU_ASSUMED of the job's slowest measured bf16 matmul rate; None (the rules without the link) elsewhere."""
     nodes = env.world_size // max(env.local_world_size, 1)
     if cfg.link_gbps is None or cfg.parallel != "auto" or nodes < 2:
         return None
-    if cfg.finetuning_type != "full" or env.device.type != "cuda" or cfg.pipeline_parallel > 1 or \
-            cfg.tensor_parallel > 1 or cfg.context_parallel > 1:
+    if not link_applies(cfg, nodes, env.device.type == "cuda"):
         why["link_gbps"] = ("not used: the plan chooses by the link for full fine-tuning with parallel: auto on "
                             "GPUs (no compute estimate on CPU; LoRA's adapters move little), without tensor, "
                             "context or pipeline parallel set")
         return None
     compute = compute_seconds_of(cfg, full_model_facts(model_size()), peak_flops())
-    predicted = link_candidates(cfg, env, model_size(), gpu_bytes(), compute)
-    rule, rule_reason = auto_parallel(cfg, env.world_size, env.local_world_size, True, gpu_bytes, model_size)
+    best, predicted, rule_reason = pick_by_link(cfg, env.world_size, env.local_world_size, model_size(), gpu_bytes(),
+                                                compute)
     label = {choice: link_label(choice, nodes) for choice in predicted}
-    kept = LinkChoice(rule, 1)
-    best = link_pick(predicted, kept)
     step = predicted[best]
     others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted if c != best)
     why["parallel"] = (f"auto by the link ({cfg.link_gbps:g} Gb/s): {label[best]}, predicted at {step.efficiency:.1%} "
                        f"per GPU of one node's step ({step.exposed_s:.3g} s of its {step.step_s:.3g} s not hidden"
                        + (f", the bubble {step.bubble_s:.3g} s" if step.bubble_s else "") + f"); {others}"
-                       + (f"; without the link: {rule_reason}" if best == kept else ""))
+                       + (f"; without the link: {rule_reason}" if rule_reason else ""))
     why["link_gbps"] = "predicted per GPU: " + ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted)
     if refused := pipeline_refusal(cfg, model_size(), nodes):
         why["link_gbps"] += f"; no pipeline across the nodes: {refused}"
     return best
+
+
+def link_applies(cfg: TrainConfig, nodes: int, gpus: bool) -> bool:
+    """Whether `parallel: auto` chooses by the link: `link_gbps` set, full fine-tuning on several nodes of GPUs,
+    with no tensor, context or pipeline parallel set. The doctor asks the same."""
+    return (cfg.link_gbps is not None and cfg.parallel == "auto" and nodes > 1 and gpus
+            and cfg.finetuning_type == "full" and cfg.pipeline_parallel == 1 and cfg.tensor_parallel == 1
+            and cfg.context_parallel == 1)
+
+
+def pick_by_link(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
+                 compute: float) -> tuple[LinkChoice, dict[LinkChoice, StepTime], str | None]:
+    """Of the modes whose state fits (`link_candidates`), the one whose predicted step (meshtune.crossing: bytes a
+    node at LINK_EFFICIENCY of the line rate, hidden behind `compute` seconds a GPU) is shortest; auto's rule without
+    the link stands unless another is LINK_MARGIN faster. Also every candidate's step, and the rule's reason where
+    it stands."""
+    predicted = link_candidates(cfg, processes, per_node, size, card, compute)
+    rule, reason = auto_parallel(cfg, processes, per_node, True, lambda: card, lambda: size)
+    best = link_pick(predicted, LinkChoice(rule, 1))
+    return best, predicted, reason if best == LinkChoice(rule, 1) else None
 
 
 def link_pick(predicted: dict[LinkChoice, StepTime], rule: LinkChoice) -> LinkChoice:
@@ -710,18 +725,18 @@ def link_label(choice: LinkChoice, nodes: int) -> str:
     return choice.mode if choice.pipeline == 1 else f"pipeline_parallel {nodes} ({choice.mode} inside each stage)"
 
 
-def link_candidates(cfg: TrainConfig, env: DistEnv, size: ModelSize, card: float,
+def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
                     compute: float) -> dict[LinkChoice, StepTime]:
     """Each mode's predicted optimizer step across the nodes, a GPU computing for `compute` seconds, where its state
     takes at most half of `card`: hsdp over a node (ddp with one GPU a node), zero2, zero3, and a pipeline stage a
     node (where config.py and the model allow it) sharded inside the node as zero2 or zero3 (`sharding_for_full`),
     its micro-batches the config's x the stages so the global batch stays."""
-    nodes, per_node, processes = env.world_size // env.local_world_size, env.local_world_size, env.world_size
+    nodes = processes // per_node
     facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps
     bf16 = not cfg.fp16 and cfg.bf16 is not False
     busbw = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
     units = max(1, size.blocks // (cfg.fsdp_blocks_per_unit or default_blocks_per_unit(size.block_parameters)))
-    fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=per_node == 1),
+    fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=False),
             "zero2": full_state_bytes(cfg, n, processes, whole_weights=True), "zero3": 0.0}
     predicted = {}
     for mode, held in fits.items():

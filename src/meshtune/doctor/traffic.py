@@ -11,10 +11,12 @@ prefetch): above the compute time it sets the step time.
 
 from __future__ import annotations
 
-from meshtune.crossing import (MFU_ASSUMED, Collective, ModelFacts, ModelSize, collective_seconds, compute_seconds)
+from meshtune.crossing import (MFU_ASSUMED, Collective, ModelFacts, ModelSize, collective_seconds, compute_seconds,
+                               full_model_facts)
 from meshtune.crossing import step_collectives as crossing_collectives
 from meshtune.doctor.bandwidth import duration_text
-from meshtune.plan import EACH, LINK_EFFICIENCY, SHARDED, gradient_reduction, parallel_for
+from meshtune.plan import (EACH, LINK_EFFICIENCY, SHARDED, gradient_reduction, link_applies, parallel_for,
+                           pick_by_link)
 from meshtune.units import byte_size
 
 SLOW_RATIO = 0.5    # communication above half the compute time: the network sets the pace
@@ -23,14 +25,12 @@ SLOW_RATIO = 0.5    # communication above half the compute time: the network set
 def model_facts(cfg) -> ModelFacts:
     """The model built on the meta device (with LoRA's adapters when the config adds them) and counted."""
     from meshtune.model.flops import FlopCounter
-    from meshtune.model.loading import model_skeleton, transformer_blocks
+    from meshtune.model.loading import model_size, model_skeleton
     from meshtune.model.lora import add_lora
 
     model = model_skeleton(cfg.model_name_or_path)
     counter = FlopCounter.of(model)
-    blocks = transformer_blocks(model)
-    size = ModelSize(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in blocks[0].parameters()),
-                     len(blocks), hidden=model.config.hidden_size)
+    size = model_size(cfg.model_name_or_path)  # as the plan reads it
     trainable = size.parameters
     if cfg.is_lora:
         trainable = sum(p.numel() for p in add_lora(model, cfg).parameters() if p.requires_grad)
@@ -46,14 +46,17 @@ def parallel_mode(cfg, processes: int, per_node: int, gpus: bool, gpu_bytes: flo
 
 
 def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node: bool, processes: int = 1,
-                     gpu_bytes: float | None = None, per_node: int = 1, gloo: bool = False) -> list[Collective]:
+                     gpu_bytes: float | None = None, per_node: int = 1, gloo: bool = False,
+                     pipeline: int | None = None, micro: int | None = None) -> list[Collective]:
     """The collectives that cross the nodes in one optimizer step of this config (meshtune.crossing's), over
     `processes` of `per_node` a node, with the gradients reduced when the plan would reduce them; `gloo`:
-    reduce-scatters move an all-reduce's bytes."""
-    micro = cfg.gradient_accumulation_steps
+    reduce-scatters move an all-reduce's bytes; `pipeline` stages over `micro` micro-batches where the plan sets
+    them (default: the config's)."""
+    micro = micro or cfg.gradient_accumulation_steps
     each = mode in ("zero2", "zero3") and gradient_reduction(cfg, processes, mode, micro, lambda: model.size,
                                                              lambda: gpu_bytes, {}) == EACH
-    return crossing_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, per_node, gloo, each)
+    return crossing_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, per_node, gloo, each, pipeline,
+                                micro)
 
 
 def describe(collectives: list[Collective]) -> str:
@@ -70,9 +73,16 @@ def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, bu
     it would set the step time, with the modes that would move less."""
     processes = nodes * nproc
     mode, how = parallel_mode(cfg, processes, nproc, gpus, gpu_bytes, model.size)
+    stages = 1
+    if link_applies(cfg, nodes, gpus) and gpu_bytes and peak_flops:  # the plan's choice by link_gbps
+        choice, _, _ = pick_by_link(cfg, processes, nproc, model.size, gpu_bytes,
+                                    compute_seconds(cfg, full_model_facts(model.size), peak_flops))
+        mode, stages = choice.mode, choice.pipeline
+        how = (f" inside pipeline_parallel {stages}" if stages > 1 else "") + f" (auto by link_gbps {cfg.link_gbps:g})"
     bf16 = gpus and cfg.bf16 is not False
     hsdp_in_node = (cfg.hsdp_shard_size or nproc) <= nproc
-    collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, gpu_bytes, nproc, not gpus)
+    collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, gpu_bytes, nproc, not gpus,
+                                   stages, cfg.gradient_accumulation_steps * stages)
     seconds = collective_seconds(collectives, busbw, nodes)
     compute = compute_seconds(cfg, model, peak_flops)
     ratio = seconds / compute if compute else None
