@@ -73,6 +73,7 @@ def test_a_slow_link_puts_a_pipeline_stage_on_each_node_and_keeps_the_global_bat
     assert 4 * plan.gradient_accumulation_steps * data.world_size == 64
     assert "global batch stays 64" in plan.why["gradient_accumulation_steps"]
     assert json.loads(json.dumps(plan.why))["parallel"] == plan.why["parallel"]  # run_plan.json keeps it
+    assert re.search(r"link_gbps +chose  \(predicted per GPU: hsdp 1\d\.\d%", plan.describe())
 
 
 def test_where_the_pipeline_cannot_run_the_slow_link_picks_the_data_parallel_mode_the_arithmetic_says():

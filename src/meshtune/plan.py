@@ -114,6 +114,8 @@ class RunPlan:
                 ("torch_compile", on(self.compile)),
                 ("gradient_checkpointing", "measured before training" if self.recompute == MEASURE else
                  f"{self.recompute:g} of the blocks" if self.recompute else "off")]
+        if "link_gbps" in self.why:  # auto across nodes by the link: every candidate's prediction
+            rows.insert(1, ("link_gbps", "not used" if self.why["link_gbps"].startswith("not used") else "chose"))
         if "reference" in self.why:  # stage: dpo
             rows.append(("reference", "none" if self.why["reference"].startswith("none") else
                          "precomputed" if self.why["reference"].startswith("precomputed") else "in the loop"))
