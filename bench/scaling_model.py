@@ -119,9 +119,9 @@ def step_seconds(job: Job, facts, nodes: int, per_node: int, busbw: float, compu
 
 def units_of(facts) -> int:
     """FSDP2's units of blocks by default (or DDP's buckets): the last one's crossing is never hidden."""
-    from meshtune.crossing import default_blocks_per_unit
+    from meshtune.crossing import fsdp_units
 
-    return max(1, facts.size.blocks // default_blocks_per_unit(facts.size.block_parameters))
+    return fsdp_units(facts.size)
 
 
 def measured_from(path: Path, job: str) -> dict:

@@ -87,6 +87,12 @@ def default_blocks_per_unit(block_parameters: int) -> int:
     return max(1, min(MAX_BLOCKS_PER_UNIT, UNIT_PARAMS // max(block_parameters, 1)))
 
 
+def fsdp_units(size: ModelSize, blocks_per_unit: int | None = None) -> int:
+    """FSDP2's units of blocks (`fsdp_blocks_per_unit`, else the default): the last one's gradients cross only
+    once backward ends, so their share of a crossing is never hidden."""
+    return max(1, size.blocks // (blocks_per_unit or default_blocks_per_unit(size.block_parameters)))
+
+
 @dataclass(frozen=True)
 class Collective:
     kind: str      # all-reduce | all-gather | reduce-scatter | send
@@ -170,11 +176,10 @@ def collective_seconds(collectives: list[Collective], busbw: float, nodes: int) 
     return sent_by_each_node(collectives, nodes) / busbw
 
 
-def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None, samples: int | None = None) -> float | None:
-    """One process's compute for a step of full-length samples (cutoff_len tokens; `samples` of them, default
-    per_device_train_batch_size x gradient_accumulation_steps) at MFU_ASSUMED of `peak_flops`: 6 FLOPs a dense
-    parameter a token (LoRA 4: the frozen weights need no weight gradient), + 2 recomputed under activation
-    checkpointing, + attention."""
+def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float | None:
+    """One process's compute for a step of full-length samples (cutoff_len tokens) at MFU_ASSUMED of `peak_flops`:
+    6 FLOPs a dense parameter a token (LoRA 4: the frozen weights need no weight gradient), + 2 recomputed under
+    activation checkpointing, + attention."""
     if not peak_flops:
         return None
     tokens = cfg.cutoff_len
@@ -182,7 +187,7 @@ def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None, samples: i
     if cfg.gradient_checkpointing and cfg.named_recompute_ratio is not None:  # auto: none counted, the least
         per_token += 2 * model.dense * cfg.named_recompute_ratio  # compute it may choose to hide traffic behind
     per_sample = per_token * tokens + 12 * model.layers * model.attention_width * tokens * tokens
-    samples = samples or cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    samples = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     return per_sample * samples / (peak_flops * MFU_ASSUMED)
 
 

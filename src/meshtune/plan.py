@@ -21,8 +21,8 @@ import torch
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import (MAX_BLOCKS_PER_UNIT, NF4_BYTES, ModelSize, StepTime, compute_seconds,
-                               data_parallel_step, default_blocks_per_unit, full_model_facts, pipeline_step,
-                               step_collectives)
+                               data_parallel_step, default_blocks_per_unit, fsdp_units, full_model_facts,
+                               pipeline_step, step_collectives)
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.hardware import bf16_supported, slowest_peak_flops, smallest_gpu_memory, varlen_available
@@ -737,7 +737,7 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
     facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps
     bf16 = not cfg.fp16 and cfg.bf16 is not False
     busbw = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
-    units = max(1, size.blocks // (cfg.fsdp_blocks_per_unit or default_blocks_per_unit(size.block_parameters)))
+    units = fsdp_units(size, cfg.fsdp_blocks_per_unit)
     fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=False),
             "zero2": full_state_bytes(cfg, n, processes, whole_weights=True), "zero3": 0.0}
     predicted = {}
