@@ -9,11 +9,13 @@ from dataclasses import replace
 from unittest import mock
 
 import pytest
+import torch
 
 from meshtune.config import TrainConfig, build_config
 from meshtune.crossing import (Collective, ModelSize, compute_seconds, data_parallel_step, full_model_facts,
                                pipeline_step)
 from meshtune.errors import ConfigError
+from meshtune.hardware import slowest_peak_flops
 from meshtune.plan import LinkChoice, link_candidates, resolve
 from plans import QWEN_7B, env
 
@@ -84,7 +86,9 @@ def test_where_the_pipeline_cannot_run_the_slow_link_picks_the_data_parallel_mod
     assert max(efficiency, key=efficiency.get) == LinkChoice("hsdp", 1)
     plan = gpu_plan({"link_gbps": 100, "packing": True})
     assert plan.parallel == "hsdp" and plan.pipeline_parallel == 1
-    assert "no pipeline across the nodes" in plan.why["link_gbps"] and "packing" in plan.why["link_gbps"]
+    assert plan.why["link_gbps"].endswith("; no pipeline across the nodes: pipeline_parallel: 2 cannot be combined "
+                                          "with packing: true (packed rows' block-diagonal attention is not carried "
+                                          "between the stages): drop packing")
     odd = gpu_plan({"link_gbps": 100}, size=replace(QWEN_7B, blocks=27))
     assert odd.pipeline_parallel == 1 and "does not split into 2 stages" in odd.why["link_gbps"]
 
@@ -138,3 +142,7 @@ def test_the_doctor_judges_the_mode_the_plan_picks_by_the_link():
     assert judged["collectives"][0]["bytes"] == pytest.approx(8 * 4 * 2 * 576 * 3584 * 2)
     fast = verdict(config(link_gbps=3200), 2, 8, True, 80 * 2**30, 11.25e9, PEAK, model)
     assert fast["parallel"] == "hsdp" and [c["kind"] for c in fast["collectives"]] == ["all-reduce"]
+
+
+def test_the_matmul_rate_the_plan_reads_is_none_without_a_gpu():
+    assert slowest_peak_flops(torch.device("cpu")) is None

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import (MAX_BLOCKS_PER_UNIT, NF4_BYTES, ModelSize, StepTime, compute_seconds,
@@ -772,8 +773,8 @@ def pipeline_refusal(cfg: TrainConfig, size: ModelSize, stages: int) -> str | No
     type, a tied head, blocks the stages do not divide), or None."""
     try:
         TrainConfig(**{**cfg.model_dump(), "pipeline_parallel": stages})
-    except ValueError as exc:
-        return str(exc)
+    except ValidationError as exc:
+        return "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
     if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks % stages:
         return (f"the model ({size.model_type or 'unknown'} type, {size.blocks} blocks"
                 f"{', a tied head' if size.tied_embeddings else ''}) does not split into {stages} stages")
