@@ -1,5 +1,6 @@
 """The package's layers point one way: cli -> demo -> launch -> doctor -> train -> model / data / checkpoint -> plan
--> config / distributed / hardware -> errors. Every import counts, also one inside a function (where a cycle hides)."""
+-> config / distributed / hardware / crossing -> errors. Every import counts, also one inside a function (where a
+cycle hides)."""
 
 from __future__ import annotations
 
