@@ -11,9 +11,12 @@ For N nodes of G GPUs each, every GPU keeping its batch and accumulation (the gl
   gradients' all-reduce; hsdp: the same between the replicas; zero2: the weights' all-gather once a step, zero3:
   twice a micro-step, and the gradients' reduce-scatter), in the mode `parallel: auto` picks for that many nodes;
   seconds = bytes x 2(N-1)/N (all-reduce) or (N-1)/N (all-gather, reduce-scatter) / the link's bus bandwidth.
-- the gradients cross once an optimizer step, during its last micro-step's backward (about 2/3 of a micro-step's
-  compute); what does not fit that window is exposed, and at least the last unit's share always is (it starts when
-  backward ends). The weights' gathers overlap the rest of the step.
+- how much of it the step hides: meshtune.crossing, the arithmetic the run plan chooses `parallel: auto` by (with
+  link_gbps): the gradients cross during their micro-step's backward (about 2/3 of its compute); what does not fit
+  that window is exposed, and at least the last unit's share always is (it starts when backward ends). The weights'
+  gathers overlap the rest of the step. A pipeline (a stage a node, data-parallel inside it) sends its micro-batches'
+  activations forward and their gradients back at each stage boundary, hidden behind the other micro-batches'
+  compute but one micro-batch's share, and loses its bubble, (stages - 1) / (micro-batches + stages - 1) of the step.
 
 Link speeds: the bus bandwidth the doctor measured between the simulated nodes (--from), and line rates of
 --link-gbps (Gb/s a node) at --link-efficiency of the line rate (what NCCL's all-reduce reaches on a healthy
@@ -22,15 +25,21 @@ network; an assumption, not a measurement).
   python bench/scaling_model.py --from results/two_node_speed.json --job full-1.5b
   python bench/scaling_model.py --job lora-7b --compute-step-s 1.9 --gpus-per-node 8 --global-batch 64
 
-Every mode, from the bytes measured on a shaped link (--from-link, bench/shaped_link.py's JSON): for each mode the
-link run measured, the ratio of the bytes its interfaces counted to what meshtune.doctor.traffic predicts for that
-run (its model, processes and gloo) scales the formula's bytes for the projected job (NCCL, bf16 weights), so a
-formula that misses part of the traffic is corrected by the wire. Projected for full 7B, full 72B, LoRA 7B and
-Q-LoRA 72B (--jobs) at --nodes x 8 GPUs over --link-gbps, each GPU at the one-GPU rate of PROJECTED (cited; or
---tokens-per-s JOB=RATE), 4 sequences of 576 tokens a GPU a step (64 sequences at 2 nodes), the same overlap as
-above. A mode whose weights and state do not fit --gpu-gib a GPU is marked so:
+Every mode (--project), from the formula's bytes or calibrated by a shaped link's (--from-link, bench/shaped_link.py's
+JSON): for each mode the link run measured, the ratio of the bytes its interfaces counted to what
+meshtune.doctor.traffic predicts for that run (its model, processes and gloo) scales the formula's bytes for the
+projected job (NCCL, bf16 weights), so a formula that misses part of the traffic is corrected by the wire; a mode
+it did not run is marked "(formula)". Projected for full 7B, full 72B, LoRA 7B and Q-LoRA 72B (--jobs) at --nodes x 8
+GPUs over --link-gbps, each GPU at the one-GPU rate of PROJECTED (cited; or --tokens-per-s JOB=RATE), 4 sequences of
+576 tokens a GPU a step (64 sequences at 2 nodes), the same overlap as above. The pipeline rows put a stage on each
+node (pp = nodes, where the blocks divide; not Q-LoRA, which config.py refuses), their micro-batches 4 sequences
+(pp: what `parallel: auto` runs for per_device_train_batch_size 4) or 1 (pp-mb1: per_device_train_batch_size 1,
+gradient_accumulation_steps 4), each pipeline taking the stages' times the micro-batches so the global batch stays.
+The auto rows give the mode meshtune.plan's link choice picks at each link and count (auto-mb1: for the
+one-sequence micro-batches). A mode whose weights and state do not fit --gpu-gib a GPU is marked so:
 
   python bench/scaling_model.py --from-link results/shaped_link.json --out results/projection
+  python bench/scaling_model.py --project --out results/projection
 """
 
 from __future__ import annotations
@@ -46,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from two_node_speed import JOBS, accumulation_for  # noqa: E402
 
 SEED_TABLE = {2: 0.95, 4: 0.88, 8: 0.80}  # per-GPU efficiency a seed document gives for Qwen LoRA on A100 nodes
-BACKWARD_SHARE = 2 / 3  # of a micro-step's compute: backward is about twice forward's FLOPs
 
 
 @dataclass(frozen=True)
@@ -85,34 +93,35 @@ def model_facts(job: Job):
     counter = FlopCounter.of(model)
     blocks = transformer_blocks(model)
     size = ModelSize(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in blocks[0].parameters()),
-                     len(blocks))
+                     len(blocks), model_type="qwen2", hidden=model.config.hidden_size)
     trainable = size.parameters
     if job.method != "full":
         trainable = sum(p.numel() for p in add_lora(model, job_config(job, "auto")).parameters() if p.requires_grad)
-    return ModelFacts(size, trainable, counter.dense_params, counter.layers, counter.heads * counter.head_dim)
+    return ModelFacts(size, trainable, counter.dense_params, counter.layers, counter.heads * counter.head_dim,
+                      model.config.hidden_size)
 
 
 def step_seconds(job: Job, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
                  gpu_bytes: float) -> tuple[float, str, dict]:
     """The modelled optimizer step on `nodes` nodes, the mode auto picks there, and the parts of the step."""
-    from meshtune.doctor.traffic import collective_seconds, parallel_mode, step_collectives
-    from meshtune.plan import default_blocks_per_unit
+    from meshtune.crossing import data_parallel_step
+    from meshtune.doctor.traffic import parallel_mode, step_collectives
 
     cfg = job_config(job, "auto")
     mode, _ = parallel_mode(cfg, nodes * per_node, per_node, True, gpu_bytes, facts.size)
     if nodes == 1:
         return compute_s, mode, {"compute": compute_s}
     crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, gpu_bytes)
-    gathers = [c for c in crossing if c.kind == "all-gather"]
-    reductions = [c for c in crossing if c.kind != "all-gather"]
-    gather_s = collective_seconds(gathers, busbw, nodes)
-    reduce_s = collective_seconds(reductions, busbw, nodes)
-    units = max(1, facts.size.blocks // default_blocks_per_unit(facts.size.block_parameters))
-    window = BACKWARD_SHARE * compute_s / job.accumulation
-    exposed_reduce = max(reduce_s / units, reduce_s - window)
-    exposed_gather = max(0.0, gather_s - (compute_s - window))
-    parts = {"compute": compute_s, "reduce": reduce_s, "gather": gather_s, "exposed": exposed_reduce + exposed_gather}
-    return compute_s + exposed_reduce + exposed_gather, mode, parts
+    step = data_parallel_step(crossing, nodes, busbw, compute_s, job.accumulation, units_of(facts))
+    parts = {"compute": compute_s, "reduce": step.reduce_s, "gather": step.gather_s, "exposed": step.exposed_s}
+    return step.step_s, mode, parts
+
+
+def units_of(facts) -> int:
+    """FSDP2's units of blocks by default (or DDP's buckets): the last one's crossing is never hidden."""
+    from meshtune.crossing import fsdp_units
+
+    return fsdp_units(facts.size)
 
 
 def measured_from(path: Path, job: str) -> dict:
@@ -145,19 +154,29 @@ PROJECTED = {
                                         "LoRA 7B: docs/benchmarks/one-gpu.md, 7B models)"),
 }
 DERIVED = {"full-72b": ("full-7b", 1.0), "qlora-72b": ("lora-7b", 0.70)}  # rate from: job, factor
-FULL_MODES = {"ddp": ("ddp", {}), "zero2": ("zero2", {}), "zero3": ("zero3", {}),
-              "zero3-node": ("zero3", {"zero3_reshard_to_node": True}), "hsdp": ("hsdp", {}),
-              "hsdp-bf16": ("hsdp", {"grad_reduce_dtype": "bf16"})}
-LORA_MODES = {"lora-ddp": ("ddp", {}), "lora-ddp-bf16": ("ddp", {"grad_reduce_dtype": "bf16"})}
+# name: (parallel, keys, the link variant that calibrates it); a pipeline's stages are the nodes (PIPELINE_MODES)
+FULL_MODES = {"ddp": ("ddp", {}, "ddp"), "zero2": ("zero2", {}, "zero2"), "zero3": ("zero3", {}, "zero3"),
+              "zero3-node": ("zero3", {"zero3_reshard_to_node": True}, "zero3-node"), "hsdp": ("hsdp", {}, "hsdp"),
+              "hsdp-bf16": ("hsdp", {"grad_reduce_dtype": "bf16"}, "hsdp-bf16"),
+              "pp": ("zero2", {}, "pp2"), "pp-mb1": ("zero2", {}, "pp2")}
+LORA_MODES = {"lora-ddp": ("ddp", {}, "lora-ddp"),
+              "lora-ddp-bf16": ("ddp", {"grad_reduce_dtype": "bf16"}, "lora-ddp-bf16"),
+              "lora-pp-mb1": ("ddp", {}, "pp2")}
+# a stage a node, dp inside it; the step's sequences a GPU in micro-batches of this many (the config's
+# per_device_train_batch_size; the plan's auto runs gradient_accumulation_steps x stages of them)
 SEQUENCES_A_GPU, TOKENS_A_SEQUENCE = 4, 576
+PIPELINE_MODES = {"pp": SEQUENCES_A_GPU, "pp-mb1": 1, "lora-pp-mb1": 1}
 
 
-def link_calibration(path: Path) -> tuple[dict[str, float], dict]:
+def link_calibration(path: Path | None) -> dict[str, float]:
     """Per variant of a shaped-link report: the bytes a node sent a step, measured over predicted by the formula
-    for that very run."""
+    for that very run (none without a report: the formula's bytes)."""
     from meshtune.config import build_config
-    from meshtune.doctor.traffic import model_facts, sent_by_each_node, step_collectives
+    from meshtune.crossing import sent_by_each_node
+    from meshtune.doctor.traffic import model_facts, step_collectives
 
+    if path is None:
+        return {}
     report = json.loads(path.read_text())
     nodes, per_node = report["nodes"], report["nproc_per_node"]
     ratios = {}
@@ -169,49 +188,82 @@ def link_calibration(path: Path) -> tuple[dict[str, float], dict]:
         predicted = sent_by_each_node(step_collectives(cfg, mode, model_facts(cfg), False, True, nodes * per_node,
                                                        None, per_node, True), nodes)
         ratios[row["variant"]] = row["tx_per_node"]["median"] / predicted
-    return ratios, report
+    return ratios
 
 
-def state_gib(method: str, mode: str, facts, nodes: int, per_node: int) -> float:
+def state_gib(method: str, mode: str, facts, nodes: int, per_node: int, stages: int = 1) -> float:
     """Weights, gradients and AdamW state a GPU holds (no activations): full fine-tuning 2 bytes of bf16 weights
     whole where unsharded or gathered, 16 of fp32 state over the shard group; LoRA and Q-LoRA the frozen base
-    (bf16 / NF4) and 16 bytes an adapter parameter."""
-    from meshtune.plan import NF4_BYTES, default_blocks_per_unit
+    (bf16 / NF4) and 16 bytes an adapter parameter. A pipeline stage holds 1 / `stages` of it, sharded in its node."""
+    from meshtune.crossing import NF4_BYTES, default_blocks_per_unit
 
-    n = facts.size.parameters
+    n = facts.size.parameters / stages
     if method != "full":
         base = NF4_BYTES * n if method == "qlora" else 2 * n
-        return (base + 16 * facts.trainable) / 2**30
-    shard = 1 if mode == "ddp" else per_node if mode == "hsdp" else nodes * per_node
+        return (base + 16 * facts.trainable / stages) / 2**30
+    shard = 1 if mode == "ddp" else per_node if mode == "hsdp" or stages > 1 else nodes * per_node
     unit = default_blocks_per_unit(facts.size.block_parameters) * facts.size.block_parameters
     whole = 2 * n if mode in ("ddp", "zero2") else 2 * 2 * unit  # zero3: a unit gathered and the next prefetched
     return (whole + 16 * n / shard) / 2**30
 
 
-def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
-                   ratio: float) -> dict:
-    """One optimizer step at `nodes` x `per_node`: the formula's crossing bytes x the link's ratio, hidden as
-    step_seconds hides them (gradients behind the last backward, gathers behind the rest)."""
-    from meshtune.doctor.traffic import sent_by_each_node, step_collectives
-    from meshtune.plan import default_blocks_per_unit
-
-    crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, None, per_node)
-    gathers = [c for c in crossing if c.kind == "all-gather"]
-    reductions = [c for c in crossing if c.kind != "all-gather"]
-    gather_s = sent_by_each_node(gathers, nodes) * ratio / busbw
-    reduce_s = sent_by_each_node(reductions, nodes) * ratio / busbw
-    units = max(1, facts.size.blocks // default_blocks_per_unit(facts.size.block_parameters))
-    window = BACKWARD_SHARE * compute_s
-    exposed = max(reduce_s / units, reduce_s - window) + max(0.0, gather_s - (compute_s - window))
-    return {"gather_s": gather_s, "reduce_s": reduce_s, "step_s": compute_s + exposed,
-            "efficiency": compute_s / (compute_s + exposed),
-            "bytes_a_node": (sent_by_each_node(crossing, nodes)) * ratio}
-
-
-def project_from_link(args) -> None:
+def mode_config(method: str, mode: str, keys: dict, stages: int = 1, micro_batch: int = SEQUENCES_A_GPU):
+    """The config of a projected mode: a GPU's 4 sequences of 576 tokens a step, in micro-batches of `micro_batch`;
+    under `stages` (a pipeline stage a node) each pipeline takes `stages` times the micro-batches, as the plan's
+    auto does, so the global batch is the data-parallel modes'."""
     from meshtune.config import build_config
 
-    ratios, report = link_calibration(args.from_link)
+    accumulation = SEQUENCES_A_GPU // micro_batch * stages
+    return build_config(dict(model_name_or_path="model", dataset=["data"], finetuning_type=method, lora_rank=64,
+                             lora_alpha=16, lora_target="all", per_device_train_batch_size=micro_batch,
+                             gradient_accumulation_steps=accumulation, cutoff_len=TOKENS_A_SEQUENCE, parallel=mode,
+                             pipeline_parallel=stages, **keys))
+
+
+def stage_sharding(facts, stages: int, per_node: int, gpu_bytes: float) -> str:
+    """How the plan shards a pipeline stage of full fine-tuning over its node (meshtune.plan.sharding_for_full)."""
+    from meshtune.plan import sharding_for_full
+
+    cfg = mode_config("full", "auto", {})
+    return sharding_for_full(cfg, facts.size.parameters // stages, per_node, gpu_bytes)[0]
+
+
+def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
+                   ratio: float, gpu_bytes: float | None = None) -> dict:
+    """One optimizer step at `nodes` x `per_node` (meshtune.crossing): the formula's crossing bytes x the link's
+    ratio, hidden behind the compute (gradients behind their micro-step's backward, gathers behind the rest; a
+    pipeline's activations behind the other micro-batches', its bubble lost)."""
+    from meshtune.crossing import data_parallel_step, pipeline_step, sent_by_each_node
+    from meshtune.doctor.traffic import step_collectives
+
+    crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, gpu_bytes, per_node)
+    micro = cfg.gradient_accumulation_steps
+    if cfg.pipeline_parallel > 1:
+        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s, cfg.pipeline_parallel, micro)
+    else:
+        step = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts))
+    return {"gather_s": step.gather_s, "reduce_s": step.reduce_s, "bubble_s": step.bubble_s, "step_s": step.step_s,
+            "efficiency": step.efficiency, "bytes_a_node": sent_by_each_node(crossing, nodes) * ratio}
+
+
+def auto_pick(method: str, facts, nodes: int, per_node: int, gbps: float, compute_s: float, gpu_bytes: float,
+              micro_batch: int) -> str | None:
+    """The projected mode `parallel: auto` picks with link_gbps (meshtune.plan.choose_by_link's arithmetic, at this
+    compute time) for a GPU's 4 sequences in micro-batches of `micro_batch`; None where the link does not decide
+    (LoRA and Q-LoRA: ddp)."""
+    from meshtune.plan import pick_by_link
+
+    if method != "full":
+        return None
+    cfg = mode_config(method, "auto", {"link_gbps": gbps}, micro_batch=micro_batch)
+    pick, _, _ = pick_by_link(cfg, nodes * per_node, per_node, facts.size, gpu_bytes, compute_s)
+    if pick.pipeline > 1:
+        return "pp" if micro_batch == SEQUENCES_A_GPU else "pp-mb1"
+    return pick.mode
+
+
+def project(args) -> None:
+    ratios = link_calibration(args.from_link)
     jobs = args.jobs.split(",")
     unknown = [job for job in jobs if job not in PROJECTED]
     if unknown:
@@ -230,10 +282,11 @@ def project_from_link(args) -> None:
     tokens = SEQUENCES_A_GPU * TOKENS_A_SEQUENCE
     nodes_list = [int(n) for n in args.nodes.split(",")]
     gbps_list = [float(g) for g in args.link_gbps.split(",")]
-    gpu = args.gpu_gib
-    lines = ["Calibration from the shaped link (bytes a node measured / the formula's): " + ", ".join(
-        f"{name} {ratio:.3f}" for name, ratio in ratios.items()), ""]
-    result = {"calibration": ratios, "rates": rates, "rows": []}
+    gpu, per_node = args.gpu_gib, args.gpus_per_node
+    lines = [("Calibration from the shaped link (bytes a node measured / the formula's): " + ", ".join(
+        f"{name} {ratio:.3f}" for name, ratio in ratios.items()) + "; other modes: the formula's bytes")
+             if ratios else "No shaped-link report: every mode at the formula's bytes", ""]
+    result = {"calibration": ratios, "rates": rates, "rows": [], "auto": []}
     for job in jobs:
         size, method, _, source = PROJECTED[job]
         facts = facts_of[job]
@@ -242,25 +295,49 @@ def project_from_link(args) -> None:
         lines += [f"**{job}** ({facts.size.parameters / 1e9:.1f} B parameters, {facts.trainable / 1e6:,.0f} M "
                   f"trained): {rates[job]:,.0f} tokens/s a GPU ({source}), {tokens:,} tokens a GPU a step: "
                   f"{compute_s:.3f} s of compute", "",
-                  "| mode | link | " + " | ".join(f"{n} × {args.gpus_per_node}" for n in nodes_list)
+                  "| mode | link | " + " | ".join(f"{n} × {per_node}" for n in nodes_list)
                   + " | GiB a GPU (state) |", "|---|---|" + "---:|" * (len(nodes_list) + 1)]
-        for name, (mode, keys) in modes.items():
-            ratio = ratios.get(name)
-            if ratio is None:
-                continue
-            cfg = build_config(dict(model_name_or_path="model", dataset=["data"], finetuning_type=method,
-                                    lora_rank=64, lora_alpha=16, lora_target="all",
-                                    per_device_train_batch_size=SEQUENCES_A_GPU, parallel=mode, **keys))
-            held = state_gib(method, mode, facts, nodes_list[0], args.gpus_per_node)
+        efficiency = {}
+        for name, (mode, keys, variant) in modes.items():
+            ratio = ratios.get(variant, 1.0)
+            pipeline = name in PIPELINE_MODES
+            if pipeline and method == "qlora":
+                continue  # config.py refuses Q-LoRA under pipeline_parallel
+            if pipeline and method == "full":  # each stage sharded inside its node as the plan shards it
+                mode = stage_sharding(facts, nodes_list[0], per_node, gpu * 2**30)
+            held = state_gib(method, mode, facts, nodes_list[0], per_node, nodes_list[0] if pipeline else 1)
             for gbps in gbps_list:
                 cells = []
                 for nodes in nodes_list:
-                    step = projected_step(cfg, mode, facts, nodes, args.gpus_per_node,
-                                          gbps / 8 * 1e9 * args.link_efficiency, compute_s, ratio)
+                    if pipeline and facts.size.blocks % nodes:
+                        cells.append("—")  # the stages must divide the blocks
+                        continue
+                    cfg = mode_config(method, mode, keys, nodes if pipeline else 1,
+                                      PIPELINE_MODES.get(name, SEQUENCES_A_GPU))
+                    step = projected_step(cfg, mode, facts, nodes, per_node, gbps / 8 * 1e9 * args.link_efficiency,
+                                          compute_s, ratio, gpu * 2**30)
+                    efficiency[name, gbps, nodes] = step["efficiency"]
                     result["rows"].append(dict(job=job, mode=name, nodes=nodes, gbps=gbps, state_gib=held, **step))
                     cells.append(f"{step['efficiency']:.1%}")
                 fits = f"{held:,.0f}" + (" (does not fit)" if held > gpu else "")
-                lines.append(f"| {name} | {gbps:g} Gb/s | " + " | ".join(cells) + f" | {fits} |")
+                marked = name if variant in ratios or not ratios else f"{name} (formula)"
+                marked += f" ({mode} inside a node)" if pipeline else ""
+                lines.append(f"| {marked} | {gbps:g} Gb/s | " + " | ".join(cells) + f" | {fits} |")
+        for micro_batch, label in ((SEQUENCES_A_GPU, "auto"), (1, "auto-mb1")):
+            if method != "full":
+                break
+            for gbps in gbps_list:
+                cells = []
+                for nodes in nodes_list:
+                    pick = auto_pick(method, facts, nodes, per_node, gbps, compute_s, gpu * 2**30, micro_batch)
+                    if micro_batch == 1 and pick != "pp-mb1":
+                        cells.append(f"{pick}")  # a data-parallel mode: its row above is at 4 a micro-batch
+                        continue
+                    value = efficiency.get((pick, gbps, nodes))
+                    result["auto"].append(dict(job=job, micro_batch=micro_batch, nodes=nodes, gbps=gbps, mode=pick,
+                                               efficiency=value))
+                    cells.append(f"{pick} {value:.1%}" if value is not None else f"{pick}")
+                lines.append(f"| {label} | {gbps:g} Gb/s | " + " | ".join(cells) + " | |")
         lines.append("")
     lines.append("Seed document, Qwen LoRA on A100 nodes with InfiniBand: " + ", ".join(
         f"{n} nodes {e:.0%}" for n, e in SEED_TABLE.items()))
@@ -291,16 +368,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="the dtype gradients cross the network in (meshtune's grad_reduce_dtype)")
     p.add_argument("--out", type=Path, help="write the tables here (markdown) and beside it as JSON")
+    p.add_argument("--project", action="store_true",
+                   help="project every mode of --jobs (see above) instead of --job, at the formula's bytes where "
+                        "--from-link does not calibrate them")
     p.add_argument("--from-link", type=Path,
-                   help="bench/shaped_link.py's JSON: project every mode it measured (see above) instead of --job")
-    p.add_argument("--jobs", default=",".join(PROJECTED), help=f"--from-link: of {', '.join(PROJECTED)}")
+                   help="bench/shaped_link.py's JSON: calibrate the projection's modes by what it measured (implies "
+                        "--project)")
+    p.add_argument("--jobs", default=",".join(PROJECTED), help=f"--project: of {', '.join(PROJECTED)}")
     p.add_argument("--tokens-per-s", action="append", metavar="JOB=RATE",
-                   help="--from-link: a job's one-GPU tokens/s instead of the cited one")
+                   help="--project: a job's one-GPU tokens/s instead of the cited one")
     args = p.parse_args(argv)
-    if args.from_link:
+    if args.from_link or args.project:
         args.link_gbps = args.link_gbps or "10,100,400"
         args.gpus_per_node = args.gpus_per_node or 8
-        project_from_link(args)
+        project(args)
         return
     args.link_gbps = args.link_gbps or "100,200,400"
     args.gpus_per_node = args.gpus_per_node or 2

@@ -689,7 +689,8 @@ def test_the_projection_scales_the_formulas_bytes_by_what_the_shaped_link_counte
     mode measured at 1.5x its formula's bytes is projected slower than at 1x, and the faster link is never worse."""
     import scaling_model
     from meshtune.config import build_config
-    from meshtune.doctor.traffic import model_facts, sent_by_each_node, step_collectives
+    from meshtune.crossing import sent_by_each_node
+    from meshtune.doctor.traffic import model_facts, step_collectives
 
     from conftest import base_config
 
@@ -718,3 +719,6 @@ def test_the_projection_scales_the_formulas_bytes_by_what_the_shaped_link_counte
                                                                                       ("lora-ddp-bf16", 1.5)))
     assert half["bytes_a_node"] == pytest.approx(0.75 * plain["bytes_a_node"])
     assert eff[("lora-ddp", 2, 10.0)] < eff[("lora-ddp", 2, 100.0)] < eff[("lora-ddp", 2, 400.0)] < 1
+    # a stage a node, 4 one-sequence micro-batches a GPU x 2 stages a pipeline: at most 8 / (8 + 2 - 1) of the step
+    pipeline = next(r for r in result["rows"] if (r["mode"], r["nodes"], r["gbps"]) == ("lora-pp-mb1", 2, 400.0))
+    assert pipeline["bubble_s"] == pytest.approx(2304 / 14556 / 8) and pipeline["efficiency"] < 8 / 9

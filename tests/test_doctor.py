@@ -285,6 +285,10 @@ def test_the_traffic_of_a_step_follows_the_parallel_mode():
     slow = verdict(cfg, 2, 8, True, 80e9, 1.2e9, 400e12, model)
     assert slow["slow"] and slow["ratio"] > 1 and "parallel: hsdp shards inside each node" in slow["advice"]
     assert not verdict(cfg, 2, 8, True, 80e9, 400e9, 400e12, model)["slow"]
+    assert "link_gbps" not in slow["advice"]  # parallel named: auto chooses nothing
+    auto = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="full", cutoff_len=4096))
+    assert "link_gbps: 10.7 (this link) lets parallel: auto choose" in verdict(auto, 2, 8, True, 80e9, 1.2e9, 400e12,
+                                                                             model)["advice"]
     lora = build_config(dict(model_name_or_path="m", dataset=["d"], finetuning_type="lora"))
     adapters = ModelFacts(model.size, 20_000_000, model.dense, 30, 4096)
     assert verdict(lora, 2, 8, True, 80e9, 1.2e9, None, adapters)["parallel"] == "ddp"  # auto: LoRA runs ddp
@@ -297,7 +301,8 @@ def test_each_node_sends_a_rings_share_of_the_collective_over_its_processes():
     on the interfaces (docs/benchmarks/network.md): ddp 2 x 2 sends 1.5 S a node; on gloo zero2's reduce-scatter
     moves as much as an all-reduce; zero3_reshard_to_node gathers across the nodes only for forward."""
     from meshtune.config import build_config
-    from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives
+    from meshtune.crossing import ModelFacts, sent_by_each_node
+    from meshtune.doctor.traffic import step_collectives
     from meshtune.plan import ModelSize
 
     model = ModelFacts(ModelSize(1_000_000, 100_000, 8), 1_000_000, 900_000, 8, 512)

@@ -1,5 +1,6 @@
 """The package's layers point one way: cli -> demo -> launch -> doctor -> train -> model / data / checkpoint -> plan
--> config / distributed / hardware -> errors. Every import counts, also one inside a function (where a cycle hides)."""
+-> config / distributed / hardware / crossing -> errors. Every import counts, also one inside a function (where a
+cycle hides)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "meshtune"
 LAYERS = [  # lowest first; a module imports from its own layer's package or from lower layers only
     ["meshtune", "meshtune.errors", "meshtune.worker_env", "meshtune.faults", "meshtune.checksums",
      "meshtune.mailbox", "meshtune.units"],
-    ["meshtune.config", "meshtune.distributed", "meshtune.hardware", "meshtune.logs"],
+    ["meshtune.config", "meshtune.distributed", "meshtune.hardware", "meshtune.logs", "meshtune.crossing"],
     ["meshtune.plan", "meshtune.compat"],
     ["meshtune.data", "meshtune.model", "meshtune.checkpoint"],
     ["meshtune.train", "meshtune.export"],

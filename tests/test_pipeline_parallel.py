@@ -275,7 +275,8 @@ def test_the_doctor_counts_a_pipeline_s_activations_as_what_crosses_the_nodes():
     """Full 7B (hidden 3,584) on 2 nodes x 8 GPUs, a stage a node, 64 rows of 600 tokens a step in bf16: the 8
     pipelines' activations, 64 x 600 x 3,584 x 2 bytes = 0.28 GB, cross each way, against ddp's ring all-reduce of
     15 GB of bf16 gradients; a stage on 2 nodes (pp 2 on 4 nodes) adds its replicas' all-reduce of half of them."""
-    from meshtune.doctor.traffic import ModelFacts, sent_by_each_node, step_collectives
+    from meshtune.crossing import ModelFacts, sent_by_each_node
+    from meshtune.doctor.traffic import step_collectives
 
     model = ModelFacts(QWEN_7B, QWEN_7B.parameters, 6_500_000_000, 28, 3584, hidden=3584)
 

@@ -419,6 +419,14 @@ class TrainConfig(BaseModel):
            "compresses none of its 8 x 128 adapters (under 2x) and matches the exact run. Over the first steps the "
            "losses stay within 2% of the exact ones (tested). Measure yours before relying on it. 0: off (exact "
            "all-reduce)", ge=0, scope=MATH)
+    link_gbps: float | None = CROSS_NODE(
+        None, "the line rate between the nodes, Gb/s a node (100 for 100 GbE). With parallel: auto, full fine-tuning "
+              "and several nodes of GPUs, the plan then picks among hsdp, zero2, zero3 and pipeline parallel across "
+              "the nodes (a stage a node) the mode whose predicted step exposes the least time on the link, taking "
+              "the all-reduce's bus bandwidth as 90% of this rate and a GPU's compute as 40% of its measured bf16 "
+              "matmul rate; run_plan.json gives the choice, the reason and every mode's predicted per-GPU efficiency. "
+              "`meshtune doctor --bandwidth` measures the link's busbw (GB/s): its x 8 / 0.9 is this rate. It changes "
+              "no math. Default: unset, the rules of docs/multi-node/choosing-parallel.md", gt=0.0)
     hsdp_replica_reduce_dtype: Literal["fp32", "bf16"] | None = CROSS_NODE(
         None, "parallel hsdp: the dtype of the gradients' all-reduce across the replicas (the nodes), apart from the "
               "reduce-scatter inside a node. Only grad_reduce_dtype's value is accepted: torch's FSDP2 "

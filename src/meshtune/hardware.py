@@ -53,6 +53,18 @@ def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 20
     return 2.0 * size**3 * repeats / seconds
 
 
+def slowest_peak_flops(device: torch.device) -> float | None:
+    """The lowest measured bf16 matmul rate among all ranks (a collective: every rank calls it), so that a choice
+    made from it is the same on every rank; None on CPU."""
+    measured = measure_peak_flops(device)
+    if measured is None:
+        return None
+    slowest = torch.tensor([measured], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+    return slowest.item()
+
+
 def limit_gpu_memory(device: torch.device, limit_gib: float | None) -> bool:
     """Cap what this process may allocate on its GPU at `limit_gib` (torch's caching allocator then fails an
     allocation beyond it as out of memory). True where a cap was set."""

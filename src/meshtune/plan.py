@@ -18,11 +18,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from meshtune.config import TrainConfig
+from meshtune.crossing import (MAX_BLOCKS_PER_UNIT, NF4_BYTES, ModelSize, StepTime, compute_seconds,
+                               data_parallel_step, default_blocks_per_unit, fsdp_units, full_model_facts,
+                               pipeline_step, step_collectives)
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
-from meshtune.hardware import bf16_supported, smallest_gpu_memory, varlen_available
+from meshtune.hardware import bf16_supported, slowest_peak_flops, smallest_gpu_memory, varlen_available
 
 SHARDED = ("zero2", "zero3", "hsdp")
 # When gradients cross the processes under gradient accumulation (one micro-step: always on it)
@@ -31,21 +35,6 @@ SHARD_EACH = "shard_each_micro_step"  # hsdp: reduce-scattered inside the replic
 #                                       across the replicas (the nodes) only on the last
 EACH = "each_micro_step"            # reduce-scattered every micro-step, so gradients stay sharded
 MEASURE = "measure"  # recompute: the blocks to recompute are measured before training (train/memory_fit.py)
-UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the config leaves blocks per unit open
-MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks/where-the-time-goes.md)
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """What the plan needs to know of the model, read from its config alone (no weights)."""
-
-    parameters: int
-    block_parameters: int  # one transformer block's
-    blocks: int = 1        # transformer blocks
-    attention_heads: int = 0   # query heads of each block's attention (0: unknown)
-    kv_heads: int = 0          # key-value heads
-    model_type: str = ""       # the config's model_type (qwen2, llama, ...)
-    tied_embeddings: bool = False  # the output head is the input embedding
 
 
 @dataclass(frozen=True)
@@ -126,6 +115,8 @@ class RunPlan:
                 ("torch_compile", on(self.compile)),
                 ("gradient_checkpointing", "measured before training" if self.recompute == MEASURE else
                  f"{self.recompute:g} of the blocks" if self.recompute else "off")]
+        if "link_gbps" in self.why:  # auto across nodes by the link: every candidate's prediction
+            rows.insert(1, ("link_gbps", "not used" if self.why["link_gbps"].startswith("not used") else "chose"))
         if "reference" in self.why:  # stage: dpo
             rows.append(("reference", "none" if self.why["reference"].startswith("none") else
                          "precomputed" if self.why["reference"].startswith("precomputed") else "in the loop"))
@@ -193,16 +184,17 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     model_size = functools.cache(model_size)  # builds a model without weights: once, and only if a choice needs it
     tp = tensor_parallel_size(cfg, env, model_size)
     cp = context_parallel_size(cfg, env, tp)
-    pp = pipeline_parallel_size(cfg, env, model_size)
+    # the smallest GPU of the job (a collective, the same on every rank), once and only if a choice needs it
+    gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
+                                if env.device.type == "cuda" else None)
+    link = choose_by_link(cfg, env, model_size, gpu_bytes, lambda: slowest_peak_flops(env.device), why)
+    pp = link.pipeline if link else pipeline_parallel_size(cfg, env, model_size)
     # the processes the data-parallel wrapper reduces gradients over (and FSDP2 shards over): a tensor-parallel
     # group counts as one; a cp group's processes each hold partial gradients, so they count, as torchtitan's
     # dp_shard x cp; under pipeline_parallel, one stage's processes
     procs = data_parallel_env(env, tp) if pp == 1 else stage_env(env, pp)
     dp = data_parallel_env(procs, cp)  # the data's ranks: a cp x tp group takes the same micro-batches
-    # the smallest GPU of the job (a collective, the same on every rank), once and only if a choice needs it
-    gpu_bytes = functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
-                                if env.device.type == "cuda" else None)
-    parallel = choose_parallel(cfg, procs, model_size, gpu_bytes, why)
+    parallel = link.mode if link else choose_parallel(cfg, procs, model_size, gpu_bytes, why)
     if pp > 1 and parallel == "hsdp":  # auto across nodes: the stages are across the nodes already
         parallel = "zero2"
         why["parallel"] = ("auto under pipeline_parallel: the stages lie across the nodes, and zero2 shards each "
@@ -303,7 +295,13 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                               f"has no shards to move: the frozen base stays on the GPU, as under DeepSpeed's ZeRO-2, "
                               f"and what ZeRO-2's offload would move, the adapters' gradients and AdamW moments, is "
                               f"a few MB")
-    accumulation = keep_global_batch(cfg, resume_manifest, dp.world_size, why)
+    accumulation = keep_global_batch(cfg, resume_manifest, dp.world_size, why,
+                                     cfg.gradient_accumulation_steps * (pp if link else 1))
+    if link and pp > 1 and "gradient_accumulation_steps" not in why:
+        why["gradient_accumulation_steps"] = (
+            f"{cfg.gradient_accumulation_steps} x {pp}: the stages across the nodes leave {dp.world_size} pipelines "
+            f"of the {env.world_size} processes, each taking {pp} times the micro-batches, so the global batch stays "
+            f"{cfg.per_device_train_batch_size * accumulation * dp.world_size}")
     check_train_batch_size(cfg, accumulation, dp.world_size)
     reduction = gradient_reduction(cfg, procs.world_size, parallel, accumulation, model_size, gpu_bytes, why)
     grad_sync, reduce_dtype = gradient_crossing(cfg, procs.world_size, parallel, why)
@@ -652,6 +650,133 @@ def auto_parallel(cfg: TrainConfig, processes: int, per_node: int, gpus: bool, g
     return mode, reason
 
 
+LINK_EFFICIENCY = 0.9  # of the line rate, what NCCL's all-reduce reaches on a healthy network (an assumption)
+LINK_MARGIN = 0.02     # another mode replaces auto's rule only where its predicted step is this much shorter
+
+
+@dataclass(frozen=True)
+class LinkChoice:
+    """`parallel: auto` chosen by the link (`link_gbps`): the data-parallel mode (inside each stage under a
+    pipeline) and the pipeline's stages across the nodes (1: none)."""
+
+    mode: str
+    pipeline: int
+
+
+def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize],
+                   gpu_bytes: Callable[[], float | None], peak_flops: Callable[[], float | None],
+                   why: dict[str, str]) -> LinkChoice | None:
+    """`parallel: auto` chosen by the link (`pick_by_link`) where `link_applies`, a GPU's compute estimated at
+    MFU_ASSUMED of the job's slowest measured bf16 matmul rate; None (the rules without the link) elsewhere."""
+    nodes = env.world_size // max(env.local_world_size, 1)
+    if cfg.link_gbps is None or cfg.parallel != "auto" or nodes < 2:
+        return None
+    if not link_applies(cfg, nodes, env.device.type == "cuda"):
+        why["link_gbps"] = ("not used: the plan chooses by the link for full fine-tuning with parallel: auto on "
+                            "GPUs (no compute estimate on CPU; LoRA's adapters move little), without tensor, "
+                            "context or pipeline parallel set")
+        return None
+    compute = compute_seconds_of(cfg, full_model_facts(model_size()), peak_flops())
+    best, predicted, rule_reason = pick_by_link(cfg, env.world_size, env.local_world_size, model_size(), gpu_bytes(),
+                                                compute)
+    label = {choice: link_label(choice, nodes) for choice in predicted}
+    step = predicted[best]
+    others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted if c != best)
+    why["parallel"] = (f"auto by the link ({cfg.link_gbps:g} Gb/s): {label[best]}, predicted at {step.efficiency:.1%} "
+                       f"per GPU of one node's step ({step.exposed_s:.3g} s of its {step.step_s:.3g} s not hidden"
+                       + (f", the bubble {step.bubble_s:.3g} s" if step.bubble_s else "") + f"); {others}"
+                       + (f"; without the link: {rule_reason}" if rule_reason else ""))
+    why["link_gbps"] = "predicted per GPU: " + ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted)
+    if refused := pipeline_refusal(cfg, model_size(), nodes):
+        why["link_gbps"] += f"; no pipeline across the nodes: {refused}"
+    return best
+
+
+def link_applies(cfg: TrainConfig, nodes: int, gpus: bool) -> bool:
+    """Whether `parallel: auto` chooses by the link: `link_gbps` set, full fine-tuning on several nodes of GPUs,
+    with no tensor, context or pipeline parallel set. The doctor asks the same."""
+    return (cfg.link_gbps is not None and cfg.parallel == "auto" and nodes > 1 and gpus
+            and cfg.finetuning_type == "full" and cfg.pipeline_parallel == 1 and cfg.tensor_parallel == 1
+            and cfg.context_parallel == 1)
+
+
+def pick_by_link(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
+                 compute: float) -> tuple[LinkChoice, dict[LinkChoice, StepTime], str | None]:
+    """Of the modes whose state fits (`link_candidates`), the one whose predicted step (meshtune.crossing: bytes a
+    node at LINK_EFFICIENCY of the line rate, hidden behind `compute` seconds a GPU) is shortest; auto's rule without
+    the link stands unless another is LINK_MARGIN faster. Also every candidate's step, and the rule's reason where
+    it stands."""
+    predicted = link_candidates(cfg, processes, per_node, size, card, compute)
+    rule, reason = auto_parallel(cfg, processes, per_node, True, lambda: card, lambda: size)
+    best = link_pick(predicted, LinkChoice(rule, 1))
+    return best, predicted, reason if best == LinkChoice(rule, 1) else None
+
+
+def link_pick(predicted: dict[LinkChoice, StepTime], rule: LinkChoice) -> LinkChoice:
+    """The shortest predicted step, unless auto's rule without the link is within LINK_MARGIN of it."""
+    best = min(predicted, key=lambda choice: predicted[choice].step_s)
+    if rule in predicted and predicted[best].step_s > (1 - LINK_MARGIN) * predicted[rule].step_s:
+        return rule
+    return best
+
+
+def link_label(choice: LinkChoice, nodes: int) -> str:
+    return choice.mode if choice.pipeline == 1 else f"pipeline_parallel {nodes} ({choice.mode} inside each stage)"
+
+
+def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
+                    compute: float) -> dict[LinkChoice, StepTime]:
+    """Each mode's predicted optimizer step across the nodes, a GPU computing for `compute` seconds, where its state
+    takes at most half of `card`: hsdp over a node (ddp with one GPU a node), zero2, zero3, and a pipeline stage a
+    node (where config.py and the model allow it) sharded inside the node as zero2 or zero3 (`sharding_for_full`),
+    its micro-batches the config's x the stages so the global batch stays."""
+    nodes = processes // per_node
+    facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps
+    bf16 = not cfg.fp16 and cfg.bf16 is not False
+    busbw = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
+    units = fsdp_units(size, cfg.fsdp_blocks_per_unit)
+    fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=False),
+            "zero2": full_state_bytes(cfg, n, processes, whole_weights=True), "zero3": 0.0}
+    predicted = {}
+    for mode, held in fits.items():
+        if held > 0.5 * card:
+            continue
+        each = mode in ("zero2", "zero3") and gradient_reduction(cfg, processes, mode, micro, lambda: size,
+                                                                 lambda: card, {}) == EACH
+        crossing = step_collectives(cfg, mode, facts, bf16, True, processes, per_node, reduce_each=each, pipeline=1)
+        predicted[LinkChoice(mode, 1)] = data_parallel_step(crossing, nodes, busbw, compute, micro, units)
+    if pipeline_refusal(cfg, size, nodes) is None:
+        stage = sharding_for_full(cfg, n // nodes, per_node, card)[0] if per_node > 1 else "ddp"
+        if per_node > 1 or full_state_bytes(cfg, n // nodes, 1, whole_weights=False) <= 0.5 * card:
+            crossing = step_collectives(cfg, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
+                                        micro=micro * nodes)
+            predicted[LinkChoice(stage, nodes)] = pipeline_step(crossing, nodes, busbw, compute, nodes, micro * nodes)
+    return predicted
+
+
+def compute_seconds_of(cfg: TrainConfig, facts, peak: float | None) -> float:
+    """A GPU's compute for a step (meshtune.crossing's estimate), the same in every mode: under a pipeline each GPU
+    computes 1 / stages of the model for stages x the micro-batches."""
+    seconds = compute_seconds(cfg, facts, peak)
+    if seconds is None:
+        raise ConfigError("link_gbps: the plan could not measure the GPUs' matmul rate to estimate a step's "
+                          "compute; unset link_gbps")
+    return seconds
+
+
+def pipeline_refusal(cfg: TrainConfig, size: ModelSize, stages: int) -> str | None:
+    """Why `stages` pipeline stages cannot run this config and model (config.py's refusals, and the model's: its
+    type, a tied head, blocks the stages do not divide), or None."""
+    try:
+        TrainConfig(**{**cfg.model_dump(), "pipeline_parallel": stages})
+    except ValidationError as exc:
+        return "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
+    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks % stages:
+        return (f"the model ({size.model_type or 'unknown'} type, {size.blocks} blocks"
+                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {stages} stages")
+    return None
+
+
 def sharding_for_full(cfg: TrainConfig, n_params: int, world_size: int, gpu_bytes: float) -> tuple[str, str]:
     """zero2 unless its whole bf16 weights plus its share of the state (`full_state_bytes`) would take over half of
     a GPU's memory."""
@@ -660,9 +785,6 @@ def sharding_for_full(cfg: TrainConfig, n_params: int, world_size: int, gpu_byte
     if zero2_bytes <= 0.5 * gpu_bytes:
         return "zero2", f"full fine-tuning on {world_size} GPUs, {share}"
     return "zero3", f"full fine-tuning on {world_size} GPUs; zero2 would hold {share}"
-
-
-NF4_BYTES = 0.5 + 1 / 64  # a 4-bit value, and an 8-bit scale per 64 of them (the scales' own scales are negligible)
 
 
 def sharding_for_qlora(size: ModelSize, world_size: int, gpu_bytes: float) -> tuple[str, str]:
@@ -807,14 +929,6 @@ def offload_reason(is_lora: bool, n_params: int, shards: int, env: DistEnv) -> s
             f"for each all-gather; the optimizer steps on the CPU")
 
 
-def default_blocks_per_unit(block_parameters: int) -> int:
-    """Blocks per FSDP2 unit when the config leaves it open: each unit's hooks and collectives cost host time, and
-    the ranks wait for the slowest host at every collective, so fewer, larger units run faster. The cap keeps what
-    zero3 gathers at once (a unit, and the next one prefetched) small beside the GPU: 72B's 0.9B-parameter blocks
-    stay one a unit."""
-    return max(1, min(MAX_BLOCKS_PER_UNIT, UNIT_PARAMS // max(block_parameters, 1)))
-
-
 def hsdp_shard_size(cfg: TrainConfig, env: DistEnv, parallel: str, why: dict[str, str]) -> int | None:
     """hsdp shards each replica over the processes of one node unless told otherwise; the size must divide the job."""
     if parallel != "hsdp":
@@ -840,10 +954,12 @@ def check_train_batch_size(cfg: TrainConfig, accumulation: int, world_size: int)
             f"{actual} (\"auto\" in a DeepSpeed JSON)")
 
 
-def keep_global_batch(cfg: TrainConfig, manifest: dict | None, world_size: int, why: dict[str, str]) -> int:
+def keep_global_batch(cfg: TrainConfig, manifest: dict | None, world_size: int, why: dict[str, str],
+                      configured: int | None = None) -> int:
     """Resuming on another world size: the same global batch (so the same data order and math) through another
-    gradient accumulation, or a clear error when no whole number of micro-steps gives it."""
-    configured = cfg.gradient_accumulation_steps
+    gradient accumulation, or a clear error when no whole number of micro-steps gives it. `configured`: the
+    accumulation the plan runs without a checkpoint (default: the config's)."""
+    configured = configured or cfg.gradient_accumulation_steps
     saved = (manifest or {}).get("global_batch")
     per_step = cfg.per_device_train_batch_size * world_size
     if not saved or per_step * configured == saved:

@@ -1,0 +1,237 @@
+"""What a step moves between the nodes, and how much of it the step hides: the one copy of the arithmetic that the
+run plan (`parallel: auto` on a link of `link_gbps`), the doctor (doctor/traffic.py) and the projections
+(bench/scaling_model.py) read.
+
+Bytes. The link between nodes is taken as the bottleneck (the GPUs of one node talk over NVLink or shared memory,
+far faster), and a collective over p ranks as a ring, as nccl-tests models it: each node sends an all-reduce's S
+bytes x 2(p-1)/p, an all-gather's or reduce-scatter's (the whole buffer) S x (p-1)/p. A ring over every process of
+the job enters and leaves each node once a ring, however many processes a node holds, so p is the collective's
+processes, not the nodes: ddp's all-reduce over 2 nodes x 8 GPUs sends 1.9 S out of each node, hsdp's all-reduce
+between the 2 replicas (each shard group its own S / 8) S. On gloo (CPU) a reduce-scatter is an all-reduce on the
+wire. Per optimizer step of A micro-steps (checked against the interfaces' counters: bench/shaped_link.py):
+
+- ddp: one all-reduce of the trainable gradients (LoRA: the adapters only);
+- zero2: one all-gather of the weights (in the first micro-step's forward; kept whole until the last micro-step's
+  backward) + one reduce-scatter of the trainable gradients (every micro-step where they stay sharded);
+- zero3: A all-gathers for forward, A again for backward of all but what stays gathered in between (the last unit
+  of blocks and the head; none with zero3_reshard_to_node, whose backward gathers inside the node) + the
+  reduce-scatter;
+- hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes;
+- pipeline_parallel (stages outermost, data-parallel inside a stage): at a stage boundary between nodes each
+  process's pipeline sends its micro-batches' activations forward (rows x length x hidden) and receives their
+  gradients back, the same bytes; a node inside the pipeline sends both ways. Where a stage spans nodes, its
+  replicas' all-reduce of the stage's gradients crosses them too.
+PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's shape.
+
+Time. A GPU's compute for a step is estimated from its FLOPs at MFU_ASSUMED of a bf16 matmul rate. The gradients
+cross once an optimizer step (or once a micro-step where they stay sharded), during that micro-step's backward
+(BACKWARD_SHARE of its compute); what does not fit that window is exposed, and at least the last unit's share always
+is (it starts when backward ends). The weights' gathers overlap the rest of the step. A pipeline of pp stages over m
+micro-batches loses the bubble, (pp - 1) / (m + pp - 1) of its step (GPipe and 1F1B alike), and its activations'
+sends overlap the other micro-batches' compute: one micro-batch's share is exposed (the fill and the drain), the rest
+only where it outlasts the compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the config leaves blocks per unit open
+MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks/where-the-time-goes.md)
+NF4_BYTES = 0.5 + 1 / 64  # a 4-bit value, and an 8-bit scale per 64 of them (the scales' own scales are negligible)
+MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks/one-gpu.md, 7B models)
+BACKWARD_SHARE = 2 / 3  # of a micro-step's compute: backward is about twice forward's FLOPs
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the plan needs to know of the model, read from its config alone (no weights)."""
+
+    parameters: int
+    block_parameters: int  # one transformer block's
+    blocks: int = 1        # transformer blocks
+    attention_heads: int = 0   # query heads of each block's attention (0: unknown)
+    kv_heads: int = 0          # key-value heads
+    model_type: str = ""       # the config's model_type (qwen2, llama, ...)
+    tied_embeddings: bool = False  # the output head is the input embedding
+    hidden: int = 0            # the residual stream's width: what a pipeline stage sends the next, a token
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimates need of the model, from its config alone (no weights)."""
+
+    size: ModelSize
+    trainable: int        # the parameters whose gradients cross (LoRA: the adapters)
+    dense: int            # parameters outside the input embedding (FLOPs per token)
+    layers: int
+    attention_width: int  # heads x head_dim
+    hidden: int = 0       # the residual stream's width: what a pipeline stage sends the next, a token
+
+
+def full_model_facts(size: ModelSize) -> ModelFacts:
+    """Full fine-tuning's facts from the plan's ModelSize: every parameter trains; the FLOPs a token are the blocks'
+    and the head's (the parameters outside the blocks are the embedding and the head, one weight where tied), and the
+    attention's width is taken as the hidden size (heads x head_dim, as in Qwen2 and Llama)."""
+    outside = max(size.parameters - size.block_parameters * size.blocks, 0)
+    head = 0 if size.tied_embeddings else outside // 2
+    dense = size.block_parameters * size.blocks + (outside if size.tied_embeddings else head)
+    return ModelFacts(size, size.parameters, dense, size.blocks, size.hidden, size.hidden)
+
+
+def default_blocks_per_unit(block_parameters: int) -> int:
+    """Blocks per FSDP2 unit when the config leaves it open: each unit's hooks and collectives cost host time, and
+    the ranks wait for the slowest host at every collective, so fewer, larger units run faster. The cap keeps what
+    zero3 gathers at once (a unit, and the next one prefetched) small beside the GPU: 72B's 0.9B-parameter blocks
+    stay one a unit."""
+    return max(1, min(MAX_BLOCKS_PER_UNIT, UNIT_PARAMS // max(block_parameters, 1)))
+
+
+def fsdp_units(size: ModelSize, blocks_per_unit: int | None = None) -> int:
+    """FSDP2's units of blocks (`fsdp_blocks_per_unit`, else the default): the last one's gradients cross only
+    once backward ends, so their share of a crossing is never hidden."""
+    return max(1, size.blocks // (blocks_per_unit or default_blocks_per_unit(size.block_parameters)))
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str      # all-reduce | all-gather | reduce-scatter | send
+    what: str
+    bytes: float
+    times: int
+    ranks: int = 0  # the processes of its ring; 0: one a node (the nodes)
+
+
+def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node: bool, processes: int = 1,
+                     per_node: int = 1, gloo: bool = False, reduce_each: bool = False, pipeline: int | None = None,
+                     micro: int | None = None) -> list[Collective]:
+    """The collectives that cross the nodes in one optimizer step (see the module's docstring), over `processes`
+    of `per_node` a node; `gloo`: reduce-scatters move an all-reduce's bytes; `reduce_each`: sharded gradients
+    reduce-scattered every micro-step; `pipeline` stages (default: the config's) over `micro` micro-batches a step
+    (default: gradient_accumulation_steps)."""
+    grad_bytes = 2 if cfg.grad_reduce_dtype == "bf16" else 4
+    gradients = model.trainable * grad_bytes
+    block_params = model.size.block_parameters * model.size.blocks
+    if cfg.finetuning_type == "qlora":
+        weights = NF4_BYTES * block_params + 2 * (model.size.parameters - block_params)
+    else:
+        weights = model.size.parameters * (2 if bf16 else 4)
+    micro = micro or cfg.gradient_accumulation_steps
+    ranks = processes if processes > 1 else 0
+    pipeline = pipeline or getattr(cfg, "pipeline_parallel", 1)
+    if pipeline > 1:
+        return pipeline_collectives(cfg, model, bf16, gradients, processes, per_node, pipeline, micro)
+    if mode == "hsdp" and hsdp_in_node:
+        return [Collective("all-reduce", "gradients", gradients, 1, ranks // per_node if ranks else 0)]
+    if mode == "ddp":
+        return [Collective("all-reduce", "gradients", gradients, 1, ranks)]
+    scatter = Collective("all-reduce" if gloo else "reduce-scatter", "gradients", gradients,
+                         micro if reduce_each else 1, ranks)
+    if mode == "zero2":  # the weights stay whole across the micro-steps
+        return [Collective("all-gather", "weights", weights, 1, ranks), scatter]
+    gathers = [Collective("all-gather", "weights", weights, micro, ranks)]
+    if not (getattr(cfg, "zero3_reshard_to_node", False) and per_node > 1):  # else backward gathers inside the node
+        again = weights * (1 - kept_for_backward(cfg, model.size))
+        gathers.append(Collective("all-gather", "weights again for backward", again, micro, ranks))
+    return [*gathers, scatter]
+
+
+def pipeline_collectives(cfg, model: ModelFacts, bf16: bool, gradients: float, processes: int, per_node: int,
+                         pp: int, micro: int) -> list[Collective]:
+    """What crosses the nodes a step under `pp` pipeline stages (see the module's docstring): each process's
+    pipeline carries per_device_train_batch_size x `micro` rows of (at most) cutoff_len tokens."""
+    per_stage = max(processes // pp, 1)
+    nodes = max(processes // max(per_node, 1), 1)
+    if nodes == 1:
+        return []
+    tokens = cfg.per_device_train_batch_size * micro * cfg.cutoff_len
+    activations = tokens * model.hidden * (2 if bf16 else 4) * min(per_node, per_stage)
+    ways = 2 if min(pp, nodes) > 2 else 1  # a node between two others sends forward and backward
+    sent = [Collective("send", "activations forward and their gradients back", activations, ways)]
+    if per_stage > per_node:  # a stage's replicas on several nodes
+        sent.append(Collective("all-reduce", "a stage's gradients", gradients / pp, 1, per_stage))
+    return sent
+
+
+def kept_for_backward(cfg, size: ModelSize) -> float:
+    """The share of the weights zero3 keeps gathered from forward to backward (model/parallel.py): the last unit of
+    blocks and the head (a unit of its own, or with tied embeddings the root's), which backward needs first."""
+    per_unit = cfg.fsdp_blocks_per_unit or default_blocks_per_unit(size.block_parameters)
+    last_unit = (size.blocks - 1) % per_unit + 1
+    head = max(size.parameters - size.block_parameters * size.blocks, 0) / (1 if size.tied_embeddings else 2)
+    return min(1.0, (last_unit * size.block_parameters + head) / max(size.parameters, 1))
+
+
+def sent_by_each_node(collectives: list[Collective], nodes: int) -> float:
+    """The bytes each node sends a step: a ring's share of each collective (see the module's docstring)."""
+    def share(c: Collective) -> float:
+        if c.kind == "send":  # point to point: the bytes themselves
+            return 1.0
+        p = c.ranks or nodes
+        return (2 if c.kind == "all-reduce" else 1) * (p - 1) / p
+    return sum(c.bytes * c.times * share(c) for c in collectives)
+
+
+def collective_seconds(collectives: list[Collective], busbw: float, nodes: int) -> float:
+    return sent_by_each_node(collectives, nodes) / busbw
+
+
+def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float | None:
+    """One process's compute for a step of full-length samples (cutoff_len tokens) at MFU_ASSUMED of `peak_flops`:
+    6 FLOPs a dense parameter a token (LoRA 4: the frozen weights need no weight gradient), + 2 recomputed under
+    activation checkpointing, + attention."""
+    if not peak_flops:
+        return None
+    tokens = cfg.cutoff_len
+    per_token = (4 if cfg.is_lora else 6) * model.dense
+    if cfg.gradient_checkpointing and cfg.named_recompute_ratio is not None:  # auto: none counted, the least
+        per_token += 2 * model.dense * cfg.named_recompute_ratio  # compute it may choose to hide traffic behind
+    per_sample = per_token * tokens + 12 * model.layers * model.attention_width * tokens * tokens
+    samples = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    return per_sample * samples / (peak_flops * MFU_ASSUMED)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """An optimizer step on several nodes: a GPU's compute, and what of the crossing the step does not hide."""
+
+    compute_s: float
+    exposed_s: float     # crossing time not hidden, and a pipeline's bubble
+    gather_s: float = 0.0
+    reduce_s: float = 0.0
+    bubble_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_s
+
+    @property
+    def efficiency(self) -> float:
+        """Per GPU, against the same GPU's step on one node."""
+        return self.compute_s / self.step_s
+
+
+def data_parallel_step(crossing: list[Collective], nodes: int, busbw: float, compute_s: float, micro: int,
+                       units: int) -> StepTime:
+    """A data-parallel step (see the module's docstring): each crossing of the gradients hidden behind its
+    micro-step's backward but the last of `units` FSDP2 units (or DDP buckets), the gathers behind the rest."""
+    gathers = [c for c in crossing if c.kind == "all-gather"]
+    reductions = [c for c in crossing if c.kind != "all-gather"]
+    gather_s = collective_seconds(gathers, busbw, nodes)
+    reduce_s = collective_seconds(reductions, busbw, nodes)
+    crossings = max((c.times for c in reductions), default=1)
+    window = BACKWARD_SHARE * compute_s / max(micro, 1)
+    each = reduce_s / crossings
+    exposed_reduce = crossings * max(each / max(units, 1), each - window)
+    exposed_gather = max(0.0, gather_s - (compute_s - crossings * window))
+    return StepTime(compute_s, exposed_reduce + exposed_gather, gather_s, reduce_s)
+
+
+def pipeline_step(crossing: list[Collective], nodes: int, busbw: float, compute_s: float, pp: int,
+                  micro: int) -> StepTime:
+    """A step of `pp` stages over `micro` micro-batches (see the module's docstring): the bubble lost, one
+    micro-batch's sends exposed and the rest hidden behind the other micro-batches' compute where it fits."""
+    send_s = collective_seconds(crossing, busbw, nodes)
+    bubble_s = compute_s * (pp - 1) / max(micro, 1)
+    exposed_send = max(send_s / max(micro, 1), send_s - compute_s)
+    return StepTime(compute_s, bubble_s + exposed_send, reduce_s=send_s, bubble_s=bubble_s)

@@ -1,0 +1,148 @@
+"""`parallel: auto` across nodes chosen by the link (`link_gbps`): full 7B on nodes of 8 GPUs, its plan resolved in
+this process with CUDA as the plan sees it (80 GiB cards, a measured bf16 matmul rate) and no GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from unittest import mock
+
+import pytest
+import torch
+
+from meshtune.config import TrainConfig, build_config
+from meshtune.crossing import (Collective, ModelSize, compute_seconds, data_parallel_step, full_model_facts,
+                               pipeline_step)
+from meshtune.errors import ConfigError
+from meshtune.hardware import slowest_peak_flops
+from meshtune.plan import LinkChoice, link_candidates, resolve
+from plans import QWEN_7B, env
+
+PEAK = 8e14  # FLOP/s: about what an H100's bf16 matmul measures
+BATCH = {"finetuning_type": "full", "per_device_train_batch_size": 4, "cutoff_len": 576}  # 64 sequences on 2 x 8
+
+
+def config(**values) -> TrainConfig:
+    return build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", **BATCH, **values})
+
+
+def gpu_plan(values: dict, nodes: int = 2, per_node: int = 8, size: ModelSize = QWEN_7B, rank: int = 0):
+    with mock.patch("meshtune.plan.smallest_gpu_memory", return_value=80 * 2**30), \
+         mock.patch("meshtune.plan.slowest_peak_flops", return_value=PEAK), \
+         mock.patch("meshtune.plan.bf16_supported", return_value=True):
+        return resolve(config(**values), env(nodes * per_node, per_node, rank, "cuda"), None, lambda: size)
+
+
+def predicted(values: dict, nodes: int = 2, per_node: int = 8) -> dict[LinkChoice, float]:
+    """Each mode's predicted per-GPU efficiency, as the plan computes it."""
+    cfg = config(**values)
+    compute = compute_seconds(cfg, full_model_facts(QWEN_7B), PEAK)
+    steps = link_candidates(cfg, nodes * per_node, per_node, QWEN_7B, 80 * 2**30, compute)
+    return {choice: step.efficiency for choice, step in steps.items()}
+
+
+def test_a_fast_link_keeps_the_choice_auto_makes_without_it():
+    """8 x 400 Gb/s a node: the gradients' all-reduce hides behind backward, so hsdp stays (zero2's share of the
+    bytes is about the same; it replaces the rule only where it is 2% faster)."""
+    without = gpu_plan({})
+    fast = gpu_plan({"link_gbps": 3200})
+    assert (fast.parallel, fast.mesh, fast.gradient_accumulation_steps) == (without.parallel, without.mesh, 1)
+    assert fast.parallel == "hsdp" and fast.pipeline_parallel == 1
+    assert re.search(r"auto by the link \(3200 Gb/s\): hsdp, predicted at 9\d\.\d% per GPU", fast.why["parallel"])
+    assert "without the link: full fine-tuning on 2 nodes x 8 GPUs: hsdp shards" in fast.why["parallel"]
+
+
+def test_a_slow_link_puts_a_pipeline_stage_on_each_node_and_keeps_the_global_batch():
+    """100 Gb/s: hsdp's 30 GB of fp32 gradients a node take about 3 s against a 0.3 s step; the pipeline sends 0.26 GB
+    of activations and loses its bubble, (2 - 1) / (2 + 2 - 1) of the step with 2 micro-batches."""
+    efficiency = predicted({"link_gbps": 100})
+    pipeline = LinkChoice("zero2", 2)
+    assert max(efficiency, key=efficiency.get) == pipeline
+    assert efficiency[pipeline] < 2 / 3 and efficiency[LinkChoice("hsdp", 1)] < 0.2
+    plan = gpu_plan({"link_gbps": 100})
+    assert f"predicted at {efficiency[pipeline]:.1%} per GPU" in plan.why["parallel"]
+    assert "pipeline_parallel 2 (zero2 inside each stage)" in plan.why["parallel"]
+    assert "hsdp 1" in plan.why["link_gbps"] and "zero3" in plan.why["link_gbps"]
+    # the plan of the same job written with pipeline_parallel: 2 and the accumulation that keeps 64 sequences a step
+    written = gpu_plan({"pipeline_parallel": 2, "gradient_accumulation_steps": 2, "parallel": "zero2"})
+    for key in ("parallel", "mesh", "pipeline_stages", "pipeline_schedule", "gradient_accumulation_steps",
+                "reshard_after_forward", "padding_free", "fused_loss", "compile", "weights_from_rank0"):
+        assert getattr(plan, key) == getattr(written, key), key
+    assert plan.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1}
+    data = plan.data_env(env(16, 8, 13, "cuda"))  # rank 13: stage 1, the 6th of its node: data rank 5 of 8
+    assert (data.rank, data.world_size) == (5, 8)
+    assert 4 * plan.gradient_accumulation_steps * data.world_size == 64
+    assert "global batch stays 64" in plan.why["gradient_accumulation_steps"]
+    assert json.loads(json.dumps(plan.why))["parallel"] == plan.why["parallel"]  # run_plan.json keeps it
+    assert re.search(r"link_gbps +chose  \(predicted per GPU: hsdp 1\d\.\d%", plan.describe())
+
+
+def test_where_the_pipeline_cannot_run_the_slow_link_picks_the_data_parallel_mode_the_arithmetic_says():
+    """packing cannot cross stages, and a model of 27 blocks does not split into 2: of hsdp, zero2 and zero3, hsdp
+    sends the fewest bytes (one all-reduce between the 2 replicas) and is picked, with why not the pipeline."""
+    efficiency = predicted({"link_gbps": 100, "packing": True})
+    assert set(efficiency) == {LinkChoice("hsdp", 1), LinkChoice("zero2", 1), LinkChoice("zero3", 1)}
+    assert max(efficiency, key=efficiency.get) == LinkChoice("hsdp", 1)
+    plan = gpu_plan({"link_gbps": 100, "packing": True})
+    assert plan.parallel == "hsdp" and plan.pipeline_parallel == 1
+    assert plan.why["link_gbps"].endswith("; no pipeline across the nodes: pipeline_parallel: 2 cannot be combined "
+                                          "with packing: true (packed rows' block-diagonal attention is not carried "
+                                          "between the stages): drop packing")
+    odd = gpu_plan({"link_gbps": 100}, size=replace(QWEN_7B, blocks=27))
+    assert odd.pipeline_parallel == 1 and "does not split into 2 stages" in odd.why["link_gbps"]
+
+
+def test_one_node_cpu_lora_and_an_unset_link_keep_the_rules():
+    assert gpu_plan({"link_gbps": 10}, nodes=1).parallel == gpu_plan({}, nodes=1).parallel == "zero2"
+    assert "link_gbps" not in gpu_plan({"link_gbps": 10}, nodes=1).why
+    lora = gpu_plan({"link_gbps": 10, "finetuning_type": "lora"})
+    assert lora.parallel == "ddp" and "not used" in lora.why["link_gbps"]
+    cpu = resolve(config(link_gbps=10), env(4, 2), None, lambda: QWEN_7B)
+    assert cpu.parallel == "ddp" and "no compute estimate on CPU" in cpu.why["link_gbps"]
+    named = gpu_plan({"link_gbps": 10, "parallel": "hsdp"})
+    assert named.parallel == "hsdp" and "link_gbps" not in named.why
+
+
+def test_link_gbps_is_checked_and_changes_no_math():
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match=r"link_gbps=.*greater than 0"):
+            config(link_gbps=bad)
+    assert config(link_gbps=100).hash() == config().hash()
+    assert "link_gbps" in TrainConfig.keys_of("job")
+
+
+def test_a_pipeline_loses_its_bubble_and_hides_its_sends_behind_the_other_micro_batches():
+    """2 stages over 8 micro-batches: (2 - 1) / (8 + 2 - 1) of the step idles; one micro-batch's sends are exposed,
+    the rest hidden unless they outlast the compute."""
+    sends = [Collective("send", "activations", 1e9, 1)]
+    quick = pipeline_step(sends, 2, 1000e9, 1.0, 2, 8)  # 1 ms on the wire
+    assert quick.bubble_s == pytest.approx(1 / 8) and quick.exposed_s == pytest.approx(1 / 8 + 0.001 / 8)
+    assert quick.efficiency == pytest.approx(1 / (1 + 1 / 8 + 0.001 / 8)) and quick.efficiency < 8 / 9
+    slow = pipeline_step(sends, 2, 0.5e9, 1.0, 2, 8)  # 2 s on the wire against 1 s of compute
+    assert slow.exposed_s == pytest.approx(1 / 8 + 1.0)
+    # a data-parallel step: the gradients' all-reduce (2 replicas: S a node) behind backward but the last unit's share
+    grads = [Collective("all-reduce", "gradients", 2e9, 1, 2)]
+    hidden = data_parallel_step(grads, 2, 10e9, 1.0, 1, 4)  # 0.2 s, inside the 2/3 s backward
+    assert hidden.reduce_s == pytest.approx(0.2) and hidden.exposed_s == pytest.approx(0.05)
+    assert data_parallel_step(grads, 2, 1e9, 1.0, 1, 4).exposed_s == pytest.approx(2 - 2 / 3)
+
+
+def test_the_doctor_judges_the_mode_the_plan_picks_by_the_link():
+    """`meshtune doctor --bandwidth` with link_gbps: the plan's choice from the nodes' facts, the pipeline's
+    activations as what crosses (8 pipelines a node, 2 micro-batches of 4 x 576 tokens, hidden 3,584, bf16)."""
+    from meshtune.crossing import ModelFacts
+    from meshtune.doctor.traffic import verdict
+
+    model = ModelFacts(QWEN_7B, QWEN_7B.parameters, 6_500_000_000, 28, 3584, 3584)
+    judged = verdict(config(link_gbps=100), 2, 8, True, 80 * 2**30, 11.25e9, PEAK, model)
+    assert judged["parallel"] == gpu_plan({"link_gbps": 100}).parallel == "zero2"
+    assert "under zero2 inside pipeline_parallel 2 (auto by link_gbps 100)" in judged["text"]
+    assert [c["kind"] for c in judged["collectives"]] == ["send"]
+    assert judged["collectives"][0]["bytes"] == pytest.approx(8 * 4 * 2 * 576 * 3584 * 2)
+    fast = verdict(config(link_gbps=3200), 2, 8, True, 80 * 2**30, 11.25e9, PEAK, model)
+    assert fast["parallel"] == "hsdp" and [c["kind"] for c in fast["collectives"]] == ["all-reduce"]
+
+
+def test_the_matmul_rate_the_plan_reads_is_none_without_a_gpu():
+    assert slowest_peak_flops(torch.device("cpu")) is None
