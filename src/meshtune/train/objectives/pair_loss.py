@@ -4,10 +4,10 @@ The unit of data is a pair (data/pairs.py's `Pairs`). A micro-batch of n pairs i
 chosen responses first and the rejected after them (TRL's concatenated forward): one policy forward, and one
 reference forward (model/reference.py) where the loss has a reference, unless its log-probs were precomputed
 (`precompute_ref_log_probs`: train/reference_pass.py) and come with the batch. Each row's log-prob is the sum over
-its response's tokens (with `fused_loss`, summed in chunks by the model's head: model/loss_head.py's `logps_for`). The
-loss is the sum over pairs, the normaliser the pair count, so a step's loss is the mean over
-its global batch whatever the layout; the reported values (TRL's names) are sums over pairs, divided once by the
-summed count.
+its response's tokens (with `fused_loss`, summed in chunks by the model's head: model/loss_head.py's `logps_for`;
+under tensor parallel across the processes' shares of the vocabulary: model/vocab_parallel_loss.py). The loss is
+the sum over pairs, the normaliser the pair count, so a step's loss is the mean over its global batch whatever the
+layout; the reported values (TRL's names) are sums over pairs, divided once by the summed count.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from meshtune.distributed import DistEnv
 from meshtune.model.loss_head import logps_for
 from meshtune.model.parallel import unwrap
 from meshtune.model.reference import Reference
+from meshtune.model.vocab_parallel_loss import VocabShard
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.preference import METRICS, PreferenceSettings, metric_sums, pair_losses, sequence_logps
 
@@ -37,12 +38,14 @@ class PairRows:
         return self.sequences[i]
 
 
-def collate_pairs(rows: list[Row], dataset, pad_id: int) -> Batch:
+def collate_pairs(rows: list[Row], dataset, pad_id: int, pad_to_multiple: int = 1) -> Batch:
     """Rows of one pair each -> a padded batch of 2 x pairs rows (chosen first), with the rows' precomputed
-    reference log-probs where the dataset holds them (data/reference_logps.py's `WithReference`)."""
+    reference log-probs where the dataset holds them (data/reference_logps.py's `WithReference`). Rows padded to a
+    multiple of `pad_to_multiple` (tensor parallel's equal shares of positions); padding positions have no target."""
     pairs = [index for row in rows for index in row]
     sequences = PairRows(pairs, dataset)
-    batch = collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False)
+    batch = collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False,
+                    pad_to_multiple=pad_to_multiple)
     known = getattr(dataset, "reference_logps", None)
     if known is not None:
         batch.reference_logps = torch.from_numpy(np.concatenate([known[pairs, 0], known[pairs, 1]]))
@@ -57,7 +60,9 @@ def reference_logps(reference: Reference, batch: Batch, device: torch.device, au
     dtype = torch.float16 if autocast_fp16 else torch.bfloat16
     with torch.autocast(device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
         rows = reference.row_logps(batch.model_inputs(), batch.targets, IGNORE) if fused else None
-        return rows if rows is not None else sequence_logps(reference.logits(batch.model_inputs()), batch.targets)[0]
+        if rows is not None:
+            return rows
+        return sequence_logps(reference.logits(batch.model_inputs()), batch.targets, reference.vocab)[0]
 
 
 @dataclass
@@ -71,10 +76,12 @@ class PairLoss:
     autocast_fp16: bool = False
     precomputed: bool = False  # the reference's log-probs come with each batch (precompute_ref_log_probs)
     fused: bool = False  # fused_loss: the policy's head returns each row's summed log-prob (model/loss_head.py)
+    vocab: VocabShard | None = None  # tensor parallel: the logits are this process's share of the vocabulary
+    pad_to_multiple: int = 1  # tensor parallel: every process holds an equal share of a row's positions
     last: dict = field(default_factory=dict)  # what loss_sum computed, for metric_sums
 
     def collate(self, rows: list[Row], dataset, packed: bool) -> Batch:
-        return collate_pairs(rows, dataset, self.pad_id)
+        return collate_pairs(rows, dataset, self.pad_id, self.pad_to_multiple)
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         dtype = torch.float16 if self.autocast_fp16 else torch.bfloat16
@@ -93,7 +100,7 @@ class PairLoss:
                     logps = self.model(**inputs, use_cache=False).logits
                 tokens = (batch.targets != IGNORE).sum(dim=1)
             else:
-                logps, tokens = sequence_logps(self.model(**inputs, use_cache=False).logits, batch.targets)
+                logps, tokens = sequence_logps(self.model(**inputs, use_cache=False).logits, batch.targets, self.vocab)
         pairs = pair_losses(self.settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
                             None if ref is None else ref[:n], None if ref is None else ref[n:])
         self.last = {"pairs": pairs, "chosen": logps[:n], "rejected": logps[n:], "weight": 0.0 if batch.filler else 1.0}

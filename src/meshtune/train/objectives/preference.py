@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtune.data.collate import IGNORE
+from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_target_logps
 
 PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -52,12 +53,20 @@ class PairLosses:
     rejected_rewards: torch.Tensor
 
 
-def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor,
+                   vocab: VocabShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's summed log-probability of its targets (rows of one response each, labels shifted as collate
-    shifts them) and its count of target tokens; fp32 whatever the compute dtype."""
-    token = -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                             reduction="none").view(targets.shape)
-    return token.sum(dim=1), (targets != IGNORE).sum(dim=1)
+    shifts them) and its count of target tokens; fp32 whatever the compute dtype. `vocab`: the logits are this
+    process's share of the vocabulary (tensor parallel), each token's log-prob computed across the shares."""
+    return token_logps(logits, targets, vocab).sum(dim=1), (targets != IGNORE).sum(dim=1)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, vocab: VocabShard | None = None) -> torch.Tensor:
+    """Each position's log-probability of its target (0 where there is none), fp32, in the shape of `targets`."""
+    if vocab is not None:
+        return vocab_parallel_target_logps(logits, targets, vocab)
+    return -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                            reduction="none").view(targets.shape)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
