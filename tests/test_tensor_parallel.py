@@ -1,7 +1,8 @@
 """Tensor parallelism: the run plan's device mesh and its refusals (no processes), how a block is split (one process,
-a mesh of one), and on gloo ranks the losses of one process, full and LoRA, under tp 2 and tp 2 x dp 2; a checkpoint
-of tp 2 x dp 2 resumed on 4 data-parallel processes and on one, and its final/ the full model; on a machine with 2
-or 4 GPUs, tp 2 and tp 2 x dp 2 over NCCL against one GPU (skipped elsewhere)."""
+a mesh of one), and on gloo ranks the losses of one process, full and LoRA, under tp 2 and tp 2 x dp 2 (stage: sft,
+and stage: dpo with its rewards, each row's log-prob across the vocabulary's shares); a checkpoint of tp 2 x dp 2
+resumed on 4 data-parallel processes and on one, and its final/ the full model; on a machine with 2 or 4 GPUs, tp 2
+and tp 2 x dp 2 over NCCL against one GPU (skipped elsewhere)."""
 
 from __future__ import annotations
 
