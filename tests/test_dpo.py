@@ -171,14 +171,14 @@ def test_the_keys_their_trl_names_and_what_makes_no_sense_for_the_stage(tmp_path
         ({"pref_loss": "simpo", "ref_model": "/m"}, "pref_loss: simpo compares no reference"),
         ({"ref_model_adapters": "/a"}, "ref_model_adapters is an adapter merged into ref_model"),
         ({"packing": True}, "packing: true with stage: dpo: a micro-batch.s pairs are already end to end in one row"),
-        ({"tensor_parallel": 2}, "stage: dpo runs data-parallel only"),
-        ({"context_parallel": 2}, "stage: dpo runs data-parallel only"),
+        ({"context_parallel": 2}, "context_parallel: 2 with stage: dpo is not supported: .* set context_parallel: 1"),
         ({"mask_history": True}, "mask_history choose which turns of a conversation train; stage: dpo"),
         ({"pref_loss": "kto_pair"}, "pref_loss"),
     ]
     for extra, message in refusals:
         with pytest.raises(ConfigError, match=message):
             build_config({**base, **extra})
+    assert build_config({**base, "tensor_parallel": 2}).tensor_parallel == 2  # trained: tests/test_tensor_parallel.py
     with pytest.raises(ConfigError, match="packing.s rows of up to cutoff_len tokens do not apply to pairs"):
         load_job_config(None, [f"model_name_or_path={tiny_model_dir}", "dataset=d.jsonl", "stage=dpo"],
                         {"neat_packing": True})

@@ -74,6 +74,8 @@ def test_the_pair_loss_and_every_gradient_are_those_of_the_full_logits(loss):
     settings = PreferenceSettings(loss=loss, beta=0.2)
 
     class Frozen:  # a reference whose head is not fused: its log-probs from full logits in both runs
+        vocab = None  # its logits cover the whole vocabulary
+
         def logits(self, inputs):
             with torch.no_grad():
                 return reference(**inputs, use_cache=False).logits

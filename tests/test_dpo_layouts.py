@@ -1,7 +1,8 @@
 """stage: dpo's math does not depend on the layout, and a resumed run goes on bit for bit: full fine-tuning (the
-reference a frozen copy) as one process with 4 micro-steps a step (and padding-free, 2 of 2 pairs each), and as 2 processes of 2 micro-steps under zero3
-(the reference copy sharded by FSDP2 on the policy's mesh), 9 pairs an epoch so the last step's single pair leaves
-one rank a filler micro-batch, and the held-out pairs likewise; then the 2-process run again from its checkpoint-1."""
+reference a frozen copy) as one process with 4 micro-steps a step (and padding-free, 2 micro-steps of 2 pairs),
+and as 2 processes of 2 micro-steps under zero3 (the reference copy sharded by FSDP2 on the policy's mesh), 9 pairs
+an epoch so the last step's single pair leaves one rank a filler micro-batch, and the held-out pairs likewise; then
+the 2-process run again from its checkpoint-1."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def runs(tmp_path_factory, tiny_model_dir):
         shutil.rmtree(work / "two" / "out" / later)
     codes, resumed_output = run_workers(["train", str(config)], 2, work / "two" / "resumed", timeout=240)
     assert codes == [0, 0] and "resumed from" in resumed_output, resumed_output[-6000:]
-    return {"one": read_metrics(work / "one"), "flat": read_metrics(work / "flat" / "out"), "two": through, "two_weights": weights,
+    return {"one": read_metrics(work / "one"), "flat": read_metrics(work / "flat" / "out"), "two": through,
+            "two_weights": weights,
             "resumed": read_metrics(work / "two" / "out"), "resumed_weights": final_weights(work / "two" / "out"),
             "log": output}
 

@@ -264,11 +264,12 @@ def test_kto_keys_trl_names_and_refusals(tmp_path, tiny_model_dir, tiny_dataset,
                            ({"ref_model_adapters": "/a"}, "ref_model_adapters is an adapter merged into ref_model")]:
         with pytest.raises(ConfigError, match=message):
             kto_config(tmp_path, tiny_model_dir, tiny_dataset, **extra)
-    for extra, refusal in [({"packing": True}, "packing: true"), ({"tensor_parallel": 2}, "tensor_parallel above 1"),
+    for extra, refusal in [({"packing": True}, "packing: true"),
                            ({"context_parallel": 2}, "context_parallel above 1"),
                            ({"mask_history": True}, "train_on_prompt or mask_history")]:
         with pytest.raises(ConfigError, match=f"stage: kto cannot be combined with {refusal}"):
             kto_config(tmp_path, tiny_model_dir, tiny_dataset, **extra)
+    assert kto_config(tmp_path, tiny_model_dir, tiny_dataset, tensor_parallel=2).tensor_parallel == 2
     result = run_cli_here(["train", "--help"], capfd)
     section = result.stdout.split("preference training (stage: dpo and kto)", 1)[1]
     assert all(key in section.split("\n\n", 1)[0] for key in ("pref_beta", "kto_chosen_weight",
@@ -278,14 +279,15 @@ def test_kto_keys_trl_names_and_refusals(tmp_path, tiny_model_dir, tiny_dataset,
 @pytest.mark.slow
 def test_kto_losses_are_the_same_on_one_process_two_and_with_accumulation(tmp_path, tiny_model_dir):
     """One global batch of 4 a step as 1 process x 1 micro-batch of 4, 1 x 2 micro-steps of 2, and 2 processes x 1
-    (zero3: FSDP2 runs the reference with the adapters off; padding-free rows, each sample's log-prob a segment's):
-    one KL a step over the same mismatched pairs, so every step's loss and the final eval loss agree (the eval
-    on 2 processes too)."""
+    (zero3: FSDP2 runs the reference with the adapters off; padding-free rows, each sample's log-prob a segment's),
+    and 2 processes of one tensor-parallel group x 2 micro-steps of 2 (each log-prob across the vocabulary's shares,
+    the group's KL sums counted once): one KL a step over the same mismatched pairs, so every step's loss and the
+    final eval loss agree (the eval on 2 processes too)."""
     from test_topology import assert_close, train_all, train_losses
 
     data = kto_data(tmp_path / "kto.jsonl")
     layouts = [("lora", "ddp", 1, 1, {"per_device_train_batch_size": 4}), ("lora", "ddp", 1, 2, {}),
-               ("lora", "zero3", 2, 1, {"padding_free": True})]
+               ("lora", "zero3", 2, 1, {"padding_free": True}), ("lora", "ddp", 2, 2, {"tensor_parallel": 2})]
     kto = {"stage": "kto", "max_steps": 3}
     train_all(tmp_path, tiny_model_dir, data, [(m, p, n, a, {**kto, **e}) for m, p, n, a, e in layouts])
     one = train_losses(tmp_path, tiny_model_dir, data, "lora", "ddp", 1, 1, **kto, per_device_train_batch_size=4)

@@ -1,11 +1,13 @@
 """Tensor parallelism: the run plan's device mesh and its refusals (no processes), how a block is split (one process,
-a mesh of one), and on gloo ranks the losses of one process, full and LoRA, under tp 2 and tp 2 x dp 2; a checkpoint
-of tp 2 x dp 2 resumed on 4 data-parallel processes and on one, and its final/ the full model; on a machine with 2
-or 4 GPUs, tp 2 and tp 2 x dp 2 over NCCL against one GPU (skipped elsewhere)."""
+a mesh of one), and on gloo ranks the losses of one process, full and LoRA, under tp 2 and tp 2 x dp 2 (stage: sft,
+and stage: dpo with its rewards, each row's log-prob across the vocabulary's shares); a checkpoint of tp 2 x dp 2
+resumed on 4 data-parallel processes and on one, and its final/ the full model; on a machine with 2 or 4 GPUs, tp 2
+and tp 2 x dp 2 over NCCL against one GPU (skipped elsewhere)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +187,43 @@ def test_qwen3_llama_and_mistral_blocks_split_with_their_lora_exactly(tmp_path):
     run_ranks(split_job, 2, tmp_path)
 
 
+def row_logps_job(rank: int, world_size: int, workdir) -> None:
+    """Each row's summed target log-prob (stage: dpo's and kto's) from this rank's share of the vocabulary's logits:
+    the value and the gradient of the whole logits, rows padded with positions that have no target."""
+    from meshtune.model.vocab_parallel_loss import IGNORE, VocabShard, vocab_parallel_loss_sum
+    from meshtune.train.objectives.preference import sequence_logps
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 11) * 3
+    targets = torch.randint(0, 11, (4, 6))
+    targets[:, 4:] = IGNORE  # padding to a multiple of tensor_parallel: no target
+    targets[0, :2] = IGNORE  # a prompt
+    targets[3] = IGNORE  # a filler row
+    weights = torch.randn(4)
+    whole = logits.clone().requires_grad_(True)
+    want, want_tokens = sequence_logps(whole, targets)
+    (want * weights).sum().backward()
+    start, end = (0, 6) if rank == 0 else (6, 11)
+    share = logits[..., start:end].clone().requires_grad_(True)
+    shard = VocabShard(torch.distributed.group.WORLD, start)
+    got, tokens = sequence_logps(share, targets, shard)
+    (got * weights).sum().backward()
+    assert torch.equal(tokens, want_tokens) and got[3] == 0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(share.grad, whole.grad[..., start:end], rtol=1e-6, atol=1e-6)
+    loss = vocab_parallel_loss_sum(logits[..., start:end], targets, shard)
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    torch.testing.assert_close(loss, plain, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_row_log_probs_across_vocabulary_shares_and_their_gradient_are_the_whole_logits(tmp_path):
+    from ranks import run_ranks
+
+    run_ranks(row_logps_job, 2, tmp_path)
+
+
 # ---- on gloo ranks: the losses of one process --------------------------------------------------------------------
 
 RUNS: dict[tuple, dict] = {}
@@ -257,6 +296,62 @@ def test_a_tp2_x_dp2_checkpoint_resumes_on_dp4_and_on_one_process_and_exports_th
     for name, tensor in expected.items():
         assert exported[name].shape == tensor.shape, name
         torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+DPO_FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+DPO_VALUES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def train_dpo(tmp_path, model_dir, method: str, nproc: int, tp: int, accumulation: int, name: str,
+              **extra) -> list[dict]:
+    """stage: dpo on 9 training pairs at global batch 4 (one pair a micro-step): 3 steps, the last one's single pair
+    leaving the other data ranks filler micro-batches; 3 held-out pairs evaluated at the end."""
+    out = tmp_path / name
+    values = base_config(model_dir, "dpo_en_demo", out / "output", stage="dpo", dataset_dir=str(DPO_FIXTURES),
+                         finetuning_type=method, parallel="ddp", nproc_per_node=nproc, tensor_parallel=tp,
+                         cutoff_len=256, val_size=3, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                         gradient_accumulation_steps=accumulation, max_steps=-1, num_train_epochs=1,
+                         eval_strategy="steps", eval_steps=3, learning_rate=5e-2 if method == "lora" else 1e-3,
+                         tokenized_path=str(tmp_path / "tokenized"), save_final=False)
+    values.update(extra)
+    config = str(write_config(out, **values))
+    if nproc == 1:
+        assert main(["train", config]) == 0
+    else:
+        codes, output = run_workers(["train", config], nproc, out / "ranks", timeout=240)
+        assert codes == [0] * nproc, output[-6000:]
+    assert json.loads((out / "output" / "run_plan.json").read_text())["mesh"]["tp"] == tp
+    return read_metrics(out / "output")
+
+
+def assert_same_dpo_records(records: list[dict], reference: list[dict], what: str) -> None:
+    """Within 1e-5: a reward is beta x a difference of log-probs of hundreds, whose fp32 sums differ in the last
+    digits between the split and the whole head, so it is held to 1e-5 absolute, the rest also relative."""
+    assert [r["step"] for r in records] == [r["step"] for r in reference] == [1, 2, 3], what
+    for got, want in zip(records, reference):
+        for name in DPO_VALUES:
+            assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-5), f"{what}: step {got['step']} {name}"
+    assert records[-1]["eval_loss"] == pytest.approx(reference[-1]["eval_loss"], rel=1e-5), what
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_dpo_under_tp2_and_tp2_x_dp2_gives_one_processs_losses_and_rewards(tmp_path, tiny_model_dir, method):
+    """The policy's and the reference's row log-probs across the vocabulary's shares: LoRA's reference the policy
+    with its adapters off, full fine-tuning's a frozen copy split over tp as the policy is (and sharded by zero3
+    over the data ranks under tp 2 x dp 2); with precompute_ref_log_probs, the pass's batches dealt to the tp
+    groups."""
+    one = train_dpo(tmp_path, tiny_model_dir, method, 1, 1, 4, "one")
+    assert one[-1]["rewards/margins"] != 0  # the policy has moved from its reference
+    tp2 = train_dpo(tmp_path, tiny_model_dir, method, 2, 2, 4, "tp2")
+    assert_same_dpo_records(tp2, one, f"{method} tp 2")
+    tp2_dp2 = train_dpo(tmp_path, tiny_model_dir, method, 4, 2, 2, "tp2dp2",
+                        parallel="zero3" if method == "full" else "ddp")
+    assert_same_dpo_records(tp2_dp2, one, f"{method} tp 2 x dp 2")
+    precomputed = train_dpo(tmp_path, tiny_model_dir, method, 4, 2, 2, "tp2dp2-precomputed",
+                            precompute_ref_log_probs=True)
+    assert_same_dpo_records(precomputed, one, f"{method} tp 2 x dp 2, reference precomputed")
 
 
 # ---- on 2 or 4 CUDA GPUs (NCCL): the same equality where tensor parallel is meant to run -------------------------

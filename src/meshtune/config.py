@@ -792,9 +792,10 @@ class TrainConfig(BaseModel):
         if self.pref_loss in ("orpo", "simpo") and (self.ref_model or self.ref_model_adapters):
             raise ValueError(f"pref_loss: {self.pref_loss} compares no reference, so ref_model / ref_model_adapters "
                              f"would go unused: drop them, or use pref_loss sigmoid, hinge or ipo")
-        if self.context_parallel > 1 or self.tensor_parallel > 1:
-            raise ValueError("stage: dpo runs data-parallel only (ddp, zero2, zero3, hsdp): context_parallel and "
-                             "tensor_parallel are not supported for preference pairs; set both to 1")
+        if self.context_parallel > 1:
+            raise ValueError(f"context_parallel: {self.context_parallel} with stage: dpo is not supported: a "
+                             f"response's log-prob would be summed over positions split across processes; set "
+                             f"context_parallel: 1 (tensor_parallel splits a large model instead)")
 
     @classmethod
     def keys_of_section(cls, title: str) -> list[str]:
@@ -849,8 +850,6 @@ class TrainConfig(BaseModel):
         """What KTO does not combine with, refused by name with what to set."""
         refused = [(self.packing, "packing: true (each sample's response is scored on its own, beside another "
                     "sample's response to its prompt): drop packing"),
-                   (self.tensor_parallel > 1, "tensor_parallel above 1 (a response's log-prob is read from whole "
-                    "logits, which tensor parallel splits by vocabulary): set tensor_parallel: 1"),
                    (self.context_parallel > 1, "context_parallel above 1 (a response's log-prob would be summed "
                     "over positions split across processes): set context_parallel: 1"),
                    (self.train_on_prompt or self.mask_history, "train_on_prompt or mask_history: KTO trains the "

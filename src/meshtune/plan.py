@@ -324,8 +324,9 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     if tp > 1 and fused_loss:
         fused_loss = False
         why["fused_loss"] = ("off under tensor_parallel: the head's vocabulary is split over the tensor-parallel "
-                             "processes, and the loss is computed across their shares of the logits "
-                             "(vocabulary-parallel cross-entropy), which are never gathered whole")
+                             "processes, and the loss (stage: dpo and kto: each response's log-prob) is computed "
+                             "across their shares of the logits (vocabulary-parallel cross-entropy), which are never "
+                             "gathered whole")
     if pp > 1 and fused_loss:
         fused_loss = False
         why["fused_loss"] = ("off under pipeline_parallel: the last stage's head returns the logits the schedule "

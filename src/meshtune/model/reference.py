@@ -5,8 +5,9 @@ micro-batch, never a gradient.
   the reference is the base the adapters train on and costs no second copy.
 - Full fine-tuning, or `ref_model` given: a frozen copy read from the model folder (with `ref_model_adapters` merged
   into it, as LLaMA-Factory loads it), its weights read once per job as the policy's are and sharded as the policy is
-  (FSDP2 on the same mesh under zero2 / zero3 / hsdp; a whole copy on each process under ddp); no optimizer and no
-  gradients, and under FSDP2 it reshards after forward, since it never runs backward.
+  (FSDP2 on the same mesh under zero2 / zero3 / hsdp; a whole copy on each process under ddp; under tensor_parallel
+  split over the tp dimension first, its logits split by vocabulary as the policy's); no optimizer and no gradients,
+  and under FSDP2 it reshards after forward, since it never runs backward.
 - dpo's orpo and simpo: none.
 """
 
@@ -30,6 +31,7 @@ from meshtune.model.loss_head import LossHead, install_loss_head, logps_for, out
 from meshtune.model.model_dir import check_model_dir
 from meshtune.model.parallel import unwrap, wrap_model
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
+from meshtune.model.vocab_parallel_loss import VocabShard, vocab_shard
 from meshtune.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 class Reference(Protocol):
     description: str
+    vocab: VocabShard | None  # under tensor parallel, the share of the vocabulary its logits cover
 
     def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's logits for the model inputs of a micro-batch, without a graph."""
@@ -62,6 +65,7 @@ class AdaptersOff:
 
     def __init__(self, policy: torch.nn.Module):
         self.policy = policy  # as wrapped: FSDP2 gathers its shards in forward; DDP's inner module runs no reducer
+        self.vocab = vocab_shard(policy)
 
     @torch.no_grad()
     def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -101,6 +105,7 @@ class FrozenCopy:
 
     def __init__(self, model: torch.nn.Module, description: str):
         self.model, self.description = model, description
+        self.vocab = vocab_shard(model)  # split by tensor parallel as the policy is
 
     @torch.no_grad()
     def logits(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

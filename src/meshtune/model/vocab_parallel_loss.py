@@ -4,7 +4,9 @@ give the loss, as Megatron-LM's vocabulary-parallel cross-entropy does. The whol
 gathered: for a 152k-token vocabulary they would be the step's largest tensor on every process.
 
 Same math as `F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")` (the plain path): the
-softmax in fp32, the loss summed over the rows with a target.
+softmax in fp32, the loss summed over the rows with a target. The same three all-reduces give each position's target
+log-probability (`vocab_parallel_target_logps`), which the preference losses sum over each response (stage: dpo and
+kto under tensor parallel).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ class VocabShard:
     start: int
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class _VocabParallelTargetLogProbs(torch.autograd.Function):
+    """Each row's log-probability of its target (0 for a row without one), its gradient that of the whole
+    vocabulary's log-softmax restricted to this process's share."""
+
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> torch.Tensor:
         ctx.logits_dtype = logits.dtype
@@ -42,24 +47,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit[rows] = logits[rows, local[rows]] - row_max[rows]
         dist.all_reduce(target_logit, group=shard.group)
         valid = targets != IGNORE
-        loss = ((sum_exp.log() - target_logit) * valid).sum()
+        logps = (target_logit - sum_exp.log()) * valid
         exp.div_(sum_exp[:, None])  # the softmax: the gradient, once the target's one is taken off
         ctx.save_for_backward(exp, rows, local, valid)
-        return loss
+        return logps
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_logps: torch.Tensor):
         softmax, rows, local, valid = ctx.saved_tensors
-        grad = softmax
-        grad[rows, local[rows]] -= 1.0
-        grad.mul_((valid.to(grad.dtype) * grad_loss)[:, None])
+        grad = softmax.neg_()  # d log p(target) / d logit = [is the target] - softmax
+        grad[rows, local[rows]] += 1.0
+        grad.mul_((valid.to(grad.dtype) * grad_logps)[:, None])
         return grad.to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_target_logps(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """The log-probability of each position's target (shape of `targets`; 0 where it is IGNORE) from `logits`
+    (..., this process's vocabulary share), in fp32 and differentiable: the same value on every process of the
+    group, each process's gradient reaching its own share of the logits."""
+    width = logits.size(-1)
+    return _VocabParallelTargetLogProbs.apply(logits.reshape(-1, width), targets.reshape(-1), shard).view(
+        targets.shape)
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """Summed cross-entropy of `logits` (..., this process's vocabulary share) against `targets` (...), in fp32."""
-    width = logits.size(-1)
-    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, width), targets.reshape(-1), shard)
+    return -vocab_parallel_target_logps(logits, targets, shard).sum()
 
 
 def vocab_shard(model: torch.nn.Module) -> VocabShard | None:

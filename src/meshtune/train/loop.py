@@ -329,8 +329,8 @@ def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.
     if cfg.stage == "dpo" and cfg.precompute_ref_log_probs:
         logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: its log-probs precomputed")
         return PairLoss(model, env, pad_id, preference_settings(cfg), None, autocast_bf16=plan.autocast_bf16,
-                        autocast_fp16=plan.fp16, precomputed=True, fused=plan.fused_loss,
-                        padding_free=plan.padding_free)
+                        autocast_fp16=plan.fp16, precomputed=True, fused=plan.fused_loss, vocab=vocab_shard(model),
+                        pad_to_multiple=row_length_multiple, padding_free=plan.padding_free)
     if cfg.stage in ("dpo", "kto"):
         reference = build_reference(cfg, plan, env, model)
         described = reference.description if reference else f"none ({cfg.pref_loss} has none)"
@@ -339,10 +339,12 @@ def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.
             settings = KTOSettings(cfg.pref_beta, cfg.kto_chosen_weight, cfg.kto_rejected_weight)
             return KTOLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, settings=settings,
                            reference=reference, cutoff_len=cfg.cutoff_len, autocast_fp16=plan.fp16,
-                           padding_free=plan.padding_free)
+                           padding_free=plan.padding_free, vocab=vocab_shard(model),
+                           pad_to_multiple=row_length_multiple)
         logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: {described}")
         return PairLoss(model, env, pad_id, preference_settings(cfg), reference, autocast_bf16=plan.autocast_bf16,
-                        autocast_fp16=plan.fp16, fused=plan.fused_loss, padding_free=plan.padding_free)
+                        autocast_fp16=plan.fp16, fused=plan.fused_loss, vocab=vocab_shard(model),
+                        pad_to_multiple=row_length_multiple, padding_free=plan.padding_free)
     return TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
                      autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
                      padding_free=plan.padding_free)

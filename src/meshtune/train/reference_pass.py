@@ -4,9 +4,10 @@ then read by each step in place of the reference's forward.
 The pass runs the reference the step would run (model/reference.py: the policy with its adapters off, or the frozen
 copy placed as the policy is) through the step's own arithmetic (`pair_loss.reference_logps`), in the step's
 precision, over the training pairs and the held-out ones. The pairs are sorted by length and cut into batches of
-per_device_train_batch_size pairs, dealt round-robin to every rank of every node; each rank runs as many forwards
-(FSDP2 gathers in each), and one all-reduce of a (pairs, 2) array, where each value has one contributor, gives every
-rank every value exactly.
+per_device_train_batch_size pairs, dealt round-robin to every data rank of every node (under tensor_parallel a tp
+group is one: its processes run each batch together, their rows padded as the step pads them); each rank runs as
+many forwards (FSDP2 gathers in each), and one all-reduce of a (pairs, 2) array, where each value has one
+contributor, gives every rank every value exactly.
 
 The values are kept beside the tokenized cache (data/reference_logps.py), keyed by the pairs' cache key and the
 reference's identity: its model folder's files, the adapters merged into it or the adapter the run starts from, the
@@ -42,6 +43,7 @@ from meshtune.distributed import DistEnv, all_reduce_sum, broadcast_from_rank0
 from meshtune.model.reference import AdaptersOff, Reference, trainable_flags_kept
 from meshtune.plan import RunPlan
 from meshtune.train.objectives.pair_loss import collate_pairs, reference_logps
+from meshtune.train.sequence_split import row_multiple
 from meshtune.units import byte_size
 
 logger = logging.getLogger(__name__)
@@ -155,9 +157,8 @@ def precompute_reference(cfg: TrainConfig, plan: RunPlan, env: DistEnv, pad_id: 
         reference = make_reference()
         for key in missing:
             pairs = sets[key]
-            values[key] = reference_pass(reference, pairs, env, pad_id, cfg.per_device_train_batch_size,
-                                         plan.autocast_bf16, plan.fp16, show_progress, plan.fused_loss,
-                                         plan.padding_free)
+            values[key] = reference_pass(reference, pairs, plan, env, pad_id, cfg.per_device_train_batch_size,
+                                         show_progress)
             if env.is_local_main:
                 write(folders[key], values[key], about)
             notes.append(f"computed for {len(pairs):,} pairs into {folders[key]} ({byte_size(values[key].nbytes)})")
@@ -181,11 +182,11 @@ def reason(cfg: TrainConfig, notes: list[str], computed: bool) -> str:
 
 
 @torch.no_grad()
-def reference_pass(reference: Reference, pairs, env: DistEnv, pad_id: int, batch_size: int, autocast_bf16: bool,
-                   autocast_fp16: bool, show_progress: bool, fused: bool = False,
-                   padding_free: bool = False) -> np.ndarray:
-    """(pairs, 2) float32: each pair's chosen and rejected log-prob sums under `reference`, every rank's share of
-    the batches summed into one array (a value has exactly one contributor, so the sum is exact)."""
+def reference_pass(reference: Reference, pairs, plan: RunPlan, env: DistEnv, pad_id: int, batch_size: int,
+                   show_progress: bool) -> np.ndarray:
+    """(pairs, 2) float32: each pair's chosen and rejected log-prob sums under `reference`, every data rank's share
+    of the batches summed into one array (a value has exactly one contributor, so the sum is exact). Under
+    tensor_parallel a tp group's processes run the same batches together, and its first process contributes."""
     order = np.argsort(-np.asarray(pairs.lengths), kind="stable")  # the longest first: memory is found short at once
     chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     out = torch.zeros((len(pairs), 2), dtype=torch.float32, device=env.device)
@@ -195,24 +196,27 @@ def reference_pass(reference: Reference, pairs, env: DistEnv, pad_id: int, batch
         model.eval()
     try:
         with trainable_flags_kept(model) if isinstance(reference, AdaptersOff) else nullcontext():
-            forwards(reference, pairs, env, pad_id, chunks, out, autocast_bf16, autocast_fp16, show_progress, fused,
-                     padding_free)
+            forwards(reference, pairs, plan, env, pad_id, chunks, out, show_progress)
     finally:
         if model is not None:
             model.train(was_training)
-    return all_reduce_sum(out).cpu().numpy()
+    data = plan.data_env(env)
+    contributes = env.rank == data.rank * plan.model_parallel
+    return all_reduce_sum(out * float(contributes)).cpu().numpy()
 
 
-def forwards(reference: Reference, pairs, env: DistEnv, pad_id: int, chunks: list[np.ndarray], out: torch.Tensor,
-             autocast_bf16: bool, autocast_fp16: bool, show_progress: bool, fused: bool = False,
-             padding_free: bool = False) -> None:
-    """This rank's share of the batches: round k takes batch k x ranks + rank."""
-    rounds = -(-len(chunks) // env.world_size)
+def forwards(reference: Reference, pairs, plan: RunPlan, env: DistEnv, pad_id: int, chunks: list[np.ndarray],
+             out: torch.Tensor, show_progress: bool) -> None:
+    """This data rank's share of the batches: round k takes batch k x data ranks + data rank."""
+    data = plan.data_env(env)
+    pad_to_multiple = row_multiple(plan.context_parallel, plan.tensor_parallel)
+    rounds = -(-len(chunks) // data.world_size)
     for k in tqdm(range(rounds), desc="reference log-probs", unit="batch", disable=not show_progress):
-        c = k * env.world_size + env.rank
+        c = k * data.world_size + data.rank
         mine = chunks[min(c, len(chunks) - 1)]  # past the end: a forward like the others', its values unused
-        batch = collate_pairs([[int(i)] for i in mine], pairs, pad_id, padding_free).to(env.device)
-        logps = reference_logps(reference, batch, env.device, autocast_bf16, autocast_fp16, fused)
+        batch = collate_pairs([[int(i)] for i in mine], pairs, pad_id, plan.padding_free,
+                              pad_to_multiple).to(env.device)
+        logps = reference_logps(reference, batch, env.device, plan.autocast_bf16, plan.fp16, plan.fused_loss)
         if c < len(chunks):
             index = torch.from_numpy(np.asarray(mine, dtype=np.int64)).to(env.device)
             out[index, 0] = logps[:len(mine)]

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from meshtune.data.collate import Batch, collate
 from meshtune.data.sampler import Row
 from meshtune.data.unpaired import response_start
 from meshtune.distributed import DistEnv, all_reduce_sum
 from meshtune.model.reference import Reference
+from meshtune.model.vocab_parallel_loss import VocabShard
 from meshtune.train.objectives.kto_loss import (SUMS, KTOSettings, kl_estimate, kl_sums, kto_losses, metric_sums,
                                                 metrics)
 from meshtune.train.objectives.preference import sequence_logps
@@ -86,6 +88,8 @@ class KTOLoss:
     reference: Reference
     autocast_fp16: bool = False
     padding_free: bool = False
+    vocab: VocabShard | None = None  # tensor parallel: the logits are this process's share of the vocabulary
+    pad_to_multiple: int = 1  # tensor parallel: every process holds an equal share of a row's positions
     kl: torch.Tensor = field(default_factory=lambda: torch.zeros(()), init=False)
     _sums: torch.Tensor | None = field(default=None, init=False, repr=False)  # of the micro-batch loss_sum last saw
 
@@ -93,7 +97,7 @@ class KTOLoss:
         samples = [index for row in rows for index in row]
         tags = dataset.desirable
         return self._unpaired(collate(rows, dataset=dataset, pad_id=self.pad_id, packed=False,
-                                      padding_free=self.padding_free),
+                                      pad_to_multiple=self.pad_to_multiple, padding_free=self.padding_free),
                               torch.tensor([bool(tags[i]) for i in samples], dtype=torch.bool))
 
     def _unpaired(self, batch: Batch, desirable: torch.Tensor) -> UnpairedBatch:
@@ -109,27 +113,34 @@ class KTOLoss:
         sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         for rows in micro_rows:
             mine = [[(row[0], previous[row[0]])] for row in rows] or [[(order[0], order[0])]]
-            batch = collate(mine, dataset=pairs, pad_id=self.pad_id, packed=False, padding_free=self.padding_free)
+            batch = collate(mine, dataset=pairs, pad_id=self.pad_id, packed=False,
+                            pad_to_multiple=self.pad_to_multiple, padding_free=self.padding_free)
             batch = batch.to(self.env.device)
             with torch.no_grad():
                 logps = self._logps(batch)
             ref_logps = self._ref_logps(batch)
             if rows:
                 sums += kl_sums(logps, ref_logps)
-        self.kl = kl_estimate(all_reduce_sum(sums))
+        self.kl = kl_estimate(all_reduce_sum(sums * float(self.counts_for_its_group)))
+
+    @property
+    def counts_for_its_group(self) -> bool:
+        """Whether this process's KL sums count: under tensor parallel a group's processes hold the same values,
+        and its first one counts them."""
+        return self.vocab is None or dist.get_rank(self.vocab.group) == 0
 
     def _logps(self, batch: Batch) -> torch.Tensor:
         """Each sample's summed log-prob of its targets under the policy (fp32)."""
         with self._autocast():
             logits = self.model(**batch.model_inputs(), use_cache=False).logits
-        return sample_logps(logits, batch)
+        return sample_logps(logits, batch, self.vocab)
 
     @torch.no_grad()
     def _ref_logps(self, batch: Batch) -> torch.Tensor:
         """The same under the reference, without a graph."""
         with self._autocast():
             logits = self.reference.logits(batch.model_inputs())
-        return sample_logps(logits, batch)
+        return sample_logps(logits, batch, self.reference.vocab)
 
     def _autocast(self):
         dtype = torch.float16 if self.autocast_fp16 else torch.bfloat16
@@ -157,7 +168,7 @@ class KTOLoss:
         return metrics(sums, count)
 
 
-def sample_logps(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+def sample_logps(logits: torch.Tensor, batch: Batch, vocab: VocabShard | None = None) -> torch.Tensor:
     """Each sample's summed log-prob of its (shifted) targets: a row's, or under padding-free each sample's of the
-    one row."""
-    return sequence_logps(logits, batch.targets, batch.cu_seqlens)[0]
+    one row. `vocab`: the logits are this process's share of the vocabulary (tensor parallel)."""
+    return sequence_logps(logits, batch.targets, batch.cu_seqlens, vocab)[0]

@@ -4,10 +4,10 @@ The unit of data is a pair (data/pairs.py's `Pairs`). A micro-batch of n pairs i
 chosen responses first and the rejected after them (TRL's concatenated forward): one policy forward, and one
 reference forward (model/reference.py) where the loss has a reference, unless its log-probs were precomputed
 (`precompute_ref_log_probs`: train/reference_pass.py) and come with the batch. Each row's log-prob is the sum over
-its response's tokens (with `fused_loss`, summed in chunks by the model's head: model/loss_head.py's `logps_for`). The
-loss is the sum over pairs, the normaliser the pair count, so a step's loss is the mean over
-its global batch whatever the layout; the reported values (TRL's names) are sums over pairs, divided once by the
-summed count.
+its response's tokens (with `fused_loss`, summed in chunks by the model's head: model/loss_head.py's `logps_for`;
+under tensor parallel across the processes' shares of the vocabulary: model/vocab_parallel_loss.py). The loss is
+the sum over pairs, the normaliser the pair count, so a step's loss is the mean over its global batch whatever the
+layout; the reported values (TRL's names) are sums over pairs, divided once by the summed count.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from meshtune.distributed import DistEnv
 from meshtune.model.loss_head import logps_for
 from meshtune.model.parallel import unwrap
 from meshtune.model.reference import Reference
+from meshtune.model.vocab_parallel_loss import VocabShard
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.preference import (METRICS, PreferenceSettings, metric_sums, pair_losses,
                                                   sequence_logps, target_counts)
@@ -38,15 +39,17 @@ class PairRows:
         return self.sequences[i]
 
 
-def collate_pairs(rows: list[Row], dataset, pad_id: int, padding_free: bool = False) -> Batch:
-    """Rows of pairs -> a batch of 2 x pairs sequences, the chosen ones first: padded rows, a sequence each, or
+def collate_pairs(rows: list[Row], dataset, pad_id: int, padding_free: bool = False,
+                  pad_to_multiple: int = 1) -> Batch:
+    """Rows of pairs -> a batch of 2 x pairs sequences, the chosen ones first: padded rows, a sequence each (padded
+    to a multiple of `pad_to_multiple`: tensor parallel's equal shares of positions; padding has no target), or
     with `padding_free` every sequence end to end in one row (a pair's two responses in it, each attending only to
     itself); with the sequences' precomputed reference log-probs where the dataset holds them
     (data/reference_logps.py's `WithReference`)."""
     pairs = [index for row in rows for index in row]
     sequences = PairRows(pairs, dataset)
     batch = collate([[i] for i in range(2 * len(pairs))], dataset=sequences, pad_id=pad_id, packed=False,
-                    padding_free=padding_free)
+                    pad_to_multiple=pad_to_multiple, padding_free=padding_free)
     known = getattr(dataset, "reference_logps", None)
     if known is not None:
         batch.reference_logps = torch.from_numpy(np.concatenate([known[pairs, 0], known[pairs, 1]]))
@@ -61,8 +64,10 @@ def reference_logps(reference: Reference, batch: Batch, device: torch.device, au
     dtype = torch.float16 if autocast_fp16 else torch.bfloat16
     with torch.autocast(device.type, dtype=dtype, enabled=autocast_bf16 or autocast_fp16):
         rows = reference.row_logps(batch.model_inputs(), batch.targets, IGNORE) if fused else None
-        return rows if rows is not None else sequence_logps(reference.logits(batch.model_inputs()), batch.targets,
-                                                            batch.cu_seqlens)[0]
+        if rows is not None:
+            return rows
+        return sequence_logps(reference.logits(batch.model_inputs()), batch.targets, batch.cu_seqlens,
+                              reference.vocab)[0]
 
 
 @dataclass
@@ -77,10 +82,12 @@ class PairLoss:
     precomputed: bool = False  # the reference's log-probs come with each batch (precompute_ref_log_probs)
     fused: bool = False  # fused_loss: the policy's head returns each row's summed log-prob (model/loss_head.py)
     padding_free: bool = False  # a micro-batch's sequences end to end in one row
+    vocab: VocabShard | None = None  # tensor parallel: the logits are this process's share of the vocabulary
+    pad_to_multiple: int = 1  # tensor parallel: every process holds an equal share of a row's positions
     last: dict = field(default_factory=dict)  # what loss_sum computed, for metric_sums
 
     def collate(self, rows: list[Row], dataset, packed: bool) -> Batch:
-        return collate_pairs(rows, dataset, self.pad_id, self.padding_free)
+        return collate_pairs(rows, dataset, self.pad_id, self.padding_free, self.pad_to_multiple)
 
     def loss_sum(self, batch: Batch) -> torch.Tensor:
         dtype = torch.float16 if self.autocast_fp16 else torch.bfloat16
@@ -100,7 +107,7 @@ class PairLoss:
                 tokens = target_counts(batch.targets, batch.cu_seqlens)
             else:
                 logps, tokens = sequence_logps(self.model(**inputs, use_cache=False).logits, batch.targets,
-                                               batch.cu_seqlens)
+                                               batch.cu_seqlens, self.vocab)
         pairs = pair_losses(self.settings, logps[:n], logps[n:], tokens[:n], tokens[n:],
                             None if ref is None else ref[:n], None if ref is None else ref[n:])
         self.last = {"pairs": pairs, "chosen": logps[:n], "rejected": logps[n:], "weight": 0.0 if batch.filler else 1.0}

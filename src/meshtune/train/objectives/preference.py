@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtune.data.collate import IGNORE, sequence_sums
+from meshtune.model.vocab_parallel_loss import VocabShard, vocab_parallel_target_logps
 
 PREF_LOSSES = ("sigmoid", "hinge", "ipo", "orpo", "simpo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -53,18 +54,26 @@ class PairLosses:
 
 
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   cu_seqlens: torch.Tensor | None = None,
+                   vocab: VocabShard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's summed log-probability of its targets (labels shifted as collate shifts them, so no sequence
     reaches into the next) and its count of target tokens; fp32 whatever the compute dtype. A sequence is a row, or
-    under padding-free (`cu_seqlens`) a sample of the one row."""
-    token = -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                             reduction="none").view(targets.shape)
-    return sequence_sums(token, cu_seqlens), target_counts(targets, cu_seqlens)
+    under padding-free (`cu_seqlens`) a sample of the one row. `vocab`: the logits are this process's share of the
+    vocabulary (tensor parallel), each token's log-prob computed across the shares."""
+    return sequence_sums(token_logps(logits, targets, vocab), cu_seqlens), target_counts(targets, cu_seqlens)
 
 
 def target_counts(targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Each sequence's count of target tokens."""
     return sequence_sums((targets != IGNORE).long(), cu_seqlens)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, vocab: VocabShard | None = None) -> torch.Tensor:
+    """Each position's log-probability of its target (0 where there is none), fp32, in the shape of `targets`."""
+    if vocab is not None:
+        return vocab_parallel_target_logps(logits, targets, vocab)
+    return -F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                            reduction="none").view(targets.shape)
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
