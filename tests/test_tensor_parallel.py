@@ -206,7 +206,7 @@ def row_logps_job(rank: int, world_size: int, workdir) -> None:
     start, end = (0, 6) if rank == 0 else (6, 11)
     share = logits[..., start:end].clone().requires_grad_(True)
     shard = VocabShard(torch.distributed.group.WORLD, start)
-    got, tokens = sequence_logps(share, targets, shard)
+    got, tokens = sequence_logps(share, targets, vocab=shard)
     (got * weights).sum().backward()
     assert torch.equal(tokens, want_tokens) and got[3] == 0
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

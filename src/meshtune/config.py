@@ -299,7 +299,8 @@ class TrainConfig(BaseModel):
     padding_free: bool | None = SPEED(None, "the samples of a micro-batch end to end in one row, attended by torch's "
                                             "variable-length flash attention: no padding, no attention across samples; "
                                             "micro-batches then hold equal token counts rather than equal sample "
-                                            "counts. Default: on with CUDA; elsewhere off (it works there too, one "
+                                            "counts (stage: dpo: a micro-batch's pairs, both responses of each, in "
+                                            "one row). Default: on with CUDA; elsewhere off (it works there too, one "
                                             "attention call per sample)")
     fused_loss: bool = SPEED(True, "the output head and cross-entropy in row chunks over target positions only: the "
                                    "full-vocabulary logits are never stored (stage: dpo: each response's summed "
