@@ -19,7 +19,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "dat
 
 
 def values(model_dir, out: Path, tokenized: Path, **extra) -> dict:
-    extra = {"per_device_train_batch_size": 1, **extra}
+    extra = {"per_device_train_batch_size": 1, "precompute_ref_log_probs": False, **extra}  # the copy in the step
     return base_config(model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(FIXTURES), finetuning_type="full",
                        learning_rate=1e-3, cutoff_len=256, val_size=3,
                        per_device_eval_batch_size=1, max_steps=-1, num_train_epochs=1, eval_strategy="steps",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def runs(tmp_path_factory, tiny_model_dir):
                        "folders": folders(work / "tokenized")}
 
     for kind in ("lora", "full"):
-        train(f"{kind}-plain", finetuning_type=kind)
+        train(f"{kind}-plain", finetuning_type=kind, precompute_ref_log_probs=False)
         train(f"{kind}-computed", finetuning_type=kind, precompute_ref_log_probs=True)
     import meshtune.model.reference as reference
 
@@ -260,3 +261,25 @@ def test_the_key_is_refused_where_no_reference_or_another_stage_computes_it(tiny
     cfg = load_job_config(None, [f"model_name_or_path={tiny_model_dir}", "dataset=d.jsonl", "stage=dpo"],
                           {"precompute_ref_log_probs": True, "beta": 0.2, "loss_type": "ipo"}).config
     assert cfg.precompute_ref_log_probs and cfg.pref_beta == 0.2 and cfg.pref_loss == "ipo"
+
+
+@pytest.mark.parametrize("values, on, why", [
+    ({"finetuning_type": "full"}, True, "auto: on: the reference is a frozen copy"),
+    ({"finetuning_type": "lora", "ref_model": "/r"}, True, "auto: on: the reference is a frozen copy"),
+    ({"finetuning_type": "lora", "num_train_epochs": 3}, True, "auto: on: num_train_epochs 3 read each pair"),
+    ({"finetuning_type": "lora", "num_train_epochs": 1}, False, "auto: off: .* each pair is read once"),
+    ({"finetuning_type": "qlora", "max_steps": 500}, False, "auto: off: .* max_steps decides"),
+    ({"finetuning_type": "full", "precompute_ref_log_probs": False}, False, None),
+    ({"finetuning_type": "lora", "precompute_ref_log_probs": True}, True, None),
+    ({"finetuning_type": "full", "pref_loss": "simpo"}, False, None),
+])
+def test_auto_precomputes_where_it_saves_a_frozen_copy_or_forwards_and_says_why(values, on, why):
+    from plans import plan_for
+
+    plan = plan_for({"stage": "dpo", "parallel": "ddp", **values}, world_size=1)
+    assert plan.precompute_ref_log_probs is on
+    if why is None:  # set by the config (or no reference): no reason of auto's
+        assert "precompute_ref_log_probs" not in plan.why
+    else:
+        assert re.match(why, plan.why["precompute_ref_log_probs"]), plan.why["precompute_ref_log_probs"]
+    assert plan.why["reference"].startswith("precomputed") is on or values.get("pref_loss") == "simpo"

@@ -312,7 +312,8 @@ def train_dpo(tmp_path, model_dir, method: str, nproc: int, tp: int, accumulatio
                          cutoff_len=256, val_size=3, per_device_train_batch_size=1, per_device_eval_batch_size=1,
                          gradient_accumulation_steps=accumulation, max_steps=-1, num_train_epochs=1,
                          eval_strategy="steps", eval_steps=3, learning_rate=5e-2 if method == "lora" else 1e-3,
-                         tokenized_path=str(tmp_path / "tokenized"), save_final=False)
+                         tokenized_path=str(tmp_path / "tokenized"), save_final=False,
+                         precompute_ref_log_probs=False)  # the reference in each step, unless a run asks
     values.update(extra)
     config = str(write_config(out, **values))
     if nproc == 1:

@@ -228,15 +228,19 @@ class TrainConfig(BaseModel):
                                              "orpo and simpo have none")
     ref_model_adapters: str | None = PREFERENCE(None, "a PEFT adapter folder merged into ref_model for the reference "
                                                       "(LLaMA-Factory's key)")
-    precompute_ref_log_probs: bool = PREFERENCE(
-        False, "stage: dpo: every pair's reference log-probs (chosen and rejected, the held-out pairs too) computed "
+    precompute_ref_log_probs: bool | Literal["auto"] = PREFERENCE(
+        "auto", "stage: dpo: every pair's reference log-probs (chosen and rejected, the held-out pairs too) computed "
                "once before the first step, spread over every process of every node, and kept beside the tokenized "
                "data (tokenized_path), keyed by the data and the reference, so every node and every resume reads "
                "the same values; the step then runs no reference forward, and full fine-tuning holds no frozen "
                "copy while it trains (TRL's key). Costs one forward pass over the pairs before training (none on a "
                "later run with the same data and reference) and 8 bytes a pair on disk; sigmoid, hinge and ipo "
                "only (orpo and simpo have no reference). The losses are those of the reference in the step, so a "
-               "run may resume with it turned on or off", scope=JOB)
+               "run may resume with it turned on or off. auto: on where the reference is a frozen copy (full "
+               "fine-tuning, or ref_model: training then holds no second model) or the run reads its pairs more "
+               "than once (num_train_epochs above 1: one reference forward a pair instead of one an epoch); off "
+               "for one pass with the reference the model itself with its adapters off (LoRA, Q-LoRA), where the "
+               "pass would spend the forwards the steps spend", scope=JOB)
     kto_chosen_weight: float = PREFERENCE(1.0, "stage: kto: the weight of a desirable sample's loss "
                                                "(LLaMA-Factory's key; TRL's desirable_weight)", ge=0.0)
     kto_rejected_weight: float = PREFERENCE(1.0, "stage: kto: the weight of an undesirable sample's loss "
@@ -768,7 +772,7 @@ class TrainConfig(BaseModel):
             raise ValueError("ref_model_adapters is an adapter merged into ref_model; set ref_model (the folder of "
                              "its base model) too")
         if self.stage == "kto":
-            if self.precompute_ref_log_probs:
+            if self.precompute_ref_log_probs is True:
                 raise ValueError("precompute_ref_log_probs: true is for stage: dpo; stage: kto computes the "
                                  "reference's log-probs in each step (its KL term pairs each prompt with another "
                                  "sample's response, a different one every step): drop it")
@@ -786,7 +790,7 @@ class TrainConfig(BaseModel):
         if self.dpo_label_smoothing and self.pref_loss != "sigmoid":
             raise ValueError(f"dpo_label_smoothing: {self.dpo_label_smoothing:g} smooths the sigmoid (DPO) loss only; "
                              f"pref_loss: {self.pref_loss} does not read it: drop it")
-        if self.pref_loss in ("orpo", "simpo") and self.precompute_ref_log_probs:
+        if self.pref_loss in ("orpo", "simpo") and self.precompute_ref_log_probs is True:
             raise ValueError(f"precompute_ref_log_probs: true precomputes the reference's log-probs, and pref_loss: "
                              f"{self.pref_loss} compares no reference: drop precompute_ref_log_probs, or use pref_loss "
                              f"sigmoid, hinge or ipo")

@@ -70,6 +70,8 @@ class RunPlan:
     # pipeline_parallel: torch's schedule (gpipe | 1f1b; None: no pipeline) and each stage's blocks [first, end)
     pipeline_schedule: str | None = None
     pipeline_stages: list[tuple[int, int]] = field(default_factory=list)
+    # stage: dpo: the reference's log-probs computed once before training (train/reference_pass.py)
+    precompute_ref_log_probs: bool = False
 
     @property
     def tensor_parallel(self) -> int:
@@ -120,6 +122,8 @@ class RunPlan:
         if "reference" in self.why:  # stage: dpo
             rows.append(("reference", "none" if self.why["reference"].startswith("none") else
                          "precomputed" if self.why["reference"].startswith("precomputed") else "in the loop"))
+        if "precompute_ref_log_probs" in self.why:  # stage: dpo's auto
+            rows.append(("precompute_ref_log_probs", on(self.precompute_ref_log_probs)))
         if self.tensor_parallel > 1:
             rows.append(("tensor_parallel", str(self.tensor_parallel)))
         if self.context_parallel > 1:
@@ -339,9 +343,11 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         fused_loss = False
         why["fused_loss"] = ("off for stage: kto: its KL pass and losses read the policy's logits in full (the fused "
                              "head returns the summed log-probs stage: dpo compares)")
+    precompute = cfg.stage == "dpo" and precompute_reference(cfg, why)
     if cfg.stage in ("dpo", "kto"):
-        why["reference"] = reference_reason(cfg)
-    return RunPlan(parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16, bf16_weights=bf16_weights,
+        why["reference"] = reference_reason(cfg, precompute)
+    return RunPlan(precompute_ref_log_probs=precompute, parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16,
+                   bf16_weights=bf16_weights,
                    padding_free=padding_free,
                    fused_loss=fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,
                    hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
@@ -353,18 +359,43 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    powersgd_rank=powersgd, **pipeline_choice(cfg, pp, accumulation, model_size, why))
 
 
-def reference_reason(cfg: TrainConfig) -> str:
+def precompute_reference(cfg: TrainConfig, why: dict[str, str]) -> bool:
+    """stage: dpo's `precompute_ref_log_probs`: as set, or under auto where it saves memory (a frozen copy is never
+    held while training) or forwards (pairs read more than once)."""
+    if cfg.pref_loss in ("orpo", "simpo"):
+        return False  # no reference (config.py refuses true)
+    if isinstance(cfg.precompute_ref_log_probs, bool):
+        return cfg.precompute_ref_log_probs
+    if cfg.ref_model or not cfg.is_lora:
+        why["precompute_ref_log_probs"] = ("auto: on: the reference is a frozen copy, placed for one pass before "
+                                           "training and freed, so training holds no second model")
+        return True
+    if cfg.max_steps <= 0 and cfg.num_train_epochs > 1:
+        why["precompute_ref_log_probs"] = (f"auto: on: num_train_epochs {cfg.num_train_epochs:g} read each pair more "
+                                           f"than once; one reference forward a pair instead of one an epoch")
+        return True
+    why["precompute_ref_log_probs"] = ("auto: off: the reference is the model itself with its adapters off (no "
+                                       "memory of its own) and " + ("max_steps decides how often a pair is read"
+                                       if cfg.max_steps > 0 else "each pair is read once") + ": a pass before "
+                                       "training would spend the forwards the steps spend")
+    return False
+
+
+def reference_reason(cfg: TrainConfig, precomputed: bool = False) -> str:
     """What a dpo or kto run compares its policy against."""
     if cfg.stage == "dpo" and cfg.pref_loss in ("orpo", "simpo"):
         return f"none: pref_loss {cfg.pref_loss} compares no reference"
-    if cfg.stage == "dpo" and cfg.precompute_ref_log_probs:  # the run amends it with where the values are
-        return "precomputed before the first step (precompute_ref_log_probs); each step reads them"
     if cfg.ref_model:
         adapters = f" with the adapter {cfg.ref_model_adapters} merged" if cfg.ref_model_adapters else ""
-        return f"ref_model {cfg.ref_model}{adapters}: a frozen copy, sharded as the policy is"
-    if cfg.is_lora:
-        return "the model itself with its LoRA adapters turned off (no second copy)"
-    return "a frozen copy of model_name_or_path, sharded as the policy is (no optimizer, no gradients)"
+        what = f"ref_model {cfg.ref_model}{adapters}: a frozen copy"
+    elif cfg.is_lora:
+        what = "the model itself with its LoRA adapters turned off"
+    else:
+        what = "a frozen copy of model_name_or_path"
+    if precomputed:  # the run amends it with where the values are
+        return f"precomputed before the first step (precompute_ref_log_probs) from {what}; each step reads them"
+    return what + (" (no second copy)" if cfg.is_lora and not cfg.ref_model else
+                   ", sharded as the policy is" + ("" if cfg.ref_model else " (no optimizer, no gradients)"))
 
 
 TP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # the decoder blocks model/tensor_parallel.py splits

@@ -137,10 +137,10 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                          show_progress=env.is_main)
     # a frozen copy's log-probs before the policy exists: the copy is freed before the policy takes the memory
     precomputed = (precompute(lambda: build_reference(cfg, plan, env, None))
-                   if cfg.precompute_ref_log_probs and not reference_is_policy(cfg) else None)
+                   if plan.precompute_ref_log_probs and not reference_is_policy(cfg) else None)
     built = build_model(cfg, plan, env)
     model, plan = built.model, built.plan  # the plan as built: what the model could not do is off, with why
-    if cfg.precompute_ref_log_probs and reference_is_policy(cfg):  # the policy with its adapters off
+    if plan.precompute_ref_log_probs and reference_is_policy(cfg):  # the policy with its adapters off
         precomputed = precompute(lambda: build_reference(cfg, plan, env, model))
     if precomputed:
         train_data, eval_data = precomputed.attach(train_data), precomputed.attach(eval_data)
@@ -326,7 +326,7 @@ def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.
     """What the stage optimises: token cross-entropy (sft, pt), the preference loss of pairs (dpo) or KTO's loss of
     unpaired samples (kto), the last two with their reference built here (model/reference.py), after the policy;
     none for dpo with precompute_ref_log_probs, whose batches bring the reference's log-probs."""
-    if cfg.stage == "dpo" and cfg.precompute_ref_log_probs:
+    if plan.precompute_ref_log_probs:
         logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: its log-probs precomputed")
         return PairLoss(model, env, pad_id, preference_settings(cfg), None, autocast_bf16=plan.autocast_bf16,
                         autocast_fp16=plan.fp16, precomputed=True, fused=plan.fused_loss, vocab=vocab_shard(model),
