@@ -126,10 +126,12 @@ def test_auto_recomputation_chooses_from_measured_steps_and_trains_as_that_ratio
     assert auto[-1]["eval_loss"] == by_hand[-1]["eval_loss"]
 
 
+@pytest.mark.parametrize("method", ["lora", "full"])
 def test_a_step_that_does_not_fit_even_recomputing_every_block_stops_before_training(
-        monkeypatch, tmp_path, tiny_model_dir, tiny_dataset):
+        monkeypatch, tmp_path, tiny_model_dir, tiny_dataset, method):
     """On a stand-in card where every block recomputed peaks at 100 bytes, a budget of 50: a named error with the
-    measured need, before the first step (no metrics, no config.yaml: the run never trained)."""
+    measured need, before the first step (no metrics, no config.yaml: the run never trained); full fine-tuning's
+    also names bf16 master weights."""
     from meshtune.errors import MemoryFitError
     from meshtune.train import memory_fit
 
@@ -139,11 +141,12 @@ def test_a_step_that_does_not_fit_even_recomputing_every_block_stops_before_trai
     monkeypatch.setattr(memory_fit, "pending_optimizer_bytes", lambda optimizer, params: 0)
     monkeypatch.setattr(memory_fit, "measured", lambda step, device: (step(), (100.0, 60.0))[1])
     monkeypatch.setattr(memory_fit, "allocated", lambda device: 0.0)
-    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", finetuning_type="lora",
+    cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", finetuning_type=method,
                                    max_steps=2, gradient_checkpointing=True, memory_budget=0.05, **PLAIN))
     with pytest.raises(MemoryFitError, match=r"takes 0\.00 GiB with every block recomputed.*does not fit even with "
-                                             r"every block recomputed\. Lower per_device_train_batch_size"):
+                                             r"every block recomputed\. Lower per_device_train_batch_size") as error:
         run(cfg)
+    assert ("master_weights: bf16" in str(error.value)) is (method == "full")
     assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / "config.yaml").exists()
 
 

@@ -188,7 +188,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     if plan.recompute == MEASURE:  # before the step meter starts
         largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
         ratio, measured = fit_run_to_memory(model, objective, params, optimizer, largest, rows_to_batch,
-                                            cfg.memory_budget, cfg.gpu_memory_limit, env.device, split)
+                                            cfg.memory_budget, cfg.gpu_memory_limit, env.device, split,
+                                            more_room=BF16_STATE_ROOM if fp32_state(cfg) else "")
         logger.info(measured)
         plan = plan.amended("gradient_checkpointing", measured, recompute=ratio)
     if progress.step < total_steps:  # DDP: the first step reduces as every later one does (a resume stays exact)
@@ -319,6 +320,15 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
             plot_losses(metrics.records, output_dir / "loss.png")
         logger.info(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
     return TrainResult(model, metrics.records, final_dir)
+
+
+BF16_STATE_ROOM = ("; or, for full fine-tuning, master_weights: bf16 (bf16 weights and AdamW moments: 8 bytes a "
+                   "parameter of state instead of 16)")
+
+
+def fp32_state(cfg: TrainConfig) -> bool:
+    """Full fine-tuning with fp32 master weights: its state could take half the memory in bf16."""
+    return cfg.finetuning_type == "full" and cfg.master_weights != "bf16"
 
 
 def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.nn.Module, pad_id: int,

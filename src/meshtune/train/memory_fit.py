@@ -184,12 +184,13 @@ def fit_run_to_memory(model: torch.nn.Module, objective: Objective, params: list
                       optimizer: torch.optim.Optimizer, largest: Callable[[], list[Row]],
                       to_batch: Callable[[list[Row]], object], memory_budget: float | None,
                       gpu_memory_limit: float | None, device: torch.device,
-                      split: Callable = nullcontext) -> tuple[float, str]:
+                      split: Callable = nullcontext, more_room: str = "") -> tuple[float, str]:
     """Choose the recomputed blocks of an `auto` run (the model in train mode); returns the share of blocks
     recomputed, as gradient_checkpointing_ratio would set it, and the line to log (the run plan's reason).
     `largest()` finds the run's largest micro-batch (`largest_micro_batch`, a scan of the steps left, done only
     where memory is measured), which `to_batch` collates. Every rank has one, or none, alike: a run's steps are the
-    same on every rank. `split(batch)`: the context giving this process's share of it (context parallel)."""
+    same on every rank. `split(batch)`: the context giving this process's share of it (context parallel).
+    `more_room`: what else would make room, said where nothing fits."""
     if not can_measure(device):
         return 1.0, "gradient_checkpointing_ratio auto: every block recomputed (memory is measured on GPUs only)"
     largest_rows = largest()
@@ -211,5 +212,5 @@ def fit_run_to_memory(model: torch.nn.Module, objective: Objective, params: list
     budget = budget_bytes(memory_budget, smallest_gpu_memory(device, gpu_memory_limit))
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
     if fit.peak_all > fit.budget:  # the same on every rank (the largest figures decide): all stop before step 1
-        raise MemoryFitError(fit.describe())
+        raise MemoryFitError(fit.describe() + more_room)
     return fit.ratio, fit.describe()
