@@ -354,3 +354,29 @@ def test_the_block_loader_names_a_missing_tensor_a_wrong_shape_and_a_layer_that_
     with pytest.raises(ModelError, match=r"qlora reads the model one block at a time from safetensors files.*"
                                          r"safe_serialization=True"):
         BlockLoader(built_empty(qlora_model_dir, cfg), broken, torch.device("cpu"), 7, 1)
+
+
+@pytest.mark.slow
+def test_qlora_dpo_trains_against_its_nf4_base_with_the_adapters_off_and_precomputes_the_same(
+        qlora_model_dir, tmp_path):
+    """stage: dpo with Q-LoRA: the reference is the 4-bit base with the adapters off, so the first step's policy is
+    its reference (margin 0, loss ln 2); the policy then moves from it; a run with the reference's log-probs
+    precomputed trains the same losses."""
+    from pathlib import Path
+
+    fixtures = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+    records = {}
+    for precompute in (False, True):
+        out = tmp_path / f"precompute-{precompute}"
+        values = qlora_values(qlora_model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(fixtures),
+                              cutoff_len=128, per_device_train_batch_size=2, max_steps=2,
+                              precompute_ref_log_probs=precompute)
+        assert run(build_config(values)).final_dir is not None
+        records[precompute] = read_metrics(out)
+        plan = json.loads((out / "run_plan.json").read_text())
+        assert plan["why"]["reference"].startswith("precomputed" if precompute else "the model itself with its LoRA")
+    in_step, precomputed = records[False], records[True]
+    assert in_step[0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and in_step[0]["rewards/margins"] == 0
+    assert in_step[-1]["rewards/margins"] != 0
+    for got, want in zip(precomputed, in_step):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6), got["step"]
