@@ -1,7 +1,8 @@
 """An optimizer step's forward and backward under pipeline_parallel, through torch.distributed.pipelining: the
-step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe or
-Schedule1F1B) splits back into them; the last stage computes each micro-batch's loss, normalised as the data-parallel
-step normalises it, so the sum over micro-batches is the one-process loss and its gradients."""
+step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe,
+Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble) splits back into them; the last stage computes each
+micro-batch's loss, normalised as the data-parallel step normalises it, so the sum over micro-batches is the
+one-process loss and its gradients."""
 
 from __future__ import annotations
 
@@ -10,29 +11,44 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
 
 from meshtune.data.collate import IGNORE, Batch
 from meshtune.model.pipeline_parallel import StageForward
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.token_loss import token_loss_sum
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble}
+MULTI_STAGE = ("interleaved_1f1b", "zbv")  # their processes hold several stages, given as a list
+
+
+class ForwardOnlyStage(PipelineStage):
+    """A stage of an evaluation schedule. torch's `eval` of a V schedule (zbv) still walks its backward actions,
+    each skipped, and hands their gradients between a process's two adjacent stages, which a stage without a
+    backward refuses: here there are none to hand."""
+
+    def get_local_bwd_output(self, mb_index):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 LENGTH_MULTIPLE = 64  # rows padded to a multiple: fewer distinct shapes, each a stage set up anew
 SHAPES_KEPT = 4       # stages (with their receive buffers) kept for the shapes seen last
 
 
 class PipelineStep:
-    """This process's stage of the pipeline and the schedules it runs, one per micro-batch shape: a stage's sends and
-    receives are set up for one shape on its first step, and micro-batches of a step differ in length from the next
-    step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
+    """This process's stages of the pipeline and the schedules it runs, one per micro-batch shape: a stage's sends
+    and receives are set up for one shape on its first step, and micro-batches of a step differ in length from the
+    next step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
 
-    def __init__(self, module: StageForward, mesh: DeviceMesh, schedule: str, micro_batches: int,
-                 device: torch.device, pad_id: int, length_cap: int, autocast_bf16: bool = False):
-        self.stage = mesh.get_local_rank("pp")
-        self.stages = mesh["pp"].size()
+    def __init__(self, modules: list[StageForward], held: list[int], stages: int, mesh: DeviceMesh, schedule: str,
+                 micro_batches: int, device: torch.device, pad_id: int, length_cap: int,
+                 autocast_bf16: bool = False):
+        self.modules, self.held, self.stages = modules, held, stages  # held: the stage of each module, of `stages`
         self.group = mesh["pp"].get_group()
-        self.module = module
         self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
         self.pad_id, self.length_cap = pad_id, length_cap
         self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
@@ -43,19 +59,26 @@ class PipelineStep:
         self.loss_of: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
 
     @property
+    def first(self) -> bool:
+        return 0 in self.held
+
+    @property
     def last(self) -> bool:
-        return self.stage == self.stages - 1
+        return self.stages - 1 in self.held
 
     def _schedule(self, rows: int, length: int, micro_batches: int, training: bool):
         key = (rows, length, micro_batches, training)
         if key in self.schedules:
             self.schedules.move_to_end(key)
             return self.schedules[key]
-        stage = PipelineStage(self.module, self.stage, self.stages, self.device, group=self.group)
+        kind = PipelineStage if training else ForwardOnlyStage
+        stages = [kind(module, stage, self.stages, self.device, group=self.group)
+                  for module, stage in zip(self.modules, self.held)]
         # scale_grads off: each micro-batch's loss is already its share of the step's (see step); evaluation runs
-        # one batch as one micro-batch, forward only
-        schedule = self.schedule if training else "gpipe"
-        made = SCHEDULES[schedule](stage, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
+        # one batch as one micro-batch, forward only (a multi-stage schedule's own eval: its stages' placement)
+        schedule = self.schedule if training or self.schedule in MULTI_STAGE else "gpipe"
+        made = SCHEDULES[schedule](stages if schedule in MULTI_STAGE else stages[0], n_microbatches=micro_batches,
+                                   loss_fn=self._loss, scale_grads=False)
         self.schedules[key] = made
         if len(self.schedules) > SHAPES_KEPT:
             self.schedules.popitem(last=False)
@@ -89,7 +112,7 @@ class PipelineStep:
         kwargs = {"attention_mask": inputs.attention_mask, "position_ids": inputs.position_ids}
         run = schedule.step if training else schedule.eval
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            if self.stage == 0:
+            if self.first:
                 run(inputs.input_ids, **kwargs, **({"target": inputs.targets} if self.last else {}))
             elif self.last:
                 run(**kwargs, target=inputs.targets)
