@@ -1,7 +1,7 @@
 """Pipeline parallelism: the run plan's mesh, schedule and stages balanced by cost, and its refusals (no processes), a
 stage's blocks and names and a zbv process's two stages (one process), and on gloo ranks the losses and gradient
 norms of one process, full and LoRA, under pp 2 (GPipe, 1F1B, Interleaved1F1B, ZBV) and pp 2 x dp 2; a pp 2
-checkpoint resumed on one process and one process's on pp 2, and final/ the whole model."""
+checkpoint resumed on one process and under zero2 on 4, one process's on pp 2, and final/ the whole model."""
 
 from __future__ import annotations
 
@@ -326,14 +326,24 @@ def test_final_of_pp2_holds_the_whole_model_and_the_adapter_by_their_names(jobs)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_pp2_checkpoint_resumes_on_one_process_and_one_process_s_on_pp2(jobs):
-    """Also on pp 2 itself: each stage's optimizer param groups name its own parameters, saved by name."""
+def test_a_pp2_checkpoint_resumes_on_one_process_and_under_zero2_on_4_and_one_process_s_on_pp2(jobs):
+    """Also on pp 2 itself: each stage's optimizer param groups name its own parameters, saved by name. Under
+    zero2 on 4 processes FSDP2 shards each weight the pp 2 stages held whole, the same global batch of 8 in one
+    micro-batch of 2 rows a process."""
     one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
     pp2 = jobs.run("pp2-full", "full", 2, 2, 4, **SAVED)
     from_pp2 = jobs.run("one-from-pp2", "full", 1, 1, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"),
                         **HELD_OUT)
     assert from_pp2["plan"]["resumed_from"].endswith("checkpoint-2")
     assert_same(from_pp2["losses"], one["losses"][2:], "pp 2 -> 1 process")
+    # the checkpoint's accumulation of 4 given, the plan keeps its global batch of 8: 1 micro-batch a process
+    zero2 = jobs.run("zero2-from-pp2", "full", 4, 1, 4, parallel="zero2", **HELD_OUT,
+                     resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"))
+    assert zero2["plan"]["parallel"] == "zero2" and "pp" not in zero2["plan"]["mesh"], zero2["plan"]
+    assert zero2["plan"]["gradient_accumulation_steps"] == 1
+    assert zero2["plan"]["resumed_from"].endswith("checkpoint-2")
+    assert_same(zero2["losses"], one["losses"][2:], "pp 2 -> zero2 on 4 processes")
+    assert_same(zero2["eval"], one["eval"][1:], "pp 2 -> zero2 on 4 processes, eval_loss")
     to_pp2 = jobs.run("pp2-from-one", "full", 2, 2, 4, resume_from_checkpoint=str(one["output"] / "checkpoint-2"),
                       **HELD_OUT)
     assert_same(to_pp2["losses"], one["losses"][2:], "1 process -> pp 2")
