@@ -111,7 +111,8 @@ def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_s
 @pytest.mark.parametrize("values, message", [
     ({"tensor_parallel": 2}, "tensor_parallel or context_parallel above 1"),
     ({"context_parallel": 2}, "tensor_parallel or context_parallel above 1"),
-    ({"finetuning_type": "qlora"}, "finetuning_type: qlora"),
+    ({"finetuning_type": "qlora", "parallel": "zero3"}, "finetuning_type: qlora and parallel: zero3 .* set "
+     "parallel: ddp"),
     ({"stage": "dpo"}, "stage: dpo"),
     ({"stage": "kto"}, "stage: kto"),
     ({"packing": True}, "packing: true"),
@@ -130,6 +131,17 @@ def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_s
 def test_what_the_pipeline_does_not_combine_with_is_refused_before_any_process(values, message):
     with pytest.raises(ConfigError, match=f"(pipeline_parallel: 2 (cannot be combined )?with )?{message}"):
         build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "pipeline_parallel": 2, **values})
+
+
+def test_qlora_that_auto_would_shard_keeps_ddp_inside_the_stages(monkeypatch):
+    """Q-LoRA of a 7B on 4 GPUs of 3 GiB: one process's plan shards the 4-bit model (zero3); under pp 2 each stage's
+    processes are its ddp replicas, each holding its stage's blocks, with the reason."""
+    monkeypatch.setattr("meshtune.plan.smallest_gpu_memory", lambda device, limit: 3 * 2**30)
+    values = {"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "qlora",
+              "gradient_accumulation_steps": 2}
+    assert resolve(build_config(values), env(4, device="cuda"), None, lambda: QWEN_7B).parallel == "zero3"
+    plan = resolve(build_config({**values, "pipeline_parallel": 2}), env(4, device="cuda"), None, lambda: QWEN_7B)
+    assert plan.parallel == "ddp" and "auto under pipeline_parallel with qlora" in plan.why["parallel"]
 
 
 def test_a_stage_keeps_its_blocks_by_the_whole_model_s_names(tiny_model_dir):

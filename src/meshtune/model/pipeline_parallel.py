@@ -88,6 +88,11 @@ def keep_stages(model: nn.Module, blocks: list[tuple[int, int]], first: bool, la
         base.lm_head = None
 
 
+def held_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks `model`, cut down by keep_stages, still holds."""
+    return [layer for layer in causal_lm(model).model.layers if not isinstance(layer, BlockOfAnotherStage)]
+
+
 def stage_forwards(model: nn.Module, stages: list[int], blocks: list[tuple[int, int]]) -> list[StageForward]:
     """The forward of each stage in `stages` (of all `blocks`' stages) over `model`, cut down by keep_stages: the
     model itself where it is one stage, else a view of it a stage."""
