@@ -405,14 +405,19 @@ def test_the_doctor_counts_a_pipeline_s_activations_as_what_crosses_the_nodes():
 
     model = ModelFacts(QWEN_7B, QWEN_7B.parameters, 6_500_000_000, 28, 3584, hidden=3584)
 
-    def sent(pp: int, nodes: int, parallel: str = "ddp") -> float:
+    def sent(pp: int, nodes: int, parallel: str = "ddp", schedule: str = "auto") -> float:
         cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "full",
                             "pipeline_parallel": pp, "per_device_train_batch_size": 8 // (nodes * 8 // pp // 8),
                             "gradient_accumulation_steps": 1, "cutoff_len": 600, "grad_reduce_dtype": "bf16",
-                            "parallel": parallel})
+                            "parallel": parallel, "pipeline_schedule": schedule})
         return sent_by_each_node(step_collectives(cfg, parallel, model, True, True, nodes * 8, None, 8), nodes)
 
     assert sent(2, 2) == pytest.approx(64 * 600 * 3584 * 2)
+    # two stages a process: node 0 sends stage 0's and stage 2's activations and stage 2's gradients back; zbv's V
+    # turns on node 1, which sends stage 2's activations and stage 1's gradients
+    assert sent(2, 2, schedule="interleaved_1f1b") == pytest.approx(3 * sent(2, 2))
+    assert sent(2, 2, schedule="zbv") == pytest.approx(2 * sent(2, 2))
+    assert sent(4, 4, schedule="zbv") == pytest.approx(2 * sent(4, 4)) == pytest.approx(4 * sent(2, 2))
     ddp = sent(1, 2)
     assert ddp == pytest.approx(2 * 15 / 16 * QWEN_7B.parameters * 2)
     assert sent(2, 2) / ddp < 0.02

@@ -18,8 +18,10 @@ optimizer step of A micro-steps (gradients cross once, on the last micro-step):
 - hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes;
 - pipeline_parallel (stages outermost, ddp replicas inside a stage): at a stage boundary between nodes each
   process's pipeline sends its micro-batches' activations forward (rows x length x hidden) and receives their
-  gradients back, the same bytes; a node inside the pipeline sends both ways. Where a stage spans nodes, its
-  replicas' all-reduce of the stage's gradients crosses them too.
+  gradients back, the same bytes; a node inside the pipeline sends both ways. With v stages a process
+  (interleaved_1f1b) a micro-batch passes each node v times, the last node's forward and the first's backward
+  v - 1 of them; zbv's V passes each boundary twice, down and back. Where a stage spans nodes, its replicas'
+  all-reduce of the stage's gradients crosses them too.
 PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's shape.
 
 Weights cross in bf16 on GPUs (FSDP2's parameter dtype; Q-LoRA's blocks as NF4), gradients in `grad_reduce_dtype`.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from meshtune.doctor.bandwidth import duration_text
 from meshtune.plan import (EACH, NF4_BYTES, SHARDED, ModelSize, default_blocks_per_unit, gradient_reduction,
-                           parallel_for)
+                           parallel_for, virtual_stages)
 from meshtune.units import byte_size
 
 MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks/one-gpu.md, 7B models)
@@ -129,11 +131,21 @@ def pipeline_collectives(cfg, model: ModelFacts, bf16: bool, gradients: float, p
         return []
     tokens = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.cutoff_len
     activations = tokens * model.hidden * (2 if bf16 else 4) * min(per_node, per_stage)
-    ways = 2 if min(pp, nodes) > 2 else 1  # a node between two others sends forward and backward
-    sent = [Collective("send", "activations forward and their gradients back", activations, ways)]
+    sent = [Collective("send", "activations forward and their gradients back", activations,
+                       pipeline_crossings(cfg, min(pp, nodes)))]
     if per_stage > per_node:  # a stage's replicas on several nodes
         sent.append(Collective("all-reduce", "a stage's gradients", gradients / pp, 1, per_stage))
     return sent
+
+
+def pipeline_crossings(cfg, nodes: int) -> int:
+    """How many times the busiest of `nodes` pipeline nodes sends a micro-batch's activations or their gradients:
+    a node between two others sends both ways (one stage a process: 2, the two end nodes 1 each); with v stages a
+    process each direction v times, an end node's one v - 1; zbv's V twice each way inside, once at its turn."""
+    if getattr(cfg, "pipeline_schedule", None) == "zbv":
+        return 4 if nodes > 2 else 2
+    virtual = virtual_stages(cfg)
+    return 2 * virtual if nodes > 2 else 2 * virtual - 1
 
 
 def kept_for_backward(cfg, size: ModelSize) -> float:
