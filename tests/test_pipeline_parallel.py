@@ -289,17 +289,18 @@ def test_interleaved_1f1b_and_zbv_on_pp2_give_the_losses_and_grad_norms_of_one_p
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
     """4 processes: 2 stages of 2 replicas each, 2 micro-batches a step on each replica (global batch 8); LoRA under
-    GPipe, full fine-tuning under 1F1B."""
+    GPipe, full fine-tuning under 1F1B and under ZBV (each replica of rank 0's two stages, the embedding and the head,
+    averaging their gradients with the other's)."""
     one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
-    schedule = "gpipe" if method == "lora" else "1f1b"
-    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2, pipeline_schedule=schedule, **HELD_OUT)
-    plan = pp2_dp2["plan"]
-    assert plan["pipeline_schedule"] == schedule
-    assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
-    assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
-    assert_same(pp2_dp2["losses"], one["losses"], f"{method} pp 2 x dp 2 loss")
-    assert_same(pp2_dp2["norms"], one["norms"], f"{method} pp 2 x dp 2 grad norm")
-    assert_same(pp2_dp2["eval"], one["eval"], f"{method} pp 2 x dp 2 eval_loss")
+    for schedule in ("gpipe",) if method == "lora" else ("1f1b", "zbv"):
+        pp2_dp2 = jobs.run(f"pp2-dp2-{method}-{schedule}", method, 4, 2, 2, pipeline_schedule=schedule, **HELD_OUT)
+        plan = pp2_dp2["plan"]
+        assert plan["pipeline_schedule"] == schedule
+        assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
+        assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
+        assert_same(pp2_dp2["losses"], one["losses"], f"{method} {schedule} pp 2 x dp 2 loss")
+        assert_same(pp2_dp2["norms"], one["norms"], f"{method} {schedule} pp 2 x dp 2 grad norm")
+        assert_same(pp2_dp2["eval"], one["eval"], f"{method} {schedule} pp 2 x dp 2 eval_loss")
 
 
 @pytest.mark.slow
