@@ -6,12 +6,15 @@ checkpoint resumed on one process and under zero2 on 4, one process's on pp 2, a
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import base_config, read_metrics, write_config
+from conftest import base_config, read_metrics, sentence, write_config
+from meshtune.demo.model import build_tiny_model
+from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
@@ -100,8 +103,9 @@ def test_without_pipeline_parallel_the_plan_has_no_stages():
      "1f1b needs at least pipeline_parallel \\(2\\) micro-batches .* gradient_accumulation_steps to 2"),
     (4, QWEN_7B, {"pipeline_schedule": "interleaved_1f1b", "gradient_accumulation_steps": 5},
      "interleaved_1f1b .* the step's 5 .* are not; counts that work on 2 stages: 1, 2, 3, 4, 6, 8$"),
-    (4, QWEN_7B, {"pipeline_schedule": "zbv", "finetuning_type": "full", "parallel": "zero3"},
-     "zbv holds several stages a process.* set parallel: ddp"),
+    (4, ModelSize(10, 1, 2, 4, 4, "qwen2"), {"pipeline_schedule": "zbv", "finetuning_type": "full",
+                                            "parallel": "zero3"},
+     "4 stages need at least 4 blocks .* several a process under ddp, .* the model has 2; counts that work here: 1$"),
 ])
 def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_size, size, values, message):
     with pytest.raises(ConfigError, match=message):
@@ -228,6 +232,16 @@ def jobs(tmp_path_factory, tiny_model_dir, tiny_dataset) -> Jobs:
     return Jobs(tmp_path_factory.mktemp("pipeline"), tiny_model_dir, tiny_dataset)
 
 
+@pytest.fixture(scope="module")
+def jobs_4_blocks(tmp_path_factory, tiny_dataset) -> Jobs:
+    """The runs of a tiny model of 4 blocks: a block for each of 4 stages."""
+    rng = random.Random(0)
+    tokenizer = train_tokenizer([sentence(rng, 5, 30) for _ in range(300)], vocab_size=320)
+    model = build_tiny_model(tokenizer, tmp_path_factory.mktemp("model-4-blocks"), seed=0, hidden_size=32,
+                             intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    return Jobs(tmp_path_factory.mktemp("pipeline-4-blocks"), model, tiny_dataset)
+
+
 def assert_same(values: list[float], reference: list[float], what: str) -> None:
     assert len(values) == len(reference), f"{what}: {values} vs {reference}"
     for step, (got, want) in enumerate(zip(values, reference), start=1):
@@ -324,6 +338,29 @@ def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel)
         assert lora["plan"]["parallel"] == "zero3"
         assert_same(lora["losses"], jobs.run("one-lora", "lora", 1, 1, 4, **SAVED)["losses"], "lora pp 2 x zero3 2")
     assert_same(resumed["losses"], one["losses"][2:], f"pp 2 x {parallel} 2 -> 1 process")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_inside_the_stages_of_interleaved_1f1b_and_zbv_gives_the_losses_of_one_process(jobs_4_blocks):
+    """pp 2 x dp 2 of a 4-block model (a block a stage: FSDP2 shards a stage by its blocks), each of a process's two
+    stages its own FSDP2 root: interleaved 1F1B under zero2, ZBV under zero3, full fine-tuning; ZBV's checkpoint-2
+    resumes on one process."""
+    jobs = jobs_4_blocks
+    one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
+    for schedule, parallel in (("interleaved_1f1b", "zero2"), ("zbv", "zero3")):
+        run = jobs.run(f"{schedule}-{parallel}", "full", 4, 2, 2, pipeline_schedule=schedule, parallel=parallel,
+                       save_steps=2, **HELD_OUT)
+        plan = run["plan"]
+        assert plan["parallel"] == parallel and plan["mesh"]["dp_shard"] == 2, plan["mesh"]
+        assert plan["pipeline_stages"] == [[0, 1], [1, 2], [2, 3], [3, 4]], plan["pipeline_stages"]
+        assert_same(run["losses"], one["losses"], f"{schedule} x {parallel} loss")
+        assert_same(run["norms"], one["norms"], f"{schedule} x {parallel} grad norm")
+        assert_same(run["eval"], one["eval"], f"{schedule} x {parallel} eval_loss")
+    resumed = jobs.run("one-from-zbv-zero3", "full", 1, 1, 2, **HELD_OUT,
+                       resume_from_checkpoint=str(jobs.done["zbv-zero3"]["output"] / "checkpoint-2"))
+    assert resumed["plan"]["gradient_accumulation_steps"] == 4
+    assert_same(resumed["losses"], one["losses"][2:], "zbv x zero3 -> 1 process")
 
 
 @pytest.mark.slow

@@ -404,8 +404,8 @@ class TrainConfig(BaseModel):
                 "micro-batches, not all of them; interleaved_1f1b gives each process pipeline_virtual_stages "
                 "stages (r, r + pipeline_parallel, ...), a smaller bubble for more sends; zbv two stages a process in "
                 "a V (r and 2 x pipeline_parallel - 1 - r), backward split into its input's and its weights' "
-                "gradients to fill the bubble. The last two with parallel: ddp. auto: 1f1b where the step has at "
-                "least pipeline_parallel micro-batches, else gpipe")
+                "gradients to fill the bubble. auto: 1f1b where the step has at least pipeline_parallel "
+                "micro-batches, else gpipe")
     pipeline_virtual_stages: int | None = PARALLELISM(
         None, "stages each process holds under pipeline_schedule: interleaved_1f1b (2 or more; unset: 2); zbv holds "
               "2, gpipe and 1f1b 1", gt=0)

@@ -365,7 +365,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
                    mesh=({"pp": pp} if pp > 1 else {}) | mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp),
-                   powersgd_rank=powersgd, **pipeline_choice(cfg, pp, parallel, accumulation, model_size, why))
+                   powersgd_rank=powersgd, **pipeline_choice(cfg, env, pp, parallel, accumulation, model_size, why))
 
 
 def reference_reason(cfg: TrainConfig) -> str:
@@ -469,24 +469,31 @@ def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[
         raise ConfigError(f"pipeline_parallel: {pp}: {cfg.model_name_or_path} ties its output head to the input "
                           f"embedding (tie_word_embeddings), one weight the first and the last stage would both "
                           f"train; set pipeline_parallel: 1 (such models are small enough for parallel: zero3)")
-    virtual = virtual_stages(cfg)
-    if size.blocks < least_blocks(pp, virtual):
-        working = [d for d in range(1, env.world_size + 1)
-                   if env.world_size % d == 0 and least_blocks(d, virtual) <= size.blocks]
-        raise ConfigError(f"pipeline_parallel: {pp}: {pp * virtual} stages need at least {least_blocks(pp, virtual)} "
-                          f"blocks (a block a stage{EMPTY_ENDS if virtual > 1 else ''}), and the model has "
-                          f"{size.blocks}; counts that work here: {', '.join(map(str, working))}")
     return pp
 
 
-EMPTY_ENDS = ", the first and the last, several a process, may hold only the embedding or the head"
+EMPTY_ENDS = ", the first and the last, several a process under ddp, may hold only the embedding or the head"
 
 
-def least_blocks(pp: int, virtual: int) -> int:
-    """The fewest blocks `pp` processes of `virtual` stages each split: a block a stage, but for the first and the
-    last where a process holds several stages (with one a process, a stage with no block would leave its
-    processes' FSDP2 nothing to shard by blocks and, under LoRA, nothing to train)."""
-    return pp * virtual - 2 if virtual > 1 else pp
+def empty_ends(virtual: int, parallel: str) -> bool:
+    """Whether the first and the last stage may hold no block: where a process holds several stages and they are
+    not FSDP2's (with one a process, a stage with no block would leave its process nothing to train under LoRA;
+    FSDP2 shards a stage by its blocks)."""
+    return virtual > 1 and parallel == "ddp"
+
+
+def check_stage_blocks(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, blocks: int) -> None:
+    """The model's blocks against the stages: a block a stage, or but for the ends (`empty_ends`)."""
+    virtual = virtual_stages(cfg)
+
+    def least(d: int) -> int:
+        return d * virtual - 2 if empty_ends(virtual, parallel) else d * virtual
+
+    if blocks < least(pp):
+        working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0 and least(d) <= blocks]
+        raise ConfigError(f"pipeline_parallel: {pp}: {pp * virtual} stages need at least {least(pp)} blocks (a block "
+                          f"a stage{EMPTY_ENDS if virtual > 1 else ''}), and the model has {blocks}; counts that "
+                          f"work here: {', '.join(map(str, working))}")
 
 
 MULTI_STAGE = {"interleaved_1f1b", "zbv"}  # schedules whose processes each hold several stages
@@ -506,7 +513,7 @@ def interleaved_counts(pp: int, limit: int) -> list[int]:
     return [n for n in range(1, limit + 1) if n % max(1, n // pp) == 0]
 
 
-def pipeline_choice(cfg: TrainConfig, pp: int, parallel: str, micro_batches: int,
+def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micro_batches: int,
                     model_size: Callable[[], ModelSize], why: dict[str, str]) -> dict:
     """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
     (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
@@ -524,10 +531,6 @@ def pipeline_choice(cfg: TrainConfig, pp: int, parallel: str, micro_batches: int
                           f"max(1, micro-batches // pipeline_parallel), a whole number of them, and the step's "
                           f"{micro_batches} (gradient_accumulation_steps) are not; counts that work on {pp} stages: "
                           f"{', '.join(map(str, interleaved_counts(pp, max(micro_batches, 4 * pp))))}")
-    if schedule in MULTI_STAGE and parallel != "ddp":
-        raise ConfigError(f"pipeline_schedule: {schedule} holds several stages a process, each its own module, and "
-                          f"meshtune shards one stage a process with FSDP2: set parallel: ddp (a stage's processes "
-                          f"its replicas), or pipeline_schedule: 1f1b / gpipe with parallel: {parallel}")
     if schedule not in ("gpipe", "1f1b", *MULTI_STAGE):
         schedule = "1f1b" if micro_batches >= pp else "gpipe"
         why["pipeline_schedule"] = (f"auto: 1f1b, {micro_batches} micro-batches a step fill {pp} stages, and a stage "
@@ -537,7 +540,8 @@ def pipeline_choice(cfg: TrainConfig, pp: int, parallel: str, micro_batches: int
     virtual = virtual_stages(cfg)
     size = model_size()
     head = head_worth(size)
-    stages = balanced_stages(size.blocks, pp * virtual, head, empty_ends=virtual > 1)
+    check_stage_blocks(cfg, env, pp, parallel, size.blocks)
+    stages = balanced_stages(size.blocks, pp * virtual, head, empty_ends(virtual, parallel))
     why["pipeline_stages"] = stages_reason(stages, size.blocks, head, pp, schedule)
     return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages}
 

@@ -91,9 +91,9 @@ def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env
                     adapter: dict[str, torch.Tensor] | None) -> tuple[DeviceMesh, list[int], list[StageForward]]:
     """The model cut down to this process's pipeline stages, on its device, the stages it holds and the forward of
     each the schedule runs. A stage's processes (the mesh's dp dimension) are its replicas, averaging their
-    gradients in one flat all-reduce after the schedule's last backward (ddp), or shard it with FSDP2 (zero2 / zero3,
-    one stage a process; the stage's forward the root, as the schedule calls it, so torch's stage turns the
-    reduce-scatter off but for the last micro-batch). Every process read the same files and drew the same LoRA
+    gradients in one flat all-reduce after the schedule's last backward (ddp), or shard it with FSDP2 (zero2 / zero3;
+    each stage's forward a root, as the schedule calls it, so torch's stage turns the reduce-scatter off but for the
+    last micro-batch). Every process read the same files and drew the same LoRA
     weights, so they start equal. Q-LoRA: each process built the model empty and reads, quantizes (and shards) only
     its stages' blocks, block by block; `adapter`, the one it continues."""
     mesh = pipeline_mesh(env, plan.pipeline_parallel)
@@ -103,17 +103,18 @@ def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env
     keep_stages(model, [plan.pipeline_stages[s] for s in held], first=0 in held, last=last in held)
     forwards = stage_forwards(model, held, plan.pipeline_stages)
     replicas = mesh["dp"].size()
-    sharded = plan.parallel != "ddp" and replicas > 1  # one stage a process (the plan refuses FSDP2 with several)
+    sharded = plan.parallel != "ddp" and replicas > 1
     loader = None
     if cfg.finetuning_type == "qlora":
         loader = BlockLoader(model, Path(cfg.model_name_or_path).expanduser(), env.device, cfg.seed,
                              replicas if sharded else 1, adapter, blocks=held_blocks(model))
     if sharded:
-        # the loader knows the model by its own names: the stage's forward, FSDP2's root, stands for it
-        fill = None if loader is None else lambda modules: loader([model if m is forwards[0] else m for m in modules])
-        wrap_model(forwards[0], plan.parallel, env, plan.bf16, prefetch=plan.fsdp_prefetch,
-                   reduce_bf16=plan.grad_reduce_dtype == "bf16", blocks_per_unit=plan.blocks_per_unit or 1,
-                   reshard_after_forward=plan.reshard_after_forward, mesh=mesh["dp"], before_shard=fill)
+        # the loader knows the model by its own names: a stage's forward, an FSDP2 root, stands for it
+        fill = None if loader is None else lambda modules: loader([model if m in forwards else m for m in modules])
+        for forward in forwards:  # each stage its own FSDP2 root, as torchtitan shards each model part
+            wrap_model(forward, plan.parallel, env, plan.bf16, prefetch=plan.fsdp_prefetch,
+                       reduce_bf16=plan.grad_reduce_dtype == "bf16", blocks_per_unit=plan.blocks_per_unit or 1,
+                       reshard_after_forward=plan.reshard_after_forward, mesh=mesh["dp"], before_shard=fill)
     else:
         if loader is not None:
             loader.load_all(model)  # on the device, block by block
