@@ -115,8 +115,6 @@ def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_s
 @pytest.mark.parametrize("values, message", [
     ({"tensor_parallel": 2}, "tensor_parallel or context_parallel above 1"),
     ({"context_parallel": 2}, "tensor_parallel or context_parallel above 1"),
-    ({"finetuning_type": "qlora", "parallel": "zero3"}, "finetuning_type: qlora and parallel: zero3 .* set "
-     "parallel: ddp"),
     ({"stage": "dpo"}, "stage: dpo"),
     ({"stage": "kto"}, "stage: kto"),
     ({"packing": True}, "packing: true"),
@@ -137,15 +135,25 @@ def test_what_the_pipeline_does_not_combine_with_is_refused_before_any_process(v
         build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "pipeline_parallel": 2, **values})
 
 
-def test_qlora_that_auto_would_shard_keeps_ddp_inside_the_stages(monkeypatch):
-    """Q-LoRA of a 7B on 4 GPUs of 3 GiB: one process's plan shards the 4-bit model (zero3); under pp 2 each stage's
-    processes are its ddp replicas, each holding its stage's blocks, with the reason."""
-    monkeypatch.setattr("meshtune.plan.smallest_gpu_memory", lambda device, limit: 3 * 2**30)
-    values = {"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "qlora",
-              "gradient_accumulation_steps": 2}
-    assert resolve(build_config(values), env(4, device="cuda"), None, lambda: QWEN_7B).parallel == "zero3"
-    plan = resolve(build_config({**values, "pipeline_parallel": 2}), env(4, device="cuda"), None, lambda: QWEN_7B)
-    assert plan.parallel == "ddp" and "auto under pipeline_parallel with qlora" in plan.why["parallel"]
+def test_micro_batches_are_stacked_to_a_shape_at_least_their_own_with_rows_that_train_nothing():
+    """A stage's FSDP2 processes pad their micro-batches to the largest shape among them: here 3 rows of 70, the
+    first micro-batch's second and third rows copies of its first with every target ignored, the length past 64
+    padded to the shape given."""
+    from meshtune.data.collate import IGNORE, Batch
+    from meshtune.train.pipeline_step import stack, stacked_shape
+
+    def batch(rows: int, length: int) -> Batch:
+        ids = torch.arange(rows * length).view(rows, length) + 1
+        return Batch(ids, ids.clone(), torch.arange(length).repeat(rows, 1), torch.ones(rows, length, dtype=torch.long),
+                     rows * length)
+
+    micro = [batch(1, 5), batch(2, 7)]
+    assert stacked_shape(micro, length_cap=512) == (2, 64)
+    stacked = stack(micro, 2, pad_id=0, rows=3, length=70)
+    assert stacked.input_ids.shape == (6, 70)
+    assert torch.equal(stacked.input_ids[1, :5], micro[0].input_ids[0]) and (stacked.targets[1:3] == IGNORE).all()
+    assert torch.equal(stacked.targets[3:5, :7], micro[1].targets) and (stacked.targets[5] == IGNORE).all()
+    assert (stacked.attention_mask[:, 7:] == 0).all()
 
 
 def test_a_stage_keeps_its_blocks_by_the_whole_model_s_names(tiny_model_dir):

@@ -395,8 +395,8 @@ class TrainConfig(BaseModel):
                                             "activations cross the nodes. A divisor of the processes; each stage's "
                                             "processes are data-parallel (ddp, zero2 or zero3); every optimizer step's "
                                             "micro-batches (gradient_accumulation_steps) are the schedule's. Full, "
-                                            "LoRA and Q-LoRA (each process quantizing its stages' blocks; ddp inside "
-                                            "the stages), stage: sft and pt; 1: off", gt=0)
+                                            "LoRA and Q-LoRA (each process quantizing only its stages' blocks), "
+                                            "stage: sft and pt; 1: off", gt=0)
     pipeline_schedule: Literal["auto", "gpipe", "1f1b", "interleaved_1f1b", "zbv"] = PARALLELISM(
         "auto", "pipeline_parallel's schedule (torch's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B / "
                 "ScheduleZBVZeroBubble): gpipe runs every micro-batch's forward, then every backward; 1f1b alternates "
@@ -822,10 +822,6 @@ class TrainConfig(BaseModel):
             return self
         refused = [(self.tensor_parallel > 1 or self.context_parallel > 1, "tensor_parallel or context_parallel "
                     "above 1 (a stage's processes are data-parallel only): set both to 1, or pipeline_parallel: 1"),
-                   (self.finetuning_type == "qlora" and self.parallel in ("zero2", "zero3"), f"finetuning_type: "
-                    f"qlora and parallel: {self.parallel} (a stage's NF4 weights sharded by FSDP2 do not get through "
-                    f"torch's pipeline schedule's first step): set parallel: ddp, whose stage replicas each hold "
-                    f"their stage's 4-bit blocks"),
                    (self.stage in ("dpo", "kto"), f"stage: {self.stage} (its loss compares whole sequences' log-probs "
                     f"against a reference, which the stages' schedule does not carry): pipeline_parallel: 1"),
                    (self.packing, "packing: true (packed rows' block-diagonal attention is not carried between the "

@@ -213,10 +213,6 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         parallel = "zero2"
         why["parallel"] = ("auto under pipeline_parallel: the stages lie across the nodes, and zero2 shards each "
                            "stage over its processes")
-    if pp > 1 and cfg.finetuning_type == "qlora" and parallel in SHARDED:  # auto: config.py refuses them set
-        parallel = "ddp"
-        why["parallel"] = ("auto under pipeline_parallel with qlora: ddp inside the stages, each process holding its "
-                           "stages' 4-bit blocks (FSDP2's shards of them do not get through the pipeline's schedule)")
     replicas_only = tp > 1 and parallel == "ddp"
     if replicas_only:  # DDP takes no DTensor parameters: FSDP2 holds whole replicas (a shard of one process)
         parallel = "hsdp"

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
@@ -46,9 +47,13 @@ class PipelineStep:
 
     def __init__(self, modules: list[StageForward], held: list[int], stages: int, mesh: DeviceMesh, schedule: str,
                  micro_batches: int, device: torch.device, pad_id: int, length_cap: int,
-                 autocast_bf16: bool = False):
+                 autocast_bf16: bool = False, sharded: bool = False):
         self.modules, self.held, self.stages = modules, held, stages  # held: the stage of each module, of `stages`
         self.group = mesh["pp"].get_group()
+        # FSDP2 inside the stages: a stage's processes gather its weights together at each forward, and a stage set
+        # up for a new shape runs one forward more (torch's shape inference), so its processes, which take other
+        # micro-batches, pad them to one shape: the largest of theirs
+        self.shape_group = mesh["dp"].get_group() if sharded else None
         self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
         self.pad_id, self.length_cap = pad_id, length_cap
         self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
@@ -104,7 +109,10 @@ class PipelineStep:
         return self._run([batch], 1, training=False)
 
     def _run(self, micro: list[Batch], count: int, training: bool) -> torch.Tensor:
-        stacked = stack(micro, count, self.pad_id, self.length_cap)
+        shape = torch.tensor(stacked_shape(micro, self.length_cap), device=self.device)
+        if self.shape_group is not None:
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.shape_group)
+        stacked = stack(micro, count, self.pad_id, *shape.tolist())
         rows, length = stacked.input_ids.shape
         schedule = self._schedule(rows // count, length, count, training)
         self.sums = []
@@ -125,14 +133,19 @@ class PipelineStep:
         return torch.stack(self.sums[-count:]).double().sum()
 
 
-def stack(micro: list[Batch], count: int, pad_id: int, length_cap: int) -> Batch:
-    """The step's micro-batches as one batch of `count` equal chunks, each right-padded to one length (a multiple of
-    LENGTH_MULTIPLE, or the longest a row may be): padding is masked and trains nothing, so each chunk's loss is
-    its micro-batch's. A micro-batch with fewer rows, and a missing one (an epoch's short last step), is filled
-    with copies of a row whose targets are all ignored."""
+def stacked_shape(micro: list[Batch], length_cap: int) -> tuple[int, int]:
+    """The rows of a chunk and the length `stack` pads the micro-batches to: their most rows, their longest row
+    rounded up to a multiple of LENGTH_MULTIPLE (or the longest a row may be)."""
     rows = max(b.input_ids.size(0) for b in micro)
     longest = max(b.input_ids.size(1) for b in micro)
-    length = max(longest, min(-(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, length_cap))
+    return rows, max(longest, min(-(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, length_cap))
+
+
+def stack(micro: list[Batch], count: int, pad_id: int, rows: int, length: int) -> Batch:
+    """The step's micro-batches as one batch of `count` equal chunks of `rows` rows, each right-padded to `length`
+    (stacked_shape's, or more): padding is masked and trains nothing, so each chunk's loss is its micro-batch's. A
+    micro-batch with fewer rows, and a missing one (an epoch's short last step), is filled with copies of a row
+    whose targets are all ignored."""
     shape = (count * rows, length)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     targets = torch.full(shape, IGNORE, dtype=torch.long)
@@ -142,15 +155,15 @@ def stack(micro: list[Batch], count: int, pad_id: int, length_cap: int) -> Batch
     for m in range(count):
         batch = micro[m] if m < len(micro) else None
         for r in range(rows):
-            source = batch if batch is not None and r < batch.input_ids.size(0) else spare
-            row = r if source is batch else 0
+            own = batch is not None and r < batch.input_ids.size(0)  # else a filler row (`spare` may be `batch`)
+            source, row = (batch, r) if own else (spare, 0)
             n = source.input_ids.size(1)
             at = m * rows + r
             input_ids[at, :n] = source.input_ids[row]
             position_ids[at, :n] = source.position_ids[row]
             if source.attention_mask is not None:
                 mask[at, :n] = source.attention_mask[row]
-            if source is batch:
+            if own:
                 targets[at, :n] = source.targets[row]
     return Batch(input_ids, targets, position_ids, mask, sum(b.num_tokens for b in micro))
 
