@@ -471,7 +471,7 @@ def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[
 EMPTY_ENDS = ", the first and the last, several a process under ddp, may hold only the embedding or the head"
 
 
-def empty_ends(virtual: int, parallel: str) -> bool:
+def ends_may_be_empty(virtual: int, parallel: str) -> bool:
     """Whether the first and the last stage may hold no block: where a process holds several stages and they are
     not FSDP2's (with one a process, a stage with no block would leave its process nothing to train under LoRA;
     FSDP2 shards a stage by its blocks)."""
@@ -479,11 +479,11 @@ def empty_ends(virtual: int, parallel: str) -> bool:
 
 
 def check_stage_blocks(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, blocks: int) -> None:
-    """The model's blocks against the stages: a block a stage, or but for the ends (`empty_ends`)."""
+    """The model's blocks against the stages: a block a stage, or but for the ends (`ends_may_be_empty`)."""
     virtual = virtual_stages(cfg)
 
     def least(d: int) -> int:
-        return d * virtual - 2 if empty_ends(virtual, parallel) else d * virtual
+        return d * virtual - 2 if ends_may_be_empty(virtual, parallel) else d * virtual
 
     if blocks < least(pp):
         working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0 and least(d) <= blocks]
@@ -537,7 +537,7 @@ def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micr
     size = model_size()
     head = head_worth(size)
     check_stage_blocks(cfg, env, pp, parallel, size.blocks)
-    stages = balanced_stages(size.blocks, pp * virtual, head, empty_ends(virtual, parallel))
+    stages = balanced_stages(size.blocks, pp * virtual, head, ends_may_be_empty(virtual, parallel))
     why["pipeline_stages"] = stages_reason(stages, size.blocks, head, pp, schedule)
     return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages}
 

@@ -125,7 +125,8 @@ def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env
                                                         "bf16" else None, in_sync=True, group=mesh["dp"].get_group())
     if loader is not None:
         loader.close()
-        logger.info(loader.describe(model))
+        if held_blocks(model):  # else its stages are the embedding and the head alone: nothing to quantize
+            logger.info(loader.describe(model))
     return mesh, held, forwards
 
 
