@@ -9,7 +9,8 @@ from meshtune.config import build_config
 from meshtune.distributed import DistEnv
 from meshtune.plan import ModelSize, RunPlan, resolve
 
-QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2", hidden=3584)
+QWEN_7B = ModelSize(7_615_616_512, 233_057_792, 28, attention_heads=28, kv_heads=4, model_type="qwen2", hidden=3584,
+                    head_parameters=152_064 * 3_584)
 
 
 def env(world_size: int, local_world_size: int | None = None, rank: int = 0, device: str = "cpu") -> DistEnv:

@@ -1,16 +1,20 @@
-"""Pipeline parallelism: the run plan's mesh, stages and schedule and its refusals (no processes), a stage's blocks
-and names (one process), and on gloo ranks the losses and gradient norms of one process, full and LoRA, under pp 2
-and pp 2 x dp 2; a pp 2 checkpoint resumed on one process and one process's on pp 2, and final/ the whole model."""
+"""Pipeline parallelism: the run plan's mesh, schedule and stages balanced by cost, and its refusals (no processes), a
+stage's blocks and names and a zbv process's two stages (one process), and on gloo ranks the losses and gradient
+norms of one process, full and LoRA, under pp 2 (GPipe, 1F1B, Interleaved1F1B, ZBV) and pp 2 x dp 2; a pp 2
+checkpoint resumed on one process and under zero2 on 4, one process's on pp 2, and final/ the whole model."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import base_config, read_metrics, write_config
+from conftest import base_config, read_metrics, sentence, write_config
+from meshtune.demo.model import build_tiny_model
+from meshtune.demo.tokenizer import train_tokenizer
 from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
@@ -28,22 +32,56 @@ def test_the_stages_are_outermost_so_a_node_holds_a_stage_and_the_plan_names_the
     plan = plan_of(4, 2, finetuning_type="full", gradient_accumulation_steps=4)
     assert plan.mesh == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}
     assert plan.parallel == "ddp" and plan.grad_sync == "flat" and not plan.weights_from_rank0
-    assert plan.pipeline_stages == [(0, 14), (14, 28)] and plan.pipeline_schedule == "1f1b"
+    # the head (152,064 x 3,584) costs 2.34 blocks: 15 blocks, then 13 and the head
+    assert plan.pipeline_stages == [(0, 15), (15, 28)] and plan.pipeline_schedule == "1f1b"
     for rank, data_rank in ((0, 0), (1, 1), (2, 0), (3, 1)):
         data = plan.data_env(env(4, 2, rank))
         assert (data.rank, data.world_size) == (data_rank, 2), rank
     assert not (plan.fused_loss or plan.padding_free or plan.compile)
     assert "logits the schedule" in plan.why["fused_loss"] and "auto: 1f1b" in plan.why["pipeline_schedule"]
     described = plan.describe()
-    assert "pipeline_stages              blocks 0-13, blocks 14-27" in described
+    assert "pipeline_stages              blocks 0-14, blocks 15-27" in described
     assert "device_mesh                  pp 2 x dp_replicate 2 x dp_shard 1 x cp 1 x tp 1" in described
     plan.write(tmp_path / "run_plan.json")
     written = json.loads((tmp_path / "run_plan.json").read_text())
-    assert list(written["mesh"])[0] == "pp" and written["pipeline_stages"] == [[0, 14], [14, 28]]
+    assert list(written["mesh"])[0] == "pp" and written["pipeline_stages"] == [[0, 15], [15, 28]]
+    assert "costs 2.34 blocks" in written["why"]["pipeline_stages"]
     assert written["pipeline_schedule"] == "1f1b"
     # fewer micro-batches than stages: GPipe, which runs any number
     assert plan_of(4, 2, gradient_accumulation_steps=1).pipeline_schedule == "gpipe"
     assert plan_of(4, 2, gradient_accumulation_steps=4, pipeline_schedule="gpipe").pipeline_schedule == "gpipe"
+
+
+@pytest.mark.parametrize("blocks, stages, head, empty_ends, split", [
+    (8, 4, 0.0, False, [2, 2, 2, 2]),        # equal shares where they divide and the head is not known
+    (28, 2, 2.34, False, [15, 13]),          # Qwen2.5-7B: the head's 2.34 blocks beside 13
+    (28, 4, 2.34, False, [7, 8, 8, 5]),      # slowest 8 blocks' work, not 7 + 2.34 with 7 each
+    (27, 2, 0.0, False, [13, 14]),           # blocks the stages do not divide
+    (28, 8, 2.34, True, [3, 4, 4, 4, 4, 4, 4, 1]),
+    (2, 2, 1.1, False, [1, 1]),              # one stage a process: each holds a block
+    (2, 4, 1.1, True, [0, 1, 1, 0]),         # several a process: the embedding alone, the head alone
+])
+def test_the_stages_split_the_blocks_by_cost_the_head_counted(blocks, stages, head, empty_ends, split):
+    from meshtune.plan import balanced_stages
+
+    bounds = balanced_stages(blocks, stages, head, empty_ends)
+    assert [end - first for first, end in bounds] == split
+    assert bounds[0][0] == 0 and bounds[-1][1] == blocks and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_a_model_whose_blocks_the_stages_do_not_divide_is_split_by_cost_and_the_plan_says_why():
+    """27 blocks of a 7B shape on 2 stages: 15, then 12 and the head; the head's worth named in run_plan.json."""
+    size = ModelSize(7_000_000_000, 233_057_792, 27, 28, 4, "qwen2", head_parameters=152_064 * 3_584)
+    plan = plan_of(4, 2, size=size, gradient_accumulation_steps=4)
+    assert plan.pipeline_stages == [(0, 15), (15, 27)]
+    assert plan.why["pipeline_stages"].startswith("15, 12 of the 27 blocks in the 2 stages (a stage a process)")
+    assert "the head (vocabulary x hidden) costs 2.34 blocks' FLOPs" in plan.why["pipeline_stages"]
+    interleaved = plan_of(4, 2, size=size, gradient_accumulation_steps=4, pipeline_schedule="interleaved_1f1b")
+    assert interleaved.pipeline_virtual_stages == 2 and len(interleaved.pipeline_stages) == 4
+    assert "rank r holding stages r, r + 2, ..." in interleaved.why["pipeline_stages"]
+    zbv = plan_of(4, 2, size=size, gradient_accumulation_steps=1, pipeline_schedule="zbv")
+    assert zbv.pipeline_schedule == "zbv" and "rank r holding stages r and 3 - r" in zbv.why["pipeline_stages"]
+    assert "pipeline_virtual_stages      2" in zbv.describe()
 
 
 def test_without_pipeline_parallel_the_plan_has_no_stages():
@@ -55,11 +93,19 @@ def test_without_pipeline_parallel_the_plan_has_no_stages():
 
 @pytest.mark.parametrize("world_size, size, values, message", [
     (3, QWEN_7B, {}, "2 does not divide the job's 3 processes; counts that work here: 1, 3"),
-    (4, ModelSize(10, 1, 3, 4, 4, "qwen2"), {}, "does not divide the model's 3 blocks .* work here: 1$"),
+    (4, ModelSize(10, 1, 3, 4, 4, "qwen2"), {"pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 4},
+     "8 stages need at least 6 blocks .* the model has 3; counts that work here: 1$"),
+    (4, ModelSize(10, 1, 1, 4, 4, "qwen2"), {}, "2 stages need at least 2 blocks \\(a block a stage\\), and the "
+     "model has 1; counts that work here: 1$"),
     (4, ModelSize(10, 1, 2, 4, 4, "gemma"), {}, "not model_type gemma"),
     (4, ModelSize(10, 1, 2, 4, 4, "qwen2", tied_embeddings=True), {}, "tie_word_embeddings"),
     (4, QWEN_7B, {"pipeline_schedule": "1f1b", "gradient_accumulation_steps": 1},
      "1f1b needs at least pipeline_parallel \\(2\\) micro-batches .* gradient_accumulation_steps to 2"),
+    (4, QWEN_7B, {"pipeline_schedule": "interleaved_1f1b", "gradient_accumulation_steps": 5},
+     "interleaved_1f1b .* the step's 5 .* are not; counts that work on 2 stages: 1, 2, 3, 4, 6, 8$"),
+    (4, ModelSize(10, 1, 2, 4, 4, "qwen2"), {"pipeline_schedule": "zbv", "finetuning_type": "full",
+                                            "parallel": "zero3"},
+     "4 stages need at least 4 blocks .* several a process under ddp, .* the model has 2; counts that work here: 1$"),
 ])
 def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_size, size, values, message):
     with pytest.raises(ConfigError, match=message):
@@ -69,7 +115,6 @@ def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_s
 @pytest.mark.parametrize("values, message", [
     ({"tensor_parallel": 2}, "tensor_parallel or context_parallel above 1"),
     ({"context_parallel": 2}, "tensor_parallel or context_parallel above 1"),
-    ({"finetuning_type": "qlora"}, "finetuning_type: qlora"),
     ({"stage": "dpo"}, "stage: dpo"),
     ({"stage": "kto"}, "stage: kto"),
     ({"packing": True}, "packing: true"),
@@ -78,10 +123,37 @@ def test_layouts_the_pipeline_cannot_split_are_refused_naming_what_works(world_s
     ({"powersgd_rank": 2}, "powersgd_rank"),
     ({"finetuning_type": "full", "parallel": "hsdp"}, "parallel: hsdp: a stage's processes are its replicas"),
     ({"finetuning_type": "full", "parallel": "zero3", "cpu_offload": True}, "cpu_offload: a stage's processes"),
+    ({"pipeline_schedule": "zbv", "pipeline_virtual_stages": 3}, "pipeline_virtual_stages: 3 under "
+     "pipeline_schedule: zbv, whose V holds 2"),
+    ({"pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 1}, "pipeline_virtual_stages: 1 under "
+     "pipeline_schedule: interleaved_1f1b"),
+    ({"pipeline_schedule": "1f1b", "pipeline_virtual_stages": 2}, "pipeline_virtual_stages: 2 with "
+     "pipeline_schedule: 1f1b, which runs one stage a process"),
 ])
 def test_what_the_pipeline_does_not_combine_with_is_refused_before_any_process(values, message):
-    with pytest.raises(ConfigError, match=f"pipeline_parallel: 2 (cannot be combined )?with {message}"):
+    with pytest.raises(ConfigError, match=f"(pipeline_parallel: 2 (cannot be combined )?with )?{message}"):
         build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "pipeline_parallel": 2, **values})
+
+
+def test_micro_batches_are_stacked_to_a_shape_at_least_their_own_with_rows_that_train_nothing():
+    """A stage's FSDP2 processes pad their micro-batches to the largest shape among them: here 3 rows of 70, the
+    first micro-batch's second and third rows copies of its first with every target ignored, the length past 64
+    padded to the shape given."""
+    from meshtune.data.collate import IGNORE, Batch
+    from meshtune.train.pipeline_step import stack, stacked_shape
+
+    def batch(rows: int, length: int) -> Batch:
+        ids = torch.arange(rows * length).view(rows, length) + 1
+        return Batch(ids, ids.clone(), torch.arange(length).repeat(rows, 1), torch.ones(rows, length, dtype=torch.long),
+                     rows * length)
+
+    micro = [batch(1, 5), batch(2, 7)]
+    assert stacked_shape(micro, length_cap=512) == (2, 64)
+    stacked = stack(micro, 2, pad_id=0, rows=3, length=70)
+    assert stacked.input_ids.shape == (6, 70)
+    assert torch.equal(stacked.input_ids[1, :5], micro[0].input_ids[0]) and (stacked.targets[1:3] == IGNORE).all()
+    assert torch.equal(stacked.targets[3:5, :7], micro[1].targets) and (stacked.targets[5] == IGNORE).all()
+    assert (stacked.attention_mask[:, 7:] == 0).all()
 
 
 def test_a_stage_keeps_its_blocks_by_the_whole_model_s_names(tiny_model_dir):
@@ -89,19 +161,45 @@ def test_a_stage_keeps_its_blocks_by_the_whole_model_s_names(tiny_model_dir):
     whole model (LoRA's too), each once, so a checkpoint of either layout loads on the other."""
     from meshtune.model.lora import add_lora
     from meshtune.model.loading import load_model
-    from meshtune.model.pipeline_parallel import keep_stage
+    from meshtune.model.pipeline_parallel import keep_stages
 
     cfg = build_config({"model_name_or_path": str(tiny_model_dir), "dataset": "d.jsonl", "lora_target": "all"})
     whole = set(add_lora(load_model(tiny_model_dir, torch.float32), cfg).state_dict())
     held = []
     for stage in (0, 1):
         model = add_lora(load_model(tiny_model_dir, torch.float32), cfg)
-        keep_stage(model, stage, (stage, stage + 1), 2)
+        keep_stages(model, [(stage, stage + 1)], first=stage == 0, last=stage == 1)
         held.append(set(model.state_dict()))
     assert not held[0] & held[1] and held[0] | held[1] == whole
     assert "base_model.model.model.embed_tokens.weight" in held[0]
     assert {"base_model.model.model.norm.weight", "base_model.model.lm_head.weight"} <= held[1]
     assert all(".layers.1." not in name for name in held[0]) and all(".layers.0." not in name for name in held[1])
+
+
+def test_a_process_of_zbv_holds_two_stages_as_views_of_one_model_by_the_whole_model_s_names(tiny_model_dir):
+    """zbv on 2 processes, 4 stages (the embedding; block 0; block 1; the head): rank 0 holds stages 0 and 3, one
+    model with the embedding, the norm and the head, each stage's forward a view over its own share of it; the view
+    of stage 3 computes the whole model's logits from the hidden states after the last block."""
+    from meshtune.model.loading import load_model
+    from meshtune.model.pipeline_parallel import held_stages, keep_stages, stage_forwards
+
+    blocks = [(0, 0), (0, 1), (1, 2), (2, 2)]
+    assert held_stages(0, 2, 2, "zbv") == [0, 3] and held_stages(1, 2, 2, "zbv") == [1, 2]
+    assert held_stages(1, 2, 2, "interleaved_1f1b") == [1, 3]
+    whole = load_model(tiny_model_dir, torch.float32)
+    model = load_model(tiny_model_dir, torch.float32)
+    keep_stages(model, [blocks[0], blocks[3]], first=True, last=True)
+    assert {name.split(".")[1] for name in model.state_dict() if name.startswith("model.")} == {"embed_tokens", "norm"}
+    assert not any(".layers." in name for name in model.state_dict())
+    first, last = stage_forwards(model, [0, 3], blocks)
+    first_held, last_held = ({id(p) for p in stage.parameters()} for stage in (first, last))
+    assert first_held | last_held == {id(p) for p in model.parameters()} and not first_held & last_held
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        hidden = whole.model(input_ids=ids).last_hidden_state  # the whole model's blocks and final norm
+        before_norm = whole.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        torch.testing.assert_close(first(ids), whole.model.embed_tokens(ids))
+        torch.testing.assert_close(last(before_norm), whole.lm_head(hidden))
 
 
 class Jobs:
@@ -142,6 +240,16 @@ def jobs(tmp_path_factory, tiny_model_dir, tiny_dataset) -> Jobs:
     return Jobs(tmp_path_factory.mktemp("pipeline"), tiny_model_dir, tiny_dataset)
 
 
+@pytest.fixture(scope="module")
+def jobs_4_blocks(tmp_path_factory, tiny_dataset) -> Jobs:
+    """The runs of a tiny model of 4 blocks: a block for each of 4 stages."""
+    rng = random.Random(0)
+    tokenizer = train_tokenizer([sentence(rng, 5, 30) for _ in range(300)], vocab_size=320)
+    model = build_tiny_model(tokenizer, tmp_path_factory.mktemp("model-4-blocks"), seed=0, hidden_size=32,
+                             intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    return Jobs(tmp_path_factory.mktemp("pipeline-4-blocks"), model, tiny_dataset)
+
+
 def assert_same(values: list[float], reference: list[float], what: str) -> None:
     assert len(values) == len(reference), f"{what}: {values} vs {reference}"
     for step, (got, want) in enumerate(zip(values, reference), start=1):
@@ -171,19 +279,50 @@ def test_pp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["lora", "full"])
+def test_interleaved_1f1b_and_zbv_on_pp2_give_the_losses_and_grad_norms_of_one_process(jobs, method):
+    """Two stages a process: the 2 blocks and the head in 4 stages (the first the embedding alone, the last the
+    head), rank 0 holding stages 0 and 2 (interleaved) or 0 and 3 (zbv's V); the held-out loss too. zbv's
+    checkpoint-2 resumes on one process (under LoRA rank 0's stages hold no adapter: it saves nothing); zbv's LoRA
+    runs once more with every block recomputed in backward (activation checkpointing under the split backward)."""
+    one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
+    for schedule in ("interleaved_1f1b", "zbv"):
+        saves = dict(save_steps=2) if schedule == "zbv" else {}
+        run = jobs.run(f"pp2-{schedule}-{method}", method, 2, 2, 4, pipeline_schedule=schedule, **saves, **HELD_OUT)
+        plan = run["plan"]
+        assert plan["pipeline_schedule"] == schedule and plan["pipeline_virtual_stages"] == 2, plan
+        assert plan["pipeline_stages"] == [[0, 0], [0, 1], [1, 2], [2, 2]], plan["pipeline_stages"]
+        assert_same(run["losses"], one["losses"], f"{method} {schedule} loss")
+        assert_same(run["norms"], one["norms"], f"{method} {schedule} grad norm")
+        assert_same(run["eval"], one["eval"], f"{method} {schedule} eval_loss")
+    if method == "lora":
+        recomputed = jobs.run("pp2-zbv-lora-recomputed", method, 2, 2, 4, pipeline_schedule="zbv",
+                              gradient_checkpointing_ratio=1.0, **HELD_OUT)
+        assert recomputed["plan"]["recompute"] == 1.0
+        assert_same(recomputed["losses"], one["losses"], "lora zbv, blocks recomputed, loss")
+        assert_same(recomputed["norms"], one["norms"], "lora zbv, blocks recomputed, grad norm")
+    zbv = jobs.run(f"pp2-zbv-{method}", method, 2, 2, 4, pipeline_schedule="zbv", save_steps=2, **HELD_OUT)
+    resumed = jobs.run(f"one-from-zbv-{method}", method, 1, 1, 4, **HELD_OUT,
+                       resume_from_checkpoint=str(zbv["output"] / "checkpoint-2"))
+    assert_same(resumed["losses"], one["losses"][2:], f"{method} zbv pp 2 -> 1 process")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["lora", "full"])
 def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
     """4 processes: 2 stages of 2 replicas each, 2 micro-batches a step on each replica (global batch 8); LoRA under
-    GPipe, full fine-tuning under 1F1B."""
+    GPipe, full fine-tuning under 1F1B and under ZBV (each replica of rank 0's two stages, the embedding and the head,
+    averaging their gradients with the other's)."""
     one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
-    schedule = "gpipe" if method == "lora" else "1f1b"
-    pp2_dp2 = jobs.run(f"pp2-dp2-{method}", method, 4, 2, 2, pipeline_schedule=schedule, **HELD_OUT)
-    plan = pp2_dp2["plan"]
-    assert plan["pipeline_schedule"] == schedule
-    assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
-    assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
-    assert_same(pp2_dp2["losses"], one["losses"], f"{method} pp 2 x dp 2 loss")
-    assert_same(pp2_dp2["norms"], one["norms"], f"{method} pp 2 x dp 2 grad norm")
-    assert_same(pp2_dp2["eval"], one["eval"], f"{method} pp 2 x dp 2 eval_loss")
+    for schedule in ("gpipe",) if method == "lora" else ("1f1b", "zbv"):
+        pp2_dp2 = jobs.run(f"pp2-dp2-{method}-{schedule}", method, 4, 2, 2, pipeline_schedule=schedule, **HELD_OUT)
+        plan = pp2_dp2["plan"]
+        assert plan["pipeline_schedule"] == schedule
+        assert plan["mesh"] == {"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1}, plan["mesh"]
+        assert plan["grad_sync"] == "flat" and plan["gradient_accumulation_steps"] == 2
+        assert_same(pp2_dp2["losses"], one["losses"], f"{method} {schedule} pp 2 x dp 2 loss")
+        assert_same(pp2_dp2["norms"], one["norms"], f"{method} {schedule} pp 2 x dp 2 grad norm")
+        assert_same(pp2_dp2["eval"], one["eval"], f"{method} {schedule} pp 2 x dp 2 eval_loss")
 
 
 @pytest.mark.slow
@@ -211,6 +350,29 @@ def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_fsdp2_inside_the_stages_of_interleaved_1f1b_and_zbv_gives_the_losses_of_one_process(jobs_4_blocks):
+    """pp 2 x dp 2 of a 4-block model (a block a stage: FSDP2 shards a stage by its blocks), each of a process's two
+    stages its own FSDP2 root: interleaved 1F1B under zero2, ZBV under zero3, full fine-tuning; ZBV's checkpoint-2
+    resumes on one process."""
+    jobs = jobs_4_blocks
+    one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
+    for schedule, parallel in (("interleaved_1f1b", "zero2"), ("zbv", "zero3")):
+        run = jobs.run(f"{schedule}-{parallel}", "full", 4, 2, 2, pipeline_schedule=schedule, parallel=parallel,
+                       save_steps=2, **HELD_OUT)
+        plan = run["plan"]
+        assert plan["parallel"] == parallel and plan["mesh"]["dp_shard"] == 2, plan["mesh"]
+        assert plan["pipeline_stages"] == [[0, 1], [1, 2], [2, 3], [3, 4]], plan["pipeline_stages"]
+        assert_same(run["losses"], one["losses"], f"{schedule} x {parallel} loss")
+        assert_same(run["norms"], one["norms"], f"{schedule} x {parallel} grad norm")
+        assert_same(run["eval"], one["eval"], f"{schedule} x {parallel} eval_loss")
+    resumed = jobs.run("one-from-zbv-zero3", "full", 1, 1, 2, **HELD_OUT,
+                       resume_from_checkpoint=str(jobs.done["zbv-zero3"]["output"] / "checkpoint-2"))
+    assert resumed["plan"]["gradient_accumulation_steps"] == 4
+    assert_same(resumed["losses"], one["losses"][2:], "zbv x zero3 -> 1 process")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_final_of_pp2_holds_the_whole_model_and_the_adapter_by_their_names(jobs):
     for method, weights in (("full", "model.safetensors"), ("lora", "adapter_model.safetensors")):
         one = load_file(str(jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)["output"] / "final" / weights))
@@ -222,14 +384,24 @@ def test_final_of_pp2_holds_the_whole_model_and_the_adapter_by_their_names(jobs)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_pp2_checkpoint_resumes_on_one_process_and_one_process_s_on_pp2(jobs):
-    """Also on pp 2 itself: each stage's optimizer param groups name its own parameters, saved by name."""
+def test_a_pp2_checkpoint_resumes_on_one_process_and_under_zero2_on_4_and_one_process_s_on_pp2(jobs):
+    """Also on pp 2 itself: each stage's optimizer param groups name its own parameters, saved by name. Under
+    zero2 on 4 processes FSDP2 shards each weight the pp 2 stages held whole, the same global batch of 8 in one
+    micro-batch of 2 rows a process."""
     one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
     pp2 = jobs.run("pp2-full", "full", 2, 2, 4, **SAVED)
     from_pp2 = jobs.run("one-from-pp2", "full", 1, 1, 4, resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"),
                         **HELD_OUT)
     assert from_pp2["plan"]["resumed_from"].endswith("checkpoint-2")
     assert_same(from_pp2["losses"], one["losses"][2:], "pp 2 -> 1 process")
+    # the checkpoint's accumulation of 4 given, the plan keeps its global batch of 8: 1 micro-batch a process
+    zero2 = jobs.run("zero2-from-pp2", "full", 4, 1, 4, parallel="zero2", **HELD_OUT,
+                     resume_from_checkpoint=str(pp2["output"] / "checkpoint-2"))
+    assert zero2["plan"]["parallel"] == "zero2" and "pp" not in zero2["plan"]["mesh"], zero2["plan"]
+    assert zero2["plan"]["gradient_accumulation_steps"] == 1
+    assert zero2["plan"]["resumed_from"].endswith("checkpoint-2")
+    assert_same(zero2["losses"], one["losses"][2:], "pp 2 -> zero2 on 4 processes")
+    assert_same(zero2["eval"], one["eval"][1:], "pp 2 -> zero2 on 4 processes, eval_loss")
     to_pp2 = jobs.run("pp2-from-one", "full", 2, 2, 4, resume_from_checkpoint=str(one["output"] / "checkpoint-2"),
                       **HELD_OUT)
     assert_same(to_pp2["losses"], one["losses"][2:], "1 process -> pp 2")
@@ -280,14 +452,19 @@ def test_the_doctor_counts_a_pipeline_s_activations_as_what_crosses_the_nodes():
 
     model = ModelFacts(QWEN_7B, QWEN_7B.parameters, 6_500_000_000, 28, 3584, hidden=3584)
 
-    def sent(pp: int, nodes: int, parallel: str = "ddp") -> float:
+    def sent(pp: int, nodes: int, parallel: str = "ddp", schedule: str = "auto") -> float:
         cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", "finetuning_type": "full",
                             "pipeline_parallel": pp, "per_device_train_batch_size": 8 // (nodes * 8 // pp // 8),
                             "gradient_accumulation_steps": 1, "cutoff_len": 600, "grad_reduce_dtype": "bf16",
-                            "parallel": parallel})
+                            "parallel": parallel, "pipeline_schedule": schedule})
         return sent_by_each_node(step_collectives(cfg, parallel, model, True, True, nodes * 8, None, 8), nodes)
 
     assert sent(2, 2) == pytest.approx(64 * 600 * 3584 * 2)
+    # two stages a process: node 0 sends stage 0's and stage 2's activations and stage 2's gradients back; zbv's V
+    # turns on node 1, which sends stage 2's activations and stage 1's gradients
+    assert sent(2, 2, schedule="interleaved_1f1b") == pytest.approx(3 * sent(2, 2))
+    assert sent(2, 2, schedule="zbv") == pytest.approx(2 * sent(2, 2))
+    assert sent(4, 4, schedule="zbv") == pytest.approx(2 * sent(4, 4)) == pytest.approx(4 * sent(2, 2))
     ddp = sent(1, 2)
     assert ddp == pytest.approx(2 * 15 / 16 * QWEN_7B.parameters * 2)
     assert sent(2, 2) / ddp < 0.02

@@ -224,6 +224,35 @@ def test_sharded_qlora_gives_the_same_losses_in_every_layout_and_keeps_a_shard_o
             assert nf4_sizes(output)[1] is None, (parallel, nproc, output[-3000:])  # the whole model here
 
 
+PIPELINES = [("ddp", 2, 4, {"pipeline_parallel": 2}), ("ddp", 4, 2, {"pipeline_parallel": 2}),
+             ("zero2", 4, 2, {"pipeline_parallel": 2}), ("zero3", 4, 2, {"pipeline_parallel": 2})]
+
+
+@pytest.mark.slow
+def test_qlora_under_pipeline_parallel_gives_the_losses_of_one_process_each_stage_quantizing_its_own_blocks(
+        qlora_model_dir, tiny_dataset, tmp_path_factory, capfd):
+    """pp 2 (a block a stage) and pp 2 x 2 (ddp, zero2, zero3) against 1 x 4: the same losses and held-out loss.
+    Each process reads and quantizes only its stage's block: 7 of the 14 linear weights, half the 4-bit bytes, and
+    under zero2 / zero3 keeps half of those. The held-out set's last batch is a row on one replica of a stage and two
+    on the other: padded to one shape, so FSDP2 gathers the stage's weights as often on both."""
+    layout_runs(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {}), *PIPELINES])
+    reference, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
+    whole = nf4_sizes(output)[0]
+    for parallel, nproc, accumulation, extra in PIPELINES:
+        losses, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, parallel, nproc,
+                                    accumulation, **extra)
+        assert_close(losses, reference, f"pp 2 {parallel} {nproc}x{accumulation}")
+        line = next(line for line in output.splitlines() if line.startswith("qlora: "))
+        assert line.startswith("qlora: 7 frozen linear weights"), line  # rank 0's: stage 0's block
+        sizes = [float(number) * {"KiB": 2**10, "MiB": 2**20}[unit]
+                 for number, unit in re.findall(r"([\d.]+) (KiB|MiB)", line.replace(",", ""))]
+        assert abs(sizes[1] * 2 / whole - 1) < 0.01, line
+        if parallel == "ddp":
+            assert len(sizes) == 2, line  # the stage's whole 4-bit block
+        else:
+            assert abs(sizes[2] * 4 / whole - 1) < 0.01, line
+
+
 @pytest.mark.slow
 def test_zero3_qlora_on_two_nodes_matches_one_node_and_resumes_exactly_after_a_failure(
         qlora_model_dir, tiny_dataset, tmp_path_factory, tmp_path, capfd):

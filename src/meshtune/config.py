@@ -393,19 +393,27 @@ class TrainConfig(BaseModel):
                                            "or tensor_parallel; 1: off", gt=0)
 
     pipeline_parallel: int = PARALLELISM(1, "pipeline stages the model's blocks are split into (torch.distributed."
-                                            "pipelining): each stage holds a consecutive share of the blocks (the "
-                                            "embedding on the first, the final norm and head on the last) and only "
-                                            "activations and their gradients pass between stages. Outermost in the "
-                                            "mesh: with one stage a node, only activations cross the nodes. A divisor "
-                                            "of the processes and of the model's blocks; each stage's processes are "
-                                            "data-parallel (ddp, zero2 or zero3); every optimizer step's micro-batches "
-                                            "(gradient_accumulation_steps) are the schedule's. Full and LoRA, "
+                                            "pipelining): each stage holds consecutive blocks (the embedding on the "
+                                            "first, the final norm and head on the last, the blocks balanced by their "
+                                            "cost and the head's) and only activations and their gradients pass "
+                                            "between stages. Outermost in the mesh: with one stage a node, only "
+                                            "activations cross the nodes. A divisor of the processes; each stage's "
+                                            "processes are data-parallel (ddp, zero2 or zero3); every optimizer step's "
+                                            "micro-batches (gradient_accumulation_steps) are the schedule's. Full, "
+                                            "LoRA and Q-LoRA (each process quantizing only its stages' blocks), "
                                             "stage: sft and pt; 1: off", gt=0)
-    pipeline_schedule: Literal["auto", "gpipe", "1f1b"] = PARALLELISM(
-        "auto", "pipeline_parallel's schedule (torch's ScheduleGPipe / Schedule1F1B): gpipe runs every micro-batch's "
-                "forward, then every backward; 1f1b alternates them once the pipeline is full, so a stage holds the "
-                "activations of at most pipeline_parallel micro-batches, not all of them. auto: 1f1b where the step "
-                "has at least pipeline_parallel micro-batches, else gpipe")
+    pipeline_schedule: Literal["auto", "gpipe", "1f1b", "interleaved_1f1b", "zbv"] = PARALLELISM(
+        "auto", "pipeline_parallel's schedule (torch's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B / "
+                "ScheduleZBVZeroBubble): gpipe runs every micro-batch's forward, then every backward; 1f1b alternates "
+                "them once the pipeline is full, so a stage holds the activations of at most pipeline_parallel "
+                "micro-batches, not all of them; interleaved_1f1b gives each process pipeline_virtual_stages "
+                "stages (r, r + pipeline_parallel, ...), a smaller bubble for more sends; zbv two stages a process in "
+                "a V (r and 2 x pipeline_parallel - 1 - r), backward split into its input's and its weights' "
+                "gradients to fill the bubble. auto: 1f1b where the step has at least pipeline_parallel "
+                "micro-batches, else gpipe")
+    pipeline_virtual_stages: int | None = PARALLELISM(
+        None, "stages each process holds under pipeline_schedule: interleaved_1f1b (2 or more; unset: 2); zbv holds "
+              "2, gpipe and 1f1b 1", gt=0)
 
     zero3_reshard_to_node: bool = CROSS_NODE(
         False, "parallel zero3 on several nodes: after forward each unit's weights are resharded to the processes of "
@@ -830,8 +838,6 @@ class TrainConfig(BaseModel):
             return self
         refused = [(self.tensor_parallel > 1 or self.context_parallel > 1, "tensor_parallel or context_parallel "
                     "above 1 (a stage's processes are data-parallel only): set both to 1, or pipeline_parallel: 1"),
-                   (self.finetuning_type == "qlora", "finetuning_type: qlora (its NF4 base is read and quantized "
-                    "block by block for the whole model): use lora, or pipeline_parallel: 1"),
                    (self.stage in ("dpo", "kto"), f"stage: {self.stage} (its loss compares whole sequences' log-probs "
                     f"against a reference, which the stages' schedule does not carry): pipeline_parallel: 1"),
                    (self.packing, "packing: true (packed rows' block-diagonal attention is not carried between the "
@@ -845,11 +851,28 @@ class TrainConfig(BaseModel):
         for refuse, why in refused:
             if refuse:
                 raise ValueError(f"pipeline_parallel: {pp} cannot be combined with {why}")
+        self._check_pipeline_stages()
         if self.parallel == "hsdp" or self.cpu_offload:
             raise ValueError(f"pipeline_parallel: {pp} with {'cpu_offload' if self.cpu_offload else 'parallel: hsdp'}"
                              f": a stage's processes are its replicas (ddp) or shard it over all of them (zero2, "
                              f"zero3), with the stages across the nodes; set parallel: ddp, zero2 or zero3")
         return self
+
+    def _check_pipeline_stages(self) -> None:
+        """The stages a process holds against the schedule: interleaved_1f1b 2 or more, zbv its V of 2, gpipe and
+        1f1b one (auto among them); zbv's split backward and what it does not run under."""
+        virtual, schedule = self.pipeline_virtual_stages, self.pipeline_schedule
+        if virtual is None:
+            return
+        if schedule == "interleaved_1f1b" and virtual < 2:
+            raise ValueError(f"pipeline_virtual_stages: {virtual} under pipeline_schedule: interleaved_1f1b, which "
+                             f"interleaves several stages a process: set 2 or more, or pipeline_schedule: 1f1b")
+        if schedule == "zbv" and virtual != 2:
+            raise ValueError(f"pipeline_virtual_stages: {virtual} under pipeline_schedule: zbv, whose V holds 2 "
+                             f"stages a process: set 2 or leave it unset, or use pipeline_schedule: interleaved_1f1b")
+        if schedule in ("auto", "gpipe", "1f1b") and virtual != 1:
+            raise ValueError(f"pipeline_virtual_stages: {virtual} with pipeline_schedule: {schedule}, which runs one "
+                             f"stage a process: use pipeline_schedule: interleaved_1f1b, or leave it unset")
 
     def _check_kto(self) -> None:
         """What KTO does not combine with, refused by name with what to set."""

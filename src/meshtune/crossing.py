@@ -19,8 +19,10 @@ wire. Per optimizer step of A micro-steps (checked against the interfaces' count
 - hsdp: sharded inside a node, only the all-reduce of the gradients between the replicas crosses nodes;
 - pipeline_parallel (stages outermost, data-parallel inside a stage): at a stage boundary between nodes each
   process's pipeline sends its micro-batches' activations forward (rows x length x hidden) and receives their
-  gradients back, the same bytes; a node inside the pipeline sends both ways. Where a stage spans nodes, its
-  replicas' all-reduce of the stage's gradients crosses them too.
+  gradients back, the same bytes; a node inside the pipeline sends both ways. With v stages a process
+  (interleaved_1f1b) a micro-batch passes each node v times, the last node's forward and the first's backward v - 1
+  of them; zbv's V passes each boundary twice, down and back. Where a stage spans nodes, its replicas' all-reduce of
+  the stage's gradients crosses them too.
 PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's shape.
 
 Time. A GPU's compute for a step is estimated from its FLOPs at MFU_ASSUMED of a bf16 matmul rate. The gradients
@@ -55,6 +57,7 @@ class ModelSize:
     model_type: str = ""       # the config's model_type (qwen2, llama, ...)
     tied_embeddings: bool = False  # the output head is the input embedding
     hidden: int = 0            # the residual stream's width: what a pipeline stage sends the next, a token
+    head_parameters: int = 0   # the output head's (vocabulary x hidden; 0: unknown)
 
 
 @dataclass(frozen=True)
@@ -146,11 +149,33 @@ def pipeline_collectives(cfg, model: ModelFacts, bf16: bool, gradients: float, p
         return []
     tokens = cfg.per_device_train_batch_size * micro * cfg.cutoff_len
     activations = tokens * model.hidden * (2 if bf16 else 4) * min(per_node, per_stage)
-    ways = 2 if min(pp, nodes) > 2 else 1  # a node between two others sends forward and backward
-    sent = [Collective("send", "activations forward and their gradients back", activations, ways)]
+    sent = [Collective("send", "activations forward and their gradients back", activations,
+                       pipeline_crossings(cfg, min(pp, nodes)))]
     if per_stage > per_node:  # a stage's replicas on several nodes
         sent.append(Collective("all-reduce", "a stage's gradients", gradients / pp, 1, per_stage))
     return sent
+
+
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")  # a process holds several stages
+
+
+def stages_a_process(cfg) -> int:
+    """The stages each process holds: pipeline_virtual_stages where set (interleaved_1f1b), 2 for the multi-stage
+    schedules (zbv's V: one on the way down, one on the way back), 1 for gpipe and 1f1b."""
+    virtual = getattr(cfg, "pipeline_virtual_stages", None)
+    if virtual is not None:
+        return virtual
+    return 2 if getattr(cfg, "pipeline_schedule", None) in MULTI_STAGE_SCHEDULES else 1
+
+
+def pipeline_crossings(cfg, nodes: int) -> int:
+    """How many times the busiest of `nodes` pipeline nodes sends a micro-batch's activations or their gradients:
+    a node between two others sends both ways (one stage a process: 2, the two end nodes 1 each); with v stages a
+    process each direction v times, an end node's one v - 1; zbv's V twice each way inside, once at its turn."""
+    if getattr(cfg, "pipeline_schedule", None) == "zbv":
+        return 4 if nodes > 2 else 2
+    virtual = stages_a_process(cfg)
+    return 2 * virtual if nodes > 2 else 2 * virtual - 1
 
 
 def kept_for_backward(cfg, size: ModelSize) -> float:

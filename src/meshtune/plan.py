@@ -21,9 +21,11 @@ import torch
 from pydantic import ValidationError
 
 from meshtune.config import TrainConfig
+from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE
 from meshtune.crossing import (MAX_BLOCKS_PER_UNIT, NF4_BYTES, ModelSize, StepTime, compute_seconds,
                                data_parallel_step, default_blocks_per_unit, fsdp_units, full_model_facts,
                                pipeline_step, step_collectives)
+from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.hardware import bf16_supported, slowest_peak_flops, smallest_gpu_memory, varlen_available
@@ -67,8 +69,10 @@ class RunPlan:
     # parallel), tp (tensor parallel, innermost: consecutive ranks, inside one node)
     mesh: dict[str, int] = field(default_factory=dict)
     powersgd_rank: int = 0       # ddp: gradients cross as PowerSGD's rank-r factors; 0: whole
-    # pipeline_parallel: torch's schedule (gpipe | 1f1b; None: no pipeline) and each stage's blocks [first, end)
+    # pipeline_parallel: torch's schedule (gpipe | 1f1b | interleaved_1f1b | zbv; None: no pipeline), the stages
+    # each process holds (pipeline_parallel x that many stages in all) and each stage's blocks [first, end)
     pipeline_schedule: str | None = None
+    pipeline_virtual_stages: int = 1
     pipeline_stages: list[tuple[int, int]] = field(default_factory=list)
     # stage: dpo: the reference's log-probs computed once before training (train/reference_pass.py)
     precompute_ref_log_probs: bool = False
@@ -131,7 +135,10 @@ class RunPlan:
         if self.pipeline_parallel > 1:
             rows.append(("pipeline_parallel", str(self.pipeline_parallel)))
             rows.append(("pipeline_schedule", str(self.pipeline_schedule)))
-            rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" for a, b in self.pipeline_stages)))
+            if self.pipeline_virtual_stages > 1:
+                rows.append(("pipeline_virtual_stages", str(self.pipeline_virtual_stages)))
+            rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" if b > a else "no block"
+                                                      for a, b in self.pipeline_stages)))
         if self.model_parallel > 1 or self.pipeline_parallel > 1:
             rows.append(("device_mesh", " x ".join(f"{name} {size}" for name, size in self.mesh.items())))
         if self.blocks_per_unit is not None:
@@ -356,7 +363,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
                    mesh=({"pp": pp} if pp > 1 else {}) | mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp),
-                   powersgd_rank=powersgd, **pipeline_choice(cfg, pp, accumulation, model_size, why))
+                   powersgd_rank=powersgd, **pipeline_choice(cfg, env, pp, parallel, accumulation, model_size, why))
 
 
 def precompute_reference(cfg: TrainConfig, why: dict[str, str]) -> bool:
@@ -467,8 +474,8 @@ PP_MODEL_TYPES = TP_MODEL_TYPES  # decoders whose blocks, embedding, norm and he
 
 def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize]) -> int:
     """`pipeline_parallel`, checked against the job and the model: the stages are outermost in the mesh (rank r is
-    on stage r // (world_size / pp)), so with the processes of one node a stage only activations cross nodes; each
-    stage holds an equal share of the blocks. What the config alone refuses, config.py does."""
+    on stage r // (world_size / pp)), so with the processes of one node a stage only activations cross nodes. What
+    the config alone refuses, config.py does."""
     pp = cfg.pipeline_parallel
     if pp == 1:
         return 1
@@ -485,18 +492,45 @@ def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[
         raise ConfigError(f"pipeline_parallel: {pp}: {cfg.model_name_or_path} ties its output head to the input "
                           f"embedding (tie_word_embeddings), one weight the first and the last stage would both "
                           f"train; set pipeline_parallel: 1 (such models are small enough for parallel: zero3)")
-    if size.blocks % pp:
-        working = [d for d in range(1, size.blocks + 1) if size.blocks % d == 0 and env.world_size % d == 0]
-        raise ConfigError(f"pipeline_parallel: {pp} does not divide the model's {size.blocks} blocks (each stage "
-                          f"holds an equal share); counts that work here: {', '.join(map(str, working))}")
     return pp
 
 
-def pipeline_choice(cfg: TrainConfig, pp: int, micro_batches: int, model_size: Callable[[], ModelSize],
-                    why: dict[str, str]) -> dict:
+EMPTY_ENDS = ", the first and the last, several a process under ddp, may hold only the embedding or the head"
+
+
+def ends_may_be_empty(virtual: int, parallel: str) -> bool:
+    """Whether the first and the last stage may hold no block: where a process holds several stages and they are
+    not FSDP2's (with one a process, a stage with no block would leave its process nothing to train under LoRA;
+    FSDP2 shards a stage by its blocks)."""
+    return virtual > 1 and parallel == "ddp"
+
+
+def check_stage_blocks(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, blocks: int) -> None:
+    """The model's blocks against the stages: a block a stage, or but for the ends (`ends_may_be_empty`)."""
+    virtual = virtual_stages(cfg)
+
+    def least(d: int) -> int:
+        return d * virtual - 2 if ends_may_be_empty(virtual, parallel) else d * virtual
+
+    if blocks < least(pp):
+        working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0 and least(d) <= blocks]
+        raise ConfigError(f"pipeline_parallel: {pp}: {pp * virtual} stages need at least {least(pp)} blocks (a block "
+                          f"a stage{EMPTY_ENDS if virtual > 1 else ''}), and the model has {blocks}; counts that "
+                          f"work here: {', '.join(map(str, working))}")
+
+
+def interleaved_counts(pp: int, limit: int) -> list[int]:
+    """The micro-batch counts up to `limit` torch's ScheduleInterleaved1F1B runs on `pp` processes: a whole number
+    of rounds of max(1, n // pp) each."""
+    return [n for n in range(1, limit + 1) if n % max(1, n // pp) == 0]
+
+
+def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micro_batches: int,
+                    model_size: Callable[[], ModelSize], why: dict[str, str]) -> dict:
     """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
     (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
-    on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number."""
+    on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number; Interleaved1F1B a whole
+    number of rounds; ZBV any number."""
     if pp == 1:
         return {}
     schedule = cfg.pipeline_schedule
@@ -504,17 +538,74 @@ def pipeline_choice(cfg: TrainConfig, pp: int, micro_batches: int, model_size: C
         raise ConfigError(f"pipeline_schedule: 1f1b needs at least pipeline_parallel ({pp}) micro-batches a step, "
                           f"and the step has {micro_batches} (gradient_accumulation_steps): raise "
                           f"gradient_accumulation_steps to {pp}, or use pipeline_schedule: gpipe")
-    if schedule not in ("gpipe", "1f1b"):
+    if schedule == "interleaved_1f1b" and micro_batches % max(1, micro_batches // pp):
+        raise ConfigError(f"pipeline_schedule: interleaved_1f1b runs the micro-batches in rounds of "
+                          f"max(1, micro-batches // pipeline_parallel), a whole number of them, and the step's "
+                          f"{micro_batches} (gradient_accumulation_steps) are not; counts that work on {pp} stages: "
+                          f"{', '.join(map(str, interleaved_counts(pp, max(micro_batches, 4 * pp))))}")
+    if schedule not in ("gpipe", "1f1b", *MULTI_STAGE):
         schedule = "1f1b" if micro_batches >= pp else "gpipe"
         why["pipeline_schedule"] = (f"auto: 1f1b, {micro_batches} micro-batches a step fill {pp} stages, and a stage "
                                     f"holds at most {pp} micro-batches' activations" if schedule == "1f1b" else
                                     f"auto: gpipe, {micro_batches} micro-batches a step are fewer than the {pp} "
                                     f"stages 1f1b needs")
-    blocks = model_size().blocks
-    share = blocks // pp
-    why["pipeline_stages"] = (f"{share} of the {blocks} blocks a stage; the embedding on the first, the final norm "
-                              f"and head on the last")
-    return {"pipeline_schedule": schedule, "pipeline_stages": [(s * share, (s + 1) * share) for s in range(pp)]}
+    virtual = virtual_stages(cfg)
+    size = model_size()
+    head = head_worth(size)
+    check_stage_blocks(cfg, env, pp, parallel, size.blocks)
+    stages = balanced_stages(size.blocks, pp * virtual, head, ends_may_be_empty(virtual, parallel))
+    why["pipeline_stages"] = stages_reason(stages, size.blocks, head, pp, schedule)
+    return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages}
+
+
+def head_worth(size: ModelSize) -> float:
+    """The output head's cost in blocks: its matmul's FLOPs a token (2 x vocabulary x hidden, forward) against a
+    block's (2 x its parameters); 0 where the head is unknown. The embedding is a lookup and counts as nothing."""
+    return size.head_parameters / size.block_parameters if size.block_parameters else 0.0
+
+
+def balanced_stages(blocks: int, stages: int, head: float, empty_ends: bool = False) -> list[tuple[int, int]]:
+    """Consecutive blocks [first, end) for each of `stages` stages, the slowest stage as fast as it can be: a stage
+    costs its blocks, the last one `head` blocks more. Every stage holds a block, but with `empty_ends` the first
+    and the last may hold none (the embedding alone, the head alone). Among splits as fast, the one with the
+    smallest sum of squared costs (the most even), so blocks that divide evenly with no head split in equal
+    shares."""
+    def cost(stage: int, held: int) -> float:
+        return held + (head if stage == stages - 1 else 0.0)
+
+    # best[s][b]: (slowest, sum of squares) of the first s stages holding the first b blocks, and stage s-1's count
+    best: list[dict[int, tuple[tuple[float, float], int]]] = [{0: ((0.0, 0.0), 0)}]
+    for stage in range(stages):
+        least = 0 if empty_ends and stage in (0, stages - 1) else 1
+        row: dict[int, tuple[tuple[float, float], int]] = {}
+        for before, ((slowest, squares), _) in best[-1].items():
+            for held in range(least, blocks - before + 1):
+                c = cost(stage, held)
+                score = (max(slowest, c), squares + c * c)
+                if before + held not in row or score < row[before + held][0]:
+                    row[before + held] = (score, held)
+        best.append(row)
+    counts, end = [], blocks
+    for stage in range(stages, 0, -1):
+        held = best[stage][end][1]
+        counts.append(held)
+        end -= held
+    first, bounds = 0, []
+    for held in reversed(counts):
+        bounds.append((first, first + held))
+        first += held
+    return bounds
+
+
+def stages_reason(stages: list[tuple[int, int]], blocks: int, head: float, pp: int, schedule: str) -> str:
+    """Why the stages hold the blocks they do, for run_plan.json."""
+    held = ", ".join(str(end - first) for first, end in stages)
+    where = (f"rank r holding stages r and {2 * pp - 1} - r" if schedule == "zbv" else
+             f"rank r holding stages r, r + {pp}, ..." if len(stages) > pp else "a stage a process")
+    costs = (f"the head (vocabulary x hidden) costs {head:.2f} blocks' FLOPs and the embedding, a lookup, none"
+             if head else "the head's size unknown, each stage costs its blocks")
+    return (f"{held} of the {blocks} blocks in the {len(stages)} stages ({where}): the slowest stage as fast as it "
+            f"can be, as {costs}; the embedding on the first stage, the final norm and head on the last")
 
 
 def stage_env(env: DistEnv, pp: int) -> DistEnv:

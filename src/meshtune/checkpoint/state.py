@@ -49,7 +49,15 @@ class ModelOptimizerState(Stateful):
     def _by_name(self) -> bool:
         return self.by_name if self.reading_by_name is None else self.reading_by_name
 
+    @property
+    def _holds_nothing(self) -> bool:
+        """A pipeline process whose stages hold no trainable weight (LoRA's embedding and head alone): nothing of
+        it to save or load, and torch's state-dict helpers refuse an empty optimizer."""
+        return self.trainable_only and not any(group["params"] for group in self.optimizer.param_groups)
+
     def state_dict(self) -> dict[str, Any]:
+        if self._holds_nothing:
+            return {"model": {}, "optim": {}}
         # get_state_dict gives a fresh optimizer its state (a zero-lr step), so a resume template exists pre-step
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(
             ignore_frozen_params=self.trainable_only, flatten_optimizer_state_dict=self._by_name))
@@ -58,6 +66,8 @@ class ModelOptimizerState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False only when frozen weights are left out on purpose: dcp.load has already failed on any
         # requested (trainable) key the checkpoint lacks
+        if self._holds_nothing:
+            return
         options = StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only,
                                    flatten_optimizer_state_dict=self._by_name)
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],

@@ -29,15 +29,17 @@ class BlockLoader:
     over (1 under ddp)."""
 
     def __init__(self, model: torch.nn.Module, model_dir: Path, device: torch.device, seed: int, shards: int,
-                 adapter: dict[str, torch.Tensor] | None = None):
-        """`adapter`: the weights of an adapter the run continues (model/lora.starting_adapter), else new ones."""
+                 adapter: dict[str, torch.Tensor] | None = None, blocks: list[torch.nn.Module] | None = None):
+        """`adapter`: the weights of an adapter the run continues (model/lora.starting_adapter), else new ones.
+        `blocks`: the blocks to fill, where they are not all the model's (a pipeline process's, maybe none)."""
         self.files = WeightFiles(model_dir)
         self.device = device
         self.seed = seed
         self.adapter = adapter or {}
         self.shards = shards
         self.names = {id(module): name for name, module in model.named_modules()}
-        self.blocks = {id(block) for block in transformer_blocks(model)}
+        self.held = transformer_blocks(model) if blocks is None else blocks
+        self.blocks = {id(block) for block in self.held}
         self.config = model.config
         self.quantized = [0, 0, 0]  # layers, bytes before, bytes after
         self.started = time.perf_counter()
@@ -53,7 +55,7 @@ class BlockLoader:
 
     def load_all(self, model: torch.nn.Module) -> None:
         """ddp: every block in turn, then the rest (embeddings, final norm, head)."""
-        for block in transformer_blocks(model):
+        for block in self.held:
             self([block])
         self([model])
 

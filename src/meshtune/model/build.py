@@ -20,7 +20,8 @@ from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.lora import add_lora, set_adapter, starting_adapter
 from meshtune.model.loss_head import install_loss_head, output_head
 from meshtune.model.parallel import FlatGradientSync, wrap_model
-from meshtune.model.pipeline_parallel import StageForward, keep_stage, pipeline_mesh
+from meshtune.model.pipeline_parallel import (StageForward, held_blocks, held_stages, keep_stages, pipeline_mesh,
+                                             stage_forwards)
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
 from meshtune.model.recompute import enable_checkpointing
 from meshtune.plan import MEASURE, RunPlan
@@ -34,7 +35,9 @@ class BuiltModel:
     flops: FlopCounter      # FLOPs a batch needs, counted on the model as loaded
     plan: RunPlan           # the plan it was built to: what the model could not do turned off, with the reason
     pipeline: DeviceMesh | None = None  # pipeline_parallel's (pp, dp) mesh; the model is then this process's stage
-    stage: StageForward | None = None   # what the pipeline schedule runs: the stage's forward (FSDP2's root)
+    # what the pipeline schedule runs: the forward of each stage this process holds (one: FSDP2's root)
+    stages: list[StageForward] | None = None
+    held: list[int] | None = None  # the stage of each, of the pipeline's len(plan.pipeline_stages)
 
 
 def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
@@ -72,8 +75,8 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
         compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)
     model.config.use_cache = False  # training never reads a key-value cache
     if plan.pipeline_parallel > 1:
-        mesh, forward = pipeline_stage(model, plan, env)
-        return BuiltModel(model, flops, plan, pipeline=mesh, stage=forward)
+        mesh, held, forwards = pipeline_stages(model, cfg, plan, env, start)
+        return BuiltModel(model, flops, plan, pipeline=mesh, stages=forwards, held=held)
     loader = None
     if cfg.finetuning_type == "qlora":
         loader = BlockLoader(model, model_dir, env.device, cfg.seed, nf4_shards(plan, env), start)
@@ -84,27 +87,47 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
     return BuiltModel(wrapped, flops, plan)
 
 
-def pipeline_stage(model: torch.nn.Module, plan: RunPlan, env: DistEnv) -> tuple[DeviceMesh, StageForward]:
-    """The model cut down to this process's pipeline stage, on its device, and the forward the schedule runs. A
-    stage's processes (the mesh's dp dimension) are its replicas, averaging their gradients in one flat all-reduce
-    after the schedule's last backward (ddp), or shard it with FSDP2 (zero2 / zero3; the stage's forward the root,
-    as the schedule calls it, so torch's stage turns the reduce-scatter off but for the last micro-batch). Every
-    process read the same files and drew the same LoRA weights, so they start equal."""
+def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv,
+                    adapter: dict[str, torch.Tensor] | None) -> tuple[DeviceMesh, list[int], list[StageForward]]:
+    """The model cut down to this process's pipeline stages, on its device, the stages it holds and the forward of
+    each the schedule runs. A stage's processes (the mesh's dp dimension) are its replicas, averaging their
+    gradients in one flat all-reduce after the schedule's last backward (ddp), or shard it with FSDP2 (zero2 / zero3;
+    each stage's forward a root, as the schedule calls it, so torch's stage turns the reduce-scatter off but for the
+    last micro-batch). Every process read the same files and drew the same LoRA
+    weights, so they start equal. Q-LoRA: each process built the model empty and reads, quantizes (and shards) only
+    its stages' blocks, block by block; `adapter`, the one it continues."""
     mesh = pipeline_mesh(env, plan.pipeline_parallel)
-    stage = mesh.get_local_rank("pp")
-    keep_stage(model, stage, plan.pipeline_stages[stage], plan.pipeline_parallel)
-    forward = StageForward(model, first=stage == 0, last=stage == plan.pipeline_parallel - 1)
+    held = held_stages(mesh.get_local_rank("pp"), plan.pipeline_parallel, plan.pipeline_virtual_stages,
+                       plan.pipeline_schedule)
+    last = len(plan.pipeline_stages) - 1
+    keep_stages(model, [plan.pipeline_stages[s] for s in held], first=0 in held, last=last in held)
+    forwards = stage_forwards(model, held, plan.pipeline_stages)
     replicas = mesh["dp"].size()
-    if plan.parallel != "ddp" and replicas > 1:
-        wrap_model(forward, plan.parallel, env, plan.bf16, prefetch=plan.fsdp_prefetch,
-                   reduce_bf16=plan.grad_reduce_dtype == "bf16", blocks_per_unit=plan.blocks_per_unit or 1,
-                   reshard_after_forward=plan.reshard_after_forward, mesh=mesh["dp"])
-        return mesh, forward
-    model.to(env.device)
-    if replicas > 1:
-        model.meshtune_flat_sync = FlatGradientSync(model, replicas, torch.bfloat16 if plan.grad_reduce_dtype == "bf16"
-                                                    else None, in_sync=True, group=mesh["dp"].get_group())
-    return mesh, forward
+    sharded = plan.parallel != "ddp" and replicas > 1
+    loader = None
+    if cfg.finetuning_type == "qlora":
+        loader = BlockLoader(model, Path(cfg.model_name_or_path).expanduser(), env.device, cfg.seed,
+                             replicas if sharded else 1, adapter, blocks=held_blocks(model))
+    if sharded:
+        # the loader knows the model by its own names: a stage's forward, an FSDP2 root, stands for it
+        fill = None if loader is None else lambda modules: loader([model if m in forwards else m for m in modules])
+        for forward in forwards:  # each stage its own FSDP2 root, as torchtitan shards each model part
+            wrap_model(forward, plan.parallel, env, plan.bf16, prefetch=plan.fsdp_prefetch,
+                       reduce_bf16=plan.grad_reduce_dtype == "bf16", blocks_per_unit=plan.blocks_per_unit or 1,
+                       reshard_after_forward=plan.reshard_after_forward, mesh=mesh["dp"], before_shard=fill)
+    else:
+        if loader is not None:
+            loader.load_all(model)  # on the device, block by block
+        else:
+            model.to(env.device)
+        if replicas > 1:
+            model.meshtune_flat_sync = FlatGradientSync(model, replicas, torch.bfloat16 if plan.grad_reduce_dtype ==
+                                                        "bf16" else None, in_sync=True, group=mesh["dp"].get_group())
+    if loader is not None:
+        loader.close()
+        if held_blocks(model):  # else its stages are the embedding and the head alone: nothing to quantize
+            logger.info(loader.describe(model))
+    return mesh, held, forwards
 
 
 def nf4_shards(plan: RunPlan, env: DistEnv) -> int:

@@ -32,7 +32,8 @@ def model_size(path: str | Path) -> ModelSize:
                      len(blocks), attention_heads=getattr(config, "num_attention_heads", 0) or 0,
                      kv_heads=getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0),
                      model_type=config.model_type, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     hidden=getattr(config, "hidden_size", 0) or 0)
+                     hidden=getattr(config, "hidden_size", 0) or 0,
+                     head_parameters=head.weight.numel() if (head := model.get_output_embeddings()) is not None else 0)
 
 
 def model_skeleton(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

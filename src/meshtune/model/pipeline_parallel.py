@@ -1,9 +1,12 @@
 """Pipeline parallel stages, as torchtitan builds them: each stage is the whole model with the blocks of the other
 stages taken out, the input embedding only on the first stage, the final norm and the output head only on the last.
-Parameter names stay those of the whole model, so a DCP checkpoint of any layout loads on any other."""
+A process holding several stages (interleaved_1f1b, zbv) keeps one model with all of their blocks, and each stage
+runs a view of it that shares those blocks. Parameter names stay those of the whole model, so a DCP checkpoint of
+any layout loads on any other."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -47,7 +50,13 @@ class StageForward(nn.Module):
         given = {"input_ids": inputs} if self.first else {"inputs_embeds": inputs}
         hidden = base.model(**given, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False).last_hidden_state
-        return base.lm_head(hidden) if self.last else hidden
+        if self.last:
+            return base.lm_head(hidden)
+        if self.first and torch.is_grad_enabled() and not hidden.requires_grad:
+            # a first stage with nothing to train (LoRA's frozen embedding alone): its output marked as needing a
+            # gradient, so the next stage's input does and zbv's split backward finds that stage's weights from it
+            hidden.requires_grad_()
+        return hidden
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -55,20 +64,68 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return getattr(model, "get_base_model", lambda: model)()
 
 
-def keep_stage(model: nn.Module, stage: int, blocks: tuple[int, int], stages: int) -> None:
-    """Take out of `model`, in place, what stage `stage` of `stages` does not run: the blocks outside [first, end),
-    the embedding unless first, the final norm and the head unless last. Their parameters are freed."""
+def held_stages(rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stages process `rank` of the pipeline holds, in order: one (gpipe, 1f1b); r, r + pp, ... (interleaved);
+    r and 2 pp - 1 - r (zbv's V, so the first and the last stage are both rank 0's)."""
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + v * pp for v in range(virtual)]
+
+
+def keep_stages(model: nn.Module, blocks: list[tuple[int, int]], first: bool, last: bool) -> None:
+    """Take out of `model`, in place, what this process's stages do not run: the blocks outside every [first, end)
+    of `blocks`, the embedding unless it holds the first stage, the final norm and the head unless the last. Their
+    parameters are freed."""
     base = causal_lm(model)
     decoder = base.model
-    first, end = blocks
     for i in range(len(decoder.layers)):
-        if not first <= i < end:
+        if not any(start <= i < end for start, end in blocks):
             decoder.layers[i] = BlockOfAnotherStage()
-    if stage > 0:
+    if not first:
         decoder.embed_tokens = None
-    if stage < stages - 1:
+    if not last:
         decoder.norm = nn.Identity()
         base.lm_head = None
+
+
+def held_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks `model`, cut down by keep_stages, still holds."""
+    return [layer for layer in causal_lm(model).model.layers if not isinstance(layer, BlockOfAnotherStage)]
+
+
+def stage_forwards(model: nn.Module, stages: list[int], blocks: list[tuple[int, int]]) -> list[StageForward]:
+    """The forward of each stage in `stages` (of all `blocks`' stages) over `model`, cut down by keep_stages: the
+    model itself where it is one stage, else a view of it a stage."""
+    last = len(blocks) - 1
+    if len(stages) == 1:
+        return [StageForward(model, first=stages[0] == 0, last=stages[0] == last)]
+    return [StageForward(stage_view(model, blocks[s], s == 0, s == last), first=s == 0, last=s == last)
+            for s in stages]
+
+
+def stage_view(model: nn.Module, blocks: tuple[int, int], first: bool, last: bool) -> nn.Module:
+    """The causal LM of `model` as one of its stages sees it: new module containers over the same blocks, embedding,
+    norm and head (the same parameters, trained and saved through `model`), the other blocks passed over."""
+    base = causal_lm(model)
+    view, decoder = shallow(base), shallow(base.model)
+    view.model = decoder
+    start, end = blocks
+    decoder.layers = nn.ModuleList([layer if start <= i < end else BlockOfAnotherStage()
+                                    for i, layer in enumerate(base.model.layers)])
+    if not first:
+        decoder.embed_tokens = None
+    if not last:
+        decoder.norm = nn.Identity()
+        view.lm_head = None
+    return view
+
+
+def shallow(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose children, parameters and buffers are its own to replace, and the same objects."""
+    copied = copy.copy(module)
+    copied._modules, copied._parameters, copied._buffers = (dict(module._modules), dict(module._parameters),
+                                                            dict(module._buffers))
+    return copied
 
 
 def pipeline_mesh(env: DistEnv, stages: int) -> DeviceMesh:

@@ -17,7 +17,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+    # an empty group where nothing trains: a pipeline process holding only stages without LoRA weights (zbv's first
+    # and last, the embedding and the head) steps nothing, and torch refuses an optimizer without a group
+    groups = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.master_weights == "bf16":
         return StochasticBf16AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon,

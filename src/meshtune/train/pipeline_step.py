@@ -1,7 +1,8 @@
 """An optimizer step's forward and backward under pipeline_parallel, through torch.distributed.pipelining: the
-step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe or
-Schedule1F1B) splits back into them; the last stage computes each micro-batch's loss, normalised as the data-parallel
-step normalises it, so the sum over micro-batches is the one-process loss and its gradients."""
+step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe,
+Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble) splits back into them; the last stage computes each
+micro-batch's loss, normalised as the data-parallel step normalises it, so the sum over micro-batches is the
+one-process loss and its gradients."""
 
 from __future__ import annotations
 
@@ -9,30 +10,50 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
 
+from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE  # several stages a process, given as a list
 from meshtune.data.collate import IGNORE, Batch
 from meshtune.model.pipeline_parallel import StageForward
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.token_loss import token_loss_sum
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble}
+
+
+class ForwardOnlyStage(PipelineStage):
+    """A stage of an evaluation schedule. torch's `eval` of a V schedule (zbv) still walks its backward actions,
+    each skipped, and hands their gradients between a process's two adjacent stages, which a stage without a
+    backward refuses: here there are none to hand."""
+
+    def get_local_bwd_output(self, mb_index):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 LENGTH_MULTIPLE = 64  # rows padded to a multiple: fewer distinct shapes, each a stage set up anew
 SHAPES_KEPT = 4       # stages (with their receive buffers) kept for the shapes seen last
 
 
 class PipelineStep:
-    """This process's stage of the pipeline and the schedules it runs, one per micro-batch shape: a stage's sends and
-    receives are set up for one shape on its first step, and micro-batches of a step differ in length from the next
-    step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
+    """This process's stages of the pipeline and the schedules it runs, one per micro-batch shape: a stage's sends
+    and receives are set up for one shape on its first step, and micro-batches of a step differ in length from the
+    next step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
 
-    def __init__(self, module: StageForward, mesh: DeviceMesh, schedule: str, micro_batches: int,
-                 device: torch.device, pad_id: int, length_cap: int, autocast_bf16: bool = False):
-        self.stage = mesh.get_local_rank("pp")
-        self.stages = mesh["pp"].size()
+    def __init__(self, modules: list[StageForward], held: list[int], stages: int, mesh: DeviceMesh, schedule: str,
+                 micro_batches: int, device: torch.device, pad_id: int, length_cap: int,
+                 autocast_bf16: bool = False, sharded: bool = False):
+        self.modules, self.held, self.stages = modules, held, stages  # held: the stage of each module, of `stages`
         self.group = mesh["pp"].get_group()
-        self.module = module
+        # FSDP2 inside the stages: a stage's processes gather its weights together at each forward, and a stage set
+        # up for a new shape runs one forward more (torch's shape inference), so its processes, which take other
+        # micro-batches, pad them to one shape: the largest of theirs
+        self.shape_group = mesh["dp"].get_group() if sharded else None
         self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
         self.pad_id, self.length_cap = pad_id, length_cap
         self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
@@ -43,19 +64,26 @@ class PipelineStep:
         self.loss_of: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
 
     @property
+    def first(self) -> bool:
+        return 0 in self.held
+
+    @property
     def last(self) -> bool:
-        return self.stage == self.stages - 1
+        return self.stages - 1 in self.held
 
     def _schedule(self, rows: int, length: int, micro_batches: int, training: bool):
         key = (rows, length, micro_batches, training)
         if key in self.schedules:
             self.schedules.move_to_end(key)
             return self.schedules[key]
-        stage = PipelineStage(self.module, self.stage, self.stages, self.device, group=self.group)
+        kind = PipelineStage if training else ForwardOnlyStage
+        stages = [kind(module, stage, self.stages, self.device, group=self.group)
+                  for module, stage in zip(self.modules, self.held)]
         # scale_grads off: each micro-batch's loss is already its share of the step's (see step); evaluation runs
-        # one batch as one micro-batch, forward only
-        schedule = self.schedule if training else "gpipe"
-        made = SCHEDULES[schedule](stage, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
+        # one batch as one micro-batch, forward only (a multi-stage schedule's own eval: its stages' placement)
+        schedule = self.schedule if training or self.schedule in MULTI_STAGE else "gpipe"
+        made = SCHEDULES[schedule](stages if schedule in MULTI_STAGE else stages[0], n_microbatches=micro_batches,
+                                   loss_fn=self._loss, scale_grads=False)
         self.schedules[key] = made
         if len(self.schedules) > SHAPES_KEPT:
             self.schedules.popitem(last=False)
@@ -81,7 +109,10 @@ class PipelineStep:
         return self._run([batch], 1, training=False)
 
     def _run(self, micro: list[Batch], count: int, training: bool) -> torch.Tensor:
-        stacked = stack(micro, count, self.pad_id, self.length_cap)
+        shape = torch.tensor(stacked_shape(micro, self.length_cap), device=self.device)
+        if self.shape_group is not None:
+            dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.shape_group)
+        stacked = stack(micro, count, self.pad_id, *shape.tolist())
         rows, length = stacked.input_ids.shape
         schedule = self._schedule(rows // count, length, count, training)
         self.sums = []
@@ -89,7 +120,7 @@ class PipelineStep:
         kwargs = {"attention_mask": inputs.attention_mask, "position_ids": inputs.position_ids}
         run = schedule.step if training else schedule.eval
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            if self.stage == 0:
+            if self.first:
                 run(inputs.input_ids, **kwargs, **({"target": inputs.targets} if self.last else {}))
             elif self.last:
                 run(**kwargs, target=inputs.targets)
@@ -102,14 +133,19 @@ class PipelineStep:
         return torch.stack(self.sums[-count:]).double().sum()
 
 
-def stack(micro: list[Batch], count: int, pad_id: int, length_cap: int) -> Batch:
-    """The step's micro-batches as one batch of `count` equal chunks, each right-padded to one length (a multiple of
-    LENGTH_MULTIPLE, or the longest a row may be): padding is masked and trains nothing, so each chunk's loss is
-    its micro-batch's. A micro-batch with fewer rows, and a missing one (an epoch's short last step), is filled
-    with copies of a row whose targets are all ignored."""
+def stacked_shape(micro: list[Batch], length_cap: int) -> tuple[int, int]:
+    """The rows of a chunk and the length `stack` pads the micro-batches to: their most rows, their longest row
+    rounded up to a multiple of LENGTH_MULTIPLE (or the longest a row may be)."""
     rows = max(b.input_ids.size(0) for b in micro)
     longest = max(b.input_ids.size(1) for b in micro)
-    length = max(longest, min(-(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, length_cap))
+    return rows, max(longest, min(-(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, length_cap))
+
+
+def stack(micro: list[Batch], count: int, pad_id: int, rows: int, length: int) -> Batch:
+    """The step's micro-batches as one batch of `count` equal chunks of `rows` rows, each right-padded to `length`
+    (stacked_shape's, or more): padding is masked and trains nothing, so each chunk's loss is its micro-batch's. A
+    micro-batch with fewer rows, and a missing one (an epoch's short last step), is filled with copies of a row
+    whose targets are all ignored."""
     shape = (count * rows, length)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     targets = torch.full(shape, IGNORE, dtype=torch.long)
@@ -119,15 +155,15 @@ def stack(micro: list[Batch], count: int, pad_id: int, length_cap: int) -> Batch
     for m in range(count):
         batch = micro[m] if m < len(micro) else None
         for r in range(rows):
-            source = batch if batch is not None and r < batch.input_ids.size(0) else spare
-            row = r if source is batch else 0
+            own = batch is not None and r < batch.input_ids.size(0)  # else a filler row (`spare` may be `batch`)
+            source, row = (batch, r) if own else (spare, 0)
             n = source.input_ids.size(1)
             at = m * rows + r
             input_ids[at, :n] = source.input_ids[row]
             position_ids[at, :n] = source.position_ids[row]
             if source.attention_mask is not None:
                 mask[at, :n] = source.attention_mask[row]
-            if source is batch:
+            if own:
                 targets[at, :n] = source.targets[row]
     return Batch(input_ids, targets, position_ids, mask, sum(b.num_tokens for b in micro))
 
