@@ -32,9 +32,11 @@ projected job (NCCL, bf16 weights), so a formula that misses part of the traffic
 it did not run is marked "(formula)". Projected for full 7B, full 72B, LoRA 7B and Q-LoRA 72B (--jobs) at --nodes x 8
 GPUs over --link-gbps, each GPU at the one-GPU rate of PROJECTED (cited; or --tokens-per-s JOB=RATE), 4 sequences of
 576 tokens a GPU a step (64 sequences at 2 nodes), the same overlap as above. The pipeline rows put a stage on each
-node (pp = nodes, where the blocks divide; not Q-LoRA, which config.py refuses), their micro-batches 4 sequences
+node (pp = nodes, where the blocks divide evenly; Q-LoRA's stages zero3 inside a node), their micro-batches 4 sequences
 (pp: what `parallel: auto` runs for per_device_train_batch_size 4) or 1 (pp-mb1: per_device_train_batch_size 1,
-gradient_accumulation_steps 4), each pipeline taking the stages' times the micro-batches so the global batch stays.
+gradient_accumulation_steps 4), each pipeline taking the stages' times the micro-batches so the global batch stays;
+pp-mb1-interleaved and pp-mb1-zbv hold two stages a process (interleaved_1f1b, zbv: a bubble half as long, more
+sends).
 The auto rows give the mode meshtune.plan's link choice picks at each link and count (auto-mb1: for the
 one-sequence micro-batches). A mode whose weights and state do not fit --gpu-gib a GPU is marked so:
 
@@ -158,14 +160,18 @@ DERIVED = {"full-72b": ("full-7b", 1.0), "qlora-72b": ("lora-7b", 0.70)}  # rate
 FULL_MODES = {"ddp": ("ddp", {}, "ddp"), "zero2": ("zero2", {}, "zero2"), "zero3": ("zero3", {}, "zero3"),
               "zero3-node": ("zero3", {"zero3_reshard_to_node": True}, "zero3-node"), "hsdp": ("hsdp", {}, "hsdp"),
               "hsdp-bf16": ("hsdp", {"grad_reduce_dtype": "bf16"}, "hsdp-bf16"),
-              "pp": ("zero2", {}, "pp2"), "pp-mb1": ("zero2", {}, "pp2")}
+              "pp": ("zero2", {}, "pp2"), "pp-mb1": ("zero2", {}, "pp2"),
+              "pp-mb1-interleaved": ("zero2", {"pipeline_schedule": "interleaved_1f1b"}, "pp2"),
+              "pp-mb1-zbv": ("zero2", {"pipeline_schedule": "zbv"}, "pp2")}
 LORA_MODES = {"lora-ddp": ("ddp", {}, "lora-ddp"),
               "lora-ddp-bf16": ("ddp", {"grad_reduce_dtype": "bf16"}, "lora-ddp-bf16"),
               "lora-pp-mb1": ("ddp", {}, "pp2")}
+QLORA_MODES = {**LORA_MODES, "qlora-pp-mb1": ("zero3", {}, "pp2")}
 # a stage a node, dp inside it; the step's sequences a GPU in micro-batches of this many (the config's
 # per_device_train_batch_size; the plan's auto runs gradient_accumulation_steps x stages of them)
 SEQUENCES_A_GPU, TOKENS_A_SEQUENCE = 4, 576
-PIPELINE_MODES = {"pp": SEQUENCES_A_GPU, "pp-mb1": 1, "lora-pp-mb1": 1}
+PIPELINE_MODES = {"pp": SEQUENCES_A_GPU, "pp-mb1": 1, "lora-pp-mb1": 1, "pp-mb1-interleaved": 1, "pp-mb1-zbv": 1,
+                  "qlora-pp-mb1": 1}
 
 
 def link_calibration(path: Path | None) -> dict[str, float]:
@@ -233,13 +239,14 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
     """One optimizer step at `nodes` x `per_node` (meshtune.crossing): the formula's crossing bytes x the link's
     ratio, hidden behind the compute (gradients behind their micro-step's backward, gathers behind the rest; a
     pipeline's activations behind the other micro-batches', its bubble lost)."""
-    from meshtune.crossing import data_parallel_step, pipeline_step, sent_by_each_node
+    from meshtune.crossing import data_parallel_step, pipeline_step, sent_by_each_node, stages_a_process
     from meshtune.doctor.traffic import step_collectives
 
     crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, gpu_bytes, per_node)
     micro = cfg.gradient_accumulation_steps
     if cfg.pipeline_parallel > 1:
-        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s, cfg.pipeline_parallel, micro)
+        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s, cfg.pipeline_parallel, micro,
+                             stages_a_process(cfg))
     else:
         step = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts))
     return {"gather_s": step.gather_s, "reduce_s": step.reduce_s, "bubble_s": step.bubble_s, "step_s": step.step_s,
@@ -291,7 +298,7 @@ def project(args) -> None:
         size, method, _, source = PROJECTED[job]
         facts = facts_of[job]
         compute_s = tokens / rates[job]
-        modes = FULL_MODES if method == "full" else LORA_MODES
+        modes = FULL_MODES if method == "full" else QLORA_MODES if method == "qlora" else LORA_MODES
         lines += [f"**{job}** ({facts.size.parameters / 1e9:.1f} B parameters, {facts.trainable / 1e6:,.0f} M "
                   f"trained): {rates[job]:,.0f} tokens/s a GPU ({source}), {tokens:,} tokens a GPU a step: "
                   f"{compute_s:.3f} s of compute", "",
@@ -301,16 +308,17 @@ def project(args) -> None:
         for name, (mode, keys, variant) in modes.items():
             ratio = ratios.get(variant, 1.0)
             pipeline = name in PIPELINE_MODES
-            if pipeline and method == "qlora":
-                continue  # config.py refuses Q-LoRA under pipeline_parallel
+            if pipeline and method == "qlora" and name != "qlora-pp-mb1":
+                continue  # Q-LoRA's pipeline shards each stage over its node (zero3), as sharded Q-LoRA runs
             if pipeline and method == "full":  # each stage sharded inside its node as the plan shards it
                 mode = stage_sharding(facts, nodes_list[0], per_node, gpu * 2**30)
             held = state_gib(method, mode, facts, nodes_list[0], per_node, nodes_list[0] if pipeline else 1)
             for gbps in gbps_list:
                 cells = []
                 for nodes in nodes_list:
-                    if pipeline and facts.size.blocks % nodes:
-                        cells.append("—")  # the stages must divide the blocks
+                    virtual = 2 if keys.get("pipeline_schedule") in ("interleaved_1f1b", "zbv") else 1
+                    if pipeline and facts.size.blocks % (nodes * virtual):
+                        cells.append("—")  # equal stages only: the arithmetic assumes no stage slower than another
                         continue
                     cfg = mode_config(method, mode, keys, nodes if pipeline else 1,
                                       PIPELINE_MODES.get(name, SEQUENCES_A_GPU))

@@ -29,9 +29,10 @@ Time. A GPU's compute for a step is estimated from its FLOPs at MFU_ASSUMED of a
 cross once an optimizer step (or once a micro-step where they stay sharded), during that micro-step's backward
 (BACKWARD_SHARE of its compute); what does not fit that window is exposed, and at least the last unit's share always
 is (it starts when backward ends). The weights' gathers overlap the rest of the step. A pipeline of pp stages over m
-micro-batches loses the bubble, (pp - 1) / (m + pp - 1) of its step (GPipe and 1F1B alike), and its activations'
-sends overlap the other micro-batches' compute: one micro-batch's share is exposed (the fill and the drain), the rest
-only where it outlasts the compute.
+micro-batches loses the bubble, (pp - 1) / (m + pp - 1) of its step (GPipe and 1F1B alike; with v stages a process,
+interleaved_1f1b's (pp - 1) / (v m + pp - 1), and zbv taken as interleaved with v = 2: its split backward's filling
+of the bubble is not counted), and its activations' sends overlap the other micro-batches' compute: one
+micro-batch's share is exposed (the fill and the drain), the rest only where it outlasts the compute.
 """
 
 from __future__ import annotations
@@ -253,10 +254,11 @@ def data_parallel_step(crossing: list[Collective], nodes: int, busbw: float, com
 
 
 def pipeline_step(crossing: list[Collective], nodes: int, busbw: float, compute_s: float, pp: int,
-                  micro: int) -> StepTime:
-    """A step of `pp` stages over `micro` micro-batches (see the module's docstring): the bubble lost, one
-    micro-batch's sends exposed and the rest hidden behind the other micro-batches' compute where it fits."""
+                  micro: int, virtual: int = 1) -> StepTime:
+    """A step of `pp` processes of a pipeline over `micro` micro-batches, `virtual` stages a process (see the
+    module's docstring): the bubble lost, one micro-batch's sends exposed and the rest hidden behind the other
+    micro-batches' compute where it fits."""
     send_s = collective_seconds(crossing, busbw, nodes)
-    bubble_s = compute_s * (pp - 1) / max(micro, 1)
+    bubble_s = compute_s * (pp - 1) / (max(micro, 1) * virtual)
     exposed_send = max(send_s / max(micro, 1), send_s - compute_s)
     return StepTime(compute_s, bubble_s + exposed_send, reduce_s=send_s, bubble_s=bubble_s)
