@@ -22,7 +22,6 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,17 +31,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtune.checkpoint.fetch import fetch_checked
-from meshtune.checkpoint.manifest import (COMPLETE, CheckpointError, dcp_reader, dcp_writer, delete_sealed,
-                                          file_problems, finish_deletions, fsync_dir, hash_file, read_manifest, share,
-                                          verify, write_manifest)
+from meshtune.checkpoint.manifest import (CheckpointError, dcp_writer, delete_sealed, fsync_dir, hash_file, one_line,
+                                          write_manifest)
 from meshtune.checkpoint.object_store import StorePath, location
-from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints, select_resume, set_aside
-from meshtune.checkpoint.state import ModelOptimizerState, RNGState
-from meshtune.config import key_default, math_hash
+from meshtune.checkpoint.rank_group import RankGroup
+from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints
+from meshtune.checkpoint.resume_point import ResumePoint
+from meshtune.checkpoint.retention import Retention
 from meshtune.faults import maybe_die
-from meshtune.logs import RankWarning
 from meshtune.units import byte_size
+
+__all__ = ["RESUME_COPY", "CheckpointManager", "one_line"]  # one_line: a write error in one line (manifest.py)
 
 logger = logging.getLogger(__name__)
 RESUME_COPY = ".resume-copy"  # in output_dir: each node's copy of the checkpoint a resume from a store loads
@@ -60,11 +59,18 @@ class _Pending:
 
 
 class CheckpointManager:
-    """Owns `output_dir/checkpoint-*`: save (sync or async), publish, retention, resume selection and load.
+    """Owns `output_dir/checkpoint-*`: when to save, writing and publishing; retention (checkpoint/retention.py) after
+    each publish, and the resume point's choice, verification and load (checkpoint/resume_point.py), with the ranks'
+    collectives in checkpoint/rank_group.py.
 
     With `async_save`, `dcp.async_save` copies the state to CPU and writes it in a background thread on a
     dedicated gloo group (on the default group it aborted at exit in 3 of 8 runs); at most one save is in flight,
     and the next `save` or `wait` publishes it. Call `close()` (it waits) before the process group is destroyed.
+
+    Collectives of a save, in the order every rank meets them: the barrier after rank 0 clears an interrupted
+    attempt (`save`), DCP's own (its plan, and async its background write on the dedicated group), then in `wait`
+    the gather of every rank's outcome and file hashes and the broadcast of rank 0's verdict (published, or why
+    not). Retention runs on rank 0 inside the publish, before that broadcast.
     """
 
     def __init__(self, output_dir: Path | StorePath | str, save_total_limit: int | None, async_save: bool, rank: int,
@@ -87,13 +93,12 @@ class CheckpointManager:
         self.save_total_limit = save_total_limit
         self.async_save = async_save
         self.rank = rank
-        self.world_size = world_size
-        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.group = RankGroup.of(rank, world_size, local_rank, local_world_size)
+        self.retention = Retention(self.output_dir, save_total_limit)
         # one folder per node, so that nodes sharing an output_dir never write the same files
-        self._copied: Path | None = None  # this node's copy of the checkpoint select_resume chose in a store
         self.staging = ((staging or Path(tempfile.gettempdir()) / f"meshtune-resume-{os.getuid()}")
-                        / f"node-{rank // local_world_size}")
-        self._distributed = dist.is_initialized() and world_size > 1
+                        / f"node-{self.group.node}")
+        self.resume = ResumePoint(self.output_dir, self.group, self.staging, self.retention)
         # new_group is collective: every rank builds the manager at the same point of the loop
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._pending: _Pending | None = None
@@ -125,7 +130,7 @@ class CheckpointManager:
         tmp = checkpoint_dir(self.output_dir, step, tmp=not self.in_store)
         if self.rank == 0:
             self._clear(tmp)
-        self._barrier()
+        self.group.barrier()
         writer = dcp_writer(tmp)  # creates tmp; on a file system fsyncs every shard it writes
         if self.async_save:
             try:
@@ -165,9 +170,9 @@ class CheckpointManager:
         except (Exception, CheckpointException) as exc:  # reported through rank 0 below, so no rank is left waiting
             # at a collective (DCP's CheckpointException, what a failed background write raises, is no Exception)
             error = f"rank {self.rank}: {one_line(exc)}" if self.in_store else f"rank {self.rank}: {exc}"
-        reports = self._gather((error, hashes))
+        reports = self.group.gather((error, hashes))
         outcome = self._publish(pending, reports) if self.rank == 0 else None
-        outcome = self._broadcast(outcome)
+        outcome = self.group.broadcast(outcome)
         if outcome:
             raise CheckpointError(outcome)
         self.last_save_s = pending.staged_s + time.monotonic() - began
@@ -184,155 +189,17 @@ class CheckpointManager:
                 self._group = None
 
     def select_resume(self, named: Path | None) -> tuple[Path | None, list[tuple[Path, str]]]:
-        """`select_resume` decided by rank 0 (it lists the checkpoints, judges them and moves damaged ones aside),
-        each candidate's files hashed by every rank, a share each (`_verify_together`); the answer given to every
-        rank."""
-        answer: Any = None
-        if self.rank == 0:
-            try:
-                self._finish_deletions()
-                path, skipped = select_resume(self.output_dir, named, check=self._verify_together)
-                answer = path, [self._aside(skip, reason) for skip, reason in skipped]
-            except (CheckpointError, OSError) as error:  # every rank waits for this answer
-                answer = str(error)
-            finally:
-                self._broadcast(None)  # no further candidate: the other ranks leave `_hash_shares`
-        else:
-            self._hash_shares()
-        answer = self._broadcast(answer)  # every rank's fetches are done: rank 0 gathered their checks
-        chosen = None if isinstance(answer, str) else answer[0]
-        self._copied = self._copy_of(chosen) if isinstance(chosen, StorePath) else None
-        if self.local_rank == 0:
-            self._drop_copies(keep=self._copied)
-        if isinstance(answer, str):
-            raise CheckpointError(answer)
-        return answer
-
-    def _verify_together(self, path: Path) -> list[str]:
-        """Rank 0: `verify(path)`, with the listed files dealt across the ranks (`share`), each hashing its own at
-        the same time; rank 0 gathers what they found and checks the rest (marker, manifest, unlisted files, DCP's
-        index)."""
-        in_store = isinstance(path, StorePath)
-        if not self._distributed and not in_store:
-            return verify(path)
-
-        def check_files(listed: dict[str, dict[str, Any]]) -> dict[str, str]:
-            self._broadcast((str(path), listed))  # the manifest rank 0 read: every rank deals the same shares
-            found = self._check_share(path, listed)
-            for theirs in self._gather(found)[1:]:
-                found.update(theirs)
-            return found
-
-        return verify(path, check_files, copy=self._copy_of(path) if in_store else None)
-
-    def _hash_shares(self) -> None:
-        """The other ranks: check their share of each candidate rank 0 names, until it names none."""
-        while (candidate := self._broadcast(None)) is not None:
-            path, listed = candidate
-            try:
-                found = self._check_share(location(path), listed)
-            except Exception as exc:  # reported through rank 0, so no rank is left waiting at the gather
-                found = {f"rank {self.rank}": f"rank {self.rank} could not check its files: {exc}"}
-            self._gather(found)
-
-    def _check_share(self, path: Path | StorePath, listed: dict[str, dict[str, Any]]) -> dict[str, str]:
-        """This rank's share of the listed files checked. In a store, the share of its node's processes, fetched
-        into the node's copy and checked there: each node reads every object once, and loads that copy."""
-        if isinstance(path, StorePath):
-            names = share(listed, self.local_world_size)[self.local_rank]
-            return fetch_checked(path, listed, names, self._copy_of(path))
-        return file_problems(path, listed, share(listed, self.world_size)[self.rank])
-
-    def _copy_of(self, path: StorePath) -> Path:
-        """Where this node copies checkpoint `path` of a store while a resume checks and loads it."""
-        return self.staging / path.name
-
-    def _drop_copies(self, keep: Path | None) -> None:
-        """This node's local process 0, once every rank's fetches are done: the copies other than `keep` (the one
-        to load) deleted."""
-        if not self.staging.is_dir():
-            return
-        for copy in self.staging.iterdir():
-            if copy != keep:
-                shutil.rmtree(copy, ignore_errors=True)
-
-    @staticmethod
-    def _aside(path: Path, reason: str) -> tuple[Path, str]:
-        """A published checkpoint passed over because it failed verification is moved aside (a save of its step
-        would otherwise replace it, and retention could delete it); others are left as they are."""
-        if path.name.endswith(".tmp") or not (path / COMPLETE).is_file():
-            return path, reason
-        return path, f"{reason}; moved aside to {set_aside(path).name}"
+        """The checkpoint to resume from and those passed over, chosen by every rank together (ResumePoint)."""
+        return self.resume.select(named)
 
     def find_resume(self, named: Path | None, config: dict[str, Any], allowed: list[str] = ()
                     ) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-        """The checkpoint to resume from (`named`, or the newest good one where None; None if there is none), its
-        manifest, and warnings for the user (the checkpoints passed over and why). A checkpoint written under other
-        values of `config` (the run's math) is an error naming the keys, unless each is in `allowed`."""
-        path, skipped = self.select_resume(named)
-        notes = [f"warning: not resuming from {skip.name}: {reason}" for skip, reason in skipped]
-        if path is None:
-            return None, None, notes
-        manifest = read_manifest(path)
-        saved = manifest.get("config")
-        if saved is None:  # written before checkpoints kept their config: only the hash can be compared
-            if manifest.get("config_hash") != math_hash(config):
-                notes.append(f"warning: {path.name} was written with another config (its manifest keeps only the "
-                             f"hash); resuming anyway")
-            return path, manifest, notes
-        # a key the checkpoint predates counts at its default: the run computed what that default computes
-        changed = {key: (saved.get(key), value) for key, value in config.items()
-                   if saved.get(key) != value and not (key not in saved and value == key_default(key))}
-        refused = [key for key in changed if key not in allowed]
-        if refused:
-            listing = "; ".join(f"{key}: {changed[key][0]!r} -> {changed[key][1]!r}" for key in refused)
-            raise CheckpointError(
-                f"{path} was written with other values of the run's math: {listing}. To continue it with these "
-                f"values, add the keys to resume_allow_changed (e.g. resume_allow_changed: [{', '.join(refused)}]); "
-                f"for a new run use another output_dir or resume_from_checkpoint: none")
-        if changed:
-            notes.append(f"resuming {path.name} with changed {', '.join(changed)} (resume_allow_changed)")
-        return path, manifest, notes
+        """The checkpoint to resume from, its manifest and the notes for the user (ResumePoint.find)."""
+        return self.resume.find(named, config, allowed)
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
-        """Load checkpoint `path` into `state` in place, resharding onto this world size; returns its manifest.
-
-        A rank the checkpoint has no random state for (it was saved by fewer ranks) keeps its own streams:
-        its RNGState stays `restored = False`, and a warning says so.
-        """
-        path = location(path)
-        manifest = read_manifest(path)
-        # from a store: the copy `select_resume` fetched and checked (the same answer on every rank)
-        copy = self._copied if isinstance(path, StorePath) and self._copied == self._copy_of(path) else None
-        source = copy or path
-        saved = set(dcp_reader(source).read_metadata().state_dict_metadata)
-        request = {}
-        for name, value in state.items():
-            if isinstance(value, RNGState) and f"{name}.{value.key}" not in saved:
-                warnings.warn(f"rank {self.rank}: {path.name} was saved by {manifest.get('world_size', '?')} ranks "
-                              f"and holds no random state for this rank; its random streams keep their seed",
-                              RankWarning, stacklevel=2)
-                continue
-            if isinstance(value, ModelOptimizerState):  # a list of groups has its first group's keys
-                value.reading_by_name = not any(key.startswith(f"{name}.optim.param_groups.0.") for key in saved)
-            request[name] = value
-        try:
-            dcp.load(request, storage_reader=dcp_reader(source))
-        except CheckpointException as error:
-            raise CheckpointError(f"cannot load {path} (was it saved by another model or finetuning type? "
-                                  f"its manifest: world_size {manifest.get('world_size', '?')}, parallel "
-                                  f"{manifest.get('parallel', '?')}): {one_line(error)}") from error
-        finally:
-            for value in request.values():
-                if isinstance(value, ModelOptimizerState):
-                    value.reading_by_name = None
-        state.update(request)  # dcp.load replaces plain (non-Stateful) values in the dict it was given
-        if copy is not None:
-            self._copied = None
-            self._barrier()  # every process of the node has read the copy
-            if self.local_rank == 0:
-                shutil.rmtree(copy, ignore_errors=True)
-        return manifest
+        """Load checkpoint `path` into `state` in place on this world size; returns its manifest (ResumePoint)."""
+        return self.resume.load(path, state)
 
     def _clear(self, target: Path | StorePath) -> None:
         """Rank 0, before a save: an interrupted earlier attempt at `target` removed (its shards must not mix with
@@ -397,7 +264,7 @@ class CheckpointManager:
                       "published_s": round(time.monotonic() - pending.started, 3)}
             write_manifest(pending.tmp, {**pending.info, "save_seconds": timing}, files)
             if self.in_store:  # COMPLETE, written last, published it
-                self._apply_retention(pending.step)
+                self.retention.apply(pending.step)
                 return None
             final = checkpoint_dir(self.output_dir, pending.step)
             if final.exists():  # an earlier save of this step, from before resuming at an older checkpoint
@@ -407,68 +274,5 @@ class CheckpointManager:
         except Exception as exc:  # every rank is waiting for this outcome
             stands = f"; {self._resume_point()}" if self.in_store else ""
             return f"publishing checkpoint-{pending.step} in {self.output_dir} failed{stands}: {exc}"
-        self._apply_retention(pending.step)
+        self.retention.apply(pending.step)
         return None
-
-    def _apply_retention(self, newest: int) -> None:
-        """Keep the newest `save_total_limit` complete checkpoints up to `newest` (the one just published) and
-        drop .tmp leftovers older than it. Higher steps are another timeline (a run that went further before this
-        one resumed from an older checkpoint, or a corrupt one resume skipped): they are left alone here, and
-        replaced when this run saves those steps."""
-        self._finish_deletions()
-        checkpoints = [c for c in list_checkpoints(self.output_dir) if c.step <= newest]
-        complete = [c for c in checkpoints if c.complete]
-        if not complete:
-            return
-        # older leftovers: .tmp ones (interrupted saves) and published names without COMPLETE (a deletion cut short
-        # by a meshtune that removed COMPLETE first, or by hand); neither is ever resumed from
-        doomed = [c for c in checkpoints if not c.complete and c.step < newest]
-        if self.save_total_limit is not None:
-            doomed += complete[:-self.save_total_limit]
-        for checkpoint in doomed:
-            try:
-                delete_sealed(checkpoint.path)
-            except (OSError if not self.in_store else Exception) as error:
-                warnings.warn(f"could not delete old checkpoint {checkpoint.path}: {error}", stacklevel=2)
-
-    def _finish_deletions(self) -> None:
-        """Rank 0: the deletions a process killed while deleting left (`.deleting` directories, or prefixes with
-        their `.deleting` marker), finished."""
-        try:
-            if not self.output_dir.is_dir():
-                return
-            for path in finish_deletions(self.output_dir):
-                logger.info(f"finished deleting {path.name} (a deletion cut short by a process that stopped)")
-        except (OSError if not self.in_store else Exception) as error:
-            warnings.warn(f"could not finish deleting old checkpoints in {self.output_dir}: {error}", stacklevel=2)
-
-    def _barrier(self) -> None:
-        if self._distributed:
-            dist.barrier()
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self._distributed:
-            return [obj]
-        gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, gathered, dst=0)
-        return gathered or []
-
-    def _broadcast(self, obj: Any) -> Any:
-        if not self._distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def one_line(error: BaseException) -> str:
-    """A write error in one line: DCP's CheckpointException carries every failing rank's traceback, which would
-    bury the cause under dozens of lines; each distinct error is named once, with its ranks (--debug shows all)."""
-    if not isinstance(error, CheckpointException):
-        return str(error)
-    ranks: dict[str, list[int]] = {}
-    for rank, (exc, _trace) in sorted(error.failures.items()):
-        ranks.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0], []).append(rank)
-    # storage errors first: the others (a torn zip file) are what they left behind
-    named = sorted(ranks.items(), key=lambda item: not item[0].startswith("OSError"))
-    return "; ".join(f"{text} (rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))})" for text, on in named)

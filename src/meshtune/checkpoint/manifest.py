@@ -206,3 +206,18 @@ def dcp_writer(path: Path | StorePath) -> Any:
     from torch.distributed.checkpoint import FileSystemWriter
 
     return FileSystemWriter(str(path))
+
+
+def one_line(error: BaseException) -> str:
+    """A write error in one line: DCP's CheckpointException carries every failing rank's traceback, which would
+    bury the cause under dozens of lines; each distinct error is named once, with its ranks (--debug shows all)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: listing checkpoints needs no torch
+
+    if not isinstance(error, CheckpointException):
+        return str(error)
+    ranks: dict[str, list[int]] = {}
+    for rank, (exc, _trace) in sorted(error.failures.items()):
+        ranks.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0], []).append(rank)
+    # storage errors first: the others (a torn zip file) are what they left behind
+    named = sorted(ranks.items(), key=lambda item: not item[0].startswith("OSError"))
+    return "; ".join(f"{text} (rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))})" for text, on in named)
