@@ -74,7 +74,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--minlen and --maxlen: 1 <= minlen <= maxlen")
     if args.model_dir is not None and args.mode != "qlora":
         p.error(f"--model-dir: only --mode qlora loads a saved model (--mode {args.mode} builds its model in memory)")
+    if args.model_dir is not None and (wrong := model_dir_problem(args.model_dir, args.size)):
+        p.error(wrong)
     return args
+
+
+def model_dir_problem(model_dir: Path, size: str) -> str | None:
+    """Why --model-dir is not a saved model of --size's shape (the samples' ids are drawn from its vocabulary)."""
+    config = model_dir / "config.json"
+    if not config.is_file():
+        return f"--model-dir {model_dir}: no config.json there (a saved model, as bench/workspace.py's writes)"
+    saved, want = json.loads(config.read_text()), model_config(size).to_dict()
+    keys = ["vocab_size", *SIZES[size]]
+    if differ := [f"{k} {saved.get(k)} (not {want[k]})" for k in keys if saved.get(k) != want[k]]:
+        return f"--model-dir {model_dir}: not the {size} shape: {', '.join(differ)}"
+    return None
 
 
 def check_liger() -> None:
@@ -103,10 +117,7 @@ def bitsandbytes_installed() -> bool:
 
 def qlora_model_dir(size: str, model_dir: Path | None) -> Path:
     """The folder --mode qlora loads: --model-dir, or the speed table's for this size (written first if missing)."""
-    if model_dir is not None:
-        if not (model_dir / "config.json").is_file():
-            sys.exit(f"peer_hf.py: --model-dir {model_dir}: no config.json there (a saved model folder, as "
-                     "bench/workspace.py's build_model_dir writes)")
+    if model_dir is not None:  # its shape checked with the arguments
         return model_dir
     from workspace import build_model_dir
 

@@ -142,7 +142,18 @@ def test_the_qlora_peer_names_the_package_and_the_gpu_it_needs(monkeypatch, tmp_
     """--mode qlora (bitsandbytes NF4) stops with one line before any model is built or written: first a missing
     bitsandbytes, with the pip command, then a machine without CUDA; --model-dir is for qlora only."""
     import peer_hf
+    from workspace import model_config
 
+    with pytest.raises(SystemExit) as stopped:
+        peer_hf.parse_args(["--size", "7b", "--mode", "qlora", "--model-dir", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert peer_hf.model_dir_problem(tmp_path, "7b") == (f"--model-dir {tmp_path}: no config.json there (a saved "
+                                                         "model, as bench/workspace.py's writes)")
+    model_config("1.5b").save_pretrained(tmp_path)
+    assert peer_hf.model_dir_problem(tmp_path, "7b") == (
+        f"--model-dir {tmp_path}: not the 7b shape: hidden_size 1536 (not 3584), intermediate_size 8960 (not "
+        "18944), num_attention_heads 12 (not 28), num_key_value_heads 2 (not 4)")
+    model_config("7b").save_pretrained(tmp_path)
     args = peer_hf.parse_args(["--size", "7b", "--mode", "qlora", "--bs", "4", "--model-dir", str(tmp_path)])
     assert (args.mode, args.model_dir, args.liger) == ("qlora", tmp_path, 0)
     assert peer_hf.peer_name(args) == "hf_trainer+peft+bnb"
@@ -188,8 +199,11 @@ def test_a_qlora_row_runs_the_bitsandbytes_peer_on_meshtunes_model_folder_then_m
     assert {**ROWS["qlora-7b"].settings, **parse_variant(at_peer_memory(results, "qlora-7b"))}[
         "gradient_checkpointing_ratio"] == "auto"
 
+    from workspace import model_config
+
     args = parse_args(["--rows", "qlora-7b", "--steps", "6", "--minlen", "32", "--maxlen", "128"])
     model_dir = tmp_path / "model-7b"
+    model_config("7b").save_pretrained(model_dir)  # what meshtune's row reads: config.json and weights
     cmd = peer_command(args, ROWS["qlora-7b"], "bnb", 96, model_dir)
     assert cmd[:2] == [sys.executable, str(REPO / "bench" / "peer_hf.py")]
     peer = peer_hf.parse_args(cmd[2:])  # the peer takes the table's command line
@@ -202,17 +216,20 @@ def test_a_qlora_row_runs_the_bitsandbytes_peer_on_meshtunes_model_folder_then_m
 @pytest.mark.timeout(120)
 def test_the_tables_qlora_peer_run_says_what_it_needs_here(tmp_path):
     """The bnb peer run as the table starts it, on this machine (no bitsandbytes): its not-run line is the peer's
-    own, with the pip command, and the peer stopped before writing a model folder."""
+    own, with the pip command, and the peer stopped before loading the model or writing to its folder."""
     if BNB_INSTALLED:
         pytest.skip("bitsandbytes is installed here")
     from speed_table import ROWS, Deadline, parse_args, peer_row
 
+    from workspace import model_config
+
     args = parse_args(["--rows", "qlora-7b", "--steps", "6", "--minlen", "32", "--maxlen", "128"])
     model_dir = tmp_path / "model-7b"
+    model_config("7b").save_pretrained(model_dir)
     result = peer_row(args, ROWS["qlora-7b"], "bnb", 96, model_dir, 1.0, None, Deadline(None))
     assert result == dict(error="peer_hf.py: --mode qlora needs the bitsandbytes package, which is not installed: "
                                 "pip install bitsandbytes")
-    assert not model_dir.exists()
+    assert [p.name for p in model_dir.iterdir()] == ["config.json"]
 
 
 def test_the_table_shows_our_speed_and_memory_against_each_peer():
