@@ -1,5 +1,6 @@
 """meshtune's speed table: tokens/s, MFU and peak memory of meshtune beside its peer, HF Trainer + PEFT, plain and
-with Liger kernels (bench/peer_hf.py), on the same card, model shape and samples.
+with Liger kernels, and for Q-LoRA the same on bitsandbytes NF4 (bench/peer_hf.py), on the same card, model shape
+and samples.
 
 What a row measures. Every row trains a random-init model of a Qwen2.5 shape (weights do not change speed) on
 synthetic samples (lengths uniform in --minlen..--maxlen, seed 1; bench/workspace.py) with the same batch per GPU
@@ -8,14 +9,17 @@ MFU = achieved FLOP/s per GPU over a bf16 matmul measured on this card (both pri
 them (meshtune.model.flops), for the peer too (from its tokens/s and the samples' lengths). "vs peer" and
 "vs peer+Liger": meshtune's tokens/s over that peer's, and meshtune's peak memory as a share of the peer's.
 Scaling = per-GPU tokens/s at N GPUs over the row it scales (1 GPU, or the fewest GPUs that hold the model).
-Q-LoRA has no peer (the peer has no 4-bit path): its row is judged against meshtune's LoRA row of the same model.
+Q-LoRA's peer is HF Trainer + PEFT on bitsandbytes NF4 with double quantization and bf16 compute, after peft's
+prepare_model_for_kbit_training (the stack of Qwen's, LLaMA-Factory's and Axolotl's Q-LoRA recipes), loading the
+model folder meshtune's run reads; its figure goes in "vs peer". Run without it (--no-peer, --peers without bnb,
+or a peer that failed), the Q-LoRA row is judged against meshtune's LoRA row of the same model instead.
 Every run starts from a fresh output folder. A row that needs more GPUs than the machine has, a run that fails,
 and a run not started within --time-limit are listed as not run, with why; the other rows still run.
 
 Set-up on a GPU machine with CUDA torch, transformers and peft, from the repository root: meshtune's other
 dependencies (pydantic, ...), liger-kernel for the Liger peer, torchao for the Q-LoRA row (the release made for
-the installed torch: peft and transformers import torchao wherever it is installed):
-  pip install -e . liger-kernel 'torchao==<the release for your torch>'
+the installed torch: peft and transformers import torchao wherever it is installed), bitsandbytes for its peer:
+  pip install -e . liger-kernel 'torchao==<the release for your torch>' bitsandbytes
 Offline, download those wheels elsewhere (pip download) and put them on the path:
   pip install --no-index --no-deps --target /tmp/site wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD/src
 
@@ -26,6 +30,8 @@ A machine held for a fixed time window: a part per window (a preset or a list of
   python3 bench/speed_table.py --rows table-1gpu --streams --time-limit 540 --out results/a
   python3 bench/speed_table.py --rows full-7b-4gpu-zero3,full-7b-4gpu-hsdp --streams --time-limit 540 --out results/b
   python3 bench/speed_table.py --merge results/a/speed.json results/b/speed.json --out results
+Q-LoRA 7B beside its bitsandbytes peer, then meshtune once more at the peer's memory (one GPU):
+  python3 bench/speed_table.py --rows qlora-7b --out results
 Long samples under context parallel (each GPU holds a quarter of every row; the zero3 row shows what fits without):
   python3 bench/speed_table.py --rows long-context --no-peer --minlen 30000 \
     --maxlen 32768 --steps 6
@@ -76,10 +82,10 @@ class Row:
     mode: str  # lora | full | qlora
     gpus: int
     bs: int  # per GPU
-    peer: bool = False
+    peer: bool = False  # runs the peers of its mode (MODE_PEERS) that --peers names
     settings: dict = field(default_factory=dict)
     scaling_of: str | None = None  # the row this one scales: 1 GPU, or the fewest GPUs that hold the model
-    against: str | None = None  # a meshtune row this one is judged against (Q-LoRA: our LoRA's tokens/s and memory)
+    against: str | None = None  # a meshtune row this one is judged against where its peer did not run (Q-LoRA: LoRA)
     at_peer_memory: dict = field(default_factory=dict)  # settings of the run at the peers' memory, beyond memory_budget
 
 
@@ -88,6 +94,7 @@ class Row:
 LORA_15B: dict = {}
 LORA_7B: dict = {}
 QLORA_7B = {"gradient_checkpointing_ratio": 1.0}  # Q-LoRA's aim is memory: every block recomputed
+QLORA_AT_PEER_MEMORY = {"gradient_checkpointing_ratio": "auto"}  # the fewest recomputed blocks in the peer's memory
 FULL_7B_ZERO3 = {"parallel": "zero3"}  # auto recomputation: none on 4 GPUs, what 2 GPUs' memory asks for
 FULL_7B_HSDP = {"parallel": "hsdp", "hsdp_shard_size": 2}  # replicas of 2 GPUs each, checkpointing on
 FULL_7B_TP2 = {"parallel": "zero3", "tensor_parallel": 2}  # zero3 shards over the tp pairs (dp_shard)
@@ -99,7 +106,8 @@ ROWS = {
     # at the peers' memory, full fine-tuning trains bf16 weights as the peers do (with stochastic rounding): fp32
     # master weights alone take 16 bytes a parameter, more than the peers' whole step
     "full-1.5b": Row("1.5b", "full", 1, 8, peer=True, settings=FULL_15B, at_peer_memory={"master_weights": "bf16"}),
-    "qlora-7b": Row("7b", "qlora", 1, 4, settings=QLORA_7B, against="lora-7b"),
+    "qlora-7b": Row("7b", "qlora", 1, 4, peer=True, settings=QLORA_7B, against="lora-7b",
+                    at_peer_memory=QLORA_AT_PEER_MEMORY),
     # 7B full holds 16 bytes a parameter of sharded fp32 state: 30 GB a GPU over 4 (zero3) leaves room for every
     # block's activations; over 2 (zero3 on 2 GPUs, hsdp's shard) it is 61 GB, and auto recomputes what does not fit
     "full-7b-4gpu-zero3": Row("7b", "full", 4, 4, settings=FULL_7B_ZERO3, scaling_of="full-7b-2gpu-zero3"),
@@ -134,7 +142,27 @@ LONG_CONTEXT = ["full-7b-4gpu-zero3", "full-7b-4gpu-cp4", "lora-7b-4gpu-cp4"]  #
 TENSOR_PARALLEL = ["full-7b-2gpu-zero3", "full-7b-2gpu-tp2", "full-7b-4gpu-zero3", "full-7b-4gpu-tp2"]
 PRESETS = {"table": DEFAULT_ROWS, "table-1gpu": TABLE_1GPU, "scaling-2gpu": SCALING_2GPU,
            "scaling-8gpu": SCALING_8GPU, "long-context": LONG_CONTEXT, "tensor-parallel": TENSOR_PARALLEL}
-PEERS = {"plain": ("hf_trainer+peft", []), "liger": ("hf_trainer+peft+liger", ["--liger", "1"])}
+PEERS = {"plain": ("hf_trainer+peft", []), "liger": ("hf_trainer+peft+liger", ["--liger", "1"]),
+         "bnb": ("hf_trainer+peft+bnb", [])}  # bnb: peer_hf.py --mode qlora, bitsandbytes NF4
+# the peers of a row with peers, by its mode; the first is the one in the table's "vs peer" column
+MODE_PEERS = {"lora": ("plain", "liger"), "full": ("plain", "liger"), "qlora": ("bnb",)}
+
+
+def row_peers(row: Row, kinds: list[str]) -> list[str]:
+    """The peer runs of a row: those of `kinds` (--peers) that its mode has, none for a row without peers."""
+    return [kind for kind in kinds if kind in MODE_PEERS[row.mode]] if row.peer else []
+
+
+def row_runs(row: Row, variants: list[str], peer_kinds: list[str], at_peer_memory: bool) -> list[tuple]:
+    """A row's runs in a round, in order, as (system, variant index, variant): meshtune's variants (on one process,
+    those that train differently), the peers of its mode that --peers names, then meshtune at their memory."""
+    runs = [("meshtune", index, variant) for index, variant in enumerate(variants)
+            if row.gpus > 1 or one_process_equivalent(variant, variants) == variant]
+    peers = row_peers(row, peer_kinds)
+    runs += [(kind, None, None) for kind in peers]
+    if at_peer_memory and peers:
+        runs.append(("at-peer-memory", None, None))
+    return runs
 
 
 def expand_rows(text: str) -> list[str]:
@@ -305,14 +333,19 @@ def compile_seconds_in(records: list[dict], warmup: int = WARMUP) -> float | Non
     return round(records[-1]["compile_s"] - warm[-1]["compile_s"], 2)
 
 
-def peer_row(args, row: Row, kind: str, pool: int, flops_per_token: float, peak: float | None,
+def peer_command(args, row: Row, kind: str, pool: int, model_dir: Path) -> list[str]:
+    """The peer script's command line for a row; Q-LoRA's peer quantizes the model folder meshtune's run reads."""
+    model = ["--model-dir", str(model_dir)] if row.mode == "qlora" else []
+    return [sys.executable, args.peer, "--size", row.size, "--mode", row.mode, "--bs", str(row.bs), "--steps",
+            str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen), "--samples", str(pool),
+            "--gc", "1", *model, *PEERS[kind][1]]
+
+
+def peer_row(args, row: Row, kind: str, pool: int, model_dir: Path, flops_per_token: float, peak: float | None,
              deadline: Deadline) -> dict:
     """One peer run on this row's shape, batch and samples (the same pool of samples as meshtune's rows)."""
-    cmd = [sys.executable, args.peer, "--size", row.size, "--mode", row.mode, "--bs", str(row.bs), "--steps",
-           str(args.steps), "--minlen", str(args.minlen), "--maxlen", str(args.maxlen), "--samples", str(pool),
-           "--gc", "1", *PEERS[kind][1]]
     timeout, stopped = deadline.timeout(row_timeout(args, row))
-    code, output = run_captured(cmd, timeout)
+    code, output = run_captured(peer_command(args, row, kind, pool, model_dir), timeout)
     if code is None:
         return dict(error=stopped)
     lines = [line for line in output.splitlines() if line.startswith("{")]
@@ -362,9 +395,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default="default",
                    help="';'-separated meshtune config overrides, each run for every row, e.g. "
                         "'default;padding_free=false;gradient_checkpointing_ratio=0.5' (an ablation)")
-    p.add_argument("--peers", default="plain,liger",
-                   help="the peer runs of a row that has a peer: plain (HF Trainer + PEFT) and/or liger (the same "
-                        "with Liger kernels)")
+    p.add_argument("--peers", default="plain,liger,bnb",
+                   help="the peer runs of a row that has peers, each where the row's mode has it: plain (HF Trainer "
+                        "+ PEFT) and liger (the same with Liger kernels) for lora and full rows, bnb (HF Trainer + "
+                        "PEFT on bitsandbytes NF4) for qlora rows")
     p.add_argument("--no-peer", action="store_true", help="meshtune only")
     p.add_argument("--no-at-peer-memory", dest="at_peer_memory", action="store_false",
                    help="skip the run that follows a row's peers by default: meshtune's defaults with memory_budget "
@@ -446,12 +480,7 @@ def run_rows(args) -> None:
 
     for round_, name in ((r, name) for r in range(args.repeats) for name in args.rows.split(",")):
         row = ROWS[name]
-        variants = args.variants.split(";")
-        runs = [("meshtune", index, variant) for index, variant in enumerate(variants)
-                if row.gpus > 1 or one_process_equivalent(variant, variants) == variant]
-        runs += [(kind, None, None) for kind in args.peer_kinds if row.peer]
-        if args.at_peer_memory and row.peer and args.peer_kinds and row.mode != "qlora":
-            runs.append(("at-peer-memory", None, None))
+        runs = row_runs(row, args.variants.split(";"), args.peer_kinds, args.at_peer_memory)
         if row.gpus > max(gpus, 1):
             if round_ == 0:
                 add(dict(row=name, system="meshtune", gpus=row.gpus,
@@ -477,7 +506,8 @@ def run_rows(args) -> None:
                 add(dict(head, **meshtune_row(args, name, row, variant, index, model_dir, data_file, work, peak,
                                               deadline)))
             else:
-                add(dict(head, **peer_row(args, row, system, pool_size(args.steps), fpt, peak, deadline)))
+                add(dict(head, **peer_row(args, row, system, pool_size(args.steps), model_dir, fpt, peak,
+                                          deadline)))
     summary = save()
     table = render(results, summary)
     Path(args.out, "speed.md").write_text(table + "\n")
@@ -677,10 +707,11 @@ def render(results: list[dict], summary: dict) -> str:
             continue
         plain = liger = scaling = ""
         if r["system"] == "meshtune":
-            plain = versus(r, peers.get((r["row"], PEERS["plain"][0])))
-            liger = versus(r, peers.get((r["row"], PEERS["liger"][0])))
-            against = ROWS[r["row"]].against  # no peer of its own: judged against our row (tokens/s, memory)
-            if against:
+            kinds = MODE_PEERS[ROWS[r["row"]].mode]
+            plain = versus(r, peers.get((r["row"], PEERS[kinds[0]][0])))
+            liger = versus(r, peers.get((r["row"], PEERS["liger"][0]))) if "liger" in kinds else ""
+            against = ROWS[r["row"]].against  # its peer did not run: judged against our row (tokens/s, memory)
+            if against and not plain:
                 plain = versus(r, base.get((against, r.get("variant"))) or base.get((against, "default")), against)
             of = ROWS[r["row"]].scaling_of
             if of and ROWS[of].gpus == 1 and r.get("variant") is not None:

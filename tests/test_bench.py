@@ -22,6 +22,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""
 SPEED_TABLE = str(REPO / "bench" / "speed_table.py")
 SHORT = ["--steps", "6", "--minlen", "32", "--maxlen", "128"]  # the fewest steps with a timed one; short samples
 LIGER_INSTALLED = importlib.util.find_spec("liger_kernel") is not None
+BNB_INSTALLED = importlib.util.find_spec("bitsandbytes") is not None
 
 def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """A bench script, its whole process tree killed if it outlives `timeout`."""
@@ -134,6 +135,101 @@ def test_the_liger_peer_names_the_package_it_needs(monkeypatch):
         run_here(monkeypatch, main, ["--size", "tiny", "--liger", "1"])
     assert stopped.value.code == ("peer_hf.py: --liger 1 needs the liger-kernel package (>= 0.3.0), which is not "
                                   "installed: pip install liger-kernel")
+
+
+@pytest.mark.timeout(60)
+def test_the_qlora_peer_names_the_package_and_the_gpu_it_needs(monkeypatch, tmp_path):
+    """--mode qlora (bitsandbytes NF4) stops with one line before any model is built or written: first a missing
+    bitsandbytes, with the pip command, then a machine without CUDA; --model-dir is for qlora only."""
+    import peer_hf
+    from workspace import model_config
+
+    with pytest.raises(SystemExit) as stopped:
+        peer_hf.parse_args(["--size", "7b", "--mode", "qlora", "--model-dir", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert peer_hf.model_dir_problem(tmp_path, "7b") == (f"--model-dir {tmp_path}: no config.json there (a saved "
+                                                         "model, as bench/workspace.py's writes)")
+    model_config("1.5b").save_pretrained(tmp_path)
+    assert peer_hf.model_dir_problem(tmp_path, "7b") == (
+        f"--model-dir {tmp_path}: not the 7b shape: hidden_size 1536 (not 3584), intermediate_size 8960 (not "
+        "18944), num_attention_heads 12 (not 28), num_key_value_heads 2 (not 4)")
+    model_config("7b").save_pretrained(tmp_path)
+    args = peer_hf.parse_args(["--size", "7b", "--mode", "qlora", "--bs", "4", "--model-dir", str(tmp_path)])
+    assert (args.mode, args.model_dir, args.liger) == ("qlora", tmp_path, 0)
+    assert peer_hf.peer_name(args) == "hf_trainer+peft+bnb"
+    with pytest.raises(SystemExit) as stopped:
+        peer_hf.parse_args(["--mode", "lora", "--model-dir", str(tmp_path)])
+    assert stopped.value.code == 2
+    if not BNB_INSTALLED:
+        with pytest.raises(SystemExit) as stopped:
+            run_here(monkeypatch, peer_hf.main, ["--size", "tiny", "--mode", "qlora"])
+        assert stopped.value.code == ("peer_hf.py: --mode qlora needs the bitsandbytes package, which is not "
+                                      "installed: pip install bitsandbytes")
+    monkeypatch.setattr(peer_hf, "bitsandbytes_installed", lambda: True)
+    with pytest.raises(SystemExit) as stopped:
+        run_here(monkeypatch, peer_hf.main, ["--size", "tiny", "--mode", "qlora"])
+    assert stopped.value.code == "peer_hf.py: --mode qlora needs a CUDA GPU (bitsandbytes' 4-bit layers)"
+
+
+@pytest.mark.timeout(120)
+def test_a_qlora_row_runs_the_bitsandbytes_peer_on_meshtunes_model_folder_then_meshtune_at_its_memory(tmp_path):
+    """The wiring of the Q-LoRA row: its peer is bnb (whatever else --peers names), reading the model folder
+    meshtune's run reads, and the run at the peer's memory follows it with recomputation chosen to fit. The peer's
+    command parses as the peer's own."""
+    import peer_hf
+    from speed_table import (ROWS, at_peer_memory, parse_args, parse_peers, parse_variant, peer_command, row_peers,
+                             row_runs)
+
+    every = parse_peers("plain,liger,bnb", no_peer=False)
+    assert parse_args(["--rows", "qlora-7b"]).peer_kinds == every  # the default
+    assert row_peers(ROWS["qlora-7b"], every) == ["bnb"]
+    assert row_peers(ROWS["lora-7b"], every) == ["plain", "liger"]
+    assert row_peers(ROWS["qlora-7b"], ["plain", "liger"]) == [] and row_peers(ROWS["lora-1.5b-2gpu"], every) == []
+    assert row_runs(ROWS["qlora-7b"], ["default"], every, True) == [
+        ("meshtune", 0, "default"), ("bnb", None, None), ("at-peer-memory", None, None)]
+    assert row_runs(ROWS["qlora-7b"], ["default"], every, False) == [("meshtune", 0, "default"), ("bnb", None, None)]
+    assert row_runs(ROWS["qlora-7b"], ["default"], ["plain"], True) == [("meshtune", 0, "default")]
+    assert row_runs(ROWS["full-1.5b"], ["default"], ["liger"], True) == [
+        ("meshtune", 0, "default"), ("liger", None, None), ("at-peer-memory", None, None)]
+
+    results = [dict(row="qlora-7b", system="meshtune", peak_gib=9.12),
+               dict(row="qlora-7b", system="hf_trainer+peft+bnb", peak_gib=14.5)]
+    assert parse_variant(at_peer_memory(results, "qlora-7b")) == {  # the fewest recomputed blocks that fit
+        "memory_budget": 14.5, "gradient_checkpointing_ratio": "auto"}
+    assert {**ROWS["qlora-7b"].settings, **parse_variant(at_peer_memory(results, "qlora-7b"))}[
+        "gradient_checkpointing_ratio"] == "auto"
+
+    from workspace import model_config
+
+    args = parse_args(["--rows", "qlora-7b", "--steps", "6", "--minlen", "32", "--maxlen", "128"])
+    model_dir = tmp_path / "model-7b"
+    model_config("7b").save_pretrained(model_dir)  # what meshtune's row reads: config.json and weights
+    cmd = peer_command(args, ROWS["qlora-7b"], "bnb", 96, model_dir)
+    assert cmd[:2] == [sys.executable, str(REPO / "bench" / "peer_hf.py")]
+    peer = peer_hf.parse_args(cmd[2:])  # the peer takes the table's command line
+    assert (peer.size, peer.mode, peer.bs, peer.steps, peer.samples, peer.model_dir, peer.liger) == (
+        "7b", "qlora", 4, 6, 96, model_dir, 0)
+    assert "--model-dir" not in peer_command(args, ROWS["lora-7b"], "liger", 96, model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_tables_qlora_peer_run_says_what_it_needs_here(tmp_path):
+    """The bnb peer run as the table starts it, on this machine (no bitsandbytes): its not-run line is the peer's
+    own, with the pip command, and the peer stopped before loading the model or writing to its folder."""
+    if BNB_INSTALLED:
+        pytest.skip("bitsandbytes is installed here")
+    from speed_table import ROWS, Deadline, parse_args, peer_row
+
+    from workspace import model_config
+
+    args = parse_args(["--rows", "qlora-7b", "--steps", "6", "--minlen", "32", "--maxlen", "128"])
+    model_dir = tmp_path / "model-7b"
+    model_config("7b").save_pretrained(model_dir)
+    result = peer_row(args, ROWS["qlora-7b"], "bnb", 96, model_dir, 1.0, None, Deadline(None))
+    assert result == dict(error="peer_hf.py: --mode qlora needs the bitsandbytes package, which is not installed: "
+                                "pip install bitsandbytes")
+    assert [p.name for p in model_dir.iterdir()] == ["config.json"]
 
 
 def test_the_table_shows_our_speed_and_memory_against_each_peer():
@@ -441,6 +537,24 @@ def test_the_qlora_row_is_judged_against_our_lora_row():
     summary = dict(device="H100", gpus=1, peak_tflops=790.0, args=dict(steps=25, minlen=128, maxlen=1024))
     line = next(line for line in render(results, summary).splitlines() if line.startswith("| qlora-7b"))
     assert "0.75x lora-7b, 35% of its memory" in line, line
+
+
+def test_the_qlora_row_is_judged_against_its_bitsandbytes_peer_where_it_ran():
+    """With the bnb peer in the table, the Q-LoRA row's "vs peer" is against it, not our LoRA row; the Liger
+    column stays empty (no Liger peer on 4 bits)."""
+    from speed_table import render
+
+    results = [dict(row="lora-7b", system="meshtune", variant="default", gpus=1, bs=4, tokens_per_s=9000,
+                    per_gpu=9000, mfu=0.5, peak_gib=20.0),
+               dict(row="qlora-7b", system="meshtune", variant="default", gpus=1, bs=4, tokens_per_s=6000,
+                    per_gpu=6000, mfu=0.33, peak_gib=9.0),
+               dict(row="qlora-7b", system="hf_trainer+peft+bnb", gpus=1, bs=4, tokens_per_s=2000, per_gpu=2000,
+                    mfu=0.11, peak_gib=12.0)]
+    summary = dict(device="H100", gpus=1, peak_tflops=790.0, args=dict(steps=25, minlen=128, maxlen=1024))
+    lines = [line for line in render(results, summary).splitlines() if line.startswith("| qlora-7b")]
+    assert lines[0] == ("| qlora-7b | default | meshtune | 1 | 4 | 6,000 | 6,000 | 3.00x, 75% of its memory |  | "
+                        "33.0% | 9.0 |  |"), lines[0]
+    assert lines[1].startswith("| qlora-7b |  | hf_trainer+peft+bnb | 1 | 4 | 2,000 |"), lines[1]
 
 
 @pytest.mark.slow
