@@ -118,6 +118,11 @@ def mesh_job(rank: int, world_size: int, workdir) -> None:
         dist.all_reduce(total, group=dp.get_group())
         assert total.item() == sum(dims.ranks_along("dp_replicate", "dp_shard")), layout
         assert dims.mesh is dims.mesh  # built once
+        if dims.pp > 1:
+            pipeline = dims.pipeline_mesh()
+            assert pipeline.mesh_dim_names == ("pp", "dp") and pipeline.get_local_rank("pp") == dims.coordinates()["pp"]
+            assert sorted(pipeline["pp"].mesh.tolist()) == dims.pipeline_ranks()
+            assert sorted(pipeline["dp"].mesh.tolist()) == dims.stage_ranks()
 
 
 @pytest.mark.slow

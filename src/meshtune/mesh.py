@@ -165,13 +165,29 @@ class ParallelDims:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(self.env.device.type, self.sizes, mesh_dim_names=NAMES)
-            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            # kept as torch asks: a flattened dimension is no longer sliced from the root
+            self._meshes["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
             self._meshes["world"] = mesh
         return self._meshes["world"]
 
     def sub_mesh(self, *names: str) -> DeviceMesh:
-        """The mesh of this process's group along `names` (one name, or several in mesh order; "dp" flattened)."""
-        return self.mesh[names[0] if len(names) == 1 else names]
+        """The mesh of this process's group along `names` (one name, or several in mesh order), or "dp", the data's
+        ranks flattened into one dimension."""
+        mesh = self.mesh  # built on first use, "dp" with it
+        if names == ("dp",):
+            return self._meshes["dp"]
+        return mesh[names[0] if len(names) == 1 else names]
+
+    def pipeline_mesh(self) -> DeviceMesh:
+        """(pp, dp): the stages, and a stage's processes as one data-parallel dimension (a pipeline's stages are
+        data-parallel only: dp_replicate x dp_shard, cp and tp 1). Built on first use, in place of the whole mesh
+        (a collective of every process)."""
+        if "pipeline" not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._meshes["pipeline"] = init_device_mesh(self.env.device.type, (self.pp, self.per_stage),
+                                                        mesh_dim_names=("pp", "dp"))
+        return self._meshes["pipeline"]
 
     def fsdp_mesh(self, parallel: str) -> DeviceMesh:
         """The processes FSDP2 shards over: replicas of shards for hsdp (2-D), the shards otherwise."""
