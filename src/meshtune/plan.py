@@ -29,6 +29,7 @@ from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.hardware import bf16_supported, slowest_peak_flops, smallest_gpu_memory, varlen_available
+from meshtune.mesh import ParallelDims
 
 SHARDED = ("zero2", "zero3", "hsdp")
 # When gradients cross the processes under gradient accumulation (one micro-step: always on it)
@@ -94,13 +95,15 @@ class RunPlan:
         """The consecutive processes that take the same micro-batches: a cp x tp group."""
         return self.context_parallel * self.tensor_parallel
 
+    def dims(self, env: DistEnv) -> ParallelDims:
+        """The mesh this plan lays out, as `env`'s process sees it: which ranks share its data, its groups."""
+        return ParallelDims.of(self.mesh, env)
+
     def data_env(self, env: DistEnv) -> DistEnv:
         """`env` as the data sees it: one data-parallel rank per cp x tp group, whose processes all take the same
         micro-batches. The same `env` without tensor or context parallelism. Under pipeline_parallel the ranks
         that share data are one of each stage, `world_size / pipeline_parallel` apart (the stages outermost)."""
-        if self.pipeline_parallel > 1:
-            return stage_env(env, self.pipeline_parallel)
-        return data_parallel_env(env, self.model_parallel)
+        return self.dims(env).data_env()
 
     @property
     def load_dtype(self) -> torch.dtype:

@@ -20,8 +20,7 @@ from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.lora import add_lora, set_adapter, starting_adapter
 from meshtune.model.loss_head import install_loss_head, output_head
 from meshtune.model.parallel import FlatGradientSync, wrap_model
-from meshtune.model.pipeline_parallel import (StageForward, held_blocks, held_stages, keep_stages, pipeline_mesh,
-                                             stage_forwards)
+from meshtune.model.pipeline_parallel import StageForward, held_blocks, held_stages, keep_stages, stage_forwards
 from meshtune.model.rank0_weights import check_same_model, full_state, receive_replicated, receive_shards
 from meshtune.model.recompute import enable_checkpointing
 from meshtune.plan import MEASURE, RunPlan
@@ -96,7 +95,7 @@ def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env
     last micro-batch). Every process read the same files and drew the same LoRA
     weights, so they start equal. Q-LoRA: each process built the model empty and reads, quantizes (and shards) only
     its stages' blocks, block by block; `adapter`, the one it continues."""
-    mesh = pipeline_mesh(env, plan.pipeline_parallel)
+    mesh = plan.dims(env).pipeline_mesh()
     held = held_stages(mesh.get_local_rank("pp"), plan.pipeline_parallel, plan.pipeline_virtual_stages,
                        plan.pipeline_schedule)
     last = len(plan.pipeline_stages) - 1

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtune.distributed import DistEnv
+from meshtune.mesh import ParallelDims
 from meshtune.model.loading import transformer_blocks
 from meshtune.model.tensor_parallel import parallelize_model
 from meshtune.plan import EACH, ONCE, SHARD_EACH
@@ -244,11 +245,11 @@ def data_parallel_mesh(parallel: str, env: DistEnv, hsdp_shard_size: int | None)
 
 
 def tensor_parallel_mesh(model: torch.nn.Module, parallel: str, env: DistEnv, layout: dict[str, int]) -> DeviceMesh:
-    """The run's device mesh (dp_replicate, dp_shard, cp, tp), the model split over its tp dimension; returns the
-    data-parallel dimensions FSDP2 shards over: both dp ones for hsdp (replicas of shards), dp_shard otherwise."""
-    mesh = init_device_mesh(env.device.type, tuple(layout.values()), mesh_dim_names=tuple(layout))
-    parallelize_model(model, mesh["tp"])
-    return mesh["dp_replicate", "dp_shard"] if parallel == "hsdp" else mesh["dp_shard"]
+    """The run's device mesh (meshtune/mesh.py), the model split over its tp dimension; returns the data-parallel
+    dimensions FSDP2 shards over: both dp ones for hsdp (replicas of shards), dp_shard otherwise."""
+    dims = ParallelDims.of(layout, env)
+    parallelize_model(model, dims.sub_mesh("tp"))
+    return dims.fsdp_mesh(parallel)
 
 
 def gradient_sync(model: torch.nn.Module, last: bool, reduction: str, keep_gathered: bool = False) -> ContextManager:

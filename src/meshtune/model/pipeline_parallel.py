@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshtune.config import TrainConfig
-from meshtune.distributed import DistEnv
 from meshtune.model.loading import model_skeleton
 from meshtune.model.lora import add_lora
 from meshtune.plan import RunPlan
@@ -126,12 +125,6 @@ def shallow(module: nn.Module) -> nn.Module:
     copied._modules, copied._parameters, copied._buffers = (dict(module._modules), dict(module._parameters),
                                                             dict(module._buffers))
     return copied
-
-
-def pipeline_mesh(env: DistEnv, stages: int) -> DeviceMesh:
-    """(pp, dp): the stages outermost, so a stage is consecutive ranks (one node's, with a stage a node) and the
-    processes of one pipeline, one of each stage, are `world_size / stages` ranks apart."""
-    return init_device_mesh(env.device.type, (stages, env.world_size // stages), mesh_dim_names=("pp", "dp"))
 
 
 def gather_stage_weights(model: nn.Module, mesh: DeviceMesh, trainable_only: bool) -> dict[str, torch.Tensor]:

@@ -126,7 +126,8 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     # saved with final/ and in every checkpoint
     chat_template = serving_chat_template(tokenizer, cfg.named_template, cfg.default_system)
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
-    data = plan.data_env(env)  # a cp x tp group's processes take the same micro-batches
+    dims = plan.dims(env)  # the run's mesh: which ranks share this process's data
+    data = dims.data_env()  # a cp x tp group's, a pipeline's processes take the same micro-batches
     batches, total_steps = plan_steps(cfg, train_data, data.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free, report=True)
     by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
@@ -217,15 +218,14 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
     times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
     watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
-    per_stage = data.world_size if plan.pipeline_parallel > 1 else 0  # the processes of a pipeline stage
     nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
-                               sample_ids(batches, train_data, plan.model_parallel, per_stage),
+                               sample_ids(batches, train_data, dims.data_rank_of),
                                progress.nonfinite_skipped, checkpoints.close)
-    own = float(env.rank == data.rank * plan.model_parallel)  # 0: a cp x tp peer counts this group's batches
+    own = float(dims.counts_batch)  # 0: another of this data rank's processes counts its batches
     # a cp group's processes each hold the loss of their share of the positions; a tensor-parallel peer, a copy
-    own_loss = float(env.rank % plan.tensor_parallel == 0)
+    own_loss = float(dims.owns_loss)
     # the wrapper averages gradients over data ranks x cp: each cp process's loss is a partial sum of its row's
-    reducing = data.world_size * plan.context_parallel
+    reducing = dims.reducing
     started = time.perf_counter()
     stopped_by = 0  # the signal that ends the loop early, if one comes
     with StepGarbageCollection(plan.gc_interval) as collection, watch:

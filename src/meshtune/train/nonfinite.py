@@ -35,17 +35,17 @@ class NonFiniteError(MeshtuneError):
     """A step whose loss or gradient norm was NaN or inf."""
 
 
-def sample_ids(batches: GlobalBatchPlan, train_data, tp: int = 1,
-               per_stage: int = 0) -> Callable[[int, int | None], list[int]]:
+def sample_ids(batches: GlobalBatchPlan, train_data,
+               data_rank_of: Callable[[int], int] = int) -> Callable[[int, int | None], list[int]]:
     """`ids(step, rank)`: the samples 1-based optimizer step `step` trains on that rank (None: on every rank), as
-    positions in the tokenized training data (through the held-out split, when there is one). `tp`: the ranks of a
-    tensor-parallel group train the same samples, those of data-parallel rank `rank // tp`. `per_stage`: under
-    pipeline_parallel, the processes a stage; rank r trains those of data-parallel rank r % per_stage."""
+    positions in the tokenized training data (through the held-out split, when there is one). `data_rank_of`: the
+    data rank whose samples a global rank trains (the run's mesh: a cp x tp group's and a pipeline's processes
+    share one)."""
     positions = getattr(train_data, "indices", None)
 
     def ids(step: int, rank: int | None) -> list[int]:
         epoch, in_epoch = batches.position(step - 1)
-        ranks = range(batches.dp_size) if rank is None else [rank % per_stage if per_stage else rank // tp]
+        ranks = range(batches.dp_size) if rank is None else [data_rank_of(rank)]
         rows = [row for r in ranks for micro in batches.micro_batches(epoch, in_epoch, r) for row in micro]
         found = [index for row in rows for index in row]
         return sorted(int(positions[i]) if positions is not None else i for i in found)

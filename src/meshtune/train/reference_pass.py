@@ -200,8 +200,7 @@ def reference_pass(reference: Reference, pairs, plan: RunPlan, env: DistEnv, pad
     finally:
         if model is not None:
             model.train(was_training)
-    data = plan.data_env(env)
-    contributes = env.rank == data.rank * plan.model_parallel
+    contributes = plan.dims(env).counts_batch  # one process of each data rank: its cp x tp group's first
     return all_reduce_sum(out * float(contributes)).cpu().numpy()
 
 

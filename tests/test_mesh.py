@@ -1,0 +1,132 @@
+"""The run's mesh as one object (meshtune/mesh.py): the ranks that share a process's data, who counts the batch and
+owns the loss, the groups of each dimension, for the layouts the run plan makes; the data's view the plan gives
+the loop; the degrees refused where they do not fill the job. No process group: rank arithmetic only."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtune.errors import ConfigError
+from meshtune.mesh import ParallelDims
+from plans import env, plan_for
+
+
+def dims_of(plan, world_size: int, local: int | None = None) -> list[ParallelDims]:
+    return [plan.dims(env(world_size, local, rank)) for rank in range(world_size)]
+
+
+def answers(all_dims: list[ParallelDims]) -> dict[str, list]:
+    return {"data": [d.data_rank for d in all_dims], "counts": [d.counts_batch for d in all_dims],
+            "loss": [d.owns_loss for d in all_dims], "peers": [d.data_peers() for d in all_dims],
+            "stage": [d.stage_ranks() for d in all_dims]}
+
+
+def test_pipeline_peers_are_a_stage_apart_and_the_first_stage_counts_the_batch():
+    """pp 2 x dp 2 on 2 nodes of 2: ranks 0 and 2, 1 and 3 are one pipeline and take the same micro-batches."""
+    plan = plan_for({"pipeline_parallel": 2, "finetuning_type": "full", "gradient_accumulation_steps": 4}, 4, 2)
+    all_dims = dims_of(plan, 4, 2)
+    got = answers(all_dims)
+    assert got["data"] == [0, 1, 0, 1] and got["counts"] == [True, True, False, False]
+    assert got["loss"] == [True] * 4
+    assert got["peers"] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert got["stage"] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [d.pipeline_ranks() for d in all_dims] == got["peers"]
+    assert {(d.data_size, d.reducing, d.per_stage) for d in all_dims} == {(2, 2, 2)}
+    assert [d.coordinates()["pp"] for d in all_dims] == [0, 0, 1, 1]
+
+
+def test_a_tensor_parallel_group_is_consecutive_ranks_of_one_data_rank_and_one_loss():
+    plan = plan_for({"tensor_parallel": 2, "finetuning_type": "full", "parallel": "zero3"}, 4)
+    got = answers(dims_of(plan, 4))
+    assert got["data"] == [0, 0, 1, 1] and got["counts"] == [True, False, True, False]
+    assert got["loss"] == [True, False, True, False]  # a tp peer's loss is a copy
+    assert got["peers"] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert got["stage"] == [[0, 1, 2, 3]] * 4
+    dims = plan.dims(env(4, rank=3))
+    assert (dims.data_size, dims.reducing) == (2, 2)
+    assert dims.ranks_along("tp") == [2, 3] and dims.ranks_along("dp_shard") == [1, 3]
+
+
+def test_a_cp_group_takes_one_data_rank_and_each_process_owns_its_share_of_the_loss():
+    layout = {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}  # zero3's over 4 (tests/test_context_parallel.py)
+    got = answers([ParallelDims.of(layout, env(4, rank=rank)) for rank in range(4)])
+    assert got["data"] == [0, 0, 1, 1] and got["counts"] == [True, False, True, False]
+    assert got["loss"] == [True] * 4
+    assert got["peers"] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    dims = ParallelDims.of(layout, env(4, rank=2))
+    assert (dims.data_size, dims.reducing) == (2, 4)  # gradients averaged over data ranks x cp
+    assert dims.ranks_along("cp") == [2, 3] and dims.ranks_along("dp_replicate", "dp_shard", "cp") == [0, 1, 2, 3]
+
+
+def test_hsdp_replicas_of_shards_are_each_their_own_data_rank():
+    """2 nodes of 2: a node's processes shard, the nodes replicate; every process takes its own micro-batches."""
+    plan = plan_for({"finetuning_type": "full", "parallel": "hsdp"}, 4, 2)
+    assert plan.mesh == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}
+    all_dims = dims_of(plan, 4, 2)
+    got = answers(all_dims)
+    assert got["data"] == [0, 1, 2, 3] and got["counts"] == [True] * 4 and got["loss"] == [True] * 4
+    assert got["peers"] == [[0], [1], [2], [3]]
+    assert [d.ranks_along("dp_shard") for d in all_dims] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [d.ranks_along("dp_replicate") for d in all_dims] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(d.data_env() == d.env for d in all_dims)  # the data's view is the process's own
+
+
+def test_the_data_view_matches_the_ranks_the_data_is_dealt_to():
+    """The loop's `data_env` is the object's: data rank, data size and the node's share of the data ranks."""
+    plan = plan_for({"pipeline_parallel": 2, "finetuning_type": "full", "gradient_accumulation_steps": 4}, 8, 4)
+    for rank in range(8):
+        dims = plan.dims(env(8, 4, rank))
+        data = plan.data_env(env(8, 4, rank))
+        assert (data.rank, data.world_size, data.local_world_size) == (dims.data_rank, 4, 4)
+
+
+@pytest.mark.parametrize("layout, world, local, message", [
+    ({"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}, 8, 8, "holds 4 processes, the job 8"),
+    ({"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 4}, 8, 2, "tensor_parallel: 4 does not divide the 2"),
+    ({"dp_replicate": 0, "dp_shard": 2, "cp": 1, "tp": 1}, 2, 2, "at least 1"),
+])
+def test_degrees_that_do_not_fill_the_job_are_refused(layout, world, local, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelDims.of(layout, env(world, local))
+
+
+def test_a_plan_without_data_degrees_makes_the_rest_replicas():
+    dims = ParallelDims.of({"tp": 2}, env(8, rank=5))
+    assert (dims.dp_replicate, dims.dp_shard, dims.data_rank) == (4, 1, 2)
+    assert ParallelDims.of({}, env(1)).sizes == (1, 1, 1, 1, 1)
+
+
+LAYOUTS = [{"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1},
+           {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1},
+           {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}]
+
+
+def mesh_job(rank: int, world_size: int, workdir) -> None:
+    """Each layout's DeviceMesh on the gloo ranks: every named group holds the ranks the arithmetic names, and an
+    all-reduce over the flattened dp group sums the data ranks' values only."""
+    import torch
+    import torch.distributed as dist
+
+    for layout in LAYOUTS:
+        dims = ParallelDims.of(layout, env(world_size, rank=rank))
+        for names in (("pp",), ("dp_replicate",), ("dp_shard",), ("cp",), ("tp",)):
+            assert sorted(dims.sub_mesh(*names).mesh.flatten().tolist()) == dims.ranks_along(*names), (layout, names)
+        dp = dims.sub_mesh("dp")
+        assert sorted(dp.mesh.flatten().tolist()) == dims.ranks_along("dp_replicate", "dp_shard")
+        assert dims.fsdp_mesh("hsdp").mesh_dim_names == ("dp_replicate", "dp_shard")
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total, group=dp.get_group())
+        assert total.item() == sum(dims.ranks_along("dp_replicate", "dp_shard")), layout
+        assert dims.mesh is dims.mesh  # built once
+        if dims.pp > 1:
+            pipeline = dims.pipeline_mesh()
+            assert pipeline.mesh_dim_names == ("pp", "dp") and pipeline.get_local_rank("pp") == dims.coordinates()["pp"]
+            assert sorted(pipeline["pp"].mesh.tolist()) == dims.pipeline_ranks()
+            assert sorted(pipeline["dp"].mesh.tolist()) == dims.stage_ranks()
+
+
+@pytest.mark.slow
+def test_the_device_mesh_groups_are_the_ranks_the_object_names(tmp_path):
+    from ranks import run_ranks
+
+    run_ranks(mesh_job, 4, tmp_path)
