@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import read_metrics, run_cli, run_cli_here
+from ranks import run_meshtune_ranks
 
 
 @pytest.mark.alone
@@ -46,20 +47,23 @@ def test_prepared_config_gives_identical_losses_on_zero3_and_with_accumulation(t
     assert result.returncode == 0, result.stdout
     config = str(directory / "config.yaml")
 
-    def train(name: str, overrides: list[str]) -> list[dict]:
+    def train(name: str, nproc: int, overrides: list[str]) -> list[dict]:
         out = tmp_path / name
-        # 40 of the demo's steps, each logged: bit-identity shows from the first step, and holds however long
-        result, _ = run_cli(["train", config, *overrides, "max_grad_norm=0", "max_steps=40", "logging_steps=2",
-                             "eval_steps=20", f"output_dir={out}"], timeout=240,
-                             env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+        # 40 of the demo's steps, each logged: bit-identity shows from the first step, and holds however long. The
+        # ranks torchrun would start, forked from a process that has imported the training code (tests/ranks.py):
+        # what is compared is the training, not the launcher (tests/test_launch.py starts that)
+        result = run_meshtune_ranks(["train", config, *overrides, "max_grad_norm=0", "max_steps=40",
+                                     "logging_steps=2", "eval_steps=20", f"output_dir={out}"], nproc,
+                                    tmp_path / f"{name}-ranks",
+                                    env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
         assert result.returncode == 0, result.stdout[-4000:]
         return read_metrics(out)
 
-    # the two runs side by side (separate output_dirs and processes): most of each is single-threaded start-up,
-    # and with one thread a process their numbers do not depend on what else runs
+    # the two runs side by side (separate output_dirs and processes), one thread a process: their numbers do not
+    # depend on what else runs
     with ThreadPoolExecutor(2) as pool:
-        futures = {"zero3": pool.submit(train, "zero3", ["nproc_per_node=2", "parallel=zero3"]),
-                   "accumulate": pool.submit(train, "accumulate",
+        futures = {"zero3": pool.submit(train, "zero3", 2, ["nproc_per_node=2", "parallel=zero3"]),
+                   "accumulate": pool.submit(train, "accumulate", 1,
                                              ["nproc_per_node=1", "gradient_accumulation_steps=2"])}
         runs = {name: future.result() for name, future in futures.items()}
     assert sum("loss" in r for r in runs["zero3"]) == 20 and sum("eval_loss" in r for r in runs["zero3"]) == 2

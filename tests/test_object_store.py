@@ -13,13 +13,14 @@ import sys
 
 import pytest
 
-from conftest import base_config, run_cli, run_cli_here, write_config
+from conftest import base_config, run_cli_here, write_config
 from s3_server import S3Server
 from meshtune.checkpoint import CheckpointManager, list_checkpoints, verify
 from meshtune.checkpoint.object_store import DELETING_MARKER, open_store
 from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.train.loop import run
+from ranks import run_meshtune_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BUCKET = "meshtune-ckpt"
@@ -60,7 +61,9 @@ def killed_upload_then_fresh_resume(s3, tmp_path_factory, tiny_model_dir, tiny_d
     url = f"s3://{BUCKET}/killed"
     stored = {**values, "checkpoint_dir": url, "output_dir": str(root / "node-a"), "report_to": ["tensorboard"]}
     config = write_config(root / "config", **stored)
-    killed, _ = run_cli(["train", str(config)], env={"MESHTUNE_FAULT": "save:3:0"})
+    # the rank torchrun would start, forked (tests/ranks.py): what is killed is the training process, not a launcher;
+    # the store's variables passed on, as the forkserver may have started before this module set them
+    killed = run_meshtune_ranks(["train", str(config)], 1, root / "ranks", env={**s3.env, "MESHTUNE_FAULT": "save:3:0"})
     after_kill = {c.path.name: c.complete for c in list_checkpoints(url)}
     resumed = run(build_config({**stored, "output_dir": str(root / "node-b")}))
     return {"root": root, "url": url, "local": local, "killed": killed, "after_kill": after_kill,

@@ -226,12 +226,21 @@ def test_row_log_probs_across_vocabulary_shares_and_their_gradient_are_the_whole
 
 # ---- on gloo ranks: the losses of one process --------------------------------------------------------------------
 
-RUNS: dict[tuple, dict] = {}
+RUNS: dict[tuple, dict] = {}  # a run two tests read (one process's full fine-tuning, its tp 2 x dp 2) runs once
 
 
 def train(tmp_path, model_dir, dataset, method: str, nproc: int, tp: int, accumulation: int, name: str,
           **extra) -> dict:
-    """A run of 4 steps at global batch 8 (2 rows a micro-step); its records, output_dir."""
+    """A run of 4 steps at global batch 8 (2 rows a micro-step); its records, output_dir. Run once a module for
+    the same settings: the second test to ask reads the first one's (its output_dir under that test's tmp_path)."""
+    key = (str(model_dir), str(dataset), method, nproc, tp, accumulation, tuple(sorted(extra.items())))
+    if key not in RUNS:
+        RUNS[key] = _train(tmp_path, model_dir, dataset, method, nproc, tp, accumulation, name, **extra)
+    return RUNS[key]
+
+
+def _train(tmp_path, model_dir, dataset, method: str, nproc: int, tp: int, accumulation: int, name: str,
+           **extra) -> dict:
     out = tmp_path / name
     out.mkdir()
     values = base_config(model_dir, dataset, out / "output", finetuning_type=method, parallel="ddp",
@@ -256,17 +265,23 @@ def assert_same_losses(losses: list[float], reference: list[float], what: str) -
         assert abs(got - want) <= 1e-5 * abs(want), f"{what}: step {step} loss {got} vs one process {want}"
 
 
+# what the checkpoint test reads of full fine-tuning's runs (final/, checkpoint-2), which saving leaves the losses
+# of: the equality test's runs save it too, and each run serves both tests
+SAVED = {"lora": {}, "full": {"save_final": True}}
+TP2_DP2_SAVED = dict(parallel="zero3", save_steps=2, save_final=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_tp2_and_tp2_x_dp2_give_the_losses_of_one_process(tmp_path, tiny_model_dir, tiny_dataset, method):
-    reference = train(tmp_path, tiny_model_dir, tiny_dataset, method, 1, 1, 4, "one")["losses"]
+    reference = train(tmp_path, tiny_model_dir, tiny_dataset, method, 1, 1, 4, "one", **SAVED[method])["losses"]
     assert reference[-1] < reference[0], f"the loss should fall: {reference}"
     # every process reads the files here (rank 0's weights reach the others in the tp 2 x dp 2 run)
     tp2 = train(tmp_path, tiny_model_dir, tiny_dataset, method, 2, 2, 4, "tp2", load_weights_on="every_rank")["losses"]
     assert_same_losses(tp2, reference, f"{method} tp 2")
     tp2_dp2 = train(tmp_path, tiny_model_dir, tiny_dataset, method, 4, 2, 2, "tp2dp2",
-                    parallel="zero3" if method == "full" else "ddp")["losses"]
+                    **(TP2_DP2_SAVED if method == "full" else {}))["losses"]
     assert_same_losses(tp2_dp2, reference, f"{method} tp 2 x dp 2")
 
 
@@ -277,8 +292,8 @@ def test_a_tp2_x_dp2_checkpoint_resumes_on_dp4_and_on_one_process_and_exports_th
     """Checkpoints are layout-free: DCP reshards the tensor-parallel shards for 4 data-parallel processes and for
     one, the global batch kept (gradient accumulation 2 -> 1 and 2 -> 4), and steps 3-4 continue as one process
     would train them; final/ of the tp run holds the whole tensors one process saves."""
-    full = dict(parallel="zero3", save_steps=2, save_final=True)
-    reference = train(tmp_path, tiny_model_dir, tiny_dataset, "full", 1, 1, 4, "one", save_final=True)
+    full = TP2_DP2_SAVED
+    reference = train(tmp_path, tiny_model_dir, tiny_dataset, "full", 1, 1, 4, "one", **SAVED["full"])
     tp_run = train(tmp_path, tiny_model_dir, tiny_dataset, "full", 4, 2, 2, "tp2dp2", **full)
     assert_same_losses(tp_run["losses"], reference["losses"], "tp 2 x dp 2")
     checkpoint = str(tp_run["output"] / "checkpoint-2")

@@ -6,6 +6,7 @@ once (see LAYOUTS_BY_MODE)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -199,23 +200,21 @@ def test_a_checkpoint_before_a_partial_step_resumes_on_one_process_with_its_loss
 @pytest.mark.slow
 def test_two_nodes_of_two_processes_train_the_partial_last_batch_as_one_process(tmp_path, tiny_model_dir,
                                                                                  tiny_dataset):
-    """Two `meshtune train` launchers (NNODES=2, 2 processes each, meeting on 127.0.0.1) under hsdp, one replica a
-    node: each epoch's partial 4th step, 10 rows over 4 ranks x 2 micro-steps, gives one process's losses."""
-    from test_faults import Cluster
-
+    """4 ranks told they are 2 nodes of 2 processes (the variables torchrun gives the workers of two nodes; forked,
+    as in the tests above: the launchers of such a job are tests/test_faults.py's), under hsdp, one replica a node:
+    each epoch's partial 4th step, 10 rows over 4 ranks x 2 micro-steps, gives one process's losses."""
     epochs = {"max_steps": -1, "num_train_epochs": 2}
     reference = train_losses(tmp_path, tiny_model_dir, tiny_dataset, "full", "ddp", 1, 8, **epochs)
     out = tmp_path / "nodes" / "output"
     values = base_config(tiny_model_dir, tiny_dataset, out, finetuning_type="full", parallel="hsdp",
                          hsdp_shard_size=2, nproc_per_node=2, per_device_train_batch_size=2,
                          gradient_accumulation_steps=2, learning_rate=1e-3, val_size=6, per_device_eval_batch_size=2,
-                         save_final=False, tokenized_path=str(tmp_path / "tokenized"), preflight=False,
-                         rdzv_timeout=60, ddp_timeout=60, **epochs)
-    cluster = Cluster(tmp_path / "nodes")
-    try:
-        cluster.run(write_config(tmp_path / "nodes", **values), timeout=300, per_node=2)
-    finally:
-        cluster.cleanup()
+                         save_final=False, tokenized_path=str(tmp_path / "tokenized"), **epochs)
+    codes, output = run_workers(["train", str(write_config(tmp_path / "nodes", **values))], 4,
+                                tmp_path / "nodes" / "ranks", timeout=300, per_node=2)
+    assert codes == [0] * 4, output[-6000:]
+    plan = json.loads((out / "run_plan.json").read_text())
+    assert plan["mesh"]["dp_replicate"] == 2 and plan["mesh"]["dp_shard"] == 2, plan["mesh"]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, 9))
     assert_close([r["loss"] for r in records] + [records[-1]["eval_loss"]], reference, "2 nodes x 2 processes")
