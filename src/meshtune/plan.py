@@ -876,7 +876,8 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
         if per_node > 1 or full_state_bytes(cfg, n // nodes, 1, whole_weights=False) <= 0.5 * card:
             crossing = step_collectives(cfg, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
                                         micro=micro * nodes)
-            predicted[LinkChoice(stage, nodes)] = pipeline_step(crossing, nodes, busbw, compute, nodes, micro * nodes)
+            predicted[LinkChoice(stage, nodes)] = pipeline_step(crossing, nodes, busbw, compute, nodes, micro * nodes,
+                                                                virtual_stages(cfg))  # the config's schedule
     return predicted
 
 
@@ -897,9 +898,10 @@ def pipeline_refusal(cfg: TrainConfig, size: ModelSize, stages: int) -> str | No
         TrainConfig(**{**cfg.model_dump(), "pipeline_parallel": stages})
     except ValidationError as exc:
         return "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
-    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks % stages:
+    split = stages * virtual_stages(cfg)  # equal stages: the arithmetic assumes no stage slower than another
+    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks % split:
         return (f"the model ({size.model_type or 'unknown'} type, {size.blocks} blocks"
-                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {stages} stages")
+                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {split} equal stages")
     return None
 
 
