@@ -166,6 +166,17 @@ def run_workers(argv: list[str], nproc: int, workdir: Path, env: dict[str, str] 
     return [process.exitcode for process in processes], output
 
 
+def train_on_ranks(config: str, nproc: int, workdir: Path, timeout: float = 240) -> None:
+    """`meshtune train CONFIG` in this process (one rank) or on `nproc` forked ranks; every rank must succeed."""
+    if nproc == 1:
+        from meshtune.cli import main
+
+        assert main(["train", config]) == 0
+        return
+    codes, output = run_workers(["train", config], nproc, workdir, timeout=timeout)
+    assert codes == [0] * nproc, output[-6000:]
+
+
 def run_meshtune_ranks(argv: list[str], nproc: int, workdir: Path, env: dict[str, str] | None = None,
                        timeout: float = 240) -> subprocess.CompletedProcess:
     """`run_workers` with `run_cli`'s result: return code 0 when every rank exited 0, else the first rank's other

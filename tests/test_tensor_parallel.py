@@ -14,12 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import base_config, needs_gpus, read_metrics, run_cli, write_config
-from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.plan import ModelSize, resolve
 from plans import QWEN_7B, env, plan_for
-from ranks import run_workers
+from ranks import train_on_ranks
 
 def plan_of(world_size: int = 4, local: int | None = None, size: ModelSize = QWEN_7B, **values):
     return plan_for({"tensor_parallel": 2, **values}, world_size, local, size)
@@ -249,11 +248,7 @@ def _train(tmp_path, model_dir, dataset, method: str, nproc: int, tp: int, accum
                          learning_rate=5e-3 if method == "lora" else 1e-3, max_steps=4, save_final=False)
     values.update(extra)
     config = str(write_config(out, **values))
-    if nproc == 1:
-        assert main(["train", config]) == 0
-    else:
-        codes, output = run_workers(["train", config], nproc, out / "ranks", timeout=240)
-        assert codes == [0] * nproc, output[-6000:]
+    train_on_ranks(config, nproc, out / "ranks")
     plan = json.loads((out / "output" / "run_plan.json").read_text())
     assert plan["mesh"]["tp"] == tp, plan["mesh"]
     return {"losses": [r["loss"] for r in read_metrics(out / "output")], "output": out / "output", "plan": plan}
@@ -331,11 +326,7 @@ def train_dpo(tmp_path, model_dir, method: str, nproc: int, tp: int, accumulatio
                          precompute_ref_log_probs=False)  # the reference in each step, unless a run asks
     values.update(extra)
     config = str(write_config(out, **values))
-    if nproc == 1:
-        assert main(["train", config]) == 0
-    else:
-        codes, output = run_workers(["train", config], nproc, out / "ranks", timeout=240)
-        assert codes == [0] * nproc, output[-6000:]
+    train_on_ranks(config, nproc, out / "ranks")
     assert json.loads((out / "output" / "run_plan.json").read_text())["mesh"]["tp"] == tp
     return read_metrics(out / "output")
 
