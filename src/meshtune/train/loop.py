@@ -351,7 +351,7 @@ def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.
             return KTOLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, settings=settings,
                            reference=reference, cutoff_len=cfg.cutoff_len, autocast_fp16=plan.fp16,
                            padding_free=plan.padding_free, vocab=vocab_shard(model),
-                           pad_to_multiple=row_length_multiple)
+                           pad_to_multiple=row_length_multiple, owns_loss=plan.dims(env).owns_loss)
         logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: {described}")
         return PairLoss(model, env, pad_id, preference_settings(cfg), reference, autocast_bf16=plan.autocast_bf16,
                         autocast_fp16=plan.fp16, fused=plan.fused_loss, vocab=vocab_shard(model),

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from meshtune.data.collate import Batch, collate
 from meshtune.data.sampler import Row
@@ -90,6 +89,9 @@ class KTOLoss:
     padding_free: bool = False
     vocab: VocabShard | None = None  # tensor parallel: the logits are this process's share of the vocabulary
     pad_to_multiple: int = 1  # tensor parallel: every process holds an equal share of a row's positions
+    # whether this process's KL sums count (the run's mesh, mesh.py's owns_loss): a tensor-parallel group's processes
+    # hold the same values, and its first one counts them
+    owns_loss: bool = True
     kl: torch.Tensor = field(default_factory=lambda: torch.zeros(()), init=False)
     _sums: torch.Tensor | None = field(default=None, init=False, repr=False)  # of the micro-batch loss_sum last saw
 
@@ -121,13 +123,7 @@ class KTOLoss:
             ref_logps = self._ref_logps(batch)
             if rows:
                 sums += kl_sums(logps, ref_logps)
-        self.kl = kl_estimate(all_reduce_sum(sums * float(self.counts_for_its_group)))
-
-    @property
-    def counts_for_its_group(self) -> bool:
-        """Whether this process's KL sums count: under tensor parallel a group's processes hold the same values,
-        and its first one counts them."""
-        return self.vocab is None or dist.get_rank(self.vocab.group) == 0
+        self.kl = kl_estimate(all_reduce_sum(sums * float(self.owns_loss)))
 
     def _logps(self, batch: Batch) -> torch.Tensor:
         """Each sample's summed log-prob of its targets under the policy (fp32)."""
