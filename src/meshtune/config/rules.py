@@ -14,15 +14,16 @@ Config = Any  # a TrainConfig: every section's keys (rules.py is imported by the
 SFT_ONLY = ("train_on_prompt", "mask_history")  # which turns of a conversation train
 
 
-def _sft_only(config: Config) -> str:
-    return " and ".join(key for key in SFT_ONLY if getattr(config, key))
+def _turns_chosen_under(config: Config, stage: str, trains: str) -> str | None:
+    """train_on_prompt or mask_history under a stage that trains no turns of its choosing."""
+    given = " and ".join(key for key in SFT_ONLY if getattr(config, key))
+    if config.stage == stage and given:
+        return f"{given} choose which turns of a conversation train; stage: {stage} trains {trains}: drop {given}"
+    return None
 
 
 def pretraining_trains_every_token(config: Config) -> str | None:
-    if config.stage == "pt" and _sft_only(config):
-        return (f"{_sft_only(config)} choose which turns of a conversation train; stage: pt trains every token of raw "
-                f"text: drop {_sft_only(config)}")
-    return None
+    return _turns_chosen_under(config, "pt", "every token of raw text")
 
 
 def pretraining_reads_raw_text(config: Config) -> str | None:
@@ -72,10 +73,7 @@ def kto_computes_the_reference_each_step(config: Config) -> str | None:
 
 
 def dpo_trains_the_responses(config: Config) -> str | None:
-    if config.stage == "dpo" and _sft_only(config):
-        return (f"{_sft_only(config)} choose which turns of a conversation train; stage: dpo trains each pair's two "
-                f"responses after their prompt: drop {_sft_only(config)}")
-    return None
+    return _turns_chosen_under(config, "dpo", "each pair's two responses after their prompt")
 
 
 def dpo_pairs_are_not_packed(config: Config) -> str | None:
