@@ -108,3 +108,12 @@ def test_every_section_check_runs_in_the_config():
         own = [name for section in sections for name in getattr(section.__pydantic_decorators__, kind)]
         assert len(set(own)) == len(own), kind
         assert set(own) <= set(getattr(TrainConfig.__pydantic_decorators__, kind)), kind
+
+
+def test_help_lists_every_section_once_model_and_method_first():
+    """The sections' models are inherited in an order that keeps each section's keys together, as `--help` lists
+    them."""
+    titles = [field.json_schema_extra["section"] for field in TrainConfig.model_fields.values()]
+    runs = [title for i, title in enumerate(titles) if i == 0 or titles[i - 1] != title]
+    assert len(runs) == len(set(runs)) == 10 and runs[0] == "model and method"
+    assert list(TrainConfig.model_fields)[:2] == ["model_name_or_path", "stage"]

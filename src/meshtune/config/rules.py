@@ -229,7 +229,7 @@ def pipeline_replicas_reduce_flat(config: Config) -> str | None:
                              "gradients in one flat all-reduce, not DDP's buckets): drop powersgd_rank")
 
 
-Rule = Callable[[Config], "str | None"]
+Rule = Callable[[Config], str | None]
 RULES: tuple[tuple[str, Rule], ...] = tuple((rule.__name__, rule) for rule in (
     pretraining_trains_every_token,
     pretraining_reads_raw_text,
