@@ -92,7 +92,6 @@ def math_hash(values: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
-
 def build_config(values: dict[str, Any], source: str = "config", sources: dict[str, str] | None = None,
                  problems: list[str] | None = None) -> TrainConfig:
     """Validate `values`; every problem of the config in one error, one line each, naming where the key was given

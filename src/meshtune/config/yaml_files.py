@@ -47,7 +47,6 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
-
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """`key=value` pairs from the command line; values are parsed as YAML (numbers, booleans, lists)."""
     overrides: dict[str, Any] = {}
