@@ -1,6 +1,6 @@
-"""`auto` is read in two modules only: config.py (what `auto` means where it is no run decision: a file's format, the
-chat template, CPU pinning, and the `auto` of foreign files) and plan.py (the run plan's choices). Every other module
-receives the choice made, so no comparison with the string "auto" may appear anywhere else."""
+"""`auto` is read in two places only: the config package (what `auto` means where it is no run decision: a file's
+format, the chat template, CPU pinning, and the `auto` of foreign files) and plan.py (the run plan's choices). Every
+other module receives the choice made, so no comparison with the string "auto" may appear anywhere else."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ import importlib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "meshtune"
-READERS = ("config.py", "plan.py")
+READERS = ("config/", "plan.py")  # a folder stands for every module in it
+
+
+def reads_auto(relative: str) -> bool:
+    """Whether a module (its path under src/meshtune) is one of the readers."""
+    return any(relative == name or (name.endswith("/") and relative.startswith(name)) for name in READERS)
+
+
+def reader_sources(name: str) -> list[str]:
+    path = PACKAGE / name
+    return [file.read_text() for file in sorted(path.rglob("*.py"))] if name.endswith("/") else [path.read_text()]
 
 
 def is_auto(value: object) -> bool:
@@ -21,7 +31,8 @@ def is_auto(value: object) -> bool:
 
 def auto_names(tree: ast.Module) -> set[str]:
     """Names that stand for auto in a module: its constants bound to it (`MODE = "auto"`, `MODES = ("auto", ...)`),
-    or imported from config.py or plan.py whose value it is. A comparison with one of them compares with auto."""
+    or imported from the config package or plan.py whose value it is. A comparison with one of them compares with
+    auto."""
     names = set()
     for node in [*tree.body, *(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))]:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
@@ -32,7 +43,8 @@ def auto_names(tree: ast.Module) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if is_auto(value):
                 names |= {target.id for target in targets if isinstance(target, ast.Name)}
-        elif isinstance(node, ast.ImportFrom) and node.module in ("meshtune.config", "meshtune.plan"):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[:2] in (["meshtune", "config"],
+                                                                                         ["meshtune", "plan"]):
             module = importlib.import_module(node.module)
             names |= {alias.asname or alias.name for alias in node.names
                       if is_auto(getattr(module, alias.name, None))}
@@ -67,16 +79,16 @@ def auto_comparisons(source: str) -> list[tuple[int, str]]:
 
 def test_only_config_and_plan_compare_with_auto():
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
-             for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).as_posix() not in READERS
+             for path in sorted(PACKAGE.rglob("*.py")) if not reads_auto(path.relative_to(PACKAGE).as_posix())
              for line, text in auto_comparisons(path.read_text())]
     assert not found, ("these modules read `auto` themselves; resolve it in plan.resolve (a run decision) or in "
-                       "config.py (what the key's auto means) and pass the result:\n" + "\n".join(found))
+                       "the config package (what the key's auto means) and pass the result:\n" + "\n".join(found))
 
 
 def test_config_and_plan_are_where_auto_is_read():
     """The two readers are where they are said to be (a renamed file would leave the scan above without them)."""
     for name in READERS:
-        assert auto_comparisons((PACKAGE / name).read_text()), name
+        assert any(auto_comparisons(source) for source in reader_sources(name)), name
 
 
 def test_every_form_of_comparison_is_found_and_mentions_are_not():

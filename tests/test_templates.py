@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,16 @@ def test_glm4_tools_and_calls_as_llamafactory_writes_them(tokenizer):
 
 def test_every_config_name_has_a_format():
     assert set(EXPECTED) == set(FORMATS) == set(TEMPLATE_NAMES)  # the config's names are the formats rendered
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/migration.md"])
+def test_the_docs_name_every_template_the_config_takes(page):
+    """The key list (README) and the LLaMA-Factory key table (migration) name the registry's templates, no other."""
+    row = next(line for line in (Path(__file__).parents[1] / page).read_text().splitlines()
+               if line.startswith("| `template` |"))
+    listed = row.split(": ours")[0] if page == "docs/migration.md" else row
+    names = {name for name in re.findall(r"`([a-z0-9_]+)`", listed)} - {"template", "auto", "tokenizer"}
+    assert names == set(TEMPLATE_NAMES)
 
 
 def test_qwen3_keeps_reasoning_that_is_there(tokenizer):
