@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "meshtune"
 
 LAYERS = [  # lowest first; a module imports from its own layer's package or from lower layers only
     ["meshtune", "meshtune.errors", "meshtune.worker_env", "meshtune.faults", "meshtune.checksums",
-     "meshtune.mailbox", "meshtune.units"],
+     "meshtune.mailbox", "meshtune.units", "meshtune.package_clash"],
     ["meshtune.config", "meshtune.distributed", "meshtune.hardware", "meshtune.logs", "meshtune.crossing"],
     ["meshtune.mesh"],  # the run's mesh: read by the plan, built over the process group
     ["meshtune.plan", "meshtune.compat"],

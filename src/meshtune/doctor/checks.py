@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshtune.doctor.bandwidth import duration_text
 from meshtune.doctor.launch_settings import LaunchSettings
+from meshtune.package_clash import peft_torchao_clash
 from meshtune.train.agreement import Difference, differences
 from meshtune.units import byte_size
 
@@ -163,9 +164,12 @@ def software_row(facts: list[dict], reference: dict) -> Row:
     for position, f in enumerate(facts):
         soft = f["software"]
         differing = [f"{d.key} {soft[d.key]} (node 0: {d.reference})" for d in found if position in d.differing]
+        clash = peft_torchao_clash(soft.get("peft"), soft.get("torchao"))
         if differing:
             row.mark(position, FAIL, "; ".join(differing), "install the same versions on every node (one image or "
                      "lock file); 'meshtune code' differs when the installed sources differ")
+        elif clash:
+            row.mark(position, FAIL, f"peft {soft.get('peft')}, torchao {soft.get('torchao')}", clash)
         else:
             row.mark(position, OK, f"torch {soft.get('torch')}, meshtune {soft.get('meshtune')}")
     return row

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from meshtune.config import TrainConfig
 from meshtune.errors import ConfigError, ModelError
+from meshtune.package_clash import installed_peft_torchao_clash
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -42,6 +43,9 @@ def add_lora(model: PreTrainedModel, cfg: TrainConfig) -> torch.nn.Module:
     in_full = trained_in_full(cfg.additional_target, model)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM", bias="none", modules_to_save=in_full or None)
+    clash = installed_peft_torchao_clash()
+    if clash:  # else an ImportError from inside peft, on every node
+        raise ConfigError(f"finetuning_type: {cfg.finetuning_type}: {clash}")
     model = get_peft_model(model, lora)
     for wrapper in model.modules():
         if isinstance(wrapper, ModulesToSaveWrapper):
