@@ -199,13 +199,8 @@ def set_up(cfg: TrainConfig, env: DistEnv) -> Run:
         logger.info(f"resumed from {resume_path} at step {progress.step} of {data.total_steps} "
                     f"(verified in {verify_s:.1f} s, loaded in {time.monotonic() - load_began:.1f} s)")
     scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, progress)  # fp16's loss scale; else no-op
-    logger.info(f"{cfg.finetuning_type} on {env.world_size} process(es): {data.total_steps} steps x global batch "
-                f"{data.batches.global_batch}{' packed rows' if cfg.packing else ''}{last_step(data.batches)}; "
-                f"trainable parameters {sum(p.numel() for p in params):,} of "
-                f"{sum(p.numel() for p in built.model.parameters()):,}")
-    peak_flops = measure_peak_flops(env.device) if env.is_main else None
-    if peak_flops:
-        logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
+    logger.info(describe_size(cfg, env, data, params, built.model))
+    peak_flops = peak_flops_of_this_card(env)
     parts = set_up_step(cfg, env, plan, built, data, optimizer, params, scheduler, scaler)
     plan = fit_to_memory(cfg, plan, parts, progress.step, data.total_steps)
     if progress.step < data.total_steps:  # DDP: the first step reduces as every later one does (a resume stays exact)
@@ -290,6 +285,23 @@ def set_up_optimizer(cfg: TrainConfig, plan: RunPlan, model: torch.nn.Module, to
     scheduler = build_scheduler(optimizer, *schedule)
     logger.info(describe_schedule(*schedule))
     return optimizer, params, scheduler
+
+
+def describe_size(cfg: TrainConfig, env: DistEnv, data: RunData, params: list[torch.nn.Parameter],
+                  model: torch.nn.Module) -> str:
+    """The run's size in one line: processes, steps, the global batch, the trainable parameters."""
+    return (f"{cfg.finetuning_type} on {env.world_size} process(es): {data.total_steps} steps x global batch "
+            f"{data.batches.global_batch}{' packed rows' if cfg.packing else ''}{last_step(data.batches)}; "
+            f"trainable parameters {sum(p.numel() for p in params):,} of "
+            f"{sum(p.numel() for p in model.parameters()):,}")
+
+
+def peak_flops_of_this_card(env: DistEnv) -> float | None:
+    """Rank 0's measured bf16 matmul rate, the MFU's denominator (None elsewhere, and where nothing measures)."""
+    peak_flops = measure_peak_flops(env.device) if env.is_main else None
+    if peak_flops:
+        logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
+    return peak_flops
 
 
 def set_up_step(cfg: TrainConfig, env: DistEnv, plan: RunPlan, built: BuiltModel, data: RunData,

@@ -4,8 +4,9 @@ clipping and the update. The step never asks which stage trains: the objective (
 
 Collective order, decided here: every rank calls the counts' all-reduce (`step_counts`), the objective's
 `prepare_step` (KTO's KL all-reduce), the wrapper's gradient reductions inside backward (or the pipeline schedule's
-sends and receives), the flat sync, fp16's overflow all-reduce under FSDP2 (unscale), then the clipping norm's
-all-reduce, in this order; a filler batch keeps a rank with no rows of its own in step."""
+sends and receives), the flat sync, fp16's overflow all-reduce under FSDP2 (unscale), the clipping norm's
+all-reduce, then with on_nonfinite: skip the non-finite flags' all-gather, in this order; a filler batch keeps a
+rank with no rows of its own in step."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum
 from meshtune.model.flops import FlopCounter
 from meshtune.model.parallel import finish_gradient_sync, gradient_sync
+from meshtune.train.hang_watchdog import HangWatchdog
 from meshtune.train.loss_scale import LossScaler
 from meshtune.train.nonfinite import NonFiniteSteps
 from meshtune.train.objectives import Objective, normalised
@@ -29,7 +31,6 @@ from meshtune.train.pipeline_step import PipelineStep
 from meshtune.train.preemption import StopRequest
 from meshtune.train.sequence_split import SequenceSplit
 from meshtune.train.stragglers import StepTimes
-from meshtune.train.hang_watchdog import HangWatchdog
 
 
 @dataclass
