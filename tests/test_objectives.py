@@ -34,8 +34,9 @@ class ReportingTokenLoss(TokenLoss):
 
 def test_an_objectives_own_metrics_are_ratios_of_the_steps_sums(tmp_path, tiny_model_dir, tiny_dataset, monkeypatch):
     from meshtune.train import loop
+    from meshtune.train.objectives import by_stage
 
-    monkeypatch.setattr(loop, "TokenLoss", ReportingTokenLoss)
+    monkeypatch.setattr(by_stage, "TokenLoss", ReportingTokenLoss)
     records = loop.run(build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / "out", max_steps=3,
                                                 logging_steps=1, gradient_accumulation_steps=2))).records
     steps = [r for r in records if "loss" in r]

@@ -117,76 +117,96 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
                bucket_cap_mb: float | None = None, powersgd_rank: int = 0,
                before_shard: Callable[[list[torch.nn.Module]], None] | None = None,
                mesh_layout: dict[str, int] | None = None, mesh: DeviceMesh | None = None) -> torch.nn.Module:
-    """Apply the data-parallel wrapper; fp32 master weights stay fp32 in every mode. `in_sync`: every replica
-    already holds rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more.
-    `reduce_bf16`: gradients cross the processes in bf16 (half the bytes), and are summed back into fp32.
-    `blocks_per_unit`: consecutive transformer blocks sharded as one FSDP2 unit (one all-gather and one reduce-scatter
-    for them all). `cpu_offload`: FSDP2 keeps every shard (weights, gradients, hence the optimizer's state) in host
-    memory. `reshard_after_forward`: FSDP2 frees each unit's gathered weights after forward (the run plan's choice; by
-    default zero3's and hsdp's yes, zero2's no; an int: to that many processes, a node's). `powersgd_rank`: DDP's
-    buckets cross as PowerSGD's low-rank factors (approximate). `bucket_cap_mb`: DDP's gradient buckets (torch's
-    25 MB by default).
-    `before_shard`: called with each unit's blocks, then with the model, right before FSDP2 shards them (Q-LoRA's
-    block-by-block loading: only one unit is ever whole on the device). `mesh_layout` (the run plan's mesh): with
-    a tp dimension above 1 the model is first split over it (model/tensor_parallel.py), then FSDP2 shards it over
-    the data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is then never ddp. `mesh`:
-    the processes FSDP2 shards over, given (a pipeline stage's), instead of every process."""
+    """Apply the data-parallel wrapper: replicas (`replicate`, ddp) or FSDP2 shards (`shard_in_units`, over the
+    mesh `sharding_mesh` picks); fp32 master weights stay fp32 in every mode. `in_sync`: every replica already holds
+    rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
+    gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `mesh_layout` (the run
+    plan's mesh): with a tp dimension above 1 the model is first split over it, then FSDP2 shards it over the
+    data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is then never ddp. `mesh`: the
+    processes FSDP2 shards over, given (a pipeline stage's), instead of every process. `cpu_offload`: FSDP2 keeps
+    every shard in host memory (`offload_policy`). The other options are those of `replicate` and `shard_in_units`."""
     if parallel == "ddp":
-        if env.world_size == 1:
-            return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
-        if grad_sync == "flat":
-            model.meshtune_flat_sync = FlatGradientSync(model, env.world_size, torch.bfloat16 if reduce_bf16 else None,
-                                                        in_sync)
-            return model
-        # broadcast_buffers off: a decoder's buffers (rotary frequencies) never change, and the broadcast would
-        # be one more collective, a wait for the slowest rank, before every forward
-        device_ids = [env.device.index] if env.device.type == "cuda" else None
-        # frozen tensors of a subclass (Q-LoRA's NF4 weights) are left out: DDP would broadcast and check them as
-        # plain tensors; they never train, and every rank quantized the same files itself
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
-            name for name, p in model.named_parameters() if not p.requires_grad and type(p.data) is not torch.Tensor])
-        # gradients as views of DDP's buckets: no copy into the buckets after backward, no second gradient buffer
-        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False, init_sync=not in_sync,
-                                      gradient_as_bucket_view=True, **({"bucket_cap_mb": bucket_cap_mb}
-                                                                       if bucket_cap_mb else {}))
-        if reduce_bf16:
-            ddp.register_comm_hook(None, bf16_allreduce_hook)
-        elif powersgd_rank:
-            ddp.register_comm_hook(powersgd_state(powersgd_rank), powerSGD_hook)
-        return ddp
+        return replicate(model, env, grad_sync, in_sync, reduce_bf16, bucket_cap_mb, powersgd_rank)
+    tensor_parallel = bool(mesh_layout) and mesh_layout.get("tp", 1) > 1
+    mesh = sharding_mesh(model, parallel, env, hsdp_shard_size, mesh_layout if tensor_parallel else None, mesh)
     reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32 if bf16 else None
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     reshard = parallel in ("zero3", "hsdp") if reshard_after_forward is None else reshard_after_forward
-    offload = offload_policy(cpu_offload, env.device)
-    tensor_parallel = bool(mesh_layout) and mesh_layout.get("tp", 1) > 1
-    if tensor_parallel:
-        mesh = tensor_parallel_mesh(model, parallel, env, mesh_layout)
-    elif mesh is None:
-        mesh = data_parallel_mesh(parallel, env, hsdp_shard_size)
-    blocks = transformer_blocks(model)
-    units = fsdp_units(blocks, blocks_per_unit)
-    shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload)
+    policies = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy(cpu_offload, env.device))
     # Q-LoRA's loader fills the blocks unit by unit, then the root; tensor parallel splits the edges over tp itself
-    embedding, head = edge_units(model) if before_shard is None and not tensor_parallel else (None, None)
+    edges = before_shard is None and not tensor_parallel
+    return shard_in_units(model, policies, reshard, blocks_per_unit, prefetch, edges, before_shard)
+
+
+def replicate(model: torch.nn.Module, env: DistEnv, grad_sync: str | None, in_sync: bool, reduce_bf16: bool,
+              bucket_cap_mb: float | None, powersgd_rank: int) -> torch.nn.Module:
+    """ddp: a whole replica on every process, its gradients averaged by DDP or, with `grad_sync: flat`, by one flat
+    all-reduce (FlatGradientSync). `powersgd_rank`: DDP's buckets cross as PowerSGD's low-rank factors
+    (approximate). `bucket_cap_mb`: DDP's gradient buckets (torch's 25 MB by default)."""
+    if env.world_size == 1:
+        return model  # nothing to synchronise; DDP's hooks cost a fifth of a LoRA step on one GPU (measured)
+    if grad_sync == "flat":
+        model.meshtune_flat_sync = FlatGradientSync(model, env.world_size, torch.bfloat16 if reduce_bf16 else None,
+                                                    in_sync)
+        return model
+    # broadcast_buffers off: a decoder's buffers (rotary frequencies) never change, and the broadcast would
+    # be one more collective, a wait for the slowest rank, before every forward
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    # frozen tensors of a subclass (Q-LoRA's NF4 weights) are left out: DDP would broadcast and check them as
+    # plain tensors; they never train, and every rank quantized the same files itself
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [
+        name for name, p in model.named_parameters() if not p.requires_grad and type(p.data) is not torch.Tensor])
+    # gradients as views of DDP's buckets: no copy into the buckets after backward, no second gradient buffer
+    ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False, init_sync=not in_sync,
+                                  gradient_as_bucket_view=True, **({"bucket_cap_mb": bucket_cap_mb}
+                                                                   if bucket_cap_mb else {}))
+    if reduce_bf16:
+        ddp.register_comm_hook(None, bf16_allreduce_hook)
+    elif powersgd_rank:
+        ddp.register_comm_hook(powersgd_state(powersgd_rank), powerSGD_hook)
+    return ddp
+
+
+def sharding_mesh(model: torch.nn.Module, parallel: str, env: DistEnv, hsdp_shard_size: int | None,
+                  tensor_parallel_layout: dict[str, int] | None, given: DeviceMesh | None) -> DeviceMesh:
+    """The processes FSDP2 shards over: under tensor parallel the run's dp dimensions, the model split over tp
+    first (model/tensor_parallel.py); else the mesh `given` (a pipeline stage's), or every process."""
+    if tensor_parallel_layout:
+        return tensor_parallel_mesh(model, parallel, env, tensor_parallel_layout)
+    return given if given is not None else data_parallel_mesh(parallel, env, hsdp_shard_size)
+
+
+def shard_in_units(model: torch.nn.Module, policies: dict, reshard: bool | int, blocks_per_unit: int,
+                   prefetch: int | None, edges: bool,
+                   before_shard: Callable[[list[torch.nn.Module]], None] | None) -> torch.nn.Module:
+    """FSDP2 `fully_shard` per unit of blocks then the root, with `policies` (mesh, mixed precision, offload).
+    `reshard`: each unit's gathered weights freed after forward (the run plan's choice; by default zero3's and
+    hsdp's yes, zero2's no; an int: to that many processes, a node's). `blocks_per_unit`: consecutive transformer
+    blocks sharded as one unit (one all-gather and one reduce-scatter for them all). `edges`: the embedding and the
+    head units of their own where the model allows (`edge_units`). `before_shard`: called with each unit's blocks,
+    then with the model, right before FSDP2 shards them (Q-LoRA's block-by-block loading: only one unit is ever
+    whole on the device). `prefetch`: how many units ahead each one gathers."""
+    units = fsdp_units(transformer_blocks(model), blocks_per_unit)
+    embedding, head = edge_units(model) if edges else (None, None)
     if embedding is not None:
         # used first in forward and last in backward: zero3 frees it in between
-        fully_shard(embedding, reshard_after_forward=reshard, **shard)
+        fully_shard(embedding, reshard_after_forward=reshard, **policies)
     for i, unit in enumerate(units):
         if before_shard is not None:
             before_shard(unit)
         # backward starts with the last unit: freeing its weights after forward would only gather them again at once
         fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard if i < len(units) - 1 else False,
-                    **shard)
+                    **policies)
     if head is not None:
         # its own unit, as torchtitan shards the output layer: its gradient, the first of backward, is reduced
         # while the blocks' backward runs instead of with the root's after the last block
-        fully_shard(head, reshard_after_forward=False, **shard)
+        fully_shard(head, reshard_after_forward=False, **policies)
     if before_shard is not None:
         before_shard([model])
     # the root (the final norm; the embeddings and head where they are not units of their own) is gathered for the
     # whole forward and again from the start of backward to its end: resharding it in between would cost a gather
     # and save nothing, hence FSDP2's own default for a root
-    fully_shard(model, reshard_after_forward=False, **shard)
+    fully_shard(model, reshard_after_forward=False, **policies)
     if prefetch:
         order = [unit[0] for unit in units]
         set_prefetch(order if embedding is None else [embedding, *order, head], prefetch)  # edges: both or neither

@@ -13,35 +13,35 @@ import logging
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from meshtune import faults
 from meshtune.checkpoint import CheckpointManager, TrainingProgress, publish_final, training_state
 from meshtune.checkpoint.manager import RESUME_COPY
 from meshtune.checkpoint.object_store import StorePath, is_url, location
 from meshtune.config import TrainConfig
 from meshtune.cpu_affinity import apply_cpu_affinity
 from meshtune.data.chat_template import serving_chat_template
-from meshtune.data.collate import Batch, to_device
+from meshtune.data.collate import Batch
 from meshtune.data.pipeline import plan_steps, prepare_datasets
 from meshtune.data.sampler import GlobalBatchPlan
 from meshtune.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shutdown, use_expandable_segments
-from meshtune import faults
 from meshtune.hardware import limit_gpu_memory, measure_peak_flops
 from meshtune.mailbox import Mailbox
-from meshtune.model.build import build_model
+from meshtune.mesh import ParallelDims
+from meshtune.model.build import BuiltModel, build_model
 from meshtune.model.final_weights import gather_state_dict, save_final
-from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import model_size
 from meshtune.model.model_dir import check_model_dir, load_tokenizer
 from meshtune.model.reference import build_reference
 from meshtune.model.pipeline_parallel import gather_stage_weights, whole_model
-from meshtune.model.parallel import finish_gradient_sync, gradient_sync, settle_gradient_buckets
-from meshtune.model.vocab_parallel_loss import vocab_shard
+from meshtune.model.parallel import settle_gradient_buckets
 from meshtune.plan import MEASURE, RunPlan, resolve, resume_request
 from meshtune.train.agreement import check_agreement, package_versions
 from meshtune.train.evaluation import Evaluator
@@ -51,19 +51,16 @@ from meshtune.train.loss_scale import LossScaler
 from meshtune.train.memory_fit import fit_run_to_memory, largest_micro_batch
 from meshtune.train.metrics import MetricsLog, StepMeter, plot_losses, summary
 from meshtune.train.nonfinite import NonFiniteSteps, sample_ids
-from meshtune.train.objectives import Objective, normalised
-from meshtune.train.objectives.kto import KTOLoss
-from meshtune.train.objectives.kto_loss import KTOSettings
-from meshtune.train.objectives.pair_loss import PairLoss
-from meshtune.train.objectives.preference import PreferenceSettings
-from meshtune.train.objectives.token_loss import TokenLoss
-from meshtune.train.optimizer import build_optimizer, clip_gradients
+from meshtune.train.objectives import normalised
+from meshtune.train.objectives.by_stage import build_objective
+from meshtune.train.optimizer import build_optimizer
 from meshtune.train.pipeline_step import PipelineStep
 from meshtune.train.preemption import StopRequest
 from meshtune.train.reference_pass import precompute_reference, reference_is_policy
 from meshtune.train.profiling import StepProfiler
 from meshtune.train.schedule import build_scheduler, describe_schedule, warmup_steps
 from meshtune.train.sequence_split import SequenceSplit, row_multiple
+from meshtune.train.step import StepDone, StepParts, optimizer_step
 from meshtune.train.storage import check_shared_output_dir, ensure_writable_dir
 from meshtune.train.stragglers import Place, StepTimes
 from meshtune.train.trackers import open_trackers
@@ -77,6 +74,55 @@ class TrainResult:
     records: list[dict]  # what metrics.jsonl holds (rank 0; empty elsewhere)
     final_dir: Path | None  # None with save_final: false
     stopped_by: int | None = None  # the signal that stopped the run before its last step (train/preemption.py)
+
+
+@dataclass
+class RunData:
+    """The run's tokenizer, its data and the global batches it deals them in."""
+    tokenizer: PreTrainedTokenizerBase
+    chat_template: str | None  # saved with final/ and in every checkpoint
+    train: object  # the training set (with the reference's log-probs attached, where precomputed)
+    eval: object | None  # the held-out set
+    dims: ParallelDims  # the run's mesh: which ranks share this process's data
+    data_env: DistEnv  # a cp x tp group's, a pipeline's processes take the same micro-batches
+    batches: GlobalBatchPlan
+    total_steps: int
+    epoch_ends: frozenset[int]  # the steps that end an epoch, where saving or evaluating goes by epoch
+
+
+@dataclass
+class Run:
+    """What the run holds before its first step: what the step, what follows it and the end share."""
+    cfg: TrainConfig
+    env: DistEnv
+    plan: RunPlan  # as built and measured: what the model could not do is off, with why
+    places: list[Place]  # each rank's node and host, for the straggler and hang reports
+    output_dir: Path
+    where: Path | StorePath  # where checkpoints go
+    shared: bool  # that place is one storage for every node
+    checkpoints: CheckpointManager
+    data: RunData
+    built: BuiltModel
+    progress: TrainingProgress  # the steps done, checkpointed with the model
+    state: dict  # what a checkpoint holds
+    peak_flops: float | None  # rank 0's measured bf16 matmul rate, for MFU
+    step: StepParts
+
+
+@dataclass
+class Watch:
+    """What follows each step: evaluation, the step's metrics and their log, profiling, step times and stragglers,
+    the hang watchdog, non-finite steps."""
+    evaluator: Evaluator
+    meter: StepMeter
+    metrics: MetricsLog
+    profiler: StepProfiler
+    run_info: dict  # what each checkpoint's manifest records
+    times: StepTimes
+    hang: HangWatchdog
+    nonfinite: NonFiniteSteps
+    # a cp group's processes each hold the loss of their share of the positions; a tensor-parallel peer, a copy
+    own_loss: float
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -97,19 +143,94 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 
 def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopRequest) -> TrainResult:
+    """The set-up, the steps, what follows each, and the end.
+
+    Collective order: every rank calls the same collectives in the same order, as these lines decide it: set_up's
+    (in the order of its lines), set_up_watch's, then for each step optimizer_step's (train/step.py) and
+    after_step's, then finish's. A stop request is agreed in a step's first all-reduce (its counts), so every rank
+    leaves the loop before the same step."""
+    run = set_up(cfg, env)
+    watch = set_up_watch(run)
+    started = time.perf_counter()
+    stopped_by = 0  # the signal that ends the loop early, if one comes
+    with StepGarbageCollection(run.plan.gc_interval) as collection, watch.hang:
+        for step in range(run.progress.step, run.data.total_steps):
+            if stopped_by := stop.due():  # a rank was signalled during the previous step
+                break
+            watch.times.begin()
+            watch.hang.at(step + 1, "preparing the batch")
+            watch.profiler.begin(step + 1)
+            done = optimizer_step(run.step, step, stop, watch.times, watch.hang, watch.nonfinite)
+            after_step(run, watch, done, step + 1)
+            collection.after_step(step + 1)
+            watch.profiler.end(step + 1, last=step + 1 == run.data.total_steps)
+            watch.hang.step_done()
+    return finish(run, watch, stop, stopped_by, started)
+
+
+# -- set-up: what the run holds before its first step -------------------------------------------------------------
+
+def set_up(cfg: TrainConfig, env: DistEnv) -> Run:
+    """The run's parts, built in the same order on every rank: the collectives inside (the agreement's all-gather,
+    the storage check, the resume's verification, the reference pass, the model's broadcasts and sharding, the
+    memory fit, DDP's settling backward) come in the order of these lines."""
     places = [Place(node, host) for node, host in check_agreement(cfg, env)]  # config, versions, data, node ranks:
-    # identical everywhere, or stop now; each rank's node and host for the straggler and hang reports
+    # identical everywhere, or stop now
     output_dir = Path(cfg.output_dir)
     if env.is_main:
         ensure_writable_dir(output_dir, "output_dir")
     seed_everything(cfg.seed)
+    where, shared, checkpoints = open_checkpoints(cfg, env, output_dir)
+    resume_path, manifest, verify_s = find_resume(cfg, checkpoints, shared)
+    model_dir = check_model_dir(cfg.model_name_or_path)
+    plan = resolve(cfg, env, manifest, lambda: model_size(model_dir), resumed_from=resume_path, shared=shared)
+    data = set_up_data(cfg, env, plan, model_dir)
+    if shared and cfg.save_strategy == "epoch":
+        checkpoints.save_at(data.epoch_ends)
+    built, plan, data = set_up_model(cfg, env, plan, data)
+    logger.info(plan.describe())
+    optimizer, params, scheduler = set_up_optimizer(cfg, plan, built.model, data.total_steps)
+    progress = TrainingProgress()
+    state = training_state(built.model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora,
+                           optimizer_by_name=built.pipeline is not None)  # each stage's groups name other weights
+    if resume_path:
+        load_began = time.monotonic()
+        checkpoints.load(resume_path, state)
+        logger.info(f"resumed from {resume_path} at step {progress.step} of {data.total_steps} "
+                    f"(verified in {verify_s:.1f} s, loaded in {time.monotonic() - load_began:.1f} s)")
+    scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, progress)  # fp16's loss scale; else no-op
+    logger.info(describe_size(cfg, env, data, params, built.model))
+    peak_flops = peak_flops_of_this_card(env)
+    parts = set_up_step(cfg, env, plan, built, data, optimizer, params, scheduler, scaler)
+    plan = fit_to_memory(cfg, plan, parts, progress.step, data.total_steps)
+    if progress.step < data.total_steps:  # DDP: the first step reduces as every later one does (a resume stays exact)
+        first = data.batches.micro_batches(*data.batches.position(progress.step), data.data_env.rank)[0]
+        settle_gradient_buckets(parts.model,
+                                lambda: parts.objective.loss_sum(parts.rows_to_batch(first).to(env.device)))
+    if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
+        describe_run(cfg, plan, output_dir)
+    return Run(cfg, env, plan, places, output_dir, where, shared, checkpoints, data, built, progress, state,
+               peak_flops, parts)
+
+
+def open_checkpoints(cfg: TrainConfig, env: DistEnv, output_dir: Path,
+                     ) -> tuple[Path | StorePath, bool, CheckpointManager]:
+    """Where checkpoints go, whether every node shares that place (else no checkpoints, with a warning, where
+    allow_local_checkpoints allows it), and the manager that saves them on the run's schedule."""
     where = location(cfg.checkpoint_dir or output_dir)  # an object store is shared by every node by its nature
     shared = isinstance(where, StorePath) or check_shared_output_dir(where, env, cfg.allow_local_checkpoints)
     checkpoints = CheckpointManager(where, cfg.save_total_limit, cfg.async_save, env.rank, env.world_size,
                                     save_steps=cfg.save_steps if shared and cfg.save_strategy == "steps" else 0,
                                     local_rank=env.local_rank, local_world_size=env.local_world_size,
                                     staging=output_dir / RESUME_COPY)  # a resume from a store: the node's copy
-    wanted, named = resume_request(cfg, shared)  # auto: the newest complete, verified checkpoint
+    return where, shared, checkpoints
+
+
+def find_resume(cfg: TrainConfig, checkpoints: CheckpointManager,
+                shared: bool) -> tuple[Path | None, dict | None, float]:
+    """The checkpoint the run resumes from (auto: the newest complete, verified one), its manifest and the seconds
+    its verification took; (None, None, ...) for a fresh start."""
+    wanted, named = resume_request(cfg, shared)
     if wanted and is_url(cfg.resume_from_checkpoint):
         named = cfg.resume_from_checkpoint
     verify_began = time.monotonic()
@@ -118,63 +239,84 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
     verify_s = time.monotonic() - verify_began
     for note in notes:
         logger.info(note)
-    model_dir = check_model_dir(cfg.model_name_or_path)
-    plan = resolve(cfg, env, manifest, lambda: model_size(model_dir), resumed_from=resume_path, shared=shared)
+    return resume_path, manifest, verify_s
 
-    # data: tokenized once into the shared cache (other processes wait on its file lock)
+
+def set_up_data(cfg: TrainConfig, env: DistEnv, plan: RunPlan, model_dir: Path) -> RunData:
+    """The tokenizer and the data, tokenized once into the shared cache (other processes wait on its file lock),
+    and the run's global batches over the data's ranks."""
     tokenizer = load_tokenizer(model_dir)
-    # saved with final/ and in every checkpoint
     chat_template = serving_chat_template(tokenizer, cfg.named_template, cfg.default_system)
     train_data, eval_data = prepare_datasets(cfg, tokenizer, show_progress=env.is_main)
-    dims = plan.dims(env)  # the run's mesh: which ranks share this process's data
-    data = dims.data_env()  # a cp x tp group's, a pipeline's processes take the same micro-batches
-    batches, total_steps = plan_steps(cfg, train_data, data.world_size, plan.gradient_accumulation_steps,
+    dims = plan.dims(env)
+    data_env = dims.data_env()
+    batches, total_steps = plan_steps(cfg, train_data, data_env.world_size, plan.gradient_accumulation_steps,
                                       plan.padding_free, report=True)
     by_epoch = "epoch" in (cfg.save_strategy, cfg.eval_strategy)
     epoch_ends = batches.epoch_ends(total_steps) if by_epoch else frozenset()
-    if shared and cfg.save_strategy == "epoch":
-        checkpoints.save_at(epoch_ends)
-    precompute = partial(precompute_reference, cfg, plan, env, tokenizer.pad_token_id, [train_data, eval_data],
+    return RunData(tokenizer, chat_template, train_data, eval_data, dims, data_env, batches, total_steps, epoch_ends)
+
+
+def set_up_model(cfg: TrainConfig, env: DistEnv, plan: RunPlan,
+                 data: RunData) -> tuple[BuiltModel, RunPlan, RunData]:
+    """The policy, built and wrapped (model/build.py), and with precompute_ref_log_probs the reference's log-probs
+    attached to the data; the plan as built (what the model could not do is off, with why)."""
+    precompute = partial(precompute_reference, cfg, plan, env, data.tokenizer.pad_token_id, [data.train, data.eval],
                          show_progress=env.is_main)
     # a frozen copy's log-probs before the policy exists: the copy is freed before the policy takes the memory
     precomputed = (precompute(lambda: build_reference(cfg, plan, env, None))
                    if plan.precompute_ref_log_probs and not reference_is_policy(cfg) else None)
     built = build_model(cfg, plan, env)
-    model, plan = built.model, built.plan  # the plan as built: what the model could not do is off, with why
+    plan = built.plan
     if plan.precompute_ref_log_probs and reference_is_policy(cfg):  # the policy with its adapters off
-        precomputed = precompute(lambda: build_reference(cfg, plan, env, model))
+        precomputed = precompute(lambda: build_reference(cfg, plan, env, built.model))
     if precomputed:
-        train_data, eval_data = precomputed.attach(train_data), precomputed.attach(eval_data)
+        data = replace(data, train=precomputed.attach(data.train), eval=precomputed.attach(data.eval))
         plan = plan.amended("reference", precomputed.reason)
-    logger.info(plan.describe())
+    return built, plan, data
+
+
+def set_up_optimizer(cfg: TrainConfig, plan: RunPlan, model: torch.nn.Module, total_steps: int,
+                     ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the trainable parameters and the learning-rate schedule over the run's steps."""
     optimizer, params = build_optimizer(model, cfg, plan.fused_adamw)
     warmup = warmup_steps(total_steps, cfg.warmup_ratio, cfg.warmup_steps)
     schedule = (total_steps, warmup, cfg.lr_scheduler_type, cfg.warmup_type, cfg.cos_min_ratio)
     scheduler = build_scheduler(optimizer, *schedule)
     logger.info(describe_schedule(*schedule))
-    progress = TrainingProgress()
-    state = training_state(model, optimizer, scheduler, progress, env.rank, trainable_only=cfg.is_lora,
-                           optimizer_by_name=built.pipeline is not None)  # each stage's groups name other weights
-    if resume_path:
-        load_began = time.monotonic()
-        checkpoints.load(resume_path, state)
-        logger.info(f"resumed from {resume_path} at step {progress.step} of {total_steps} "
-                    f"(verified in {verify_s:.1f} s, loaded in {time.monotonic() - load_began:.1f} s)")
-    scaler = LossScaler(plan.fp16, plan.parallel != "ddp", env.device, progress)  # fp16's loss scale; else no-op
-    logger.info(f"{cfg.finetuning_type} on {env.world_size} process(es): {total_steps} steps x global batch "
-                f"{batches.global_batch}{' packed rows' if cfg.packing else ''}{last_step(batches)}; trainable "
-                f"parameters {sum(p.numel() for p in params):,} of {sum(p.numel() for p in model.parameters()):,}")
+    return optimizer, params, scheduler
+
+
+def describe_size(cfg: TrainConfig, env: DistEnv, data: RunData, params: list[torch.nn.Parameter],
+                  model: torch.nn.Module) -> str:
+    """The run's size in one line: processes, steps, the global batch, the trainable parameters."""
+    return (f"{cfg.finetuning_type} on {env.world_size} process(es): {data.total_steps} steps x global batch "
+            f"{data.batches.global_batch}{' packed rows' if cfg.packing else ''}{last_step(data.batches)}; "
+            f"trainable parameters {sum(p.numel() for p in params):,} of "
+            f"{sum(p.numel() for p in model.parameters()):,}")
+
+
+def peak_flops_of_this_card(env: DistEnv) -> float | None:
+    """Rank 0's measured bf16 matmul rate, the MFU's denominator (None elsewhere, and where nothing measures)."""
     peak_flops = measure_peak_flops(env.device) if env.is_main else None
     if peak_flops:
         logger.info(f"MFU is counted against {peak_flops / 1e12:.0f} TFLOP/s, a bf16 matmul measured on this card")
+    return peak_flops
 
-    pad_id = tokenizer.pad_token_id
+
+def set_up_step(cfg: TrainConfig, env: DistEnv, plan: RunPlan, built: BuiltModel, data: RunData,
+                optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: LossScaler) -> StepParts:
+    """What each optimizer step uses: the stage's objective (train/objectives/by_stage.py), how rows become a
+    micro-batch, the context-parallel split and the pipeline schedule, with the optimizer, its trainable
+    parameters, the schedule and the loss scaler; the model in training mode."""
+    pad_id = data.tokenizer.pad_token_id
     # tensor and context parallel: every process holds an equal share of a row's positions
     row_length_multiple = row_multiple(plan.context_parallel, plan.tensor_parallel)
-    objective = build_objective(cfg, plan, env, model, pad_id, row_length_multiple)
-    collate_rows = partial(objective.collate, dataset=train_data, packed=cfg.packing)
+    objective = build_objective(cfg, plan, env, built.model, pad_id, row_length_multiple)
+    collate_rows = partial(objective.collate, dataset=data.train, packed=cfg.packing)
     # an empty share of a last partial step: the shortest sample, trained on nothing
-    filler_rows = [[int(np.argmin(train_data.lengths))]]
+    filler_rows = [[int(np.argmin(data.train.lengths))]]
 
     def rows_to_batch(rows: list[list[int]]) -> Batch:
         return collate_rows(rows) if rows else collate_rows(filler_rows).ignore_all()
@@ -186,141 +328,137 @@ def train_until_done_or_stopped(cfg: TrainConfig, env: DistEnv, stop: StopReques
                              cfg.cutoff_len, plan.autocast_bf16, sharded=plan.parallel != "ddp")
                 if built.pipeline is not None else None)
     stages = built.pipeline["pp"].get_group() if built.pipeline is not None else None
-    model.train()
-    if plan.recompute == MEASURE:  # before the step meter starts
-        largest = partial(largest_micro_batch, batches, progress.step, total_steps, data.rank, plan.padding_free)
-        ratio, measured = fit_run_to_memory(model, objective, params, optimizer, largest, rows_to_batch,
-                                            cfg.memory_budget, cfg.gpu_memory_limit, env.device, split,
-                                            more_room=BF16_STATE_ROOM if fp32_state(cfg) else "")
-        logger.info(measured)
-        plan = plan.amended("gradient_checkpointing", measured, recompute=ratio)
-    if progress.step < total_steps:  # DDP: the first step reduces as every later one does (a resume stays exact)
-        first = batches.micro_batches(*batches.position(progress.step), data.rank)[0]
-        settle_gradient_buckets(model, lambda: objective.loss_sum(rows_to_batch(first).to(env.device)))
-    if env.is_main:  # nothing above refused the run: from here on it trains, and output_dir describes it
-        describe_run(cfg, plan, output_dir)
+    built.model.train()
+    return StepParts(env=env, model=built.model, objective=objective, optimizer=optimizer, scheduler=scheduler,
+                     params=params, scaler=scaler, max_grad_norm=cfg.max_grad_norm,
+                     gradient_reduction=plan.gradient_reduction,
+                     keep_gathered=plan.reshard_after_forward is False, fp16=plan.fp16, batches=data.batches,
+                     dataset=data.train, data_rank=data.data_env.rank, rows_to_batch=rows_to_batch,
+                     flops=built.flops, split=split, pipeline=pipeline, stages=stages,
+                     own=float(data.dims.counts_batch), reducing=data.dims.reducing)
+
+
+def fit_to_memory(cfg: TrainConfig, plan: RunPlan, parts: StepParts, start_step: int, total_steps: int) -> RunPlan:
+    """gradient_checkpointing_ratio: auto: the share of blocks recomputed, measured on the largest micro-batch
+    before the step meter starts (train/memory_fit.py); the plan as measured. Any other plan as it is."""
+    if plan.recompute != MEASURE:
+        return plan
+    largest = partial(largest_micro_batch, parts.batches, start_step, total_steps, parts.data_rank, plan.padding_free)
+    ratio, measured = fit_run_to_memory(parts.model, parts.objective, parts.params, parts.optimizer, largest,
+                                        parts.rows_to_batch, cfg.memory_budget, cfg.gpu_memory_limit,
+                                        parts.env.device, parts.split,
+                                        more_room=BF16_STATE_ROOM if fp32_state(cfg) else "")
+    logger.info(measured)
+    return plan.amended("gradient_checkpointing", measured, recompute=ratio)
+
+
+def set_up_watch(run: Run) -> Watch:
+    """Evaluation, metrics, trackers, profiling, the straggler and hang watches and the non-finite check, each
+    started where the run resumes."""
+    cfg, env, plan, data, parts = run.cfg, run.env, run.plan, run.data, run.step
+    objective, pipeline, start = parts.objective, parts.pipeline, run.progress.step
     # under pipeline_parallel the last stage holds the loss, and each stage counts the targets: 1 / pp of them each
-    evaluator = Evaluator(eval_data, cfg.per_device_eval_batch_size,
-                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, total_steps, data,
-                          partial(objective.collate, dataset=eval_data, packed=False),
-                          pipeline.eval_loss if pipeline is not None else split.around(objective.loss_sum),
-                          objective.count, also_at=epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
+    evaluator = Evaluator(data.eval, cfg.per_device_eval_batch_size,
+                          cfg.eval_steps if cfg.eval_strategy == "steps" else None, data.total_steps, data.data_env,
+                          partial(objective.collate, dataset=data.eval, packed=False),
+                          pipeline.eval_loss if pipeline is not None else parts.split.around(objective.loss_sum),
+                          objective.count,
+                          also_at=data.epoch_ends if cfg.eval_strategy == "epoch" else frozenset(),
                           target_share=1 / (plan.context_parallel * plan.pipeline_parallel),
                           metric_names=objective.metric_names,
                           metric_sums=objective.metric_sums, metrics=objective.metrics,
-                          prepare=partial(objective.prepare_step, dataset=eval_data))
-    meter = StepMeter(cfg.logging_steps, total_steps, env, peak_flops, plan.compile)
-    store = where if isinstance(where, StorePath) else None
-    metrics = MetricsLog(output_dir / "metrics.jsonl", total_steps, env.is_main, progress.step, plan.compile,
-                         open_trackers(cfg, plan, progress.step, env.is_main, store))  # report_to's, on rank 0
-    checkpoints.on_published = metrics.trackers.checkpoint_published
-    profiler = StepProfiler(cfg.profile_steps, output_dir, env.rank, env.device)
-    run_info = checkpoint_info(cfg, env, plan, batches, chat_template)
-    times = StepTimes(env, places, cfg.straggler_threshold, cfg.straggler_intervals)
-    watch = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, output_dir, env, places, start_step=progress.step)
-    nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, places,
-                               sample_ids(batches, train_data, dims.data_rank_of),
-                               progress.nonfinite_skipped, checkpoints.close)
-    own = float(dims.counts_batch)  # 0: another of this data rank's processes counts its batches
-    # a cp group's processes each hold the loss of their share of the positions; a tensor-parallel peer, a copy
-    own_loss = float(dims.owns_loss)
-    # the wrapper averages gradients over data ranks x cp: each cp process's loss is a partial sum of its row's
-    reducing = dims.reducing
-    started = time.perf_counter()
-    stopped_by = 0  # the signal that ends the loop early, if one comes
-    with StepGarbageCollection(plan.gc_interval) as collection, watch:
-        for step in range(progress.step, total_steps):
-            if stopped_by := stop.due():  # a rank was signalled during the previous step
-                break
-            times.begin()
-            watch.at(step + 1, "preparing the batch")
-            profiler.begin(step + 1)
-            epoch, step_in_epoch = batches.position(step)
-            micro_rows = batches.micro_batches(epoch, step_in_epoch, data.rank)
-            micro = [rows_to_batch(rows) for rows in micro_rows]
-            watch.at(step + 1, "counting the step's tokens (all-reduce)")
-            targets, tokens, flops, votes = times.line_up(lambda: step_counts(micro, objective, built.flops, env,
-                                                                              stop.vote, own))
-            stop.tally(votes)
-            watch.at(step + 1, "the objective's pass over the step before its micro-batches")
-            objective.prepare_step(batches.step_rows(epoch, step_in_epoch), micro_rows, train_data)
-            watch.at(step + 1, "forward and backward, with the gradient reduction")
-            loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-            reported = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
-            if pipeline is not None:  # the schedule runs every micro-batch's forward and backward through the stages
-                loss_sum = faults.nan_loss(pipeline.step(micro, targets, reducing, scaler.scale), step + 1, env.rank)
-            for m, batch in enumerate(micro if pipeline is None else []):
-                with gradient_sync(model, last=m == len(micro) - 1, reduction=plan.gradient_reduction,
-                                   keep_gathered=plan.reshard_after_forward is False):
-                    with split(batch.to(env.device)) as local:  # forward and backward on this process's share
-                        loss = faults.nan_loss(objective.loss_sum(local), step + 1, env.rank)
-                        scaler.scale(normalised(loss * reducing, targets)).backward()
-                        reported += objective.metric_sums(local)
-                loss_sum += loss.detach().double()
-            finish_gradient_sync(model)
-            watch.at(step + 1, "gradient clipping and optimizer step")
-            scaler.unscale(optimizer)
-            grad_norm = clip_gradients(params, cfg.max_grad_norm, stages)
-            lr = float(optimizer.param_groups[0]["lr"])  # the rate this step used (a tensor in torchao's AdamW)
-            # fp16: gradients that overflow are the loss scale's to skip (and the scale lowers), not a fault
-            checked_norm = torch.zeros_like(loss_sum) if plan.fp16 else grad_norm
-            updated = nonfinite.update_allowed(step + 1, loss_sum, checked_norm)  # stop: marks kept on the device
-            if updated and scaler.step(optimizer):  # fp16: not after an overflow
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                          prepare=partial(objective.prepare_step, dataset=data.eval))
+    meter = StepMeter(cfg.logging_steps, data.total_steps, env, run.peak_flops, plan.compile)
+    store = run.where if isinstance(run.where, StorePath) else None
+    metrics = MetricsLog(run.output_dir / "metrics.jsonl", data.total_steps, env.is_main, start, plan.compile,
+                         open_trackers(cfg, plan, start, env.is_main, store))  # report_to's, on rank 0
+    run.checkpoints.on_published = metrics.trackers.checkpoint_published
+    profiler = StepProfiler(cfg.profile_steps, run.output_dir, env.rank, env.device)
+    run_info = checkpoint_info(cfg, env, plan, data.batches, data.chat_template)
+    times = StepTimes(env, run.places, cfg.straggler_threshold, cfg.straggler_intervals)
+    hang = HangWatchdog(cfg.hang_timeout, cfg.ddp_timeout, run.output_dir, env, run.places, start_step=start)
+    nonfinite = NonFiniteSteps(cfg.on_nonfinite, cfg.max_nonfinite_skips, env, run.places,
+                               sample_ids(data.batches, data.train, data.dims.data_rank_of),
+                               run.progress.nonfinite_skipped, run.checkpoints.close)
+    return Watch(evaluator, meter, metrics, profiler, run_info, times, hang, nonfinite, float(data.dims.owns_loss))
 
-            done, last = step + 1, step + 1 == total_steps
-            faults.after_step(done, env.rank)
-            watch.at(done, "summing the step's loss (all-reduce)")
-            sums = times.line_up(lambda: all_reduce_sum(torch.cat([loss_sum.view(1), reported]) * own_loss))
-            meter.add(normalised(sums[0], targets), tokens, flops, counted=updated,
-                      reported=objective.metrics(sums[1:], targets))
-            times.end()
-            record = meter.record(done, epoch + (step_in_epoch + 1) / batches.steps_in_epoch(epoch), grad_norm, lr)
-            if record:  # the ranks compare their step times and non-finite marks (small all-gathers)
-                watch.at(done, "comparing step times (all-gather)")
-                nonfinite.check()
-                fields, warning = times.interval()
-                record.update(fields)
-                metrics.note(warning)
-                if skipped := nonfinite.skipped_since_record():
-                    record["nonfinite_skipped"] = skipped
-            if evaluator.due(done):
-                with watch.paused(f"step {done}: evaluation"):
-                    record = {"step": done, **record, **evaluator.run(model)}
-            metrics.after_step(done, record)
-            progress.step, progress.epoch = done, epoch
-            with watch.paused(f"step {done}: checkpoint"):
-                checkpoints.maybe_save(done, state, {**run_info, "epoch": epoch}, last=last, before=nonfinite.check)
-            collection.after_step(done)
-            profiler.end(done, last=last)
-            watch.step_done()
-    profiler.close()
-    nonfinite.check()  # nothing after a non-finite step is saved: no checkpoint, no final/
+
+# -- after the step: metrics, logs, evaluation, the checkpoint schedule, the stragglers' and hang watches ----------
+
+def after_step(run: Run, watch: Watch, step: StepDone, done: int) -> None:
+    """What follows optimizer step `done` (1-based). Collective order, the same on every rank: the loss's all-reduce,
+    at a logging interval the step times' and non-finite marks' all-gathers, evaluation where due, the checkpoint
+    where due."""
+    faults.after_step(done, run.env.rank)
+    watch.hang.at(done, "summing the step's loss (all-reduce)")
+    sums = watch.times.line_up(lambda: all_reduce_sum(torch.cat([step.loss_sum.view(1), step.reported])
+                                                      * watch.own_loss))
+    watch.meter.add(normalised(sums[0], step.targets), step.tokens, step.flops, counted=step.updated,
+                    reported=run.step.objective.metrics(sums[1:], step.targets))
+    watch.times.end()
+    record = interval_record(run, watch, step, done)
+    if watch.evaluator.due(done):
+        with watch.hang.paused(f"step {done}: evaluation"):
+            record = {"step": done, **record, **watch.evaluator.run(run.step.model)}
+    watch.metrics.after_step(done, record)
+    run.progress.step, run.progress.epoch = done, step.epoch
+    with watch.hang.paused(f"step {done}: checkpoint"):
+        run.checkpoints.maybe_save(done, run.state, {**watch.run_info, "epoch": step.epoch},
+                                   last=done == run.data.total_steps, before=watch.nonfinite.check)
+
+
+def interval_record(run: Run, watch: Watch, step: StepDone, done: int) -> dict:
+    """The logging interval's record, where step `done` ends one (else empty): the meter's means, the ranks' step
+    times compared and their non-finite marks checked (small all-gathers), the steps skipped since the last."""
+    batches = run.data.batches
+    epoch = step.epoch + (step.step_in_epoch + 1) / batches.steps_in_epoch(step.epoch)
+    record = watch.meter.record(done, epoch, step.grad_norm, step.lr)
+    if record:
+        watch.hang.at(done, "comparing step times (all-gather)")
+        watch.nonfinite.check()
+        fields, warning = watch.times.interval()
+        record.update(fields)
+        watch.metrics.note(warning)
+        if skipped := watch.nonfinite.skipped_since_record():
+            record["nonfinite_skipped"] = skipped
+    return record
+
+
+# -- the end: the last checks, a stop's checkpoint, final/, the summary ------------------------------------------
+
+def finish(run: Run, watch: Watch, stop: StopRequest, stopped_by: int, started: float) -> TrainResult:
+    """After the last step, or the step a stop came before: nothing after a non-finite step is saved; a stopped run
+    saves what fits its grace period and ends there; a finished one writes final/ (a collective) and its summary."""
+    watch.profiler.close()
+    watch.nonfinite.check()  # nothing after a non-finite step is saved: no checkpoint, no final/
     if stopped_by:
-        save_before_stopping(checkpoints, cfg, env, stop, progress, state, run_info, shared, total_steps)
-    checkpoints.close()
-    metrics.close()
+        save_before_stopping(run, stop, watch.run_info)
+    run.checkpoints.close()
+    watch.metrics.close()
     if stopped_by:
-        return TrainResult(model, metrics.records, None, stopped_by=stopped_by)
+        return TrainResult(run.step.model, watch.metrics.records, None, stopped_by=stopped_by)
     seconds = time.perf_counter() - started
+    final_dir = publish_trained_model(run, watch.run_info) if run.cfg.save_final else None
+    if run.env.is_main:
+        if run.cfg.plot_loss:
+            plot_losses(watch.metrics.records, run.output_dir / "loss.png")
+        logger.info(summary(watch.metrics.records, seconds, watch.meter.total_tokens, final_dir, run.env.world_size))
+    return TrainResult(run.step.model, watch.metrics.records, final_dir)
 
-    final_dir = None
-    if cfg.save_final:
-        # a collective: full tensors on rank 0 (from every stage under pipeline_parallel)
-        weights = (gather_state_dict(model, trainable_only=cfg.is_lora) if built.pipeline is None else
-                   gather_stage_weights(model, built.pipeline, trainable_only=cfg.is_lora))
-        # under pipeline_parallel rank 0 holds the first stage: the whole model's modules name the tensors
-        saving = whole_model(cfg, plan) if built.pipeline is not None and env.is_main else model
-        final_dir = publish_final(output_dir, {**run_info, "step": progress.step, "epoch": progress.epoch},
-                                  env.rank, lambda staged: save_final(saving, weights, tokenizer, staged,
-                                                                      chat_template),
-                                  store=store)
-    if env.is_main:
-        if cfg.plot_loss:
-            plot_losses(metrics.records, output_dir / "loss.png")
-        logger.info(summary(metrics.records, seconds, meter.total_tokens, final_dir, env.world_size))
-    return TrainResult(model, metrics.records, final_dir)
+
+def publish_trained_model(run: Run, run_info: dict) -> Path:
+    """final/: the trained weights gathered (a collective: full tensors on rank 0, from every stage under
+    pipeline_parallel), written by rank 0 and published whole."""
+    cfg, env, model, mesh = run.cfg, run.env, run.step.model, run.built.pipeline
+    weights = (gather_state_dict(model, trainable_only=cfg.is_lora) if mesh is None else
+               gather_stage_weights(model, mesh, trainable_only=cfg.is_lora))
+    # under pipeline_parallel rank 0 holds the first stage: the whole model's modules name the tensors
+    saving = whole_model(cfg, run.plan) if mesh is not None and env.is_main else model
+    store = run.where if isinstance(run.where, StorePath) else None
+    return publish_final(run.output_dir, {**run_info, "step": run.progress.step, "epoch": run.progress.epoch},
+                         env.rank, lambda staged: save_final(saving, weights, run.data.tokenizer, staged,
+                                                             run.data.chat_template),
+                         store=store)
 
 
 BF16_STATE_ROOM = ("; or, for full fine-tuning, master_weights: bf16 (bf16 weights and AdamW moments: 8 bytes a "
@@ -330,51 +468,6 @@ BF16_STATE_ROOM = ("; or, for full fine-tuning, master_weights: bf16 (bf16 weigh
 def fp32_state(cfg: TrainConfig) -> bool:
     """Full fine-tuning with fp32 master weights: its state could take half the memory in bf16."""
     return cfg.finetuning_type == "full" and cfg.master_weights != "bf16"
-
-
-def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.nn.Module, pad_id: int,
-                    row_length_multiple: int) -> Objective:
-    """What the stage optimises: token cross-entropy (sft, pt), the preference loss of pairs (dpo) or KTO's loss of
-    unpaired samples (kto), the last two with their reference built here (model/reference.py), after the policy;
-    none for dpo with precompute_ref_log_probs, whose batches bring the reference's log-probs."""
-    if plan.precompute_ref_log_probs:
-        logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: its log-probs precomputed")
-        return PairLoss(model, env, pad_id, preference_settings(cfg), None, autocast_bf16=plan.autocast_bf16,
-                        autocast_fp16=plan.fp16, precomputed=True, fused=plan.fused_loss, vocab=vocab_shard(model),
-                        pad_to_multiple=row_length_multiple, padding_free=plan.padding_free)
-    if cfg.stage in ("dpo", "kto"):
-        reference = build_reference(cfg, plan, env, model)
-        described = reference.description if reference else f"none ({cfg.pref_loss} has none)"
-        if cfg.stage == "kto":
-            logger.info(f"kto, beta {cfg.pref_beta:g}; reference: {described}")
-            settings = KTOSettings(cfg.pref_beta, cfg.kto_chosen_weight, cfg.kto_rejected_weight)
-            return KTOLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, settings=settings,
-                           reference=reference, cutoff_len=cfg.cutoff_len, autocast_fp16=plan.fp16,
-                           padding_free=plan.padding_free, vocab=vocab_shard(model),
-                           pad_to_multiple=row_length_multiple, owns_loss=plan.dims(env).owns_loss)
-        logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: {described}")
-        return PairLoss(model, env, pad_id, preference_settings(cfg), reference, autocast_bf16=plan.autocast_bf16,
-                        autocast_fp16=plan.fp16, fused=plan.fused_loss, vocab=vocab_shard(model),
-                        pad_to_multiple=row_length_multiple, padding_free=plan.padding_free)
-    return TokenLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, fused_loss=plan.fused_loss,
-                     autocast_fp16=plan.fp16, vocab=vocab_shard(model), pad_to_multiple=row_length_multiple,
-                     padding_free=plan.padding_free)
-
-
-def preference_settings(cfg: TrainConfig) -> PreferenceSettings:
-    return PreferenceSettings(cfg.pref_loss, cfg.pref_beta, cfg.dpo_label_smoothing, cfg.simpo_gamma, cfg.pref_ftx)
-
-
-def step_counts(batches: list[Batch], objective: Objective, flops: FlopCounter, env: DistEnv,
-                stop_vote: float = 0.0, own: float = 1.0) -> torch.Tensor:
-    """The objective's normaliser, tokens, FLOPs of an optimizer step and the ranks voting to stop, summed over all
-    ranks in one all-reduce. `own` 0: this rank's batches are those of the first rank of its cp x tp group, which
-    counts them (its stop vote still counts)."""
-    counts = torch.tensor([own * sum(objective.count(b) for b in batches), own * sum(b.num_tokens for b in batches),
-                           own * sum(flops.batch_flops(b.sample_lengths) for b in batches if not b.filler),
-                           stop_vote],
-                          dtype=torch.float64)
-    return all_reduce_sum(to_device(counts, env.device))
 
 
 def last_step(batches: GlobalBatchPlan) -> str:
@@ -388,22 +481,21 @@ def last_step(batches: GlobalBatchPlan) -> str:
     return f" (the first epoch's last step: the {left} rows left over)"
 
 
-def save_before_stopping(checkpoints: CheckpointManager, cfg: TrainConfig, env: DistEnv, stop: StopRequest,
-                         progress: TrainingProgress, state: dict, run_info: dict, shared: bool,
-                         total_steps: int) -> None:
+def save_before_stopping(run: Run, stop: StopRequest, run_info: dict) -> None:
     """Signalled: keep the steps done since the last checkpoint if the grace period leaves time to save them."""
+    checkpoints, cfg, progress, total_steps = run.checkpoints, run.cfg, run.progress, run.data.total_steps
     checkpoints.wait()  # an async save in flight is published first
     step, name = progress.step, signal.Signals(stop.signum).name
     if checkpoints.last_step == step:
         fits, saved = False, f"checkpoint-{step} was just written"
-    elif not shared:
+    elif not run.shared:
         fits, saved = False, "no checkpoint: output_dir is not shared by all nodes"
     else:
-        fits, why = stop.save_fits(cfg.stop_grace_period, checkpoints.last_save_s, env.device)
+        fits, why = stop.save_fits(cfg.stop_grace_period, checkpoints.last_save_s, run.env.device)
         saved = f"writing checkpoint-{step} ({why})" if fits else f"no checkpoint: {why}"
     logger.info(f"{name} received: stopping after step {step} of {total_steps}; {saved}")
     if fits:
-        checkpoints.save(step, state, {**run_info, "epoch": progress.epoch})
+        checkpoints.save(step, run.state, {**run_info, "epoch": progress.epoch})
         checkpoints.wait()
     logger.info(f"stopped by {name} at step {step} of {total_steps}; the same command resumes from the newest "
                 f"checkpoint")
