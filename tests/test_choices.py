@@ -232,6 +232,17 @@ def test_sharded_qlora_on_one_process_runs_as_ddp_and_hsdp_must_shard():
                 lambda: ModelSize(10, 1))
 
 
+def test_qlora_zero3_on_one_gpu_is_the_default_plan_in_every_field_but_the_reason(monkeypatch):
+    """On one process `parallel: zero3` runs Q-LoRA exactly as the default does (unwrapped, compiled, the same
+    recomputation): a speed difference between the two is the machine's, not a second path."""
+    monkeypatch.setattr("meshtune.plan.bf16_supported", lambda device: True)
+    monkeypatch.setattr("meshtune.plan.varlen_available", lambda device: True)
+    plans = [resolve(config(finetuning_type="qlora", gradient_checkpointing_ratio=1.0, **extra), env(1, "cuda"),
+                     None, lambda: ModelSize(7_615_616_512, 233_057_792, 28)) for extra in ({}, {"parallel": "zero3"})]
+    default, zero3 = (dict(vars(plan), why={k: v for k, v in plan.why.items() if k != "parallel"}) for plan in plans)
+    assert default == zero3 and plans[0].parallel == "ddp" and plans[0].compile
+
+
 def test_sharded_qlora_with_checkpointing_is_uncompiled_by_default_on_cuda(monkeypatch):
     monkeypatch.setattr("meshtune.plan.bf16_supported", lambda device: True)
     monkeypatch.setattr("meshtune.plan.varlen_available", lambda device: True)
