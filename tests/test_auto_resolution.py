@@ -1,6 +1,6 @@
-"""`auto` is read in two modules only: config.py (what `auto` means where it is no run decision: a file's format, the
-chat template, CPU pinning, and the `auto` of foreign files) and plan.py (the run plan's choices). Every other module
-receives the choice made, so no comparison with the string "auto" may appear anywhere else."""
+"""`auto` is read in two places only: config.py (what `auto` means where it is no run decision: a file's format, the
+chat template, CPU pinning, and the `auto` of foreign files) and the plan package (the run plan's choices). Every
+other module receives the choice made, so no comparison with the string "auto" may appear anywhere else."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import importlib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "meshtune"
-READERS = ("config.py", "plan.py")
+READERS = ("config.py", "plan")  # a module, or a package and every module in it
+
+
+def is_reader(path: Path) -> bool:
+    relative = path.relative_to(PACKAGE)
+    return relative.as_posix() in READERS or relative.parts[0] in READERS
 
 
 def is_auto(value: object) -> bool:
@@ -21,7 +26,7 @@ def is_auto(value: object) -> bool:
 
 def auto_names(tree: ast.Module) -> set[str]:
     """Names that stand for auto in a module: its constants bound to it (`MODE = "auto"`, `MODES = ("auto", ...)`),
-    or imported from config.py or plan.py whose value it is. A comparison with one of them compares with auto."""
+    or imported from config.py or the plan whose value it is. A comparison with one of them compares with auto."""
     names = set()
     for node in [*tree.body, *(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))]:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
@@ -67,7 +72,7 @@ def auto_comparisons(source: str) -> list[tuple[int, str]]:
 
 def test_only_config_and_plan_compare_with_auto():
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
-             for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).as_posix() not in READERS
+             for path in sorted(PACKAGE.rglob("*.py")) if not is_reader(path)
              for line, text in auto_comparisons(path.read_text())]
     assert not found, ("these modules read `auto` themselves; resolve it in plan.resolve (a run decision) or in "
                        "config.py (what the key's auto means) and pass the result:\n" + "\n".join(found))
@@ -76,7 +81,8 @@ def test_only_config_and_plan_compare_with_auto():
 def test_config_and_plan_are_where_auto_is_read():
     """The two readers are where they are said to be (a renamed file would leave the scan above without them)."""
     for name in READERS:
-        assert auto_comparisons((PACKAGE / name).read_text()), name
+        paths = sorted((PACKAGE / name).rglob("*.py")) if (PACKAGE / name).is_dir() else [PACKAGE / name]
+        assert any(auto_comparisons(path.read_text()) for path in paths), name
 
 
 def test_every_form_of_comparison_is_found_and_mentions_are_not():
