@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -72,7 +73,10 @@ CONFLICTS = (
 )
 
 
-def give_way(lever: str, value: object, cfg: TrainConfig, layout: Layout, why: dict[str, str]):
+Value = TypeVar("Value")
+
+
+def give_way(lever: str, value: Value, cfg: TrainConfig, layout: Layout, why: dict[str, str]) -> Value:
     """`value` of `lever`, or what the first of its `CONFLICTS` that holds makes it, with that row's reason."""
     for row in CONFLICTS:
         if row.lever == lever and value == row.clashing and UNDER[row.under](cfg, layout):
