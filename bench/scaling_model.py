@@ -199,18 +199,22 @@ def link_calibration(path: Path | None) -> dict[str, float]:
 
 def state_gib(method: str, mode: str, facts, nodes: int, per_node: int, stages: int = 1) -> float:
     """Weights, gradients and AdamW state a GPU holds (no activations): full fine-tuning 2 bytes of bf16 weights
-    whole where unsharded or gathered, 16 of fp32 state over the shard group; LoRA and Q-LoRA the frozen base
-    (bf16 / NF4) and 16 bytes an adapter parameter. A pipeline stage holds 1 / `stages` of it, sharded in its node."""
+    whole where unsharded or gathered, and its shard of the fp32 state; LoRA and Q-LoRA the frozen base (bf16 /
+    NF4) and the adapters' state. The state is the plan's one estimate (meshtune.plan.full_state_bytes). A pipeline
+    stage holds 1 / `stages` of it, sharded in its node."""
     from meshtune.crossing import NF4_BYTES, default_blocks_per_unit
+    from meshtune.plan import full_state_bytes
 
+    cfg = mode_config("full", "auto", {})  # the projections' fp32 master weights
     n = facts.size.parameters / stages
     if method != "full":
         base = NF4_BYTES * n if method == "qlora" else 2 * n
-        return (base + 16 * facts.trainable / stages) / 2**30
+        return (base + full_state_bytes(cfg, facts.trainable / stages, 1, whole_weights=False)) / 2**30
     shard = 1 if mode == "ddp" else per_node if mode == "hsdp" or stages > 1 else nodes * per_node
     unit = default_blocks_per_unit(facts.size.block_parameters) * facts.size.block_parameters
-    whole = 2 * n if mode in ("ddp", "zero2") else 2 * 2 * unit  # zero3: a unit gathered and the next prefetched
-    return (whole + 16 * n / shard) / 2**30
+    whole = mode in ("ddp", "zero2")
+    gathered = 0 if whole else 2 * 2 * unit  # zero3: a unit gathered and the next prefetched
+    return (gathered + full_state_bytes(cfg, n, shard, whole_weights=whole)) / 2**30
 
 
 def mode_config(method: str, mode: str, keys: dict, stages: int = 1, micro_batch: int = SEQUENCES_A_GPU):

@@ -1,5 +1,6 @@
 """`auto` is read in two places only: the config package (what `auto` means where it is no run decision: a file's
-format, the chat template, CPU pinning, and the `auto` of foreign files) and plan.py (the run plan's choices). Every
+format, the chat template, CPU pinning, and the `auto` of foreign files) and the plan package (the run plan's
+choices). Every
 other module receives the choice made, so no comparison with the string "auto" may appear anywhere else."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import importlib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "meshtune"
-READERS = ("config/", "plan.py")  # a folder stands for every module in it
+READERS = ("config/", "plan/")  # a folder stands for every module in it
 
 
 def reads_auto(relative: str) -> bool:
@@ -31,8 +32,8 @@ def is_auto(value: object) -> bool:
 
 def auto_names(tree: ast.Module) -> set[str]:
     """Names that stand for auto in a module: its constants bound to it (`MODE = "auto"`, `MODES = ("auto", ...)`),
-    or imported from the config package or plan.py whose value it is. A comparison with one of them compares with
-    auto."""
+    or imported from the config package or the plan package whose value it is. A comparison with one of them
+    compares with auto."""
     names = set()
     for node in [*tree.body, *(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))]:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:

@@ -324,6 +324,72 @@ def test_a_deletion_cut_short_is_finished_at_the_next_start_and_never_left_besid
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12"]
 
 
+def save_one(manager: CheckpointManager, step: int) -> None:
+    model, optimizer, scheduler = setup(0)
+    manager.save(step, training_state(model, optimizer, scheduler, TrainingProgress(step=step), 0, False),
+                 {**INFO, "step": step})
+
+
+def test_retention_deletes_on_its_own_thread_in_step_order_and_close_waits_for_it(tmp_path, world_of_one,
+                                                                                  monkeypatch):
+    import threading
+
+    from meshtune.checkpoint import manifest
+
+    save_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "checkpoint-0.tmp").mkdir()  # an interrupted save, older than everything
+    real, released, deleted = shutil.rmtree, threading.Event(), []
+
+    def slow_rmtree(path, *args, **kwargs):  # a slow storage: each deletion waits until the test lets it go
+        assert released.wait(30), "the deletion was never let go"
+        deleted.append(Path(path).name)
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(manifest.shutil, "rmtree", slow_rmtree)
+    manager = CheckpointManager(tmp_path, 1, False, 0, 1)
+    try:
+        save_one(manager, 4)  # returns, published, while the old checkpoints wait to be deleted
+        assert verify(tmp_path / "checkpoint-4") == []
+        assert manager.retention._thread.is_alive() and deleted == []
+        # the oldest first, sealed (renamed) before its files go; the newest complete one untouched
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0.tmp.deleting", "checkpoint-1",
+                                                              "checkpoint-2", "checkpoint-3", "checkpoint-4"]
+    finally:
+        released.set()
+    manager.close()  # the end of training: every deletion done, save_total_limit holds
+    assert deleted == [f"checkpoint-{step}{tmp}.deleting" for step, tmp in [(0, ".tmp"), (1, ""), (2, ""), (3, "")]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+    assert manager.retention.failures == []
+
+
+def test_a_deletion_failing_on_the_thread_is_logged_by_path_and_what_it_left_is_never_resumed_from(
+        tmp_path, world_of_one, monkeypatch, caplog):
+    from meshtune.checkpoint import manifest
+
+    save_steps(tmp_path, [1, 2])
+
+    def fails_midway(path, *args, **kwargs):  # a storage error after the first file went
+        for shard in list(Path(path).glob("*.distcp"))[:1]:
+            shard.unlink()
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(manifest.shutil, "rmtree", fails_midway)
+    manager = CheckpointManager(tmp_path, 1, False, 0, 1)
+    with caplog.at_level("WARNING", logger="meshtune.checkpoint.retention"):
+        save_one(manager, 3)
+        save_one(manager, 4)  # its retention waits for the previous deletions first: they fail in step order
+        manager.close()
+    # each checkpoint's failure, in step order; the next publish's retention also failed to finish the first two
+    failed = [path for path, _ in manager.retention.failures]
+    assert failed == [tmp_path / "checkpoint-1", tmp_path / "checkpoint-2", tmp_path, tmp_path / "checkpoint-3"]
+    assert all("Permission denied" in reason for _, reason in manager.retention.failures)
+    assert f"could not delete old checkpoint {tmp_path / 'checkpoint-1'}: [Errno 13] Permission denied" in caplog.text
+    monkeypatch.undo()
+    assert [c.path.name for c in list_checkpoints(tmp_path)] == ["checkpoint-4"]  # the half-deleted are sealed
+    assert CheckpointManager(tmp_path, 1, False, 0, 1).select_resume(None) == (tmp_path / "checkpoint-4", [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]  # the next start finished them
+
+
 def test_async_save_snapshots_state_and_wait_publishes(tmp_path, world_of_one):
     model, optimizer, scheduler = setup(0)
     manager = CheckpointManager(tmp_path, None, True, 0, 1)

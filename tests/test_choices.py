@@ -396,3 +396,21 @@ def test_recomputation_left_open_is_measured_on_gpus_and_off_on_cpu(gpus_of, val
     sharded_qlora = resolve(config(finetuning_type="qlora", parallel="zero3", **values), env(2, device), None,
                             lambda: QWEN_32B)
     assert sharded_qlora.compile == (device == "cuda" and expected == 0.0)  # a recomputed block runs uncompiled
+
+
+def test_each_lever_conflict_names_a_config_key_and_a_condition_and_the_first_that_holds_gives_the_reason():
+    from meshtune.config import TrainConfig
+    from meshtune.plan import CONFLICTS, Layout, give_way
+    from meshtune.plan.levers import UNDER
+
+    assert {row.lever for row in CONFLICTS} <= set(TrainConfig.model_fields)
+    assert {row.under for row in CONFLICTS} <= set(UNDER)
+    one = env(1, "cpu")
+    layout = Layout(parallel="ddp", tp=2, cp=1, pp=2, procs=one, dp=one, hsdp_shard=None, replicas_only=False,
+                    link=None, mesh={})
+    why: dict[str, str] = {}
+    assert give_way("torch_compile", True, config(), layout, why) is False
+    assert why["torch_compile"].startswith("off under tensor_parallel")  # tensor_parallel's row comes first
+    assert give_way("grad_sync", "ddp", config(), layout, why) == "flat"
+    untouched: dict[str, str] = {}
+    assert give_way("fused_loss", False, config(), layout, untouched) is False and untouched == {}  # off already

@@ -52,6 +52,9 @@ def test_the_plan_says_what_goes_to_host_memory_and_how_much(monkeypatch):
     # hsdp: each process holds 1/4 of the model (the shard group), 2 nodes of 4
     hsdp = resolve(config(finetuning_type="full", parallel="hsdp"), env(8, "cuda", 4), None, lambda: SEVEN_B)
     assert "~104.3 GiB a node" in hsdp.why["cpu_offload"]
+    # the plan's one estimate of the state: master_weights: bf16 holds 8 bytes a parameter, half of fp32's
+    bf16 = resolve(config(finetuning_type="full", master_weights="bf16"), env(8, "cuda"), None, lambda: SEVEN_B)
+    assert "~52.2 GiB a node" in bf16.why["cpu_offload"]
     on_cpu = resolve(config(finetuning_type="full"), env(2, "cpu"), None, lambda: SEVEN_B)
     assert on_cpu.cpu_offload and "saves nothing" in on_cpu.why["cpu_offload"]
     assert not on_cpu.fused_adamw and on_cpu.why["optim"] == "auto: fused on CUDA"

@@ -144,6 +144,7 @@ def saved(url: str, steps: range, limit: int | None = None) -> CheckpointManager
     for step in steps:
         manager.save(step, tiny_state(step), {"world_size": 1})
     manager.wait()
+    manager.retention.join()  # the deletions of the last publish done, as the job's end waits for them
     return manager
 
 

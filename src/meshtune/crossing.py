@@ -91,6 +91,13 @@ def default_blocks_per_unit(block_parameters: int) -> int:
     return max(1, min(MAX_BLOCKS_PER_UNIT, UNIT_PARAMS // max(block_parameters, 1)))
 
 
+def qlora_weight_bytes(size: ModelSize) -> float:
+    """Q-LoRA's whole base: block weights in NF4, embeddings and head in bf16 (what a GPU holds of it under ddp, and
+    what its gathers move)."""
+    block_params = size.block_parameters * size.blocks
+    return NF4_BYTES * block_params + 2 * (size.parameters - block_params)
+
+
 def fsdp_units(size: ModelSize, blocks_per_unit: int | None = None) -> int:
     """FSDP2's units of blocks (`fsdp_blocks_per_unit`, else the default): the last one's gradients cross only
     once backward ends, so their share of a crossing is never hidden."""
@@ -115,9 +122,8 @@ def step_collectives(cfg, mode: str, model: ModelFacts, bf16: bool, hsdp_in_node
     (default: gradient_accumulation_steps)."""
     grad_bytes = 2 if cfg.grad_reduce_dtype == "bf16" else 4
     gradients = model.trainable * grad_bytes
-    block_params = model.size.block_parameters * model.size.blocks
     if cfg.finetuning_type == "qlora":
-        weights = NF4_BYTES * block_params + 2 * (model.size.parameters - block_params)
+        weights = qlora_weight_bytes(model.size)
     else:
         weights = model.size.parameters * (2 if bf16 else 4)
     micro = micro or cfg.gradient_accumulation_steps

@@ -3,7 +3,8 @@
 A save is published in three steps so that no reader ever sees half of one:
   1. all ranks write DCP shards into `checkpoint-N.tmp/`;
   2. each rank hashes (and fsyncs) the shards it wrote; rank 0 gathers them, which proves every write finished;
-  3. rank 0 writes manifest.json and COMPLETE, renames to `checkpoint-N/` and prunes old checkpoints.
+  3. rank 0 writes manifest.json and COMPLETE, renames to `checkpoint-N/` and starts pruning old checkpoints (in
+     the background: checkpoint/retention.py).
 Only rank 0 deletes anything: ranks deleting the same files race on shared storage (transformers #20988).
 Every rank then waits for rank 0's outcome (the final barrier: nobody goes on before the rename), so a
 failure raises on every rank instead of leaving some waiting at a collective.
@@ -70,7 +71,8 @@ class CheckpointManager:
     Collectives of a save, in the order every rank meets them: the barrier after rank 0 clears an interrupted
     attempt (`save`), DCP's own (its plan, and async its background write on the dedicated group), then in `wait`
     the gather of every rank's outcome and file hashes and the broadcast of rank 0's verdict (published, or why
-    not). Retention runs on rank 0 inside the publish, before that broadcast.
+    not). Retention starts on rank 0 inside the publish, before that broadcast, and deletes on its own thread while
+    training goes on; the next `save` (before it writes), a resume's clean-up and `close` wait for it.
     """
 
     def __init__(self, output_dir: Path | StorePath | str, save_total_limit: int | None, async_save: bool, rank: int,
@@ -125,6 +127,7 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
         """Write `state` as checkpoint `step`; `info` (epoch, world size, parallel mode, mesh, config hash,
         versions, ...) becomes manifest.json. Sync: returns once published. Async: returns once staged."""
+        self.retention.join()  # the deletions of earlier publishes end before a new checkpoint takes their space
         self.wait()
         started, self.last_step = time.monotonic(), step
         tmp = checkpoint_dir(self.output_dir, step, tmp=not self.in_store)
@@ -180,10 +183,12 @@ class CheckpointManager:
             self.on_published(pending.step, checkpoint_dir(self.output_dir, pending.step))
 
     def close(self) -> None:
-        """Publish the save in flight, then free the dedicated group."""
+        """Publish the save in flight and wait for retention's deletions (so `save_total_limit` holds when the job
+        ends), then free the dedicated group."""
         try:
             self.wait()
         finally:
+            self.retention.join()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None

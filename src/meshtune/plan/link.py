@@ -1,0 +1,140 @@
+"""`parallel: auto` chosen by the link (`link_gbps`): each candidate mode's step predicted by crossing.py's arithmetic
+from the bytes a node sends at the link's rate, hidden behind a GPU's compute, and the shortest taken."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from meshtune.config import TrainConfig
+from meshtune.crossing import (ModelSize, StepTime, compute_seconds, data_parallel_step, fsdp_units,
+                               full_model_facts, pipeline_step, step_collectives)
+from meshtune.crossing import stages_a_process as virtual_stages
+from meshtune.distributed import DistEnv
+from meshtune.errors import ConfigError
+from meshtune.plan.memory import full_state_bytes, gradient_reduction, sharding_for_full
+from meshtune.plan.modes import auto_parallel
+from meshtune.plan.pipeline import PP_MODEL_TYPES
+from meshtune.plan.run_plan import EACH, LinkChoice
+
+LINK_EFFICIENCY = 0.9  # of the line rate, what NCCL's all-reduce reaches on a healthy network (an assumption)
+
+
+LINK_MARGIN = 0.02     # another mode replaces auto's rule only where its predicted step is this much shorter
+
+
+def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize],
+                   gpu_bytes: Callable[[], float | None], peak_flops: Callable[[], float | None],
+                   why: dict[str, str]) -> LinkChoice | None:
+    """`parallel: auto` chosen by the link (`pick_by_link`) where `link_applies`, a GPU's compute estimated at
+    MFU_ASSUMED of the job's slowest measured bf16 matmul rate; None (the rules without the link) elsewhere."""
+    nodes = env.world_size // max(env.local_world_size, 1)
+    if cfg.link_gbps is None or cfg.parallel != "auto" or nodes < 2:
+        return None
+    if not link_applies(cfg, nodes, env.device.type == "cuda"):
+        why["link_gbps"] = ("not used: the plan chooses by the link for full fine-tuning with parallel: auto on "
+                            "GPUs (no compute estimate on CPU; LoRA's adapters move little), without tensor, "
+                            "context or pipeline parallel set")
+        return None
+    compute = compute_seconds_of(cfg, full_model_facts(model_size()), peak_flops())
+    best, predicted, rule_reason = pick_by_link(cfg, env.world_size, env.local_world_size, model_size(), gpu_bytes(),
+                                                compute)
+    label = {choice: link_label(choice, nodes) for choice in predicted}
+    step = predicted[best]
+    others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted if c != best)
+    why["parallel"] = (f"auto by the link ({cfg.link_gbps:g} Gb/s): {label[best]}, predicted at {step.efficiency:.1%} "
+                       f"per GPU of one node's step ({step.exposed_s:.3g} s of its {step.step_s:.3g} s not hidden"
+                       + (f", the bubble {step.bubble_s:.3g} s" if step.bubble_s else "") + f"); {others}"
+                       + (f"; without the link: {rule_reason}" if rule_reason else ""))
+    why["link_gbps"] = "predicted per GPU: " + ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted)
+    if refused := pipeline_refusal(cfg, model_size(), nodes):
+        why["link_gbps"] += f"; no pipeline across the nodes: {refused}"
+    return best
+
+
+def link_applies(cfg: TrainConfig, nodes: int, gpus: bool) -> bool:
+    """Whether `parallel: auto` chooses by the link: `link_gbps` set, full fine-tuning on several nodes of GPUs,
+    with no tensor, context or pipeline parallel set. The doctor asks the same."""
+    return (cfg.link_gbps is not None and cfg.parallel == "auto" and nodes > 1 and gpus
+            and cfg.finetuning_type == "full" and cfg.pipeline_parallel == 1 and cfg.tensor_parallel == 1
+            and cfg.context_parallel == 1)
+
+
+def pick_by_link(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
+                 compute: float) -> tuple[LinkChoice, dict[LinkChoice, StepTime], str | None]:
+    """Of the modes whose state fits (`link_candidates`), the one whose predicted step (meshtune.crossing: bytes a
+    node at LINK_EFFICIENCY of the line rate, hidden behind `compute` seconds a GPU) is shortest; auto's rule without
+    the link stands unless another is LINK_MARGIN faster. Also every candidate's step, and the rule's reason where
+    it stands."""
+    predicted = link_candidates(cfg, processes, per_node, size, card, compute)
+    rule, reason = auto_parallel(cfg, processes, per_node, True, lambda: card, lambda: size)
+    best = link_pick(predicted, LinkChoice(rule, 1))
+    return best, predicted, reason if best == LinkChoice(rule, 1) else None
+
+
+def link_pick(predicted: dict[LinkChoice, StepTime], rule: LinkChoice) -> LinkChoice:
+    """The shortest predicted step, unless auto's rule without the link is within LINK_MARGIN of it."""
+    best = min(predicted, key=lambda choice: predicted[choice].step_s)
+    if rule in predicted and predicted[best].step_s > (1 - LINK_MARGIN) * predicted[rule].step_s:
+        return rule
+    return best
+
+
+def link_label(choice: LinkChoice, nodes: int) -> str:
+    return choice.mode if choice.pipeline == 1 else f"pipeline_parallel {nodes} ({choice.mode} inside each stage)"
+
+
+def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
+                    compute: float) -> dict[LinkChoice, StepTime]:
+    """Each mode's predicted optimizer step across the nodes, a GPU computing for `compute` seconds, where its state
+    takes at most half of `card`: hsdp over a node (ddp with one GPU a node), zero2, zero3, and a pipeline stage a
+    node (where config.py and the model allow it) sharded inside the node as zero2 or zero3 (`sharding_for_full`),
+    its micro-batches the config's x the stages so the global batch stays."""
+    nodes = processes // per_node
+    facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps
+    bf16 = not cfg.fp16 and cfg.bf16 is not False
+    busbw = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
+    units = fsdp_units(size, cfg.fsdp_blocks_per_unit)
+    fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=False),
+            "zero2": full_state_bytes(cfg, n, processes, whole_weights=True), "zero3": 0.0}
+    predicted = {}
+    for mode, held in fits.items():
+        if held > 0.5 * card:
+            continue
+        each = mode in ("zero2", "zero3") and gradient_reduction(cfg, processes, mode, micro, lambda: size,
+                                                                 lambda: card, {}) == EACH
+        crossing = step_collectives(cfg, mode, facts, bf16, True, processes, per_node, reduce_each=each, pipeline=1)
+        predicted[LinkChoice(mode, 1)] = data_parallel_step(crossing, nodes, busbw, compute, micro, units)
+    if pipeline_refusal(cfg, size, nodes) is None:
+        stage = sharding_for_full(cfg, n // nodes, per_node, card)[0] if per_node > 1 else "ddp"
+        if per_node > 1 or full_state_bytes(cfg, n // nodes, 1, whole_weights=False) <= 0.5 * card:
+            crossing = step_collectives(cfg, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
+                                        micro=micro * nodes)
+            predicted[LinkChoice(stage, nodes)] = pipeline_step(crossing, nodes, busbw, compute, nodes, micro * nodes,
+                                                                virtual_stages(cfg))  # the config's schedule
+    return predicted
+
+
+def compute_seconds_of(cfg: TrainConfig, facts, peak: float | None) -> float:
+    """A GPU's compute for a step (meshtune.crossing's estimate), the same in every mode: under a pipeline each GPU
+    computes 1 / stages of the model for stages x the micro-batches."""
+    seconds = compute_seconds(cfg, facts, peak)
+    if seconds is None:
+        raise ConfigError("link_gbps: the plan could not measure the GPUs' matmul rate to estimate a step's "
+                          "compute; unset link_gbps")
+    return seconds
+
+
+def pipeline_refusal(cfg: TrainConfig, size: ModelSize, stages: int) -> str | None:
+    """Why `stages` pipeline stages cannot run this config and model (config.py's refusals, and the model's: its
+    type, a tied head, blocks the stages do not divide), or None."""
+    try:
+        TrainConfig(**{**cfg.model_dump(), "pipeline_parallel": stages})
+    except ValidationError as exc:
+        return "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
+    split = stages * virtual_stages(cfg)  # equal stages: the arithmetic assumes no stage slower than another
+    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks % split:
+        return (f"the model ({size.model_type or 'unknown'} type, {size.blocks} blocks"
+                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {split} equal stages")
+    return None

@@ -1,0 +1,152 @@
+"""pipeline_parallel: the stage count checked against the job and the model, the schedule, and each stage's blocks
+balanced by cost."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshtune.config import TrainConfig
+from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE
+from meshtune.crossing import ModelSize
+from meshtune.crossing import stages_a_process as virtual_stages
+from meshtune.distributed import DistEnv
+from meshtune.errors import ConfigError
+
+# decoders whose blocks, embedding, norm and head model/pipeline_parallel.py splits
+PP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize]) -> int:
+    """`pipeline_parallel`, checked against the job and the model: the stages are outermost in the mesh (rank r is
+    on stage r // (world_size / pp)), so with the processes of one node a stage only activations cross nodes. What
+    the config alone refuses, config.py does."""
+    pp = cfg.pipeline_parallel
+    if pp == 1:
+        return 1
+    if env.world_size % pp:
+        working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0]
+        raise ConfigError(f"pipeline_parallel: {pp} does not divide the job's {env.world_size} processes; counts "
+                          f"that work here: {', '.join(map(str, working))}")
+    size = model_size()
+    if size.model_type not in PP_MODEL_TYPES:
+        raise ConfigError(f"pipeline_parallel: {pp}: meshtune splits the decoders of {', '.join(PP_MODEL_TYPES)} "
+                          f"models into stages, not model_type {size.model_type or 'unknown'} of "
+                          f"{cfg.model_name_or_path}; set pipeline_parallel: 1")
+    if size.tied_embeddings:
+        raise ConfigError(f"pipeline_parallel: {pp}: {cfg.model_name_or_path} ties its output head to the input "
+                          f"embedding (tie_word_embeddings), one weight the first and the last stage would both "
+                          f"train; set pipeline_parallel: 1 (such models are small enough for parallel: zero3)")
+    return pp
+
+
+EMPTY_ENDS = ", the first and the last, several a process under ddp, may hold only the embedding or the head"
+
+
+def ends_may_be_empty(virtual: int, parallel: str) -> bool:
+    """Whether the first and the last stage may hold no block: where a process holds several stages and they are
+    not FSDP2's (with one a process, a stage with no block would leave its process nothing to train under LoRA;
+    FSDP2 shards a stage by its blocks)."""
+    return virtual > 1 and parallel == "ddp"
+
+
+def check_stage_blocks(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, blocks: int) -> None:
+    """The model's blocks against the stages: a block a stage, or but for the ends (`ends_may_be_empty`)."""
+    virtual = virtual_stages(cfg)
+
+    def least(d: int) -> int:
+        return d * virtual - 2 if ends_may_be_empty(virtual, parallel) else d * virtual
+
+    if blocks < least(pp):
+        working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0 and least(d) <= blocks]
+        raise ConfigError(f"pipeline_parallel: {pp}: {pp * virtual} stages need at least {least(pp)} blocks (a block "
+                          f"a stage{EMPTY_ENDS if virtual > 1 else ''}), and the model has {blocks}; counts that "
+                          f"work here: {', '.join(map(str, working))}")
+
+
+def interleaved_counts(pp: int, limit: int) -> list[int]:
+    """The micro-batch counts up to `limit` torch's ScheduleInterleaved1F1B runs on `pp` processes: a whole number
+    of rounds of max(1, n // pp) each."""
+    return [n for n in range(1, limit + 1) if n % max(1, n // pp) == 0]
+
+
+def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micro_batches: int,
+                    model_size: Callable[[], ModelSize], why: dict[str, str]) -> dict:
+    """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
+    (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
+    on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number; Interleaved1F1B a whole
+    number of rounds; ZBV any number."""
+    if pp == 1:
+        return {}
+    schedule = cfg.pipeline_schedule
+    if schedule == "1f1b" and micro_batches < pp:
+        raise ConfigError(f"pipeline_schedule: 1f1b needs at least pipeline_parallel ({pp}) micro-batches a step, "
+                          f"and the step has {micro_batches} (gradient_accumulation_steps): raise "
+                          f"gradient_accumulation_steps to {pp}, or use pipeline_schedule: gpipe")
+    if schedule == "interleaved_1f1b" and micro_batches % max(1, micro_batches // pp):
+        raise ConfigError(f"pipeline_schedule: interleaved_1f1b runs the micro-batches in rounds of "
+                          f"max(1, micro-batches // pipeline_parallel), a whole number of them, and the step's "
+                          f"{micro_batches} (gradient_accumulation_steps) are not; counts that work on {pp} stages: "
+                          f"{', '.join(map(str, interleaved_counts(pp, max(micro_batches, 4 * pp))))}")
+    if schedule not in ("gpipe", "1f1b", *MULTI_STAGE):
+        schedule = "1f1b" if micro_batches >= pp else "gpipe"
+        why["pipeline_schedule"] = (f"auto: 1f1b, {micro_batches} micro-batches a step fill {pp} stages, and a stage "
+                                    f"holds at most {pp} micro-batches' activations" if schedule == "1f1b" else
+                                    f"auto: gpipe, {micro_batches} micro-batches a step are fewer than the {pp} "
+                                    f"stages 1f1b needs")
+    virtual = virtual_stages(cfg)
+    size = model_size()
+    head = head_worth(size)
+    check_stage_blocks(cfg, env, pp, parallel, size.blocks)
+    stages = balanced_stages(size.blocks, pp * virtual, head, ends_may_be_empty(virtual, parallel))
+    why["pipeline_stages"] = stages_reason(stages, size.blocks, head, pp, schedule)
+    return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages}
+
+
+def head_worth(size: ModelSize) -> float:
+    """The output head's cost in blocks: its matmul's FLOPs a token (2 x vocabulary x hidden, forward) against a
+    block's (2 x its parameters); 0 where the head is unknown. The embedding is a lookup and counts as nothing."""
+    return size.head_parameters / size.block_parameters if size.block_parameters else 0.0
+
+
+def balanced_stages(blocks: int, stages: int, head: float, empty_ends: bool = False) -> list[tuple[int, int]]:
+    """Consecutive blocks [first, end) for each of `stages` stages, the slowest stage as fast as it can be: a stage
+    costs its blocks, the last one `head` blocks more. Every stage holds a block, but with `empty_ends` the first
+    and the last may hold none (the embedding alone, the head alone). Among splits as fast, the one with the
+    smallest sum of squared costs (the most even), so blocks that divide evenly with no head split in equal
+    shares."""
+    def cost(stage: int, held: int) -> float:
+        return held + (head if stage == stages - 1 else 0.0)
+
+    # best[s][b]: (slowest, sum of squares) of the first s stages holding the first b blocks, and stage s-1's count
+    best: list[dict[int, tuple[tuple[float, float], int]]] = [{0: ((0.0, 0.0), 0)}]
+    for stage in range(stages):
+        least = 0 if empty_ends and stage in (0, stages - 1) else 1
+        row: dict[int, tuple[tuple[float, float], int]] = {}
+        for before, ((slowest, squares), _) in best[-1].items():
+            for held in range(least, blocks - before + 1):
+                c = cost(stage, held)
+                score = (max(slowest, c), squares + c * c)
+                if before + held not in row or score < row[before + held][0]:
+                    row[before + held] = (score, held)
+        best.append(row)
+    counts, end = [], blocks
+    for stage in range(stages, 0, -1):
+        held = best[stage][end][1]
+        counts.append(held)
+        end -= held
+    first, bounds = 0, []
+    for held in reversed(counts):
+        bounds.append((first, first + held))
+        first += held
+    return bounds
+
+
+def stages_reason(stages: list[tuple[int, int]], blocks: int, head: float, pp: int, schedule: str) -> str:
+    """Why the stages hold the blocks they do, for run_plan.json."""
+    held = ", ".join(str(end - first) for first, end in stages)
+    where = (f"rank r holding stages r and {2 * pp - 1} - r" if schedule == "zbv" else
+             f"rank r holding stages r, r + {pp}, ..." if len(stages) > pp else "a stage a process")
+    costs = (f"the head (vocabulary x hidden) costs {head:.2f} blocks' FLOPs and the embedding, a lookup, none"
+             if head else "the head's size unknown, each stage costs its blocks")
+    return (f"{held} of the {blocks} blocks in the {len(stages)} stages ({where}): the slowest stage as fast as it "
+            f"can be, as {costs}; the embedding on the first stage, the final norm and head on the last")
