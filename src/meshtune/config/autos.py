@@ -1,4 +1,4 @@
-"""What `auto` means for the values whose `auto` is no run decision (those the run plan makes concrete: the plan package):
+"""What `auto` means for the values whose `auto` is no run decision (those the run plan makes concrete: plan/):
 the chat template a manifest names, torchrun's process count, a foreign file's `"auto"`."""
 
 from __future__ import annotations

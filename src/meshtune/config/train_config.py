@@ -49,7 +49,7 @@ class TrainConfig(WatchKeys, OutputKeys, LaunchKeys, CrossNodeKeys, ParallelismK
             raise ValueError(message)
         return self
 
-    # What `auto` means for the keys whose `auto` is no run decision (those the run plan makes concrete: the plan package).
+    # What `auto` means for the keys whose `auto` is no run decision (those the run plan makes concrete: plan/).
     # The values stay as written: they are the run's identity (`hash()`) and what config.yaml shows.
     @property
     def named_format(self) -> str | None:
