@@ -414,3 +414,19 @@ def test_each_lever_conflict_names_a_config_key_and_a_condition_and_the_first_th
     assert give_way("grad_sync", "ddp", config(), layout, why) == "flat"
     untouched: dict[str, str] = {}
     assert give_way("fused_loss", False, config(), layout, untouched) is False and untouched == {}  # off already
+
+
+@pytest.mark.parametrize("key, parallel", [("tensor_parallel", "zero3"), ("pipeline_parallel", "ddp")])
+def test_tensor_and_pipeline_parallel_refuse_a_model_they_do_not_split_by_name(key, parallel):
+    import dataclasses
+
+    import plans
+
+    other_type = dataclasses.replace(plans.QWEN_7B, model_type="gpt2")
+    with pytest.raises(ConfigError, match=rf"^{key}: 2: meshtune splits the \w+ of qwen2, qwen3, llama, mistral "
+                                          rf"models.*not model_type gpt2 of /m; set {key}: 1$"):
+        plans.plan_for({key: 2, "parallel": parallel}, world_size=4, local=4, size=other_type)
+    tied = dataclasses.replace(plans.QWEN_7B, tied_embeddings=True)
+    with pytest.raises(ConfigError, match=rf"^{key}: 2: /m ties its output head to the input embedding "
+                                          r"\(tie_word_embeddings\), .*small enough for"):
+        plans.plan_for({key: 2, "parallel": parallel}, world_size=4, local=4, size=tied)

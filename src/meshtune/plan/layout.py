@@ -12,7 +12,7 @@ from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.plan.link import choose_by_link
 from meshtune.plan.modes import choose_parallel
-from meshtune.plan.pipeline import PP_MODEL_TYPES, pipeline_parallel_size
+from meshtune.plan.pipeline import PP_MODEL_TYPES, pipeline_parallel_size, refuse_unsplit_model
 from meshtune.plan.run_plan import Layout, Machine
 
 TP_MODEL_TYPES = PP_MODEL_TYPES  # the decoder blocks model/tensor_parallel.py splits
@@ -33,14 +33,9 @@ def tensor_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[]
     if refused:
         raise ConfigError(f"tensor_parallel: {tp} cannot be combined with {refused}; set tensor_parallel: 1")
     size = model_size()
-    if size.model_type not in TP_MODEL_TYPES:
-        raise ConfigError(f"tensor_parallel: {tp}: meshtune splits the blocks of {', '.join(TP_MODEL_TYPES)} models, "
-                          f"not model_type {size.model_type or 'unknown'} of {cfg.model_name_or_path}; set "
-                          f"tensor_parallel: 1")
-    if size.tied_embeddings:
-        raise ConfigError(f"tensor_parallel: {tp}: {cfg.model_name_or_path} ties its output head to the input "
-                          f"embedding (tie_word_embeddings), which meshtune does not split; such models are small "
-                          f"enough for tensor_parallel: 1 with parallel: zero3")
+    refuse_unsplit_model(f"tensor_parallel: {tp}", cfg.model_name_or_path, size, TP_MODEL_TYPES,
+                         "the blocks of {} models", "which meshtune does not split; such models are small enough "
+                         "for tensor_parallel: 1 with parallel: zero3")
     working = [d for d in range(1, env.local_world_size + 1) if env.local_world_size % d == 0
                and size.attention_heads % d == 0 and size.kv_heads % d == 0]
     counts = f"counts that work here: {', '.join(map(str, working))}"

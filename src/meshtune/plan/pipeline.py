@@ -27,16 +27,24 @@ def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[
         working = [d for d in range(1, env.world_size + 1) if env.world_size % d == 0]
         raise ConfigError(f"pipeline_parallel: {pp} does not divide the job's {env.world_size} processes; counts "
                           f"that work here: {', '.join(map(str, working))}")
-    size = model_size()
-    if size.model_type not in PP_MODEL_TYPES:
-        raise ConfigError(f"pipeline_parallel: {pp}: meshtune splits the decoders of {', '.join(PP_MODEL_TYPES)} "
-                          f"models into stages, not model_type {size.model_type or 'unknown'} of "
-                          f"{cfg.model_name_or_path}; set pipeline_parallel: 1")
-    if size.tied_embeddings:
-        raise ConfigError(f"pipeline_parallel: {pp}: {cfg.model_name_or_path} ties its output head to the input "
-                          f"embedding (tie_word_embeddings), one weight the first and the last stage would both "
-                          f"train; set pipeline_parallel: 1 (such models are small enough for parallel: zero3)")
+    refuse_unsplit_model(f"pipeline_parallel: {pp}", cfg.model_name_or_path, model_size(), PP_MODEL_TYPES,
+                         "the decoders of {} models into stages",
+                         "one weight the first and the last stage would both train; set pipeline_parallel: 1 (such "
+                         "models are small enough for parallel: zero3)")
     return pp
+
+
+def refuse_unsplit_model(setting: str, path: str, size: ModelSize, model_types: tuple[str, ...], splits: str,
+                         tied: str) -> None:
+    """`setting` (e.g. "tensor_parallel: 2") refused for a model meshtune does not split so: a model_type outside
+    `model_types` (`splits` says what it splits, {} the types), or an output head tied to the input embedding."""
+    if size.model_type not in model_types:
+        key = setting.split(":")[0]
+        raise ConfigError(f"{setting}: meshtune splits {splits.format(', '.join(model_types))}, not model_type "
+                          f"{size.model_type or 'unknown'} of {path}; set {key}: 1")
+    if size.tied_embeddings:
+        raise ConfigError(f"{setting}: {path} ties its output head to the input embedding (tie_word_embeddings), "
+                          f"{tied}")
 
 
 EMPTY_ENDS = ", the first and the last, several a process under ddp, may hold only the embedding or the head"
