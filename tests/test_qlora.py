@@ -19,7 +19,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from conftest import base_config, kill_tree, read_metrics, run_cli_here, sentence, write_config
+from conftest import base_config, kill_tree, needs_gpus, read_metrics, run_cli_here, sentence, write_config
 from meshtune.config import build_config
 from meshtune.demo.model import build_tiny_model
 from meshtune.demo.tokenizer import train_tokenizer
@@ -222,6 +222,34 @@ def test_sharded_qlora_gives_the_same_losses_in_every_layout_and_keeps_a_shard_o
             assert abs(nf4_sizes(output)[1] * shards / whole - 1) < 0.01, (parallel, nproc, output[-3000:])
         else:
             assert nf4_sizes(output)[1] is None, (parallel, nproc, output[-3000:])  # the whole model here
+
+
+@pytest.mark.slow
+def test_sharded_qlora_with_compiled_recomputed_blocks_trains_the_losses_of_one_process(
+        qlora_model_dir, tiny_dataset, tmp_path_factory, capfd):
+    """zero3 over 2 processes, every block compiled and recomputed: FSDP2 gathers the NF4 weights inside the
+    compiled block's forward and again in its recompute. On CPU this trains the one-process losses; the plan keeps
+    the blocks uncompiled by default on CUDA only, where the recompute failed (test below on 2 GPUs)."""
+    layout_runs(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {})])
+    reference, _ = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
+    losses, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "zero3", 2, 2,
+                                gradient_checkpointing_ratio=1.0, torch_compile=True)
+    assert re.search(r"torch_compile\s+on", output) and "CheckpointError" not in output
+    assert_close(losses, reference, "zero3 2x2, compiled and recomputed")
+
+
+@needs_gpus(2)
+@pytest.mark.slow
+def test_sharded_qlora_with_compiled_recomputed_blocks_on_two_gpus(qlora_model_dir, tiny_dataset, tmp_path_factory,
+                                                                   capfd):
+    """The same on CUDA (bf16): the compiled blocks' recompute under FSDP2's NF4 gathers either trains the eager
+    run's losses or fails with torch.utils.checkpoint's CheckpointError, the failure the plan's default avoids."""
+    runs = [layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "zero3", 2, 2,
+                       gradient_checkpointing_ratio=1.0, torch_compile=compiled) for compiled in (False, True)]
+    (eager, _), (compiled, output) = runs
+    assert "CheckpointError" not in output
+    for step, (a, b) in enumerate(zip(compiled, eager), start=1):
+        assert abs(a - b) / abs(b) < 2e-2, f"step {step}: compiled {a} against eager {b}"
 
 
 PIPELINES = [("ddp", 2, 4, {"pipeline_parallel": 2}), ("ddp", 4, 2, {"pipeline_parallel": 2}),

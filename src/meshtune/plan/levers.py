@@ -91,8 +91,10 @@ def resolve_levers(cfg: TrainConfig, env: DistEnv, layout: Layout, machine: Mach
     padding_free = give_way("padding_free", padding_free, cfg, layout, why)
     recompute = give_way("gradient_checkpointing", recomputation(cfg, machine.memory_measurable(), why), cfg,
                          layout, why)
-    # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA the recompute of a compiled block saves other
-    # tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
+    # Q-LoRA sharded by FSDP2 with activation checkpointing: on CUDA (4 GPUs) the recompute of a compiled block saved
+    # other tensors than its forward did (torch.utils.checkpoint's CheckpointError), so its blocks run uncompiled
+    # there by default; on CPU the same trains one process's losses (tests/test_qlora.py), and on one GPU nothing is
+    # sharded (Q-LoRA's zero3 on one process runs unwrapped and compiled)
     compile_clash = cfg.finetuning_type == "qlora" and layout.parallel in SHARDED and recompute != 0
     compile_ = cfg.torch_compile if cfg.torch_compile is not None else env.device.type == "cuda" and not compile_clash
     compile_ = give_way("torch_compile", compile_, cfg, layout, why)
