@@ -8,7 +8,7 @@ tokenizer (meshtune with `template: empty`, TRL's plain prompt + completion). Lo
 on every linear layer, its reference the base with the adapters off; full fine-tuning trains against a frozen
 reference copy. Gradient checkpointing is on for both, batch --bs pairs a step, sigmoid DPO with beta 0.1. tokens/s
 counts each pair's tokens, the prompt once for each response (as both forwards process it), after 5 warm-up steps:
-meshtune's from its metrics, the peer's from the same tokenizer's count of the pairs it timed. A meshtune side with
+meshtune's from its metrics, the peer's from the attention masks of the batches it timed. A meshtune side with
 precompute_ref_log_probs (a --variant) also records the pass's seconds (precompute_s), which its steps do not
 include. Peak memory:
 torch's peak allocated on the GPU. After the peer, meshtune runs once more a round at the peer's memory

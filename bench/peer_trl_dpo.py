@@ -13,7 +13,8 @@ Modes: lora (r 64, alpha 16, dropout 0.05, every linear layer; the reference is 
 Pairs are synthetic unless --pairs names a file: a prompt of U(--prompt-min, --prompt-max) tokens, a chosen and a
 rejected response of U(--resp-min, --resp-max) tokens each (seed 1), written as text over a word-level tokenizer
 whose every word is one token, so TRL's own tokenization gives exactly these lengths (+ EOS). tokens/s counts
-prompt + chosen + rejected tokens (the prompt once for each response, as both forwards process it), without padding.
+prompt + chosen + rejected tokens (the prompt once for each response, as both forwards process it), without padding,
+of the batches the timed steps trained (their attention masks).
 Prints one JSON line: tokens/s, seconds a step and peak GiB after 5 untimed steps.
 """
 
@@ -73,8 +74,7 @@ def word_pairs(a, vocab: int):
 
     rows = [{"prompt": text(u(a.prompt_min, a.prompt_max)), "chosen": " " + text(u(a.resp_min, a.resp_max)),
              "rejected": " " + text(u(a.resp_min, a.resp_max))} for _ in range(a.bs * (a.steps + 5))]
-    lens = [2 * len(r["prompt"].split()) + len(r["chosen"].split()) + len(r["rejected"].split()) + 2 for r in rows]
-    return tok, rows, lens
+    return tok, rows
 
 
 def file_pairs(a):
@@ -85,11 +85,7 @@ def file_pairs(a):
         tok.pad_token = tok.eos_token
     with open(a.pairs) as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
-
-    def count(text):
-        return len(tok(text, add_special_tokens=False).input_ids)
-
-    return tok, rows, [2 * count(r["prompt"]) + count(r["chosen"]) + count(r["rejected"]) + 2 for r in rows]
+    return tok, rows
 
 
 def sync():
@@ -135,7 +131,7 @@ def main():
     from trl import DPOConfig, DPOTrainer
 
     cfg = model_config(a.size)  # the shapes meshtune's bench runs (bench/workspace.py)
-    tok, rows, lens = file_pairs(a) if a.pairs else word_pairs(a, cfg.vocab_size)
+    tok, rows = file_pairs(a) if a.pairs else word_pairs(a, cfg.vocab_size)
     torch.manual_seed(0)
     with torch.device("cuda" if CUDA else "cpu"):  # random init on the card: minutes less on the CPU at 7B
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16 if CUDA else torch.float32)
@@ -155,13 +151,25 @@ def main():
                      dataloader_num_workers=0, beta=a.beta, loss_type=[a.loss], max_length=None,
                      use_liger_kernel=bool(a.liger), precompute_ref_log_probs=bool(a.precompute_ref),
                      dataset_num_proc=None)
-    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tok, peft_config=peft_config, callbacks=[timer])
+    batch_tokens = []
+
+    class CountingDPOTrainer(DPOTrainer):
+        """Records each step's tokens as the batch holds them (its attention mask: a row for each response of
+        every pair, the prompt in both), so tokens/s counts exactly the pairs the timed steps trained."""
+
+        def training_step(self, model, inputs, *rest, **kwargs):
+            batch_tokens.append(int(inputs["attention_mask"].sum()))
+            return super().training_step(model, inputs, *rest, **kwargs)
+
+    trainer = CountingDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
+                                 processing_class=tok, peft_config=peft_config, callbacks=[timer])
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     steps = timer.t[WARMUP:]
-    toks = round(sum(lens) / len(lens) * a.bs * len(steps))  # the sampler shuffles: the mean pair times those timed
+    if len(batch_tokens) != len(timer.t):
+        raise SystemExit(f"{len(batch_tokens)} batches for {len(timer.t)} steps: the count needs one batch a step")
+    toks = sum(batch_tokens[WARMUP:])
     print(json.dumps(dict(
         peer="trl_dpo" + ("+liger" if a.liger else ""), size=a.size, mode=a.mode, bs=a.bs, gc=a.gc, attn=a.attn,
         loss=a.loss, precompute_ref=a.precompute_ref, tokens_per_s=round(toks / sum(steps)),
