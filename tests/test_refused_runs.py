@@ -16,7 +16,7 @@ import yaml
 
 from conftest import base_config, run_cli_here
 from meshtune.config import build_config
-from meshtune.errors import ModelError
+from meshtune.errors import ConfigError, ModelError
 from meshtune.launch.supervise import prepare_data_once
 from meshtune.model.model_dir import check_model_dir
 
@@ -61,6 +61,20 @@ def test_a_pre_quantized_model_stops_the_launcher_and_a_run_before_tokenizing(tm
     assert result.returncode == 1 and "quant_method awq" in result.stdout.strip().splitlines()[-1]
     assert "Traceback" not in result.stdout and "optimum" not in result.stdout
     assert not [path for path in (tmp_path / "cache").rglob("*") if path.is_file()], "nothing was tokenized"
+
+
+def test_the_launcher_counts_a_pipelines_stages_as_one_data_parallel_process(tmp_path, tiny_model_dir,
+                                                                               tiny_dataset):
+    """3 samples, one a process a step, dataloader_drop_last: 4 processes of pp 2 are 2 data-parallel ones, whose
+    global batch of 2 the data fills; as 4 they would need 4 samples."""
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(tiny_dataset.read_text().splitlines(keepends=True)[:3]))
+    values = base_config(tiny_model_dir, data, tmp_path / "out", tokenized_path=str(tmp_path / "cache"),
+                         per_device_train_batch_size=1, gradient_accumulation_steps=1, dataloader_drop_last=True,
+                         max_steps=1)
+    prepare_data_once(build_config({**values, "pipeline_parallel": 2}), 4)
+    with pytest.raises(ConfigError, match="one optimizer step needs a global batch of 4"):
+        prepare_data_once(build_config(values), 4)
 
 
 @pytest.fixture

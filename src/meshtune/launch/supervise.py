@@ -343,9 +343,9 @@ def prepare_data_once(cfg, nproc: int) -> None:
 
     tokenizer = load_tokenizer(check_model_dir(cfg.model_name_or_path))
     train_data, _ = prepare_datasets(cfg, tokenizer, show_progress=True, report=False)  # rank 0 reports the data
-    # a cp x tp group's processes train the same rows: one data-parallel process
-    plan_steps(cfg, train_data, max(nproc // (cfg.tensor_parallel * cfg.context_parallel), 1),
-               cfg.gradient_accumulation_steps)
+    # a cp x tp group's processes train the same rows, and so do a pipeline's stages: one data-parallel process
+    model_parallel = cfg.tensor_parallel * cfg.context_parallel * cfg.pipeline_parallel
+    plan_steps(cfg, train_data, max(nproc // model_parallel, 1), cfg.gradient_accumulation_steps)
 
 
 def worker_label() -> str | None:
