@@ -22,9 +22,9 @@ from pydantic import ValidationError
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE
-from meshtune.crossing import (MAX_BLOCKS_PER_UNIT, NF4_BYTES, ModelSize, StepTime, compute_seconds,
+from meshtune.crossing import (MAX_BLOCKS_PER_UNIT, NF4_BYTES, ModelSize, PipelineShape, StepTime, compute_seconds,
                                data_parallel_step, default_blocks_per_unit, fsdp_units, full_model_facts,
-                               pipeline_step, step_collectives)
+                               pipeline_step, stage_costs, step_collectives)
 from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
@@ -75,6 +75,8 @@ class RunPlan:
     pipeline_schedule: str | None = None
     pipeline_virtual_stages: int = 1
     pipeline_stages: list[tuple[int, int]] = field(default_factory=list)
+    # each row of the step's micro-batches a micro-batch of the schedule (auto by the link); else each micro-step's
+    pipeline_one_row: bool = False
     # stage: dpo: the reference's log-probs computed once before training (train/reference_pass.py)
     precompute_ref_log_probs: bool = False
 
@@ -138,6 +140,8 @@ class RunPlan:
         if self.pipeline_parallel > 1:
             rows.append(("pipeline_parallel", str(self.pipeline_parallel)))
             rows.append(("pipeline_schedule", str(self.pipeline_schedule)))
+            if self.pipeline_one_row:
+                rows.append(("pipeline micro-batches", "one row each"))
             if self.pipeline_virtual_stages > 1:
                 rows.append(("pipeline_virtual_stages", str(self.pipeline_virtual_stages)))
             rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" if b > a else "no block"
@@ -366,7 +370,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
                    mesh=({"pp": pp} if pp > 1 else {}) | mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp),
-                   powersgd_rank=powersgd, **pipeline_choice(cfg, env, pp, parallel, accumulation, model_size, why))
+                   powersgd_rank=powersgd, **pipeline_choice(cfg, env, pp, parallel, accumulation, model_size, why, link))
 
 
 def precompute_reference(cfg: TrainConfig, why: dict[str, str]) -> bool:
@@ -529,13 +533,15 @@ def interleaved_counts(pp: int, limit: int) -> list[int]:
 
 
 def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micro_batches: int,
-                    model_size: Callable[[], ModelSize], why: dict[str, str]) -> dict:
+                    model_size: Callable[[], ModelSize], why: dict[str, str], link: LinkChoice | None = None) -> dict:
     """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
     (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
     on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number; Interleaved1F1B a whole
-    number of rounds; ZBV any number."""
+    number of rounds; ZBV any number. Where the link chose the pipeline (`link`), its schedule and split."""
     if pp == 1:
         return {}
+    if link is not None and link.schedule is not None:
+        return link_pipeline(cfg, link, micro_batches, model_size(), parallel, why)
     schedule = cfg.pipeline_schedule
     if schedule == "1f1b" and micro_batches < pp:
         raise ConfigError(f"pipeline_schedule: 1f1b needs at least pipeline_parallel ({pp}) micro-batches a step, "
@@ -787,6 +793,8 @@ class LinkChoice:
 
     mode: str
     pipeline: int
+    schedule: str | None = None  # the pipeline's schedule, and each row a micro-batch of it (`pipeline_shapes`)
+    one_row: bool = False
 
 
 def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize],
@@ -807,7 +815,8 @@ def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], Mode
                                                 compute)
     label = {choice: link_label(choice, nodes) for choice in predicted}
     step = predicted[best]
-    others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted if c != best)
+    others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%} ({predicted[c].step_s:.3g} s)" for c in predicted
+                       if c != best)
     why["parallel"] = (f"auto by the link ({cfg.link_gbps:g} Gb/s): {label[best]}, predicted at {step.efficiency:.1%} "
                        f"per GPU of one node's step ({step.exposed_s:.3g} s of its {step.step_s:.3g} s not hidden"
                        + (f", the bubble {step.bubble_s:.3g} s" if step.bubble_s else "") + f"); {others}"
@@ -847,7 +856,10 @@ def link_pick(predicted: dict[LinkChoice, StepTime], rule: LinkChoice) -> LinkCh
 
 
 def link_label(choice: LinkChoice, nodes: int) -> str:
-    return choice.mode if choice.pipeline == 1 else f"pipeline_parallel {nodes} ({choice.mode} inside each stage)"
+    if choice.pipeline == 1:
+        return choice.mode
+    split = ", micro-batches of one row" if choice.one_row else ""
+    return f"pipeline_parallel {nodes} ({choice.mode} inside each stage, {choice.schedule}{split})"
 
 
 def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
@@ -874,11 +886,55 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
     if pipeline_refusal(cfg, size, nodes) is None:
         stage = sharding_for_full(cfg, n // nodes, per_node, card)[0] if per_node > 1 else "ddp"
         if per_node > 1 or full_state_bytes(cfg, n // nodes, 1, whole_weights=False) <= 0.5 * card:
-            crossing = step_collectives(cfg, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
-                                        micro=micro * nodes)
-            predicted[LinkChoice(stage, nodes)] = pipeline_step(crossing, nodes, busbw, compute, nodes, micro * nodes,
-                                                                virtual_stages(cfg))  # the config's schedule
+            for (schedule, one_row), shape in pipeline_shapes(cfg, size, nodes, micro * nodes, stage).items():
+                shaped = cfg.model_copy(update={"pipeline_schedule": schedule})
+                crossing = step_collectives(shaped, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
+                                            micro=micro * nodes)
+                choice = LinkChoice(stage, nodes, schedule, one_row)
+                predicted[choice] = pipeline_step(crossing, nodes, busbw, compute, shape)
     return predicted
+
+
+def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
+                    parallel: str) -> dict[tuple[str, bool], PipelineShape]:
+    """The pipelines of `pp` stages the link choice weighs, by (schedule, one row a micro-batch): the step's
+    `micro` micro-batches as the config has them, and (per_device_train_batch_size above 1) each row one; under
+    each, pipeline_schedule where the config names one, else 1f1b (gpipe where the micro-batches are fewer than
+    the stages), interleaved_1f1b (2 stages a process; where its rounds divide the micro-batches) and zbv, each
+    where the blocks give every stage one (`check_stage_blocks`). Each stage costs what its blocks (and the last
+    stage's head) cost (crossing.stage_costs), the stages balanced as the run builds them (`balanced_stages`)."""
+    rows = cfg.per_device_train_batch_size
+    named = cfg.pipeline_schedule if cfg.pipeline_schedule != "auto" else None
+    recompute = (cfg.named_recompute_ratio or 0.0) if cfg.gradient_checkpointing else 0.0
+    facts = full_model_facts(size)
+    shapes = {}
+    for one_row, m in ((False, micro), *(((True, micro * rows),) if rows > 1 else ())):
+        for schedule in [named] if named else ["1f1b" if m >= pp else "gpipe", "interleaved_1f1b", "zbv"]:
+            virtual = cfg.pipeline_virtual_stages or (2 if schedule in MULTI_STAGE else 1)
+            empty_ends = ends_may_be_empty(virtual, parallel)
+            if (schedule == "1f1b" and m < pp or schedule == "interleaved_1f1b" and m % max(1, m // pp)
+                    or size.blocks < pp * virtual - (2 if empty_ends else 0)):
+                continue  # what pipeline_choice and check_stage_blocks refuse
+            stages = balanced_stages(size.blocks, pp * virtual, head_worth(size), empty_ends)
+            costs = stage_costs(facts, stages, cfg.is_lora, recompute, cfg.cutoff_len)
+            shapes[schedule, one_row] = PipelineShape(schedule, virtual, m, costs)
+    return shapes
+
+
+def link_pipeline(cfg: TrainConfig, link: LinkChoice, micro_batches: int, size: ModelSize, parallel: str,
+                  why: dict[str, str]) -> dict:
+    """The pipeline the link chose (`pipeline_shapes`): its schedule, stages and split, and why."""
+    virtual = cfg.pipeline_virtual_stages or (2 if link.schedule in MULTI_STAGE else 1)
+    head = head_worth(size)
+    stages = balanced_stages(size.blocks, link.pipeline * virtual, head, ends_may_be_empty(virtual, parallel))
+    why["pipeline_stages"] = stages_reason(stages, size.blocks, head, link.pipeline, link.schedule)
+    if cfg.pipeline_schedule == "auto":
+        count = micro_batches * (cfg.per_device_train_batch_size if link.one_row else 1)
+        rows = "one row" if link.one_row else f"{cfg.per_device_train_batch_size} rows"
+        why["pipeline_schedule"] = (f"auto by the link: {link.schedule} over {count} micro-batches of {rows}, the "
+                                    f"shortest predicted step of the pipelines weighed (see parallel)")
+    return {"pipeline_schedule": link.schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages,
+            "pipeline_one_row": link.one_row}
 
 
 def compute_seconds_of(cfg: TrainConfig, facts, peak: float | None) -> float:
@@ -893,15 +949,15 @@ def compute_seconds_of(cfg: TrainConfig, facts, peak: float | None) -> float:
 
 def pipeline_refusal(cfg: TrainConfig, size: ModelSize, stages: int) -> str | None:
     """Why `stages` pipeline stages cannot run this config and model (config.py's refusals, and the model's: its
-    type, a tied head, blocks the stages do not divide), or None."""
+    type, a tied head, fewer blocks than stages), or None. Stages of unequal blocks are priced as they are
+    (`pipeline_shapes`)."""
     try:
         TrainConfig(**{**cfg.model_dump(), "pipeline_parallel": stages})
     except ValidationError as exc:
         return "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
-    split = stages * virtual_stages(cfg)  # equal stages: the arithmetic assumes no stage slower than another
-    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks % split:
+    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks < stages:
         return (f"the model ({size.model_type or 'unknown'} type, {size.blocks} blocks"
-                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {split} equal stages")
+                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {stages} stages")
     return None
 
 

@@ -1,8 +1,8 @@
 """An optimizer step's forward and backward under pipeline_parallel, through torch.distributed.pipelining: the
 step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble) splits back into them; the last stage computes each
-micro-batch's loss, normalised as the data-parallel step normalises it, so the sum over micro-batches is the
-one-process loss and its gradients."""
+Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble) splits back into them (or, where the plan says so,
+into their rows one by one); the last stage computes each micro-batch's loss, normalised as the data-parallel step
+normalises it, so the sum over micro-batches is the one-process loss and its gradients."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class PipelineStep:
 
     def __init__(self, modules: list[StageForward], held: list[int], stages: int, mesh: DeviceMesh, schedule: str,
                  micro_batches: int, device: torch.device, pad_id: int, length_cap: int,
-                 autocast_bf16: bool = False, sharded: bool = False):
+                 autocast_bf16: bool = False, sharded: bool = False, one_row: bool = False):
         self.modules, self.held, self.stages = modules, held, stages  # held: the stage of each module, of `stages`
         self.group = mesh["pp"].get_group()
         # FSDP2 inside the stages: a stage's processes gather its weights together at each forward, and a stage set
@@ -55,6 +55,7 @@ class PipelineStep:
         # micro-batches, pad them to one shape: the largest of theirs
         self.shape_group = mesh["dp"].get_group() if sharded else None
         self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
+        self.one_row = one_row  # each row of a training step's micro-batches a micro-batch of the schedule
         self.pad_id, self.length_cap = pad_id, length_cap
         self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
         # (rows, length, micro-batches); evaluation's schedules apart (a stage first set up without backward would
@@ -114,6 +115,7 @@ class PipelineStep:
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.shape_group)
         stacked = stack(micro, count, self.pad_id, *shape.tolist())
         rows, length = stacked.input_ids.shape
+        count = rows if training and self.one_row else count  # the same rows, the schedule's chunks of one each
         schedule = self._schedule(rows // count, length, count, training)
         self.sums = []
         inputs = stacked.to(self.device)
