@@ -370,7 +370,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
                    mesh=({"pp": pp} if pp > 1 else {}) | mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp),
-                   powersgd_rank=powersgd, **pipeline_choice(cfg, env, pp, parallel, accumulation, model_size, why, link))
+                   powersgd_rank=powersgd,
+                   **pipeline_choice(cfg, env, pp, parallel, accumulation, model_size, why, link))
 
 
 def precompute_reference(cfg: TrainConfig, why: dict[str, str]) -> bool:
@@ -537,20 +538,24 @@ def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micr
     """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
     (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
     on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number; Interleaved1F1B a whole
-    number of rounds; ZBV any number. Where the link chose the pipeline (`link`), its schedule and split."""
+    number of rounds; ZBV any number. With pipeline_row_micro_batches each row of them is one of the schedule's.
+    Where the link chose the pipeline (`link`), its schedule and split."""
     if pp == 1:
         return {}
     if link is not None and link.schedule is not None:
         return link_pipeline(cfg, link, micro_batches, model_size(), parallel, why)
+    one_row = bool(cfg.pipeline_row_micro_batches)
+    micro_batches *= cfg.per_device_train_batch_size if one_row else 1
+    counted = "gradient_accumulation_steps" + (" x per_device_train_batch_size" if one_row else "")
     schedule = cfg.pipeline_schedule
     if schedule == "1f1b" and micro_batches < pp:
         raise ConfigError(f"pipeline_schedule: 1f1b needs at least pipeline_parallel ({pp}) micro-batches a step, "
-                          f"and the step has {micro_batches} (gradient_accumulation_steps): raise "
+                          f"and the step has {micro_batches} ({counted}): raise "
                           f"gradient_accumulation_steps to {pp}, or use pipeline_schedule: gpipe")
     if schedule == "interleaved_1f1b" and micro_batches % max(1, micro_batches // pp):
         raise ConfigError(f"pipeline_schedule: interleaved_1f1b runs the micro-batches in rounds of "
                           f"max(1, micro-batches // pipeline_parallel), a whole number of them, and the step's "
-                          f"{micro_batches} (gradient_accumulation_steps) are not; counts that work on {pp} stages: "
+                          f"{micro_batches} ({counted}) are not; counts that work on {pp} stages: "
                           f"{', '.join(map(str, interleaved_counts(pp, max(micro_batches, 4 * pp))))}")
     if schedule not in ("gpipe", "1f1b", *MULTI_STAGE):
         schedule = "1f1b" if micro_batches >= pp else "gpipe"
@@ -564,7 +569,8 @@ def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micr
     check_stage_blocks(cfg, env, pp, parallel, size.blocks)
     stages = balanced_stages(size.blocks, pp * virtual, head, ends_may_be_empty(virtual, parallel))
     why["pipeline_stages"] = stages_reason(stages, size.blocks, head, pp, schedule)
-    return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages}
+    return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages,
+            "pipeline_one_row": one_row}
 
 
 def head_worth(size: ModelSize) -> float:
@@ -898,17 +904,20 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
 def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
                     parallel: str) -> dict[tuple[str, bool], PipelineShape]:
     """The pipelines of `pp` stages the link choice weighs, by (schedule, one row a micro-batch): the step's
-    `micro` micro-batches as the config has them, and (per_device_train_batch_size above 1) each row one; under
+    `micro` micro-batches as the config has them, and (per_device_train_batch_size above 1) each row one, unless
+    pipeline_row_micro_batches names one; under
     each, pipeline_schedule where the config names one, else 1f1b (gpipe where the micro-batches are fewer than
     the stages), interleaved_1f1b (2 stages a process; where its rounds divide the micro-batches) and zbv, each
     where the blocks give every stage one (`check_stage_blocks`). Each stage costs what its blocks (and the last
     stage's head) cost (crossing.stage_costs), the stages balanced as the run builds them (`balanced_stages`)."""
     rows = cfg.per_device_train_batch_size
     named = cfg.pipeline_schedule if cfg.pipeline_schedule != "auto" else None
+    splits = [False, True] if cfg.pipeline_row_micro_batches is None and rows > 1 else [
+        bool(cfg.pipeline_row_micro_batches)]
     recompute = (cfg.named_recompute_ratio or 0.0) if cfg.gradient_checkpointing else 0.0
     facts = full_model_facts(size)
     shapes = {}
-    for one_row, m in ((False, micro), *(((True, micro * rows),) if rows > 1 else ())):
+    for one_row, m in ((split, micro * rows if split else micro) for split in splits):
         for schedule in [named] if named else ["1f1b" if m >= pp else "gpipe", "interleaved_1f1b", "zbv"]:
             virtual = cfg.pipeline_virtual_stages or (2 if schedule in MULTI_STAGE else 1)
             empty_ends = ends_may_be_empty(virtual, parallel)
@@ -928,7 +937,7 @@ def link_pipeline(cfg: TrainConfig, link: LinkChoice, micro_batches: int, size: 
     head = head_worth(size)
     stages = balanced_stages(size.blocks, link.pipeline * virtual, head, ends_may_be_empty(virtual, parallel))
     why["pipeline_stages"] = stages_reason(stages, size.blocks, head, link.pipeline, link.schedule)
-    if cfg.pipeline_schedule == "auto":
+    if cfg.pipeline_schedule == "auto" or cfg.pipeline_row_micro_batches is None:
         count = micro_batches * (cfg.per_device_train_batch_size if link.one_row else 1)
         rows = "one row" if link.one_row else f"{cfg.per_device_train_batch_size} rows"
         why["pipeline_schedule"] = (f"auto by the link: {link.schedule} over {count} micro-batches of {rows}, the "
