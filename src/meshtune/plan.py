@@ -362,7 +362,7 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
         why["reference"] = reference_reason(cfg, precompute)
     return RunPlan(precompute_ref_log_probs=precompute, parallel=parallel, bf16=bf16, frozen_bf16=frozen_bf16,
                    bf16_weights=bf16_weights,
-                   padding_free=padding_free,
+                   padding_free=padding_free, powersgd_rank=powersgd,
                    fused_loss=fused_loss, compile=compile_, recompute=recompute, blocks_per_unit=blocks_per_unit,
                    hsdp_shard_size=hsdp_shard, reshard_after_forward=reshard, gradient_reduction=reduction,
                    cpu_offload=offload,
@@ -370,7 +370,6 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    weights_from_rank0=weights_from_rank0, grad_sync=grad_sync, grad_reduce_dtype=reduce_dtype,
                    fsdp_prefetch=prefetch, resumed_from=str(resumed_from) if resumed_from else None, why=why, fp16=fp16,
                    mesh=({"pp": pp} if pp > 1 else {}) | mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp),
-                   powersgd_rank=powersgd,
                    **pipeline_choice(cfg, env, pp, parallel, accumulation, model_size, why, link))
 
 
