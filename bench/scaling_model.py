@@ -15,8 +15,9 @@ For N nodes of G GPUs each, every GPU keeping its batch and accumulation (the gl
   link_gbps): the gradients cross during their micro-step's backward (about 2/3 of its compute); what does not fit
   that window is exposed, and at least the last unit's share always is (it starts when backward ends). The weights'
   gathers overlap the rest of the step. A pipeline (a stage a node, data-parallel inside it) sends its micro-batches'
-  activations forward and their gradients back at each stage boundary, hidden behind the other micro-batches'
-  compute but one micro-batch's share, and loses its bubble, (stages - 1) / (micro-batches + stages - 1) of the step.
+  activations forward and their gradients back at each stage boundary; its step is torch's schedule simulated over
+  the stages the run builds, each stage's cost from its FLOPs, a send delaying what waits on it
+  (meshtune.crossing.pipeline_step, over meshtune.plan.pipeline_shapes: the link choice's own).
 
 Link speeds: the bus bandwidth the doctor measured between the simulated nodes (--from), and line rates of
 --link-gbps (Gb/s a node) at --link-efficiency of the line rate (what NCCL's all-reduce reaches on a healthy
@@ -32,13 +33,12 @@ projected job (NCCL, bf16 weights), so a formula that misses part of the traffic
 it did not run is marked "(formula)". Projected for full 7B, full 72B, LoRA 7B and Q-LoRA 72B (--jobs) at --nodes x 8
 GPUs over --link-gbps, each GPU at the one-GPU rate of PROJECTED (cited; or --tokens-per-s JOB=RATE), 4 sequences of
 576 tokens a GPU a step (64 sequences at 2 nodes), the same overlap as above. The pipeline rows put a stage on each
-node (pp = nodes, where the blocks divide evenly; Q-LoRA's stages zero3 inside a node), their micro-batches 4 sequences
-(pp: what `parallel: auto` runs for per_device_train_batch_size 4) or 1 (pp-mb1: per_device_train_batch_size 1,
-gradient_accumulation_steps 4), each pipeline taking the stages' times the micro-batches so the global batch stays;
-pp-mb1-interleaved and pp-mb1-zbv hold two stages a process (interleaved_1f1b, zbv: a bubble half as long, more
-sends).
-The auto rows give the mode meshtune.plan's link choice picks at each link and count (auto-mb1: for the
-one-sequence micro-batches). A mode whose weights and state do not fit --gpu-gib a GPU is marked so:
+node (pp = nodes; "—" where the stages outnumber the blocks; Q-LoRA's stages zero3 inside a node), their
+micro-batches 4 sequences (pp: per_device_train_batch_size 4) or 1 (pp-mb1: pipeline_row_micro_batches, or
+per_device_train_batch_size 1 with gradient_accumulation_steps 4), each pipeline taking the stages' times the
+micro-steps so the global batch stays; under 1f1b, or two stages a process under interleaved_1f1b (-interleaved) and
+zbv (-zbv). The auto row gives the shape meshtune.plan's link choice picks among these at each link and count. A mode
+whose weights and state do not fit --gpu-gib a GPU is marked so:
 
   python bench/scaling_model.py --from-link results/shaped_link.json --out results/projection
   python bench/scaling_model.py --project --out results/projection
