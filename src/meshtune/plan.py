@@ -75,7 +75,8 @@ class RunPlan:
     pipeline_schedule: str | None = None
     pipeline_virtual_stages: int = 1
     pipeline_stages: list[tuple[int, int]] = field(default_factory=list)
-    # each row of the step's micro-batches a micro-batch of the schedule (auto by the link); else each micro-step's
+    # each row of the step's micro-batches a micro-batch of the schedule (pipeline_row_micro_batches, or auto by the
+    # link); else each micro-step's rows one
     pipeline_one_row: bool = False
     # stage: dpo: the reference's log-probs computed once before training (train/reference_pass.py)
     precompute_ref_log_probs: bool = False
@@ -904,11 +905,11 @@ def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
                     parallel: str) -> dict[tuple[str, bool], PipelineShape]:
     """The pipelines of `pp` stages the link choice weighs, by (schedule, one row a micro-batch): the step's
     `micro` micro-batches as the config has them, and (per_device_train_batch_size above 1) each row one, unless
-    pipeline_row_micro_batches names one; under
-    each, pipeline_schedule where the config names one, else 1f1b (gpipe where the micro-batches are fewer than
-    the stages), interleaved_1f1b (2 stages a process; where its rounds divide the micro-batches) and zbv, each
-    where the blocks give every stage one (`check_stage_blocks`). Each stage costs what its blocks (and the last
-    stage's head) cost (crossing.stage_costs), the stages balanced as the run builds them (`balanced_stages`)."""
+    pipeline_row_micro_batches names one; under each, pipeline_schedule where the config names one, else 1f1b
+    (gpipe where the micro-batches are fewer than the stages), interleaved_1f1b (2 stages a process; where its rounds
+    divide the micro-batches) and zbv, each where the blocks give every stage one (`check_stage_blocks`). Each stage
+    costs what its blocks (and the last stage's head) cost (crossing.stage_costs), the stages balanced as the run
+    builds them (`balanced_stages`)."""
     rows = cfg.per_device_train_batch_size
     named = cfg.pipeline_schedule if cfg.pipeline_schedule != "auto" else None
     splits = [False, True] if cfg.pipeline_row_micro_batches is None and rows > 1 else [
