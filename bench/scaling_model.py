@@ -15,8 +15,9 @@ For N nodes of G GPUs each, every GPU keeping its batch and accumulation (the gl
   link_gbps): the gradients cross during their micro-step's backward (about 2/3 of its compute); what does not fit
   that window is exposed, and at least the last unit's share always is (it starts when backward ends). The weights'
   gathers overlap the rest of the step. A pipeline (a stage a node, data-parallel inside it) sends its micro-batches'
-  activations forward and their gradients back at each stage boundary, hidden behind the other micro-batches'
-  compute but one micro-batch's share, and loses its bubble, (stages - 1) / (micro-batches + stages - 1) of the step.
+  activations forward and their gradients back at each stage boundary; its step is torch's schedule simulated over
+  the stages the run builds, each stage's cost from its FLOPs, a send delaying what waits on it
+  (meshtune.crossing.pipeline_step, over meshtune.plan.pipeline_shapes: the link choice's own).
 
 Link speeds: the bus bandwidth the doctor measured between the simulated nodes (--from), and line rates of
 --link-gbps (Gb/s a node) at --link-efficiency of the line rate (what NCCL's all-reduce reaches on a healthy
@@ -32,13 +33,12 @@ projected job (NCCL, bf16 weights), so a formula that misses part of the traffic
 it did not run is marked "(formula)". Projected for full 7B, full 72B, LoRA 7B and Q-LoRA 72B (--jobs) at --nodes x 8
 GPUs over --link-gbps, each GPU at the one-GPU rate of PROJECTED (cited; or --tokens-per-s JOB=RATE), 4 sequences of
 576 tokens a GPU a step (64 sequences at 2 nodes), the same overlap as above. The pipeline rows put a stage on each
-node (pp = nodes, where the blocks divide evenly; Q-LoRA's stages zero3 inside a node), their micro-batches 4 sequences
-(pp: what `parallel: auto` runs for per_device_train_batch_size 4) or 1 (pp-mb1: per_device_train_batch_size 1,
-gradient_accumulation_steps 4), each pipeline taking the stages' times the micro-batches so the global batch stays;
-pp-mb1-interleaved and pp-mb1-zbv hold two stages a process (interleaved_1f1b, zbv: a bubble half as long, more
-sends).
-The auto rows give the mode meshtune.plan's link choice picks at each link and count (auto-mb1: for the
-one-sequence micro-batches). A mode whose weights and state do not fit --gpu-gib a GPU is marked so:
+node (pp = nodes; "—" where the stages outnumber the blocks; Q-LoRA's stages zero3 inside a node), their
+micro-batches 4 sequences (pp: per_device_train_batch_size 4) or 1 (pp-mb1: pipeline_row_micro_batches, or
+per_device_train_batch_size 1 with gradient_accumulation_steps 4), each pipeline taking the stages' times the
+micro-steps so the global batch stays; under 1f1b, or two stages a process under interleaved_1f1b (-interleaved) and
+zbv (-zbv). The auto row gives the shape meshtune.plan's link choice picks among these at each link and count. A mode
+whose weights and state do not fit --gpu-gib a GPU is marked so:
 
   python bench/scaling_model.py --from-link results/shaped_link.json --out results/projection
   python bench/scaling_model.py --project --out results/projection
@@ -95,7 +95,8 @@ def model_facts(job: Job):
     counter = FlopCounter.of(model)
     blocks = transformer_blocks(model)
     size = ModelSize(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in blocks[0].parameters()),
-                     len(blocks), model_type="qwen2", hidden=model.config.hidden_size)
+                     len(blocks), model_type="qwen2", hidden=model.config.hidden_size,
+                     head_parameters=model.lm_head.weight.numel())
     trainable = size.parameters
     if job.method != "full":
         trainable = sum(p.numel() for p in add_lora(model, job_config(job, "auto")).parameters() if p.requires_grad)
@@ -160,18 +161,18 @@ DERIVED = {"full-72b": ("full-7b", 1.0), "qlora-72b": ("lora-7b", 0.70)}  # rate
 FULL_MODES = {"ddp": ("ddp", {}, "ddp"), "zero2": ("zero2", {}, "zero2"), "zero3": ("zero3", {}, "zero3"),
               "zero3-node": ("zero3", {"zero3_reshard_to_node": True}, "zero3-node"), "hsdp": ("hsdp", {}, "hsdp"),
               "hsdp-bf16": ("hsdp", {"grad_reduce_dtype": "bf16"}, "hsdp-bf16"),
-              "pp": ("zero2", {}, "pp2"), "pp-mb1": ("zero2", {}, "pp2"),
-              "pp-mb1-interleaved": ("zero2", {"pipeline_schedule": "interleaved_1f1b"}, "pp2"),
-              "pp-mb1-zbv": ("zero2", {"pipeline_schedule": "zbv"}, "pp2")}
+              **{f"pp{split}{suffix}": ("zero2", {"pipeline_schedule": schedule}, "pp2")
+                 for split in ("", "-mb1") for schedule, suffix in (("1f1b", ""), ("interleaved_1f1b", "-interleaved"),
+                                                                    ("zbv", "-zbv"))}}
 LORA_MODES = {"lora-ddp": ("ddp", {}, "lora-ddp"),
               "lora-ddp-bf16": ("ddp", {"grad_reduce_dtype": "bf16"}, "lora-ddp-bf16"),
-              "lora-pp-mb1": ("ddp", {}, "pp2")}
-QLORA_MODES = {**LORA_MODES, "qlora-pp-mb1": ("zero3", {}, "pp2")}
+              "lora-pp-mb1": ("ddp", {"pipeline_schedule": "1f1b"}, "pp2")}
+QLORA_MODES = {**LORA_MODES, "qlora-pp-mb1": ("zero3", {"pipeline_schedule": "1f1b"}, "pp2")}
 # a stage a node, dp inside it; the step's sequences a GPU in micro-batches of this many (the config's
 # per_device_train_batch_size; the plan's auto runs gradient_accumulation_steps x stages of them)
 SEQUENCES_A_GPU, TOKENS_A_SEQUENCE = 4, 576
-PIPELINE_MODES = {"pp": SEQUENCES_A_GPU, "pp-mb1": 1, "lora-pp-mb1": 1, "pp-mb1-interleaved": 1, "pp-mb1-zbv": 1,
-                  "qlora-pp-mb1": 1}
+PIPELINE_MODES = {name: 1 if "mb1" in name else SEQUENCES_A_GPU for name in [*FULL_MODES, *QLORA_MODES]
+                  if "pp" in name}
 
 
 def link_calibration(path: Path | None) -> dict[str, float]:
@@ -227,7 +228,8 @@ def mode_config(method: str, mode: str, keys: dict, stages: int = 1, micro_batch
     return build_config(dict(model_name_or_path="model", dataset=["data"], finetuning_type=method, lora_rank=64,
                              lora_alpha=16, lora_target="all", per_device_train_batch_size=micro_batch,
                              gradient_accumulation_steps=accumulation, cutoff_len=TOKENS_A_SEQUENCE, parallel=mode,
-                             pipeline_parallel=stages, **keys))
+                             pipeline_parallel=stages, pipeline_row_micro_batches=False if stages > 1 else None,
+                             **keys))
 
 
 def stage_sharding(facts, stages: int, per_node: int, gpu_bytes: float) -> str:
@@ -239,18 +241,22 @@ def stage_sharding(facts, stages: int, per_node: int, gpu_bytes: float) -> str:
 
 
 def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
-                   ratio: float, gpu_bytes: float | None = None) -> dict:
+                   ratio: float, gpu_bytes: float | None = None) -> dict | None:
     """One optimizer step at `nodes` x `per_node` (meshtune.crossing): the formula's crossing bytes x the link's
     ratio, hidden behind the compute (gradients behind their micro-step's backward, gathers behind the rest; a
-    pipeline's activations behind the other micro-batches', its bubble lost)."""
-    from meshtune.crossing import data_parallel_step, pipeline_step, sent_by_each_node, stages_a_process
+    pipeline's step simulated from torch's schedule over the stages the run builds: meshtune.plan.pipeline_shapes,
+    the link choice's own). None where the pipeline cannot split the model so."""
+    from meshtune.crossing import data_parallel_step, pipeline_step, sent_by_each_node
     from meshtune.doctor.traffic import step_collectives
+    from meshtune.plan import pipeline_shapes
 
     crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, gpu_bytes, per_node)
     micro = cfg.gradient_accumulation_steps
     if cfg.pipeline_parallel > 1:
-        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s, cfg.pipeline_parallel, micro,
-                             stages_a_process(cfg))
+        shapes = pipeline_shapes(cfg, facts.size, cfg.pipeline_parallel, micro, mode)
+        if (cfg.pipeline_schedule, False) not in shapes:
+            return None
+        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s, shapes[cfg.pipeline_schedule, False])
     else:
         step = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts))
     return {"gather_s": step.gather_s, "reduce_s": step.reduce_s, "bubble_s": step.bubble_s, "step_s": step.step_s,
@@ -260,8 +266,8 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
 def auto_pick(method: str, facts, nodes: int, per_node: int, gbps: float, compute_s: float, gpu_bytes: float,
               micro_batch: int) -> str | None:
     """The projected mode `parallel: auto` picks with link_gbps (meshtune.plan.choose_by_link's arithmetic, at this
-    compute time) for a GPU's 4 sequences in micro-batches of `micro_batch`; None where the link does not decide
-    (LoRA and Q-LoRA: ddp)."""
+    compute time) for a GPU's 4 sequences in micro-batches of `micro_batch`, a pipeline's schedule and split among
+    them (the row of that name); None where the link does not decide (LoRA and Q-LoRA: ddp)."""
     from meshtune.plan import pick_by_link
 
     if method != "full":
@@ -269,8 +275,26 @@ def auto_pick(method: str, facts, nodes: int, per_node: int, gbps: float, comput
     cfg = mode_config(method, "auto", {"link_gbps": gbps}, micro_batch=micro_batch)
     pick, _, _ = pick_by_link(cfg, nodes * per_node, per_node, facts.size, gpu_bytes, compute_s)
     if pick.pipeline > 1:
-        return "pp" if micro_batch == SEQUENCES_A_GPU else "pp-mb1"
+        suffix = {"interleaved_1f1b": "-interleaved", "zbv": "-zbv"}.get(pick.schedule, "")
+        return "pp" + ("-mb1" if pick.one_row or micro_batch == 1 else "") + suffix
     return pick.mode
+
+
+def auto_rows(job: str, facts, nodes_list: list[int], gbps_list: list[float], per_node: int, compute_s: float,
+              gpu_bytes: float, efficiency: dict, found: list) -> list[str]:
+    """The table's auto row at each link: the mode (a pipeline's schedule and split) the plan's link choice picks,
+    at its row's efficiency; each also appended to `found`."""
+    lines = []
+    for gbps in gbps_list:
+        cells = []
+        for nodes in nodes_list:
+            pick = auto_pick("full", facts, nodes, per_node, gbps, compute_s, gpu_bytes, SEQUENCES_A_GPU)
+            value = efficiency.get((pick, gbps, nodes))
+            found.append(dict(job=job, micro_batch=SEQUENCES_A_GPU, nodes=nodes, gbps=gbps, mode=pick,
+                              efficiency=value))
+            cells.append(f"{pick} {value:.1%}" if value is not None else f"{pick}")
+        lines.append(f"| auto | {gbps:g} Gb/s | " + " | ".join(cells) + " | |")
+    return lines
 
 
 def project(args) -> None:
@@ -320,14 +344,13 @@ def project(args) -> None:
             for gbps in gbps_list:
                 cells = []
                 for nodes in nodes_list:
-                    virtual = 2 if keys.get("pipeline_schedule") in ("interleaved_1f1b", "zbv") else 1
-                    if pipeline and facts.size.blocks % (nodes * virtual):
-                        cells.append("—")  # equal stages only: the arithmetic assumes no stage slower than another
-                        continue
                     cfg = mode_config(method, mode, keys, nodes if pipeline else 1,
                                       PIPELINE_MODES.get(name, SEQUENCES_A_GPU))
                     step = projected_step(cfg, mode, facts, nodes, per_node, gbps / 8 * 1e9 * args.link_efficiency,
                                           compute_s, ratio, gpu * 2**30)
+                    if step is None:
+                        cells.append("—")  # fewer blocks than the stages need
+                        continue
                     efficiency[name, gbps, nodes] = step["efficiency"]
                     result["rows"].append(dict(job=job, mode=name, nodes=nodes, gbps=gbps, state_gib=held, **step))
                     cells.append(f"{step['efficiency']:.1%}")
@@ -335,21 +358,9 @@ def project(args) -> None:
                 marked = name if variant in ratios or not ratios else f"{name} (formula)"
                 marked += f" ({mode} inside a node)" if pipeline else ""
                 lines.append(f"| {marked} | {gbps:g} Gb/s | " + " | ".join(cells) + f" | {fits} |")
-        for micro_batch, label in ((SEQUENCES_A_GPU, "auto"), (1, "auto-mb1")):
-            if method != "full":
-                break
-            for gbps in gbps_list:
-                cells = []
-                for nodes in nodes_list:
-                    pick = auto_pick(method, facts, nodes, per_node, gbps, compute_s, gpu * 2**30, micro_batch)
-                    if micro_batch == 1 and pick != "pp-mb1":
-                        cells.append(f"{pick}")  # a data-parallel mode: its row above is at 4 a micro-batch
-                        continue
-                    value = efficiency.get((pick, gbps, nodes))
-                    result["auto"].append(dict(job=job, micro_batch=micro_batch, nodes=nodes, gbps=gbps, mode=pick,
-                                               efficiency=value))
-                    cells.append(f"{pick} {value:.1%}" if value is not None else f"{pick}")
-                lines.append(f"| {label} | {gbps:g} Gb/s | " + " | ".join(cells) + " | |")
+        if method == "full":
+            lines += auto_rows(job, facts, nodes_list, gbps_list, per_node, compute_s, gpu * 2**30, efficiency,
+                               result["auto"])
         lines.append("")
     lines.append("Seed document, Qwen LoRA on A100 nodes with InfiniBand: " + ", ".join(
         f"{n} nodes {e:.0%}" for n, e in SEED_TABLE.items()))

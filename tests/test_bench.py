@@ -833,6 +833,7 @@ def test_the_projection_scales_the_formulas_bytes_by_what_the_shaped_link_counte
                                                                                       ("lora-ddp-bf16", 1.5)))
     assert half["bytes_a_node"] == pytest.approx(0.75 * plain["bytes_a_node"])
     assert eff[("lora-ddp", 2, 10.0)] < eff[("lora-ddp", 2, 100.0)] < eff[("lora-ddp", 2, 400.0)] < 1
-    # a stage a node, 4 one-sequence micro-batches a GPU x 2 stages a pipeline: at most 8 / (8 + 2 - 1) of the step
+    # a stage a node, 4 one-sequence micro-batches a GPU x 2 stages a pipeline: 1f1b simulated over the stages the
+    # run builds (the tiny model's block each, its large head on the last): slower than equal stages' 8 / (8 + 2 - 1)
     pipeline = next(r for r in result["rows"] if (r["mode"], r["nodes"], r["gbps"]) == ("lora-pp-mb1", 2, 400.0))
-    assert pipeline["bubble_s"] == pytest.approx(2304 / 14556 / 8) and pipeline["efficiency"] < 8 / 9
+    assert 0 < pipeline["bubble_s"] and pipeline["step_s"] > 2304 / 14556 * 9 / 8 and pipeline["efficiency"] < 8 / 9

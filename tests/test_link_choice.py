@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from meshtune.config import TrainConfig, build_config
-from meshtune.crossing import (Collective, ModelSize, compute_seconds, data_parallel_step, full_model_facts,
-                               pipeline_step)
+from meshtune.crossing import Collective, ModelSize, compute_seconds, data_parallel_step, full_model_facts
 from meshtune.errors import ConfigError
 from meshtune.hardware import slowest_peak_flops
 from meshtune.plan import LinkChoice, link_candidates, resolve
@@ -55,19 +54,31 @@ def test_a_fast_link_keeps_the_choice_auto_makes_without_it():
 
 def test_a_slow_link_puts_a_pipeline_stage_on_each_node_and_keeps_the_global_batch():
     """100 Gb/s: hsdp's 30 GB of fp32 gradients a node take about 3 s against a 0.3 s step; the pipeline sends 0.26 GB
-    of activations and loses its bubble, (2 - 1) / (2 + 2 - 1) of the step with 2 micro-batches."""
+    of activations and loses its bubble. Of the pipelines weighed, zbv over the step's 8 rows one by one loses the
+    least (its weight gradients fill the bubble); 1f1b over 2 micro-batches of 4 rows (2 - 1) / (2 + 2 - 1)."""
     efficiency = predicted({"link_gbps": 100})
-    pipeline = LinkChoice("zero2", 2)
+    pipeline = LinkChoice("zero2", 2, "zbv", True)
     assert max(efficiency, key=efficiency.get) == pipeline
-    assert efficiency[pipeline] < 2 / 3 and efficiency[LinkChoice("hsdp", 1)] < 0.2
+    assert efficiency[LinkChoice("zero2", 2, "1f1b", False)] < 2 / 3 < efficiency[pipeline]
+    assert efficiency[LinkChoice("hsdp", 1)] < 0.2
+    assert {(c.schedule, c.one_row) for c in efficiency if c.pipeline > 1} == {
+        (schedule, one_row) for schedule in ("1f1b", "interleaved_1f1b", "zbv") for one_row in (False, True)}
     plan = gpu_plan({"link_gbps": 100})
     assert f"predicted at {efficiency[pipeline]:.1%} per GPU" in plan.why["parallel"]
-    assert "pipeline_parallel 2 (zero2 inside each stage)" in plan.why["parallel"]
+    assert "pipeline_parallel 2 (zero2 inside each stage, zbv, micro-batches of one row)" in plan.why["parallel"]
+    assert re.search(r"pipeline_parallel 2 \(zero2 inside each stage, 1f1b\) \d+\.\d% \(0\.\d+ s\)",
+                     plan.why["parallel"])
     assert "hsdp 1" in plan.why["link_gbps"] and "zero3" in plan.why["link_gbps"]
-    # the plan of the same job written with pipeline_parallel: 2 and the accumulation that keeps 64 sequences a step
-    written = gpu_plan({"pipeline_parallel": 2, "gradient_accumulation_steps": 2, "parallel": "zero2"})
-    for key in ("parallel", "mesh", "pipeline_stages", "pipeline_schedule", "gradient_accumulation_steps",
-                "reshard_after_forward", "padding_free", "fused_loss", "compile", "weights_from_rank0"):
+    assert plan.pipeline_one_row and plan.pipeline_schedule == "zbv" and plan.pipeline_virtual_stages == 2
+    assert plan.why["pipeline_schedule"].startswith("auto by the link: zbv over 8 micro-batches of one row")
+    # the plan of the same job written with pipeline_parallel: 2, zbv, its rows one by one and the accumulation that
+    # keeps 64 sequences a step
+    # (tests/test_pipeline_parallel.py trains such a plan on CPU: the losses of one process)
+    written = gpu_plan({"pipeline_parallel": 2, "gradient_accumulation_steps": 2, "parallel": "zero2",
+                        "pipeline_schedule": "zbv", "pipeline_row_micro_batches": True})
+    for key in ("parallel", "mesh", "pipeline_stages", "pipeline_schedule", "pipeline_virtual_stages",
+                "pipeline_one_row", "gradient_accumulation_steps", "reshard_after_forward", "padding_free",
+                "fused_loss", "compile", "weights_from_rank0"):
         assert getattr(plan, key) == getattr(written, key), key
     assert plan.mesh == {"pp": 2, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 1}
     data = plan.data_env(env(16, 8, 13, "cuda"))  # rank 13: stage 1, the 6th of its node: data rank 5 of 8
@@ -79,11 +90,24 @@ def test_a_slow_link_puts_a_pipeline_stage_on_each_node_and_keeps_the_global_bat
 
 
 def test_the_pipeline_is_judged_with_the_schedule_the_config_names():
-    """interleaved_1f1b holds two stages a process: a bubble half as long, one more crossing of the activations a
+    """A schedule the config names stands: only it is weighed (with the step's rows one by one as well, unless
+    pipeline_row_micro_batches names the split).
+    interleaved_1f1b holds two stages a process: a bubble half as long, one more crossing of the activations a
     micro-batch; the slow link's pipeline is then predicted faster than under 1f1b."""
-    one = predicted({"link_gbps": 100})[LinkChoice("zero2", 2)]
-    two = predicted({"link_gbps": 100, "pipeline_schedule": "interleaved_1f1b"})[LinkChoice("zero2", 2)]
-    assert two > one
+    named = predicted({"link_gbps": 100, "pipeline_schedule": "interleaved_1f1b"})
+    assert {c for c in named if c.pipeline > 1} == {LinkChoice("zero2", 2, "interleaved_1f1b", False),
+                                                    LinkChoice("zero2", 2, "interleaved_1f1b", True)}
+    one = predicted({"link_gbps": 100})[LinkChoice("zero2", 2, "1f1b", False)]
+    assert named[LinkChoice("zero2", 2, "interleaved_1f1b", False)] > one
+    plan = gpu_plan({"link_gbps": 100, "pipeline_schedule": "interleaved_1f1b"})
+    assert plan.pipeline_schedule == "interleaved_1f1b" and plan.pipeline_one_row
+    assert plan.why["pipeline_schedule"].startswith("auto by the link: interleaved_1f1b over 8 micro-batches of one")
+    # and so does a split the config names
+    whole = predicted({"link_gbps": 100, "pipeline_row_micro_batches": False})
+    assert {(c.schedule, c.one_row) for c in whole if c.pipeline > 1} == {
+        ("1f1b", False), ("interleaved_1f1b", False), ("zbv", False)}
+    named = gpu_plan({"link_gbps": 100, "pipeline_row_micro_batches": False, "pipeline_schedule": "zbv"})
+    assert not named.pipeline_one_row and "pipeline_schedule" not in named.why
 
 
 def test_where_the_pipeline_cannot_run_the_slow_link_picks_the_data_parallel_mode_the_arithmetic_says():
@@ -97,8 +121,18 @@ def test_where_the_pipeline_cannot_run_the_slow_link_picks_the_data_parallel_mod
     assert plan.why["link_gbps"].endswith("; no pipeline across the nodes: pipeline_parallel: 2 cannot be combined "
                                           "with packing: true (packed rows' block-diagonal attention is not carried "
                                           "between the stages): drop packing")
-    odd = gpu_plan({"link_gbps": 100}, size=replace(QWEN_7B, blocks=27))
-    assert odd.pipeline_parallel == 1 and "does not split into 2 equal stages" in odd.why["link_gbps"]
+    tied = gpu_plan({"link_gbps": 100}, size=replace(QWEN_7B, tied_embeddings=True))
+    assert tied.pipeline_parallel == 1 and "a tied head) does not split into 2 stages" in tied.why["link_gbps"]
+
+
+def test_blocks_the_stages_do_not_divide_are_priced_as_the_run_splits_them():
+    """27 blocks over 2 nodes: the stages the run builds (balanced with the head on the last) are unequal, and the
+    simulation prices them; the pipeline is chosen and planned with those stages."""
+    odd = replace(QWEN_7B, blocks=27)
+    plan = gpu_plan({"link_gbps": 100}, size=odd)
+    assert plan.pipeline_parallel == 2 and plan.pipeline_schedule == "zbv"
+    held = [end - first for first, end in plan.pipeline_stages]
+    assert sum(held) == 27 and len(set(held)) > 1
 
 
 def test_one_node_cpu_lora_and_an_unset_link_keep_the_rules():
@@ -120,15 +154,8 @@ def test_link_gbps_is_checked_and_changes_no_math():
     assert "link_gbps" in TrainConfig.keys_of("job")
 
 
-def test_a_pipeline_loses_its_bubble_and_hides_its_sends_behind_the_other_micro_batches():
-    """2 stages over 8 micro-batches: (2 - 1) / (8 + 2 - 1) of the step idles; one micro-batch's sends are exposed,
-    the rest hidden unless they outlast the compute."""
-    sends = [Collective("send", "activations", 1e9, 1)]
-    quick = pipeline_step(sends, 2, 1000e9, 1.0, 2, 8)  # 1 ms on the wire
-    assert quick.bubble_s == pytest.approx(1 / 8) and quick.exposed_s == pytest.approx(1 / 8 + 0.001 / 8)
-    assert quick.efficiency == pytest.approx(1 / (1 + 1 / 8 + 0.001 / 8)) and quick.efficiency < 8 / 9
-    slow = pipeline_step(sends, 2, 0.5e9, 1.0, 2, 8)  # 2 s on the wire against 1 s of compute
-    assert slow.exposed_s == pytest.approx(1 / 8 + 1.0)
+def test_a_data_parallel_step_hides_its_gradients_behind_backward():
+    """The gradients cross behind backward but the last unit's share (a pipeline's step: test_crossing_pipeline.py)."""
     # a data-parallel step: the gradients' all-reduce (2 replicas: S a node) behind backward but the last unit's share
     grads = [Collective("all-reduce", "gradients", 2e9, 1, 2)]
     hidden = data_parallel_step(grads, 2, 10e9, 1.0, 1, 4)  # 0.2 s, inside the 2/3 s backward

@@ -278,7 +278,8 @@ def test_interleaved_1f1b_and_zbv_on_pp2_give_the_losses_and_grad_norms_of_one_p
     """Two stages a process: the 2 blocks and the head in 4 stages (the first the embedding alone, the last the
     head), rank 0 holding stages 0 and 2 (interleaved) or 0 and 3 (zbv's V); the held-out loss too. zbv's
     checkpoint-2 resumes on one process (under LoRA rank 0's stages hold no adapter: it saves nothing); zbv's LoRA
-    runs once more with every block recomputed in backward (activation checkpointing under the split backward)."""
+    runs once more with every block recomputed in backward (activation checkpointing under the split backward), full
+    fine-tuning with each row of the step its own micro-batch of zbv (pipeline_row_micro_batches)."""
     one = jobs.run(f"one-{method}", method, 1, 1, 4, **SAVED)
     for schedule in ("interleaved_1f1b", "zbv"):
         saves = dict(save_steps=2) if schedule == "zbv" else {}
@@ -295,6 +296,12 @@ def test_interleaved_1f1b_and_zbv_on_pp2_give_the_losses_and_grad_norms_of_one_p
         assert recomputed["plan"]["recompute"] == 1.0
         assert_same(recomputed["losses"], one["losses"], "lora zbv, blocks recomputed, loss")
         assert_same(recomputed["norms"], one["norms"], "lora zbv, blocks recomputed, grad norm")
+    if method == "full":  # the shape parallel: auto picks on a slow link: zbv over the step's 8 rows one by one
+        rows = jobs.run("pp2-zbv-rows-full", method, 2, 2, 4, pipeline_schedule="zbv", pipeline_row_micro_batches=True,
+                        **HELD_OUT)
+        assert rows["plan"]["pipeline_one_row"] and rows["plan"]["pipeline_schedule"] == "zbv", rows["plan"]
+        assert_same(rows["losses"], one["losses"], "full zbv, a row a micro-batch, loss")
+        assert_same(rows["norms"], one["norms"], "full zbv, a row a micro-batch, grad norm")
     zbv = jobs.run(f"pp2-zbv-{method}", method, 2, 2, 4, pipeline_schedule="zbv", save_steps=2, **HELD_OUT)
     resumed = jobs.run(f"one-from-zbv-{method}", method, 1, 1, 4, **HELD_OUT,
                        resume_from_checkpoint=str(zbv["output"] / "checkpoint-2"))

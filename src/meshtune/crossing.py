@@ -28,16 +28,24 @@ PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's sh
 Time. A GPU's compute for a step is estimated from its FLOPs at MFU_ASSUMED of a bf16 matmul rate. The gradients
 cross once an optimizer step (or once a micro-step where they stay sharded), during that micro-step's backward
 (BACKWARD_SHARE of its compute); what does not fit that window is exposed, and at least the last unit's share always
-is (it starts when backward ends). The weights' gathers overlap the rest of the step. A pipeline of pp stages over m
-micro-batches loses the bubble, (pp - 1) / (m + pp - 1) of its step (GPipe and 1F1B alike; with v stages a process,
-interleaved_1f1b's (pp - 1) / (v m + pp - 1), and zbv taken as interleaved with v = 2: its split backward's filling
-of the bubble is not counted), and its activations' sends overlap the other micro-batches' compute: one
-micro-batch's share is exposed (the fill and the drain), the rest only where it outlasts the compute.
+is (it starts when backward ends). The weights' gathers overlap the rest of the step.
+
+A pipeline's step is simulated from the order torch.distributed.pipelining runs (`schedule_actions`): each rank's
+forwards (F) and backwards, whole (B) or split into the input's gradient (I) and the weights' (W, zbv), over the
+micro-batches. An action starts when its rank is free and its input is there: a stage's F of micro-batch i waits for
+the previous stage's F of i, its backward for the next stage's input gradient of i, one hop later where the two
+stages sit on different processes (a hop: one micro-batch's activations of a node's processes over the link). Each
+stage's cost comes from its FLOPs (`stage_costs`): a block's matmuls 2 a parameter a token in F, in I and in W alike
+(W none under LoRA, whose frozen weights take no gradient), attention's 4 x width x length a token in F and twice
+that in I, recomputation another F in I, the head (and its weight's gradient) on the last stage; scaled so that the
+ranks' mean compute is the step's compute estimate. The step is the slowest rank's finish, or the link's time for
+all the sends where that is longer; the bubble is what the finish adds over the busiest rank's compute.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the config leaves blocks per unit open
 MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks/where-the-time-goes.md)
@@ -259,12 +267,144 @@ def data_parallel_step(crossing: list[Collective], nodes: int, busbw: float, com
     return StepTime(compute_s, exposed_reduce + exposed_gather, gather_s, reduce_s)
 
 
-def pipeline_step(crossing: list[Collective], nodes: int, busbw: float, compute_s: float, pp: int,
-                  micro: int, virtual: int = 1) -> StepTime:
-    """A step of `pp` processes of a pipeline over `micro` micro-batches, `virtual` stages a process (see the
-    module's docstring): the bubble lost, one micro-batch's sends exposed and the rest hidden behind the other
-    micro-batches' compute where it fits."""
+def pipeline_step(crossing: list[Collective], nodes: int, busbw: float, compute_s: float,
+                  shape: PipelineShape) -> StepTime:
+    """A step of a pipeline of `shape` (see the module's docstring): torch's schedule simulated with each stage's
+    cost, a hop between processes one micro-batch's sends, the link's whole traffic the floor of the step."""
     send_s = collective_seconds(crossing, busbw, nodes)
-    bubble_s = compute_s * (pp - 1) / (max(micro, 1) * virtual)
-    exposed_send = max(send_s / max(micro, 1), send_s - compute_s)
-    return StepTime(compute_s, bubble_s + exposed_send, reduce_s=send_s, bubble_s=bubble_s)
+    sends = [c for c in crossing if c.kind == "send"]
+    hop_s = sum(c.bytes for c in sends) / max(shape.micro, 1) / busbw
+    pp = len(shape.costs) // shape.virtual
+    scale = compute_s * pp / (shape.micro * sum(c.total for c in shape.costs))
+    costs = [StageCost(c.forward * scale, c.input_grad * scale, c.weight_grad * scale) for c in shape.costs]
+    timeline = simulate(schedule_actions(shape.schedule, pp, shape.micro, shape.virtual), costs,
+                        stage_ranks(shape.schedule, pp, shape.virtual), hop_s)
+    step_s = max(timeline.finish_s, send_s)
+    return StepTime(compute_s, step_s - compute_s, reduce_s=send_s, bubble_s=timeline.finish_s - timeline.busiest_s)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One micro-batch through one stage: its forward, its input's gradient and its weights' (seconds, or any unit
+    the caller scales)."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.input_grad + self.weight_grad
+
+    def of(self, kind: str) -> float:
+        """An action's time: F, B (the whole backward), I or W."""
+        return {"F": self.forward, "B": self.input_grad + self.weight_grad, "I": self.input_grad,
+                "W": self.weight_grad}[kind]
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """A pipeline's step: torch's schedule, the stages a process, the micro-batches a step and each stage's cost
+    (pipeline_parallel x virtual of them, in stage order)."""
+
+    schedule: str
+    virtual: int
+    micro: int
+    costs: tuple[StageCost, ...]
+
+
+def stage_costs(model: ModelFacts, stages: list[tuple[int, int]], lora: bool, recompute: float,
+                length: int) -> tuple[StageCost, ...]:
+    """Each stage's FLOPs for one row of `length` tokens (see the module's docstring): its blocks [first, end), the
+    last stage's head (the dense parameters outside the blocks; the embedding is a lookup)."""
+    block = 2 * model.size.block_parameters * length
+    attention = 4 * model.attention_width * length * length
+    head = 2 * max(model.dense - model.size.block_parameters * model.size.blocks, 0) * length
+    costs = []
+    for index, (first, end) in enumerate(stages):
+        blocks = end - first
+        forward = blocks * (block + attention)
+        input_grad = blocks * (block + 2 * attention) + recompute * forward
+        weight_grad = 0.0 if lora else blocks * block
+        if index == len(stages) - 1:
+            forward, input_grad = forward + head, input_grad + head
+            weight_grad += 0.0 if lora else head
+        costs.append(StageCost(forward, input_grad, weight_grad))
+    return tuple(costs)
+
+
+Action = tuple[str, int, int]  # (F | B | I | W, stage, micro-batch)
+
+
+def schedule_actions(schedule: str, pp: int, micro: int, virtual: int = 1) -> list[list[Action]]:
+    """Each rank's compute in the order torch runs it. The multi-stage schedules' from the function their classes
+    build `pipeline_order` with (`_calculate_single_rank_operations`, given the attributes it reads); gpipe's and
+    1f1b's as their `_step_microbatches` run them (Schedule1F1B's own `pipeline_order`, which torch only prints,
+    numbers the last rank's micro-batches from 1): gpipe every forward, then every backward; 1f1b min(m, pp - r)
+    forwards on rank r, then a backward and a forward in turn, then the backwards left."""
+    if schedule == "gpipe":
+        return [[("F", r, i) for i in range(micro)] + [("B", r, i) for i in range(micro)] for r in range(pp)]
+    if schedule == "1f1b":
+        return [one_f_one_b(r, pp, micro) for r in range(pp)]
+    from torch.distributed.pipelining import schedules
+
+    kind = {"interleaved_1f1b": schedules.ScheduleInterleaved1F1B, "zbv": schedules.ScheduleZBVZeroBubble}[schedule]
+    rounds = max(1, micro // pp)
+    state = SimpleNamespace(pp_group_size=pp, n_local_stages=virtual, _n_microbatches=micro, num_stages=pp * virtual,
+                            number_of_rounds=rounds, microbatches_per_round=micro // rounds)
+    return [[(a.computation_type.value, a.stage_index, a.microbatch_index)
+             for a in kind._calculate_single_rank_operations(state, rank)
+             if a is not None and a.computation_type.value in "FBIW"] for rank in range(pp)]
+
+
+def one_f_one_b(rank: int, pp: int, micro: int) -> list[Action]:
+    """Schedule1F1B's order on `rank` (see `schedule_actions`)."""
+    warmup = min(micro, pp - rank)
+    actions = [("F", rank, i) for i in range(warmup)]
+    for i in range(micro - warmup):
+        actions += [("B", rank, i), ("F", rank, warmup + i)]
+    return actions + [("B", rank, i) for i in range(micro - warmup, micro)]
+
+
+def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
+    """The process of each stage: interleaved r, r + pp, ...; zbv's V r and 2 pp - 1 - r."""
+    if schedule == "zbv":
+        return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
+    return [s % pp for s in range(pp * virtual)]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    finish_s: float   # the slowest rank's last action's end
+    busiest_s: float  # the most compute one rank has
+
+
+def simulate(actions: list[list[Action]], costs: list[StageCost], rank_of: list[int], hop_s: float) -> Timeline:
+    """Each rank runs its actions in order, each as soon as its rank is free and its input is there (see the
+    module's docstring): a forward the previous stage's output, a backward the next stage's input gradient (the
+    last stage its own forward), a weights' gradient its own input gradient; `hop_s` more between processes."""
+    last = len(costs) - 1
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "W", stage, micro-batch): end
+
+    def ready(kind: str, stage: int, mb: int) -> float | None:
+        if kind == "W":
+            return done.get(("G", stage, mb))
+        if kind == "F" and stage == 0:
+            return 0.0
+        source = stage - 1 if kind == "F" else stage + 1 if stage < last else stage
+        end = done.get(("F" if kind == "F" or source == stage else "G", source, mb))
+        return None if end is None else end + (hop_s if rank_of[source] != rank_of[stage] else 0.0)
+
+    clock, at, moved = [0.0] * len(actions), [0] * len(actions), True
+    while moved:
+        moved = False
+        for rank, mine in enumerate(actions):
+            while at[rank] < len(mine) and (start := ready(*mine[at[rank]])) is not None:
+                kind, stage, mb = mine[at[rank]]
+                clock[rank] = max(clock[rank], start) + costs[stage].of(kind)
+                done[({"F": "F", "W": "W"}.get(kind, "G"), stage, mb)] = clock[rank]
+                at[rank], moved = at[rank] + 1, True
+    if any(at[rank] < len(mine) for rank, mine in enumerate(actions)):
+        raise RuntimeError("pipeline schedule: an action waits on one that never runs")
+    busy = [sum(costs[stage].of(kind) for kind, stage, _ in mine) for mine in actions]
+    return Timeline(max(clock), max(busy))

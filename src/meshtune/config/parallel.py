@@ -73,6 +73,11 @@ class ParallelismKeys(Keys):
     pipeline_virtual_stages: int | None = PARALLELISM(
         None, "stages each process holds under pipeline_schedule: interleaved_1f1b (2 or more; unset: 2); zbv holds "
               "2, gpipe and 1f1b 1", gt=0)
+    pipeline_row_micro_batches: bool | None = PARALLELISM(
+        None, "the schedule's micro-batches: true, each row of a step's micro-steps one (per_device_train_batch_size "
+              "x gradient_accumulation_steps of them, a smaller bubble for smaller sends); false, each micro-step's "
+              "rows one; unset: false, or where parallel: auto chooses a pipeline by link_gbps, what it predicts "
+              "faster. The same rows and loss either way")
 
     @model_validator(mode="after")
     def _check_layout(self) -> "ParallelismKeys":

@@ -78,6 +78,8 @@ def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, bu
         choice, _, _ = pick_by_link(cfg, processes, nproc, model.size, gpu_bytes,
                                     compute_seconds(cfg, full_model_facts(model.size), peak_flops))
         mode, stages = choice.mode, choice.pipeline
+        if choice.schedule:  # the pipeline's schedule sets how often its activations cross
+            cfg = cfg.model_copy(update={"pipeline_schedule": choice.schedule})
         how = (f" inside pipeline_parallel {stages}" if stages > 1 else "") + f" (auto by link_gbps {cfg.link_gbps:g})"
     bf16 = gpus and cfg.bf16 is not False
     hsdp_in_node = (cfg.hsdp_shard_size or nproc) <= nproc

@@ -33,7 +33,7 @@ from meshtune.plan.memory import (full_state_bytes, gradient_reduction, offload_
                                   reshard_to_node, resolve_memory, sharding_for_full, sharding_for_qlora)
 from meshtune.plan.modes import auto_parallel, choose_parallel, parallel_for
 from meshtune.plan.pipeline import (PP_MODEL_TYPES, balanced_stages, head_worth, interleaved_counts, pipeline_choice,
-                                    pipeline_parallel_size)
+                                    pipeline_parallel_size, pipeline_shapes)
 from meshtune.plan.precision import resolve_precision
 from meshtune.plan.reference import precompute_reference, reference_reason, resolve_reference
 from meshtune.plan.resume import (check_train_batch_size, keep_global_batch, resolve_resume, resume_reason,
@@ -49,7 +49,7 @@ __all__ = [
     "data_parallel_env", "default_blocks_per_unit", "full_state_bytes", "give_way", "gradient_crossing",
     "gradient_reduction", "head_worth", "hsdp_shard_size", "interleaved_counts", "keep_global_batch", "link_applies",
     "link_candidates", "machine_of", "memory_measurable", "mesh_layout", "offload_reason", "on", "parallel_for",
-    "pick_by_link", "pipeline_choice", "pipeline_parallel_size", "pipeline_refusal", "powersgd_rank",
+    "pick_by_link", "pipeline_choice", "pipeline_parallel_size", "pipeline_refusal", "pipeline_shapes", "powersgd_rank",
     "precompute_reference", "recomputation", "reference_reason", "reshard_after_forward", "reshard_to_node",
     "resolve", "resume_reason", "resume_request", "sharding_for_full", "sharding_for_qlora", "stage_env",
     "tensor_parallel_size",
@@ -73,7 +73,8 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
                    **resolve_memory(cfg, layout, accumulation, machine, why),
                    **resolve_sync(cfg, layout, why),
                    **resolve_reference(cfg, why),
-                   **pipeline_choice(cfg, env, layout.pp, layout.parallel, accumulation, machine.model_size, why),
+                   **pipeline_choice(cfg, env, layout.pp, layout.parallel, accumulation, machine.model_size, why,
+                                    layout.link),
                    why=why)
 
 

@@ -10,12 +10,11 @@ from pydantic import ValidationError
 from meshtune.config import TrainConfig
 from meshtune.crossing import (ModelSize, StepTime, compute_seconds, data_parallel_step, fsdp_units,
                                full_model_facts, pipeline_step, step_collectives)
-from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.plan.memory import full_state_bytes, gradient_reduction, sharding_for_full
 from meshtune.plan.modes import auto_parallel
-from meshtune.plan.pipeline import PP_MODEL_TYPES
+from meshtune.plan.pipeline import PP_MODEL_TYPES, pipeline_shapes
 from meshtune.plan.run_plan import EACH, LinkChoice
 
 LINK_EFFICIENCY = 0.9  # of the line rate, what NCCL's all-reduce reaches on a healthy network (an assumption)
@@ -42,7 +41,8 @@ def choose_by_link(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], Mode
                                                 compute)
     label = {choice: link_label(choice, nodes) for choice in predicted}
     step = predicted[best]
-    others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%}" for c in predicted if c != best)
+    others = ", ".join(f"{label[c]} {predicted[c].efficiency:.1%} ({predicted[c].step_s:.3g} s)" for c in predicted
+                       if c != best)
     why["parallel"] = (f"auto by the link ({cfg.link_gbps:g} Gb/s): {label[best]}, predicted at {step.efficiency:.1%} "
                        f"per GPU of one node's step ({step.exposed_s:.3g} s of its {step.step_s:.3g} s not hidden"
                        + (f", the bubble {step.bubble_s:.3g} s" if step.bubble_s else "") + f"); {others}"
@@ -82,7 +82,10 @@ def link_pick(predicted: dict[LinkChoice, StepTime], rule: LinkChoice) -> LinkCh
 
 
 def link_label(choice: LinkChoice, nodes: int) -> str:
-    return choice.mode if choice.pipeline == 1 else f"pipeline_parallel {nodes} ({choice.mode} inside each stage)"
+    if choice.pipeline == 1:
+        return choice.mode
+    split = ", micro-batches of one row" if choice.one_row else ""
+    return f"pipeline_parallel {nodes} ({choice.mode} inside each stage, {choice.schedule}{split})"
 
 
 def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
@@ -109,10 +112,12 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
     if pipeline_refusal(cfg, size, nodes) is None:
         stage = sharding_for_full(cfg, n // nodes, per_node, card)[0] if per_node > 1 else "ddp"
         if per_node > 1 or full_state_bytes(cfg, n // nodes, 1, whole_weights=False) <= 0.5 * card:
-            crossing = step_collectives(cfg, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
-                                        micro=micro * nodes)
-            predicted[LinkChoice(stage, nodes)] = pipeline_step(crossing, nodes, busbw, compute, nodes, micro * nodes,
-                                                                virtual_stages(cfg))  # the config's schedule
+            for (schedule, one_row), shape in pipeline_shapes(cfg, size, nodes, micro * nodes, stage).items():
+                shaped = cfg.model_copy(update={"pipeline_schedule": schedule})
+                crossing = step_collectives(shaped, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
+                                            micro=micro * nodes)
+                choice = LinkChoice(stage, nodes, schedule, one_row)
+                predicted[choice] = pipeline_step(crossing, nodes, busbw, compute, shape)
     return predicted
 
 
@@ -127,14 +132,14 @@ def compute_seconds_of(cfg: TrainConfig, facts, peak: float | None) -> float:
 
 
 def pipeline_refusal(cfg: TrainConfig, size: ModelSize, stages: int) -> str | None:
-    """Why `stages` pipeline stages cannot run this config and model (config.py's refusals, and the model's: its
-    type, a tied head, blocks the stages do not divide), or None."""
+    """Why `stages` pipeline stages cannot run this config and model (the config's refusals, and the model's: its
+    type, a tied head, fewer blocks than stages), or None. Stages of unequal blocks are priced as they are
+    (`pipeline_shapes`)."""
     try:
         TrainConfig(**{**cfg.model_dump(), "pipeline_parallel": stages})
     except ValidationError as exc:
         return "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
-    split = stages * virtual_stages(cfg)  # equal stages: the arithmetic assumes no stage slower than another
-    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks % split:
+    if size.model_type not in PP_MODEL_TYPES or size.tied_embeddings or size.blocks < stages:
         return (f"the model ({size.model_type or 'unknown'} type, {size.blocks} blocks"
-                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {split} equal stages")
+                f"{', a tied head' if size.tied_embeddings else ''}) does not split into {stages} stages")
     return None

@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE
-from meshtune.crossing import ModelSize
+from meshtune.crossing import ModelSize, PipelineShape, full_model_facts, stage_costs
 from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
+from meshtune.plan.run_plan import LinkChoice
 
 # decoders whose blocks, embedding, norm and head model/pipeline_parallel.py splits
 PP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -78,22 +79,28 @@ def interleaved_counts(pp: int, limit: int) -> list[int]:
 
 
 def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micro_batches: int,
-                    model_size: Callable[[], ModelSize], why: dict[str, str]) -> dict:
+                    model_size: Callable[[], ModelSize], why: dict[str, str], link: LinkChoice | None = None) -> dict:
     """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
     (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
     on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number; Interleaved1F1B a whole
-    number of rounds; ZBV any number."""
+    number of rounds; ZBV any number. With pipeline_row_micro_batches each row of them is one of the schedule's.
+    Where the link chose the pipeline (`link`), its schedule and split."""
     if pp == 1:
         return {}
+    if link is not None and link.schedule is not None:
+        return link_pipeline(cfg, link, micro_batches, model_size(), parallel, why)
+    one_row = bool(cfg.pipeline_row_micro_batches)
+    micro_batches *= cfg.per_device_train_batch_size if one_row else 1
+    counted = "gradient_accumulation_steps" + (" x per_device_train_batch_size" if one_row else "")
     schedule = cfg.pipeline_schedule
     if schedule == "1f1b" and micro_batches < pp:
         raise ConfigError(f"pipeline_schedule: 1f1b needs at least pipeline_parallel ({pp}) micro-batches a step, "
-                          f"and the step has {micro_batches} (gradient_accumulation_steps): raise "
+                          f"and the step has {micro_batches} ({counted}): raise "
                           f"gradient_accumulation_steps to {pp}, or use pipeline_schedule: gpipe")
     if schedule == "interleaved_1f1b" and micro_batches % max(1, micro_batches // pp):
         raise ConfigError(f"pipeline_schedule: interleaved_1f1b runs the micro-batches in rounds of "
                           f"max(1, micro-batches // pipeline_parallel), a whole number of them, and the step's "
-                          f"{micro_batches} (gradient_accumulation_steps) are not; counts that work on {pp} stages: "
+                          f"{micro_batches} ({counted}) are not; counts that work on {pp} stages: "
                           f"{', '.join(map(str, interleaved_counts(pp, max(micro_batches, 4 * pp))))}")
     if schedule not in ("gpipe", "1f1b", *MULTI_STAGE):
         schedule = "1f1b" if micro_batches >= pp else "gpipe"
@@ -107,7 +114,53 @@ def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micr
     check_stage_blocks(cfg, env, pp, parallel, size.blocks)
     stages = balanced_stages(size.blocks, pp * virtual, head, ends_may_be_empty(virtual, parallel))
     why["pipeline_stages"] = stages_reason(stages, size.blocks, head, pp, schedule)
-    return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages}
+    return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages,
+            "pipeline_one_row": one_row}
+
+
+def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
+                    parallel: str) -> dict[tuple[str, bool], PipelineShape]:
+    """The pipelines of `pp` stages the link choice weighs, by (schedule, one row a micro-batch): the step's
+    `micro` micro-batches as the config has them, and (per_device_train_batch_size above 1) each row one, unless
+    pipeline_row_micro_batches names one; under each, pipeline_schedule where the config names one, else 1f1b
+    (gpipe where the micro-batches are fewer than the stages), interleaved_1f1b (2 stages a process; where its rounds
+    divide the micro-batches) and zbv, each where the blocks give every stage one (`check_stage_blocks`). Each stage
+    costs what its blocks (and the last stage's head) cost (crossing.stage_costs), the stages balanced as the run
+    builds them (`balanced_stages`)."""
+    rows = cfg.per_device_train_batch_size
+    named = cfg.pipeline_schedule if cfg.pipeline_schedule != "auto" else None
+    splits = [False, True] if cfg.pipeline_row_micro_batches is None and rows > 1 else [
+        bool(cfg.pipeline_row_micro_batches)]
+    recompute = (cfg.named_recompute_ratio or 0.0) if cfg.gradient_checkpointing else 0.0
+    facts = full_model_facts(size)
+    shapes = {}
+    for one_row, m in ((split, micro * rows if split else micro) for split in splits):
+        for schedule in [named] if named else ["1f1b" if m >= pp else "gpipe", "interleaved_1f1b", "zbv"]:
+            virtual = cfg.pipeline_virtual_stages or (2 if schedule in MULTI_STAGE else 1)
+            empty_ends = ends_may_be_empty(virtual, parallel)
+            if (schedule == "1f1b" and m < pp or schedule == "interleaved_1f1b" and m % max(1, m // pp)
+                    or size.blocks < pp * virtual - (2 if empty_ends else 0)):
+                continue  # what pipeline_choice and check_stage_blocks refuse
+            stages = balanced_stages(size.blocks, pp * virtual, head_worth(size), empty_ends)
+            costs = stage_costs(facts, stages, cfg.is_lora, recompute, cfg.cutoff_len)
+            shapes[schedule, one_row] = PipelineShape(schedule, virtual, m, costs)
+    return shapes
+
+
+def link_pipeline(cfg: TrainConfig, link: LinkChoice, micro_batches: int, size: ModelSize, parallel: str,
+                  why: dict[str, str]) -> dict:
+    """The pipeline the link chose (`pipeline_shapes`): its schedule, stages and split, and why."""
+    virtual = cfg.pipeline_virtual_stages or (2 if link.schedule in MULTI_STAGE else 1)
+    head = head_worth(size)
+    stages = balanced_stages(size.blocks, link.pipeline * virtual, head, ends_may_be_empty(virtual, parallel))
+    why["pipeline_stages"] = stages_reason(stages, size.blocks, head, link.pipeline, link.schedule)
+    if cfg.pipeline_schedule == "auto" or cfg.pipeline_row_micro_batches is None:
+        count = micro_batches * (cfg.per_device_train_batch_size if link.one_row else 1)
+        rows = "one row" if link.one_row else f"{cfg.per_device_train_batch_size} rows"
+        why["pipeline_schedule"] = (f"auto by the link: {link.schedule} over {count} micro-batches of {rows}, the "
+                                    f"shortest predicted step of the pipelines weighed (see parallel)")
+    return {"pipeline_schedule": link.schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages,
+            "pipeline_one_row": link.one_row}
 
 
 def head_worth(size: ModelSize) -> float:

@@ -66,6 +66,9 @@ class RunPlan:
     pipeline_schedule: str | None = None
     pipeline_virtual_stages: int = 1
     pipeline_stages: list[tuple[int, int]] = field(default_factory=list)
+    # each row of the step's micro-batches a micro-batch of the schedule (pipeline_row_micro_batches, or auto by the
+    # link); else each micro-step's rows one
+    pipeline_one_row: bool = False
     # stage: dpo: the reference's log-probs computed once before training (train/reference_pass.py)
     precompute_ref_log_probs: bool = False
 
@@ -129,6 +132,8 @@ class RunPlan:
         if self.pipeline_parallel > 1:
             rows.append(("pipeline_parallel", str(self.pipeline_parallel)))
             rows.append(("pipeline_schedule", str(self.pipeline_schedule)))
+            if self.pipeline_one_row:
+                rows.append(("pipeline micro-batches", "one row each"))
             if self.pipeline_virtual_stages > 1:
                 rows.append(("pipeline_virtual_stages", str(self.pipeline_virtual_stages)))
             rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" if b > a else "no block"
@@ -200,6 +205,8 @@ class LinkChoice:
 
     mode: str
     pipeline: int
+    schedule: str | None = None  # the pipeline's schedule, and each row a micro-batch of it (`pipeline_shapes`)
+    one_row: bool = False
 
 
 @dataclass(frozen=True)

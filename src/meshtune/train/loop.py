@@ -323,9 +323,7 @@ def set_up_step(cfg: TrainConfig, env: DistEnv, plan: RunPlan, built: BuiltModel
 
     split = SequenceSplit(plan.context_parallel, env)  # context parallel: each process's share of the positions
     # pipeline_parallel: this process's stage and torch's schedule over the step's micro-batches
-    pipeline = (PipelineStep(built.stages, built.held, len(plan.pipeline_stages), built.pipeline,
-                             plan.pipeline_schedule, plan.gradient_accumulation_steps, env.device, pad_id,
-                             cfg.cutoff_len, plan.autocast_bf16, sharded=plan.parallel != "ddp")
+    pipeline = (PipelineStep(built.stages, built.held, built.pipeline, plan, env.device, pad_id, cfg.cutoff_len)
                 if built.pipeline is not None else None)
     stages = built.pipeline["pp"].get_group() if built.pipeline is not None else None
     built.model.train()

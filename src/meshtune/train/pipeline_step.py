@@ -1,8 +1,8 @@
 """An optimizer step's forward and backward under pipeline_parallel, through torch.distributed.pipelining: the
 step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble) splits back into them; the last stage computes each
-micro-batch's loss, normalised as the data-parallel step normalises it, so the sum over micro-batches is the
-one-process loss and its gradients."""
+Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble) splits back into them (or, where the plan says so,
+into their rows one by one); the last stage computes each micro-batch's loss, normalised as the data-parallel step
+normalises it, so the sum over micro-batches is the one-process loss and its gradients."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE  # several stages a process, given as a list
 from meshtune.data.collate import IGNORE, Batch
 from meshtune.model.pipeline_parallel import StageForward
+from meshtune.plan import RunPlan
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.token_loss import token_loss_sum
 
@@ -45,18 +46,19 @@ class PipelineStep:
     and receives are set up for one shape on its first step, and micro-batches of a step differ in length from the
     next step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
 
-    def __init__(self, modules: list[StageForward], held: list[int], stages: int, mesh: DeviceMesh, schedule: str,
-                 micro_batches: int, device: torch.device, pad_id: int, length_cap: int,
-                 autocast_bf16: bool = False, sharded: bool = False):
-        self.modules, self.held, self.stages = modules, held, stages  # held: the stage of each module, of `stages`
+    def __init__(self, modules: list[StageForward], held: list[int], mesh: DeviceMesh, plan: RunPlan,
+                 device: torch.device, pad_id: int, length_cap: int):
+        # held: the stage of each module, of the plan's stages
+        self.modules, self.held, self.stages = modules, held, len(plan.pipeline_stages)
         self.group = mesh["pp"].get_group()
         # FSDP2 inside the stages: a stage's processes gather its weights together at each forward, and a stage set
         # up for a new shape runs one forward more (torch's shape inference), so its processes, which take other
         # micro-batches, pad them to one shape: the largest of theirs
-        self.shape_group = mesh["dp"].get_group() if sharded else None
-        self.schedule, self.micro_batches, self.device = schedule, micro_batches, device
-        self.pad_id, self.length_cap = pad_id, length_cap
-        self.autocast_bf16 = autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
+        self.shape_group = mesh["dp"].get_group() if plan.parallel != "ddp" else None
+        self.schedule, self.micro_batches = plan.pipeline_schedule, plan.gradient_accumulation_steps
+        self.one_row = plan.pipeline_one_row  # each row of a training step's micro-batches one of the schedule's
+        self.device, self.pad_id, self.length_cap = device, pad_id, length_cap
+        self.autocast_bf16 = plan.autocast_bf16  # bf16 compute as the ddp step's (the replicas hold fp32 weights)
         # (rows, length, micro-batches); evaluation's schedules apart (a stage first set up without backward would
         # not run one later)
         self.schedules: OrderedDict[tuple[int, int, int, bool], object] = OrderedDict()
@@ -114,6 +116,7 @@ class PipelineStep:
             dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.shape_group)
         stacked = stack(micro, count, self.pad_id, *shape.tolist())
         rows, length = stacked.input_ids.shape
+        count = rows if training and self.one_row else count  # the same rows, the schedule's chunks of one each
         schedule = self._schedule(rows // count, length, count, training)
         self.sums = []
         inputs = stacked.to(self.device)
