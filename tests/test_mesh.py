@@ -156,11 +156,34 @@ def mesh_job(rank: int, world_size: int, workdir) -> None:
         dist.all_reduce(total, group=dp.get_group())
         assert total.item() == sum(dims.ranks_along("dp_replicate", "dp_shard")), layout
         assert dims.mesh is dims.mesh  # built once
+        if dims.cp > 1:
+            split_takes_its_chunks(dims)
         if dims.pp > 1:
             pipeline = dims.pipeline_mesh()
             assert pipeline.mesh_dim_names == ("pp", "dp") and pipeline.get_local_rank("pp") == dims.coordinates()["pp"]
             assert sorted(pipeline["pp"].mesh.tolist()) == dims.pipeline_ranks()
             assert sorted(pipeline["dp"].mesh.tolist()) == dims.stage_ranks()
+
+
+def split_takes_its_chunks(dims: ParallelDims) -> None:
+    """Context parallel's split (train/sequence_split.py) over the run's cp group, on CPU: process c of the group keeps
+    chunks c and 2cp-1-c of each row's 2 x cp (torch's load balancing). The ring's attention itself needs CUDA
+    (tests/test_context_parallel.py); the split of the buffers does not."""
+    import numpy as np
+    import torch
+
+    from meshtune.data.collate import collate
+    from meshtune.train.sequence_split import SequenceSplit, row_multiple
+
+    rows = [(np.arange(3, 3 + n), np.arange(3, 3 + n)) for n in (100, 60)]
+    batch = collate([[0], [1]], dataset=rows, pad_id=0, packed=False, pad_to_multiple=row_multiple(dims.cp, 1),
+                    padding_free=False)
+    chunk, c = batch.input_ids.shape[1] // (2 * dims.cp), dims.coordinates()["cp"]
+    kept = torch.cat([torch.arange(c * chunk, (c + 1) * chunk),
+                      torch.arange((2 * dims.cp - 1 - c) * chunk, (2 * dims.cp - c) * chunk)])
+    with SequenceSplit(dims)(batch) as local:
+        assert torch.equal(local.input_ids, batch.input_ids[:, kept]), (dims.env.rank, local.input_ids)
+        assert torch.equal(local.targets, batch.targets[:, kept])
 
 
 @pytest.mark.slow
