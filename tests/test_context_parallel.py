@@ -1,7 +1,8 @@
 """Context parallelism: the run plan's mesh, data ranks and refusals (no processes, a CUDA job described to the
 plan); the attention the ring replaces, against the model's own on padded rows (one process); and on a machine with
 2 or 4 GPUs, `meshtune train` under context_parallel 2 and 4 against one process (skipped elsewhere: torch's ring
-attention runs over the CUDA attention kernels; run `python3 -m pytest tests/test_context_parallel.py` there)."""
+attention runs over the CUDA attention kernels; run `python3 -m pytest tests/test_context_parallel.py` there). The
+split over the run's cp group itself runs on CPU ranks too: tests/test_mesh.py's `split_takes_its_chunks`."""
 
 from __future__ import annotations
 

@@ -123,9 +123,9 @@ def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
     gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `dims`: the run's mesh
     (meshtune/mesh.py; None: every process one shard); with a tp dimension above 1 the model is first split over it,
     then FSDP2 shards it over the data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is
-    then never ddp. `mesh`: the processes FSDP2 shards over, given (a pipeline stage's), instead of the run's
-    mesh's. `cpu_offload`: FSDP2 keeps
-    every shard in host memory (`offload_policy`). The other options are those of `replicate` and `shard_in_units`."""
+    then never ddp. `mesh`: the processes FSDP2 shards over, given (a pipeline stage's), instead of the run's mesh's.
+    `cpu_offload`: FSDP2 keeps every shard in host memory (`offload_policy`). The other options are those of
+    `replicate` and `shard_in_units`."""
     if parallel == "ddp":
         return replicate(model, env, grad_sync, in_sync, reduce_bf16, bucket_cap_mb, powersgd_rank)
     dims = dims if dims is not None else ParallelDims.of({"dp_shard": env.world_size}, env)
