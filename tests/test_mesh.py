@@ -152,6 +152,7 @@ def mesh_job(rank: int, world_size: int, workdir) -> None:
             fsdp = dims.fsdp_mesh(parallel)
             groups = [sorted(dist.get_process_group_ranks(fsdp.get_group(i))) for i in range(fsdp.ndim)]
             assert groups == [dims.ranks_along(*names) for names in dims.fsdp_dims(parallel)], (layout, parallel)
+            assert dims.cp == 1 or dims.fsdp_mesh(parallel) is fsdp  # flattened once: the reference shards on it too
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=dp.get_group())
         assert total.item() == sum(dims.ranks_along("dp_replicate", "dp_shard")), layout
