@@ -1,7 +1,8 @@
 """Context parallelism: the run plan's mesh, data ranks and refusals (no processes, a CUDA job described to the
 plan); the attention the ring replaces, against the model's own on padded rows (one process); and on a machine with
 2 or 4 GPUs, `meshtune train` under context_parallel 2 and 4 against one process (skipped elsewhere: torch's ring
-attention runs over the CUDA attention kernels; run `python3 -m pytest tests/test_context_parallel.py` there)."""
+attention runs over the CUDA attention kernels; run `python3 -m pytest tests/test_context_parallel.py` there). The
+split over the run's cp group itself runs on CPU ranks too: tests/test_mesh.py's `split_takes_its_chunks`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from meshtune.config import build_config
 from meshtune.data.collate import IGNORE, collate
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
+from meshtune.mesh import ParallelDims
 from meshtune.plan import resolve
 from meshtune.train.evaluation import Evaluator
 from meshtune.train.sequence_split import SequenceSplit, row_multiple
@@ -84,7 +86,7 @@ def test_rows_are_padded_to_the_chunks_of_both_splits():
 
 
 def test_without_context_parallel_a_micro_batch_is_its_own_share(tiny_model_dir, tiny_dataset):
-    split = SequenceSplit(1, gpu_env(1, device="cpu"))
+    split = SequenceSplit(ParallelDims.of({}, gpu_env(1, device="cpu")))
     loss_of = object()
     assert split.around(loss_of) is loss_of
     with split("batch") as local:
@@ -160,6 +162,7 @@ def ring_job(rank: int, world_size: int, workdir) -> None:
         labels[:n // 3] = IGNORE
         data.append((ids, labels))
     batch = collate([[0], [1], [2]], dataset=data, pad_id=0, packed=False, pad_to_multiple=row_multiple(2, 1))
+    split = SequenceSplit(ParallelDims.of({"cp": 2}, env))  # the cp mesh, built once
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
@@ -172,7 +175,7 @@ def ring_job(rank: int, world_size: int, workdir) -> None:
         want = {n: p.grad.double().clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         use_context_parallel_attention(model)
-        with SequenceSplit(2, env)(batch.to(env.device)) as local:
+        with split(batch.to(env.device)) as local:
             assert local.input_ids.shape == (3, batch.input_ids.shape[1] // 2)
             share = forward_loss(model, local, env, autocast_bf16=False, fused_loss=True)
             share.backward()

@@ -254,7 +254,7 @@ def test_ref_model_adapters_are_merged_into_the_reference_copy(dpo_run, tiny_mod
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"))
     plan = resolve_plan(cfg, env, None, lambda: model_size(tiny_model_dir))
     assert "with the adapter" in plan.why["reference"]
-    reference = build_reference(cfg, plan, env, policy=torch.nn.Identity())
+    reference = build_reference(cfg, plan, env, plan.dims(env), policy=torch.nn.Identity())
     assert isinstance(reference, FrozenCopy) and not any(p.requires_grad for p in reference.model.parameters())
     ids = {"input_ids": torch.tensor([[5, 17, 42, 8, 99, 3]])}
     merged = PeftModel.from_pretrained(load_model(tiny_model_dir), result.final_dir).merge_and_unload().eval()
@@ -263,4 +263,5 @@ def test_ref_model_adapters_are_merged_into_the_reference_copy(dpo_run, tiny_mod
     torch.testing.assert_close(reference.logits(ids), want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(want, base, atol=1e-4)  # the adapter trained something
     with pytest.raises(ModelError, match="has no adapter_config.json"):
-        build_reference(cfg.model_copy(update={"ref_model_adapters": str(tmp_path)}), plan, env, torch.nn.Identity())
+        build_reference(cfg.model_copy(update={"ref_model_adapters": str(tmp_path)}), plan, env, plan.dims(env),
+                        torch.nn.Identity())

@@ -8,6 +8,7 @@ import pytest
 
 from meshtune.errors import ConfigError
 from meshtune.mesh import ParallelDims
+from meshtune.plan import mesh_layout
 from plans import env, plan_for
 
 
@@ -96,14 +97,48 @@ def test_a_plan_without_data_degrees_makes_the_rest_replicas():
     assert ParallelDims.of({}, env(1)).sizes == (1, 1, 1, 1, 1)
 
 
+def old_fsdp_groups(parallel: str, world: int, shard: int, rank: int) -> list[list[int]]:
+    """The groups of the mesh FSDP2 sharded over when it was built on its own: one dimension of every rank, or hsdp's
+    (replicate, shard), `shard` consecutive ranks a replica."""
+    if parallel != "hsdp":
+        return [list(range(world))]
+    first = rank // shard * shard
+    return [list(range(rank % shard, world, shard)), list(range(first, first + shard))]
+
+
+def old_cp_group(cp: int, rank: int) -> list[int]:
+    """The cp group of the (dp, cp) mesh context parallel built on its own: `cp` consecutive ranks."""
+    first = rank // cp * cp
+    return list(range(first, first + cp))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+def test_the_fsdp_and_cp_groups_are_those_the_meshes_built_on_their_own_had(world):
+    """For every mode, hsdp shard size and cp degree the plan lays out on `world` processes, each rank's FSDP2 and cp
+    groups are the ones the separate meshes gave it: a checkpoint and a bit-exact resume see the same shards."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    modes = [("zero2", world), ("zero3", world), ("ddp", 1)] + [("hsdp", shard) for shard in divisors]
+    for parallel, shard in modes:
+        for cp in [d for d in divisors if (world if parallel == "ddp" else shard) % d == 0]:
+            layout = mesh_layout(parallel, world, shard, 1, cp)
+            for rank in range(world):
+                dims = ParallelDims.of(layout, env(world, rank=rank))
+                assert dims.ranks_along("cp") == old_cp_group(cp, rank), (parallel, shard, cp, rank)
+                if parallel != "ddp":
+                    groups = [dims.ranks_along(*names) for names in dims.fsdp_dims(parallel)]
+                    assert groups == old_fsdp_groups(parallel, world, shard, rank), (parallel, shard, cp, rank)
+
+
 LAYOUTS = [{"pp": 2, "dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1},
            {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1},
-           {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}]
+           {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2},
+           {"dp_replicate": 2, "dp_shard": 1, "cp": 2, "tp": 1}]
 
 
 def mesh_job(rank: int, world_size: int, workdir) -> None:
     """Each layout's DeviceMesh on the gloo ranks: every named group holds the ranks the arithmetic names, and an
-    all-reduce over the flattened dp group sums the data ranks' values only."""
+    all-reduce over the flattened dp group sums the data ranks' values only; FSDP2's meshes (cp flattened into the
+    shards) hold the groups `fsdp_dims` names."""
     import torch
     import torch.distributed as dist
 
@@ -113,16 +148,43 @@ def mesh_job(rank: int, world_size: int, workdir) -> None:
             assert sorted(dims.sub_mesh(*names).mesh.flatten().tolist()) == dims.ranks_along(*names), (layout, names)
         dp = dims.sub_mesh("dp")
         assert sorted(dp.mesh.flatten().tolist()) == dims.ranks_along("dp_replicate", "dp_shard")
-        assert dims.fsdp_mesh("hsdp").mesh_dim_names == ("dp_replicate", "dp_shard")
+        for parallel in ("zero3", "hsdp"):
+            fsdp = dims.fsdp_mesh(parallel)
+            groups = [sorted(dist.get_process_group_ranks(fsdp.get_group(i))) for i in range(fsdp.ndim)]
+            assert groups == [dims.ranks_along(*names) for names in dims.fsdp_dims(parallel)], (layout, parallel)
+            assert dims.cp == 1 or dims.fsdp_mesh(parallel) is fsdp  # flattened once: the reference shards on it too
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=dp.get_group())
         assert total.item() == sum(dims.ranks_along("dp_replicate", "dp_shard")), layout
         assert dims.mesh is dims.mesh  # built once
+        if dims.cp > 1:
+            split_takes_its_chunks(dims)
         if dims.pp > 1:
             pipeline = dims.pipeline_mesh()
             assert pipeline.mesh_dim_names == ("pp", "dp") and pipeline.get_local_rank("pp") == dims.coordinates()["pp"]
             assert sorted(pipeline["pp"].mesh.tolist()) == dims.pipeline_ranks()
             assert sorted(pipeline["dp"].mesh.tolist()) == dims.stage_ranks()
+
+
+def split_takes_its_chunks(dims: ParallelDims) -> None:
+    """Context parallel's split (train/sequence_split.py) over the run's cp group, on CPU: process c of the group keeps
+    chunks c and 2cp-1-c of each row's 2 x cp (torch's load balancing). The ring's attention itself needs CUDA
+    (tests/test_context_parallel.py); the split of the buffers does not."""
+    import numpy as np
+    import torch
+
+    from meshtune.data.collate import collate
+    from meshtune.train.sequence_split import SequenceSplit, row_multiple
+
+    rows = [(np.arange(3, 3 + n), np.arange(3, 3 + n)) for n in (100, 60)]
+    batch = collate([[0], [1]], dataset=rows, pad_id=0, packed=False, pad_to_multiple=row_multiple(dims.cp, 1),
+                    padding_free=False)
+    chunk, c = batch.input_ids.shape[1] // (2 * dims.cp), dims.coordinates()["cp"]
+    kept = torch.cat([torch.arange(c * chunk, (c + 1) * chunk),
+                      torch.arange((2 * dims.cp - 1 - c) * chunk, (2 * dims.cp - c) * chunk)])
+    with SequenceSplit(dims)(batch) as local:
+        assert torch.equal(local.input_ids, batch.input_ids[:, kept]), (dims.env.rank, local.input_ids)
+        assert torch.equal(local.targets, batch.targets[:, kept])
 
 
 @pytest.mark.slow

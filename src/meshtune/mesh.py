@@ -189,6 +189,25 @@ class ParallelDims:
                                                         mesh_dim_names=("pp", "dp"))
         return self._meshes["pipeline"]
 
+    def fsdp_dims(self, parallel: str) -> tuple[tuple[str, ...], ...]:
+        """FSDP2's mesh dimensions, outermost first, each as the run's dimensions it spans: hsdp's replicas, then the
+        shards. A cp group's processes shard together (each holds partial gradients of its share of the positions),
+        as torchtitan's dp_shard_cp."""
+        shards = ("dp_shard", "cp")
+        return (("dp_replicate",), shards) if parallel == "hsdp" else (shards,)
+
     def fsdp_mesh(self, parallel: str) -> DeviceMesh:
-        """The processes FSDP2 shards over: replicas of shards for hsdp (2-D), the shards otherwise."""
-        return self.sub_mesh("dp_replicate", "dp_shard") if parallel == "hsdp" else self.sub_mesh("dp_shard")
+        """The processes FSDP2 shards over (`fsdp_dims`): replicas of shards for hsdp (2-D), the shards otherwise.
+        Under cp, flattened once (a collective of every process) and kept, as torch asks of a flattened mesh."""
+        hsdp = parallel == "hsdp"
+        if self.cp == 1:
+            return self.sub_mesh("dp_replicate", "dp_shard") if hsdp else self.sub_mesh("dp_shard")
+        key = "hsdp" if hsdp else "shards"
+        if key not in self._meshes:
+            if hsdp:  # the replicas' and the shards' processes in one dimension, cut into (replicas, dp_shard x cp)
+                flat = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+                self._meshes[key] = flat._unflatten(0, (self.dp_replicate, self.dp_shard * self.cp),
+                                                    ("dp_replicate", "dp_shard_cp"))
+            else:
+                self._meshes[key] = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return self._meshes[key]

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
+from meshtune.mesh import ParallelDims
 from meshtune.model.attention import use_varlen
 from meshtune.model.block_loading import BlockLoader
 from meshtune.model.compile import compile_blocks
@@ -39,7 +40,8 @@ class BuiltModel:
     held: list[int] | None = None  # the stage of each, of the pipeline's len(plan.pipeline_stages)
 
 
-def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
+def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, dims: ParallelDims) -> BuiltModel:
+    """`dims`: the run's mesh (plan.dims), whose device meshes are built once, on first use, for the whole run."""
     model_dir = Path(cfg.model_name_or_path).expanduser()
     # rank 0 reads the files; the others build the same modules on the meta device (no memory, no reads).
     # Q-LoRA: every process starts empty and reads the files block by block as it quantizes (data_parallel)
@@ -74,19 +76,19 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv) -> BuiltModel:
         compile_blocks(model, cfg.activation_memory_budget, cfg.compile_combo_kernels)
     model.config.use_cache = False  # training never reads a key-value cache
     if plan.pipeline_parallel > 1:
-        mesh, held, forwards = pipeline_stages(model, cfg, plan, env, start)
+        mesh, held, forwards = pipeline_stages(model, cfg, plan, env, dims, start)
         return BuiltModel(model, flops, plan, pipeline=mesh, stages=forwards, held=held)
     loader = None
     if cfg.finetuning_type == "qlora":
-        loader = BlockLoader(model, model_dir, env.device, cfg.seed, nf4_shards(plan, env), start)
-    wrapped = data_parallel(model, cfg, plan, env, loader)
+        loader = BlockLoader(model, model_dir, env.device, cfg.seed, nf4_shards(plan, dims), start)
+    wrapped = data_parallel(model, cfg, plan, env, dims, loader)
     if loader is not None:
         loader.close()
         logger.info(loader.describe(wrapped))
     return BuiltModel(wrapped, flops, plan)
 
 
-def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv,
+def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv, dims: ParallelDims,
                     adapter: dict[str, torch.Tensor] | None) -> tuple[DeviceMesh, list[int], list[StageForward]]:
     """The model cut down to this process's pipeline stages, on its device, the stages it holds and the forward of
     each the schedule runs. A stage's processes (the mesh's dp dimension) are its replicas, averaging their
@@ -95,7 +97,7 @@ def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env
     last micro-batch). Every process read the same files and drew the same LoRA
     weights, so they start equal. Q-LoRA: each process built the model empty and reads, quantizes (and shards) only
     its stages' blocks, block by block; `adapter`, the one it continues."""
-    mesh = plan.dims(env).pipeline_mesh()
+    mesh = dims.pipeline_mesh()
     held = held_stages(mesh.get_local_rank("pp"), plan.pipeline_parallel, plan.pipeline_virtual_stages,
                        plan.pipeline_schedule)
     last = len(plan.pipeline_stages) - 1
@@ -113,7 +115,8 @@ def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env
         for forward in forwards:  # each stage its own FSDP2 root, as torchtitan shards each model part
             wrap_model(forward, plan.parallel, env, plan.bf16, prefetch=plan.fsdp_prefetch,
                        reduce_bf16=plan.grad_reduce_dtype == "bf16", blocks_per_unit=plan.blocks_per_unit or 1,
-                       reshard_after_forward=plan.reshard_after_forward, mesh=mesh["dp"], before_shard=fill)
+                       reshard_after_forward=plan.reshard_after_forward, dims=dims, mesh=mesh["dp"],
+                       before_shard=fill)
     else:
         if loader is not None:
             loader.load_all(model)  # on the device, block by block
@@ -129,14 +132,13 @@ def pipeline_stages(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env
     return mesh, held, forwards
 
 
-def nf4_shards(plan: RunPlan, env: DistEnv) -> int:
-    """The processes FSDP2 splits each weight over: all of them (zero2 / zero3), one replica's (hsdp), none (ddp)."""
-    if plan.parallel == "hsdp":
-        return plan.hsdp_shard_size  # resolved by the plan for hsdp: the node's processes unless set
-    return env.world_size if plan.parallel != "ddp" else 1
+def nf4_shards(plan: RunPlan, dims: ParallelDims) -> int:
+    """The processes FSDP2 splits each weight over: all of them (zero2 / zero3), one replica's (hsdp), none (ddp);
+    a cp group's among them (tensor parallel, whose tp dimension FSDP2 leaves out, is refused for qlora)."""
+    return dims.dp_shard * dims.cp if plan.parallel != "ddp" else 1
 
 
-def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv,
+def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: DistEnv, dims: ParallelDims,
                   loader: BlockLoader | None) -> torch.nn.Module:
     """The model on this process's device inside its data-parallel wrapper, holding rank 0's weights where the
     other ranks built it empty: ddp receives them whole before DDP wraps it; FSDP2 moves each unit to the GPU as it
@@ -145,12 +147,11 @@ def data_parallel(model: torch.nn.Module, cfg: TrainConfig, plan: RunPlan, env: 
     each block quantized, and under FSDP2 sharded, before the next is read."""
     if plan.weights_from_rank0:
         check_same_model(model, env)  # the empty models match rank 0's tensor for tensor, or the broadcast would hang
-    wrap = dict(parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
+    wrap = dict(parallel=plan.parallel, env=env, bf16=plan.bf16, dims=dims,
                 prefetch=plan.fsdp_prefetch, grad_sync=plan.grad_sync, reduce_bf16=plan.grad_reduce_dtype == "bf16",
                 blocks_per_unit=plan.blocks_per_unit or 1, cpu_offload=plan.cpu_offload,
                 reshard_after_forward=plan.reshard_after_forward, bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-                powersgd_rank=plan.powersgd_rank,
-                mesh_layout=plan.mesh)
+                powersgd_rank=plan.powersgd_rank)
     if plan.parallel == "ddp":
         if loader is not None:
             loader.load_all(model)

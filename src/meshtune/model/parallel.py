@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -111,24 +111,26 @@ def powersgd_state(rank: int) -> PowerSGDState:
 
 
 def wrap_model(model: torch.nn.Module, parallel: str, env: DistEnv, bf16: bool,
-               hsdp_shard_size: int | None = None, prefetch: int | None = 1, grad_sync: str | None = "ddp",
+               dims: ParallelDims | None = None, prefetch: int | None = 1, grad_sync: str | None = "ddp",
                in_sync: bool = False, reduce_bf16: bool = False, blocks_per_unit: int = 1,
                cpu_offload: bool = False, reshard_after_forward: bool | int | None = None,
                bucket_cap_mb: float | None = None, powersgd_rank: int = 0,
                before_shard: Callable[[list[torch.nn.Module]], None] | None = None,
-               mesh_layout: dict[str, int] | None = None, mesh: DeviceMesh | None = None) -> torch.nn.Module:
+               mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """Apply the data-parallel wrapper: replicas (`replicate`, ddp) or FSDP2 shards (`shard_in_units`, over the
     mesh `sharding_mesh` picks); fp32 master weights stay fp32 in every mode. `in_sync`: every replica already holds
     rank 0's values (rank0_weights), so neither DDP nor the flat sync broadcasts them once more. `reduce_bf16`:
-    gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `mesh_layout` (the run
-    plan's mesh): with a tp dimension above 1 the model is first split over it, then FSDP2 shards it over the
-    data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is then never ddp. `mesh`: the
-    processes FSDP2 shards over, given (a pipeline stage's), instead of every process. `cpu_offload`: FSDP2 keeps
-    every shard in host memory (`offload_policy`). The other options are those of `replicate` and `shard_in_units`."""
+    gradients cross the processes in bf16 (half the bytes), and are summed back into fp32. `dims`: the run's mesh
+    (meshtune/mesh.py; None: every process one shard); with a tp dimension above 1 the model is first split over it,
+    then FSDP2 shards it over the data-parallel dimensions of the same mesh, as torchtitan composes them; the mode is
+    then never ddp. `mesh`: the processes FSDP2 shards over, given (a pipeline stage's), instead of the run's mesh's.
+    `cpu_offload`: FSDP2 keeps every shard in host memory (`offload_policy`). The other options are those of
+    `replicate` and `shard_in_units`."""
     if parallel == "ddp":
         return replicate(model, env, grad_sync, in_sync, reduce_bf16, bucket_cap_mb, powersgd_rank)
-    tensor_parallel = bool(mesh_layout) and mesh_layout.get("tp", 1) > 1
-    mesh = sharding_mesh(model, parallel, env, hsdp_shard_size, mesh_layout if tensor_parallel else None, mesh)
+    dims = dims if dims is not None else ParallelDims.of({"dp_shard": env.world_size}, env)
+    tensor_parallel = dims.tp > 1
+    mesh = sharding_mesh(model, parallel, dims, mesh)
     reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32 if bf16 else None
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     reshard = parallel in ("zero3", "hsdp") if reshard_after_forward is None else reshard_after_forward
@@ -167,13 +169,14 @@ def replicate(model: torch.nn.Module, env: DistEnv, grad_sync: str | None, in_sy
     return ddp
 
 
-def sharding_mesh(model: torch.nn.Module, parallel: str, env: DistEnv, hsdp_shard_size: int | None,
-                  tensor_parallel_layout: dict[str, int] | None, given: DeviceMesh | None) -> DeviceMesh:
-    """The processes FSDP2 shards over: under tensor parallel the run's dp dimensions, the model split over tp
-    first (model/tensor_parallel.py); else the mesh `given` (a pipeline stage's), or every process."""
-    if tensor_parallel_layout:
-        return tensor_parallel_mesh(model, parallel, env, tensor_parallel_layout)
-    return given if given is not None else data_parallel_mesh(parallel, env, hsdp_shard_size)
+def sharding_mesh(model: torch.nn.Module, parallel: str, dims: ParallelDims, given: DeviceMesh | None) -> DeviceMesh:
+    """The processes FSDP2 shards over: under tensor parallel the run's dp dimensions, the model split over its tp
+    dimension first (model/tensor_parallel.py); else the mesh `given` (a pipeline stage's), or the run's shards
+    (`ParallelDims.fsdp_mesh`: hsdp's replicas of shards, inside a node by default)."""
+    if dims.tp > 1:
+        parallelize_model(model, dims.sub_mesh("tp"))
+        return dims.fsdp_mesh(parallel)
+    return given if given is not None else dims.fsdp_mesh(parallel)
 
 
 def shard_in_units(model: torch.nn.Module, policies: dict, reshard: bool | int, blocks_per_unit: int,
@@ -251,25 +254,6 @@ def set_prefetch(blocks: list[torch.nn.Module], depth: int) -> None:
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
         block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
-
-
-def data_parallel_mesh(parallel: str, env: DistEnv, hsdp_shard_size: int | None) -> DeviceMesh:
-    """1-D mesh over all ranks (zero2 / zero3), or 2-D (replicate, shard) for hsdp: parameters are sharded
-    inside a node, over its fast links, and each node holds a full replica, so only gradient all-reduces cross
-    the slower network between nodes."""
-    device_type = env.device.type
-    if parallel != "hsdp":
-        return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
-    shard = hsdp_shard_size or env.local_world_size  # the run plan checked that it divides the processes
-    return init_device_mesh(device_type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
-
-
-def tensor_parallel_mesh(model: torch.nn.Module, parallel: str, env: DistEnv, layout: dict[str, int]) -> DeviceMesh:
-    """The run's device mesh (meshtune/mesh.py), the model split over its tp dimension; returns the data-parallel
-    dimensions FSDP2 shards over: both dp ones for hsdp (replicas of shards), dp_shard otherwise."""
-    dims = ParallelDims.of(layout, env)
-    parallelize_model(model, dims.sub_mesh("tp"))
-    return dims.fsdp_mesh(parallel)
 
 
 def gradient_sync(model: torch.nn.Module, last: bool, reduction: str, keep_gathered: bool = False) -> ContextManager:

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
 from meshtune.errors import ModelError
+from meshtune.mesh import ParallelDims
 from meshtune.model.attention import use_varlen
 from meshtune.model.loading import load_model, model_skeleton
 from meshtune.model.loss_head import LossHead, install_loss_head, logps_for, output_head
@@ -117,20 +118,22 @@ class FrozenCopy:
         return head_row_logps(unwrap(self.model), inputs, targets, ignore_index)
 
 
-def build_reference(cfg: TrainConfig, plan: RunPlan, env: DistEnv, policy: torch.nn.Module) -> Reference | None:
+def build_reference(cfg: TrainConfig, plan: RunPlan, env: DistEnv, dims: ParallelDims,
+                    policy: torch.nn.Module) -> Reference | None:
     """The run's reference, for stage: dpo and kto alike (see the module's docstring); None where dpo's pref_loss has
-    none."""
+    none. A frozen copy is sharded over the policy's mesh (`dims`, the run's: built once)."""
     if cfg.stage == "dpo" and cfg.pref_loss in ("orpo", "simpo"):
         return None
     if cfg.is_lora and not cfg.ref_model:
         return AdaptersOff(policy)
     folder = cfg.ref_model or cfg.model_name_or_path
-    model = frozen_copy(check_model_dir(folder), cfg.ref_model_adapters, plan, env)
+    model = frozen_copy(check_model_dir(folder), cfg.ref_model_adapters, plan, env, dims)
     adapters = f" with {cfg.ref_model_adapters} merged" if cfg.ref_model_adapters else ""
     return FrozenCopy(model, f"a frozen copy of {folder}{adapters}, placed as the policy ({plan.parallel})")
 
 
-def frozen_copy(model_dir: Path, adapters: str | None, plan: RunPlan, env: DistEnv) -> torch.nn.Module:
+def frozen_copy(model_dir: Path, adapters: str | None, plan: RunPlan, env: DistEnv,
+                dims: ParallelDims) -> torch.nn.Module:
     """The model of `model_dir` (+ `adapters` merged), frozen, on this process as the plan places the policy."""
     reads_files = env.is_main or not plan.weights_from_rank0
     dtype = plan.load_dtype
@@ -153,9 +156,9 @@ def frozen_copy(model_dir: Path, adapters: str | None, plan: RunPlan, env: DistE
             model.to(env.device)
         return model
     state = full_state(model, env) if plan.weights_from_rank0 else None
-    model = wrap_model(model, parallel=plan.parallel, env=env, bf16=plan.bf16, hsdp_shard_size=plan.hsdp_shard_size,
+    model = wrap_model(model, parallel=plan.parallel, env=env, bf16=plan.bf16, dims=dims,
                        prefetch=plan.fsdp_prefetch, blocks_per_unit=plan.blocks_per_unit or 1,
-                       cpu_offload=plan.cpu_offload, reshard_after_forward=True, mesh_layout=plan.mesh)
+                       cpu_offload=plan.cpu_offload, reshard_after_forward=True)
     if state is not None:
         receive_shards(model, state, env, plan.cpu_offload)
     return model

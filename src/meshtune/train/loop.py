@@ -264,12 +264,12 @@ def set_up_model(cfg: TrainConfig, env: DistEnv, plan: RunPlan,
     precompute = partial(precompute_reference, cfg, plan, env, data.tokenizer.pad_token_id, [data.train, data.eval],
                          show_progress=env.is_main)
     # a frozen copy's log-probs before the policy exists: the copy is freed before the policy takes the memory
-    precomputed = (precompute(lambda: build_reference(cfg, plan, env, None))
+    precomputed = (precompute(lambda: build_reference(cfg, plan, env, data.dims, None))
                    if plan.precompute_ref_log_probs and not reference_is_policy(cfg) else None)
-    built = build_model(cfg, plan, env)
+    built = build_model(cfg, plan, env, data.dims)
     plan = built.plan
     if plan.precompute_ref_log_probs and reference_is_policy(cfg):  # the policy with its adapters off
-        precomputed = precompute(lambda: build_reference(cfg, plan, env, built.model))
+        precomputed = precompute(lambda: build_reference(cfg, plan, env, data.dims, built.model))
     if precomputed:
         data = replace(data, train=precomputed.attach(data.train), eval=precomputed.attach(data.eval))
         plan = plan.amended("reference", precomputed.reason)
@@ -313,7 +313,7 @@ def set_up_step(cfg: TrainConfig, env: DistEnv, plan: RunPlan, built: BuiltModel
     pad_id = data.tokenizer.pad_token_id
     # tensor and context parallel: every process holds an equal share of a row's positions
     row_length_multiple = row_multiple(plan.context_parallel, plan.tensor_parallel)
-    objective = build_objective(cfg, plan, env, built.model, pad_id, row_length_multiple)
+    objective = build_objective(cfg, plan, env, data.dims, built.model, pad_id, row_length_multiple)
     collate_rows = partial(objective.collate, dataset=data.train, packed=cfg.packing)
     # an empty share of a last partial step: the shortest sample, trained on nothing
     filler_rows = [[int(np.argmin(data.train.lengths))]]
@@ -321,7 +321,7 @@ def set_up_step(cfg: TrainConfig, env: DistEnv, plan: RunPlan, built: BuiltModel
     def rows_to_batch(rows: list[list[int]]) -> Batch:
         return collate_rows(rows) if rows else collate_rows(filler_rows).ignore_all()
 
-    split = SequenceSplit(plan.context_parallel, env)  # context parallel: each process's share of the positions
+    split = SequenceSplit(data.dims)  # context parallel: each process's share of the positions
     # pipeline_parallel: this process's stage and torch's schedule over the step's micro-batches
     pipeline = (PipelineStep(built.stages, built.held, built.pipeline, plan, env.device, pad_id, cfg.cutoff_len)
                 if built.pipeline is not None else None)

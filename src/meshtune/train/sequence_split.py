@@ -9,7 +9,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from meshtune.data.collate import Batch
-from meshtune.distributed import DistEnv
+from meshtune.mesh import ParallelDims
 
 CHUNK_MULTIPLE = 32  # positions
 
@@ -19,15 +19,10 @@ class SequenceSplit:
     model's attention is the ring over the cp group; forward and backward both run inside it. With cp 1, the batch
     itself and nothing else."""
 
-    def __init__(self, cp: int, env: DistEnv):
-        self.cp = cp
-        self.mesh = None
-        if cp > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            # consecutive ranks form a cp group (the run plan's mesh: cp inside dp, tensor parallel off)
-            self.mesh = init_device_mesh(env.device.type, (env.world_size // cp, cp),
-                                         mesh_dim_names=("dp", "cp"))["cp"]
+    def __init__(self, dims: ParallelDims):
+        self.cp = dims.cp
+        # the run's cp dimension: consecutive ranks (next to tensor parallel's, innermost), built with its mesh once
+        self.mesh = dims.sub_mesh("cp") if self.cp > 1 else None
 
     def __call__(self, batch: Batch):
         return self._split(batch) if self.cp > 1 else nullcontext(batch)

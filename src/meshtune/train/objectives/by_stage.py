@@ -9,6 +9,7 @@ import torch
 
 from meshtune.config import TrainConfig
 from meshtune.distributed import DistEnv
+from meshtune.mesh import ParallelDims
 from meshtune.model.reference import build_reference
 from meshtune.model.vocab_parallel_loss import vocab_shard
 from meshtune.plan import RunPlan
@@ -22,8 +23,8 @@ from meshtune.train.objectives.token_loss import TokenLoss
 logger = logging.getLogger(__name__)
 
 
-def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.nn.Module, pad_id: int,
-                    row_length_multiple: int) -> Objective:
+def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, dims: ParallelDims, model: torch.nn.Module,
+                    pad_id: int, row_length_multiple: int) -> Objective:
     """What the stage optimises: token cross-entropy (sft, pt), the preference loss of pairs (dpo) or KTO's loss of
     unpaired samples (kto), the last two with their reference built here (model/reference.py), after the policy;
     none for dpo with precompute_ref_log_probs, whose batches bring the reference's log-probs."""
@@ -33,7 +34,7 @@ def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.
                         autocast_fp16=plan.fp16, precomputed=True, fused=plan.fused_loss, vocab=vocab_shard(model),
                         pad_to_multiple=row_length_multiple, padding_free=plan.padding_free)
     if cfg.stage in ("dpo", "kto"):
-        reference = build_reference(cfg, plan, env, model)
+        reference = build_reference(cfg, plan, env, dims, model)
         described = reference.description if reference else f"none ({cfg.pref_loss} has none)"
         if cfg.stage == "kto":
             logger.info(f"kto, beta {cfg.pref_beta:g}; reference: {described}")
@@ -41,7 +42,7 @@ def build_objective(cfg: TrainConfig, plan: RunPlan, env: DistEnv, model: torch.
             return KTOLoss(model, env, pad_id, autocast_bf16=plan.autocast_bf16, settings=settings,
                            reference=reference, cutoff_len=cfg.cutoff_len, autocast_fp16=plan.fp16,
                            padding_free=plan.padding_free, vocab=vocab_shard(model),
-                           pad_to_multiple=row_length_multiple, owns_loss=plan.dims(env).owns_loss)
+                           pad_to_multiple=row_length_multiple, owns_loss=dims.owns_loss)
         logger.info(f"pref_loss {cfg.pref_loss}, beta {cfg.pref_beta:g}; reference: {described}")
         return PairLoss(model, env, pad_id, preference_settings(cfg), reference, autocast_bf16=plan.autocast_bf16,
                         autocast_fp16=plan.fp16, fused=plan.fused_loss, vocab=vocab_shard(model),
