@@ -205,7 +205,8 @@ def balanced_stages(blocks: int, stages: int, head: float, empty_ends: bool = Fa
 def process_caps(blocks: int, ranks: list[int], head: float, least: list[int]) -> list[int]:
     """The most blocks each process may hold with the busiest process's cost the least it can be: the smallest
     bound (a whole number of blocks, or that and the head) under which the processes hold every block between
-    them, each at least its stages' `least`. Any counts a stage under these caps are consecutive blocks."""
+    them, each at least its stages' `least`. Stages are consecutive blocks in order whatever their counts, so
+    any counts within these caps are a split."""
     processes = max(ranks) + 1
     heads = [head if rank == ranks[-1] else 0.0 for rank in range(processes)]
     fewest = [sum(n for n, rank in zip(least, ranks) if rank == p) for p in range(processes)]
