@@ -367,7 +367,9 @@ def one_f_one_b(rank: int, pp: int, micro: int) -> list[Action]:
 
 
 def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
-    """The process of each stage: interleaved r, r + pp, ...; zbv's V r and 2 pp - 1 - r."""
+    """The process of each stage, as torch's schedule classes map them (generate_stage_to_rank_mapping: "loop" for
+    PipelineScheduleMulti's, ScheduleZBVZeroBubble's "v"): interleaved r, r + pp, ...; zbv's V r and 2 pp - 1 - r.
+    The one placement the plan balances the stages for and the model builds them by."""
     if schedule == "zbv":
         return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
     return [s % pp for s in range(pp * virtual)]

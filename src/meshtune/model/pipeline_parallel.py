@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtune.config import TrainConfig
+from meshtune.crossing import stage_ranks
 from meshtune.model.loading import model_skeleton
 from meshtune.model.lora import add_lora
 from meshtune.plan import RunPlan
@@ -64,11 +65,10 @@ def causal_lm(model: nn.Module) -> nn.Module:
 
 
 def held_stages(rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The stages process `rank` of the pipeline holds, in order: one (gpipe, 1f1b); r, r + pp, ... (interleaved);
-    r and 2 pp - 1 - r (zbv's V, so the first and the last stage are both rank 0's)."""
-    if schedule == "zbv":
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + v * pp for v in range(virtual)]
+    """The stages process `rank` of the pipeline holds, in order, as torch's schedule places them and the plan
+    balanced them for (crossing.stage_ranks): one (gpipe, 1f1b); r, r + pp, ... (interleaved); r and 2 pp - 1 - r
+    (zbv's V, so the first and the last stage are both rank 0's)."""
+    return [stage for stage, holder in enumerate(stage_ranks(schedule, pp, virtual)) if holder == rank]
 
 
 def keep_stages(model: nn.Module, blocks: list[tuple[int, int]], first: bool, last: bool) -> None:

@@ -3,11 +3,12 @@ balanced by cost."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE
-from meshtune.crossing import ModelSize, PipelineShape, full_model_facts, stage_costs
+from meshtune.crossing import ModelSize, PipelineShape, full_model_facts, stage_costs, stage_ranks
 from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
@@ -110,10 +111,9 @@ def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micr
                                     f"stages 1f1b needs")
     virtual = virtual_stages(cfg)
     size = model_size()
-    head = head_worth(size)
     check_stage_blocks(cfg, env, pp, parallel, size.blocks)
-    stages = balanced_stages(size.blocks, pp * virtual, head, ends_may_be_empty(virtual, parallel))
-    why["pipeline_stages"] = stages_reason(stages, size.blocks, head, pp, schedule)
+    stages = run_stages(size, schedule, pp, virtual, parallel)
+    why["pipeline_stages"] = stages_reason(stages, size.blocks, head_worth(size), pp, schedule)
     return {"pipeline_schedule": schedule, "pipeline_virtual_stages": virtual, "pipeline_stages": stages,
             "pipeline_one_row": one_row}
 
@@ -126,7 +126,7 @@ def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
     (gpipe where the micro-batches are fewer than the stages), interleaved_1f1b (2 stages a process; where its rounds
     divide the micro-batches) and zbv, each where the blocks give every stage one (`check_stage_blocks`). Each stage
     costs what its blocks (and the last stage's head) cost (crossing.stage_costs), the stages balanced as the run
-    builds them (`balanced_stages`)."""
+    builds them (`run_stages`)."""
     rows = cfg.per_device_train_batch_size
     named = cfg.pipeline_schedule if cfg.pipeline_schedule != "auto" else None
     splits = [False, True] if cfg.pipeline_row_micro_batches is None and rows > 1 else [
@@ -141,7 +141,7 @@ def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
             if (schedule == "1f1b" and m < pp or schedule == "interleaved_1f1b" and m % max(1, m // pp)
                     or size.blocks < pp * virtual - (2 if empty_ends else 0)):
                 continue  # what pipeline_choice and check_stage_blocks refuse
-            stages = balanced_stages(size.blocks, pp * virtual, head_worth(size), empty_ends)
+            stages = run_stages(size, schedule, pp, virtual, parallel)
             costs = stage_costs(facts, stages, cfg.is_lora, recompute, cfg.cutoff_len)
             shapes[schedule, one_row] = PipelineShape(schedule, virtual, m, costs)
     return shapes
@@ -151,9 +151,8 @@ def link_pipeline(cfg: TrainConfig, link: LinkChoice, micro_batches: int, size: 
                   why: dict[str, str]) -> dict:
     """The pipeline the link chose (`pipeline_shapes`): its schedule, stages and split, and why."""
     virtual = cfg.pipeline_virtual_stages or (2 if link.schedule in MULTI_STAGE else 1)
-    head = head_worth(size)
-    stages = balanced_stages(size.blocks, link.pipeline * virtual, head, ends_may_be_empty(virtual, parallel))
-    why["pipeline_stages"] = stages_reason(stages, size.blocks, head, link.pipeline, link.schedule)
+    stages = run_stages(size, link.schedule, link.pipeline, virtual, parallel)
+    why["pipeline_stages"] = stages_reason(stages, size.blocks, head_worth(size), link.pipeline, link.schedule)
     if cfg.pipeline_schedule == "auto" or cfg.pipeline_row_micro_batches is None:
         count = micro_batches * (cfg.per_device_train_batch_size if link.one_row else 1)
         rows = "one row" if link.one_row else f"{cfg.per_device_train_batch_size} rows"
@@ -169,45 +168,72 @@ def head_worth(size: ModelSize) -> float:
     return size.head_parameters / size.block_parameters if size.block_parameters else 0.0
 
 
-def balanced_stages(blocks: int, stages: int, head: float, empty_ends: bool = False) -> list[tuple[int, int]]:
-    """Consecutive blocks [first, end) for each of `stages` stages, the slowest stage as fast as it can be: a stage
-    costs its blocks, the last one `head` blocks more. Every stage holds a block, but with `empty_ends` the first
-    and the last may hold none (the embedding alone, the head alone). Among splits as fast, the one with the
-    smallest sum of squared costs (the most even), so blocks that divide evenly with no head split in equal
-    shares."""
-    def cost(stage: int, held: int) -> float:
-        return held + (head if stage == stages - 1 else 0.0)
+def run_stages(size: ModelSize, schedule: str, pp: int, virtual: int, parallel: str) -> list[tuple[int, int]]:
+    """The stages' blocks the run builds for `schedule` on `pp` processes of `virtual` stages each: balanced for
+    the processes torch places them on (crossing.stage_ranks)."""
+    return balanced_stages(size.blocks, pp * virtual, head_worth(size), ends_may_be_empty(virtual, parallel),
+                           stage_ranks(schedule, pp, virtual))
 
-    # best[s][b]: (slowest, sum of squares) of the first s stages holding the first b blocks, and stage s-1's count
-    best: list[dict[int, tuple[tuple[float, float], int]]] = [{0: ((0.0, 0.0), 0)}]
-    for stage in range(stages):
-        least = 0 if empty_ends and stage in (0, stages - 1) else 1
-        row: dict[int, tuple[tuple[float, float], int]] = {}
-        for before, ((slowest, squares), _) in best[-1].items():
-            for held in range(least, blocks - before + 1):
-                c = cost(stage, held)
-                score = (max(slowest, c), squares + c * c)
-                if before + held not in row or score < row[before + held][0]:
-                    row[before + held] = (score, held)
-        best.append(row)
-    counts, end = [], blocks
-    for stage in range(stages, 0, -1):
-        held = best[stage][end][1]
-        counts.append(held)
-        end -= held
-    first, bounds = 0, []
-    for held in reversed(counts):
-        bounds.append((first, first + held))
-        first += held
+
+def balanced_stages(blocks: int, stages: int, head: float, empty_ends: bool = False,
+                    ranks: list[int] | None = None) -> list[tuple[int, int]]:
+    """Consecutive blocks [first, end) for each of `stages` stages, `ranks` the process of each (unset: a stage a
+    process). A stage costs its blocks, the last one `head` blocks more, and a process its stages' costs: the step
+    waits on the busiest process, so it is as light as it can be (`process_caps`); among such splits the stages are
+    the most even (the smallest sum of squared costs: each block goes to the cheapest stage whose process has room,
+    which is exact for a sum of convex costs under such caps), a later stage first where they tie (1F1B's earlier
+    stages hold more micro-batches' activations). Every stage holds a block, but with `empty_ends` the first and
+    the last may hold none (the embedding alone, the head alone)."""
+    ranks = ranks if ranks is not None else list(range(stages))
+    least = [0 if empty_ends and stage in (0, stages - 1) else 1 for stage in range(stages)]
+    room = process_caps(blocks, ranks, head, least)
+    for stage, rank in enumerate(ranks):
+        room[rank] -= least[stage]
+    held = list(least)
+    for _ in range(blocks - sum(least)):
+        stage = min((s for s in range(stages) if room[ranks[s]] > 0),
+                    key=lambda s: (held[s] + (head if s == stages - 1 else 0.0), -s))
+        held[stage] += 1
+        room[ranks[stage]] -= 1
+    bounds, first = [], 0
+    for count in held:
+        bounds.append((first, first + count))
+        first += count
     return bounds
 
 
+def process_caps(blocks: int, ranks: list[int], head: float, least: list[int]) -> list[int]:
+    """The most blocks each process may hold with the busiest process's cost the least it can be: the smallest
+    bound (a whole number of blocks, or that and the head) under which the processes hold every block between
+    them, each at least its stages' `least`. Stages are consecutive blocks in order whatever their counts, so
+    any counts within these caps are a split."""
+    processes = max(ranks) + 1
+    heads = [head if rank == ranks[-1] else 0.0 for rank in range(processes)]
+    fewest = [sum(n for n, rank in zip(least, ranks) if rank == p) for p in range(processes)]
+    for bound in sorted({whole + extra for whole in range(blocks + 1) for extra in (0.0, head)}):
+        caps = [math.floor(bound - extra + 1e-9) for extra in heads]
+        if sum(caps) >= blocks and all(cap >= n for cap, n in zip(caps, fewest)):
+            return caps
+    raise ValueError(f"{len(ranks)} stages cannot hold {blocks} blocks")  # check_stage_blocks refuses it first
+
+
 def stages_reason(stages: list[tuple[int, int]], blocks: int, head: float, pp: int, schedule: str) -> str:
-    """Why the stages hold the blocks they do, for run_plan.json."""
+    """Why the stages hold the blocks they do, for run_plan.json: where several are a process's, each process's
+    share of the cost."""
     held = ", ".join(str(end - first) for first, end in stages)
-    where = (f"rank r holding stages r and {2 * pp - 1} - r" if schedule == "zbv" else
-             f"rank r holding stages r, r + {pp}, ..." if len(stages) > pp else "a stage a process")
     costs = (f"the head (vocabulary x hidden) costs {head:.2f} blocks' FLOPs and the embedding, a lookup, none"
              if head else "the head's size unknown, each stage costs its blocks")
-    return (f"{held} of the {blocks} blocks in the {len(stages)} stages ({where}): the slowest stage as fast as it "
-            f"can be, as {costs}; the embedding on the first stage, the final norm and head on the last")
+    ends = "the embedding on the first stage, the final norm and head on the last"
+    if len(stages) == pp:
+        return (f"{held} of the {blocks} blocks in the {len(stages)} stages (a stage a process): the slowest stage "
+                f"as fast as it can be, as {costs}; {ends}")
+    where = f"rank r holding stages r and {2 * pp - 1} - r" if schedule == "zbv" else (
+        f"rank r holding stages r, r + {pp}, ...")
+    ranks = stage_ranks(schedule, pp, len(stages) // pp)
+    shares = [0.0] * pp
+    for stage, (first, end) in enumerate(stages):
+        shares[ranks[stage]] += end - first + (head if stage == len(stages) - 1 else 0.0)
+    each = ", ".join(f"rank {rank} {share / sum(shares):.1%}" for rank, share in enumerate(shares))
+    return (f"{held} of the {blocks} blocks in the {len(stages)} stages ({where}): the busiest process as light as "
+            f"it can be, then the stages as even as they can be, as {costs}; each process's share of the cost: "
+            f"{each}; {ends}")
