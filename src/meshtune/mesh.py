@@ -23,7 +23,8 @@ NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """One process's place in the mesh. `of(layout, env)` builds it from the run plan's `mesh`."""
+    """One process's place in the mesh. The plan makes it from its choices (`of` the degrees it chose, `split_for`
+    the data-parallel mode) and keeps its `layout` as the plan's `mesh`; `of(layout, env)` builds it from that."""
 
     pp: int
     dp_replicate: int
@@ -48,7 +49,7 @@ class ParallelDims:
     @classmethod
     def of(cls, layout: dict[str, int], env: DistEnv) -> ParallelDims:
         """From the run plan's `mesh` (names to degrees; pp absent for 1). Without data-parallel degrees (a plan
-        built by hand) the processes left over are replicas."""
+        built by hand, or the plan before it chose the data-parallel mode) the processes left over are replicas."""
         pp, cp, tp = (layout.get(name, 1) for name in ("pp", "cp", "tp"))
         if "dp_replicate" in layout or "dp_shard" in layout:
             replicate, shard = layout.get("dp_replicate", 1), layout.get("dp_shard", 1)

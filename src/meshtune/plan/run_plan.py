@@ -90,7 +90,8 @@ class RunPlan:
         return self.context_parallel * self.tensor_parallel
 
     def dims(self, env: DistEnv) -> ParallelDims:
-        """The mesh this plan lays out, as `env`'s process sees it: which ranks share its data, its groups."""
+        """The mesh this plan lays out, as `env`'s process sees it: which ranks share its data, its groups. The loop
+        makes one a run (its device meshes are built once, on first use); elsewhere it answers questions only."""
         return ParallelDims.of(self.mesh, env)
 
     def data_env(self, env: DistEnv) -> DistEnv:
