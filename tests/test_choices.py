@@ -7,14 +7,15 @@ import gc
 import json
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import base_config
 from meshtune.config import build_config
+from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
+from meshtune.mesh import ParallelDims
 from meshtune.plan import (EACH, ONCE, ModelSize, default_blocks_per_unit, full_state_bytes, gradient_reduction,
                            reshard_after_forward, resolve, resume_request, sharding_for_full, sharding_for_qlora)
 from meshtune.train.garbage_collection import StepGarbageCollection, libraries_frozen
@@ -23,9 +24,8 @@ from meshtune.train.loop import run
 GIB = 2**30
 
 
-def env(world_size: int, device: str, local_world_size: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(world_size=world_size, device=torch.device(device), rank=0,
-                           local_world_size=local_world_size or world_size)
+def env(world_size: int, device: str, local_world_size: int | None = None) -> DistEnv:
+    return DistEnv(0, world_size, 0, local_world_size or world_size, torch.device(device))
 
 
 def config(**values):
@@ -405,9 +405,8 @@ def test_each_lever_conflict_names_a_config_key_and_a_condition_and_the_first_th
 
     assert {row.lever for row in CONFLICTS} <= set(TrainConfig.model_fields)
     assert {row.under for row in CONFLICTS} <= set(UNDER)
-    one = env(1, "cpu")
-    layout = Layout(parallel="ddp", tp=2, cp=1, pp=2, procs=one, dp=one, hsdp_shard=None, replicas_only=False,
-                    link=None, mesh={})
+    layout = Layout(parallel="ddp", dims=ParallelDims.of({"pp": 2, "tp": 2}, env(4, "cpu")), hsdp_shard=None,
+                    replicas_only=False, link=None)
     why: dict[str, str] = {}
     assert give_way("torch_compile", True, config(), layout, why) is False
     assert why["torch_compile"].startswith("off under tensor_parallel")  # tensor_parallel's row comes first

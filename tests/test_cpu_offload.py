@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,15 +17,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 
 from conftest import base_config
 from meshtune.config import build_config
+from meshtune.distributed import DistEnv
 from meshtune.model.parallel import offload_policy
 from meshtune.plan import ModelSize, resolve
 from meshtune.train.loop import train
 from ranks import run_ranks
 
 
-def env(world_size: int, device: str, local_world_size: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(world_size=world_size, device=torch.device(device), rank=0,
-                           local_world_size=local_world_size or world_size)
+def env(world_size: int, device: str, local_world_size: int | None = None) -> DistEnv:
+    return DistEnv(0, world_size, 0, local_world_size or world_size, torch.device(device))
 
 
 def config(**values):

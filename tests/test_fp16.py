@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch
 from conftest import base_config
 from meshtune.compat.deepspeed import translate_deepspeed
 from meshtune.config import build_config
+from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.checkpoint import TrainingProgress
 from meshtune.plan import resolve
@@ -30,11 +30,11 @@ def never_counted():
 
 
 def test_fp16_is_for_gpus_and_replaces_bf16():
-    gpu = SimpleNamespace(world_size=1, local_world_size=1, rank=0, device=torch.device("cuda"))
+    gpu = DistEnv(0, 1, 0, 1, torch.device("cuda"))
     plan = resolve(config(fp16=True, padding_free=False, torch_compile=False), gpu, None, never_counted)
     assert (plan.fp16, plan.bf16, plan.frozen_bf16, plan.autocast_bf16) == (True, False, False, False)
     assert "fp16 compute (autocast), dynamic loss scale, fp32 master weights" in plan.describe()
-    cpu = SimpleNamespace(world_size=1, local_world_size=1, rank=0, device=torch.device("cpu"))
+    cpu = DistEnv(0, 1, 0, 1, torch.device("cpu"))
     plan = resolve(config(fp16=True), cpu, None, never_counted)
     assert not plan.fp16 and plan.why["precision"] == "fp16 is ignored on CPU"
 

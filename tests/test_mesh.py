@@ -4,12 +4,17 @@ the loop; the degrees refused where they do not fill the job. No process group: 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
+from meshtune.config import build_config
+from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.mesh import ParallelDims
-from meshtune.plan import mesh_layout
-from plans import env, plan_for
+from meshtune.plan import machine_of
+from meshtune.plan.layout import resolve_mesh
+from plans import QWEN_7B, env, plan_for
 
 
 def dims_of(plan, world_size: int, local: int | None = None) -> list[ParallelDims]:
@@ -91,6 +96,50 @@ def test_degrees_that_do_not_fill_the_job_are_refused(layout, world, local, mess
         ParallelDims.of(layout, env(world, local))
 
 
+FULL, LORA = {"finetuning_type": "full"}, {"finetuning_type": "lora"}
+VIEW_LAYOUTS = [  # (config, processes, a node's, device): cp needs a CUDA job described to the plan
+    (LORA, 1, 1, "cpu"),
+    (LORA | {"parallel": "ddp"}, 4, 2, "cpu"),
+    (FULL | {"parallel": "zero3", "tensor_parallel": 2}, 4, 4, "cpu"),
+    (LORA | {"parallel": "ddp", "tensor_parallel": 2}, 8, 4, "cpu"),  # FSDP2 over whole replicas
+    (FULL | {"parallel": "hsdp"}, 8, 4, "cpu"),
+    (FULL | {"parallel": "hsdp", "tensor_parallel": 2}, 16, 8, "cpu"),
+    (FULL | {"parallel": "zero2", "pipeline_parallel": 2, "gradient_accumulation_steps": 4}, 4, 2, "cpu"),
+    (FULL | {"parallel": "zero2", "pipeline_parallel": 4, "gradient_accumulation_steps": 4}, 8, 4, "cpu"),  # 2 a node
+    (FULL | {"parallel": "ddp", "pipeline_parallel": 2, "gradient_accumulation_steps": 2}, 8, 2, "cpu"),  # 2 nodes
+    (FULL | {"parallel": "zero3", "context_parallel": 2, "bf16": False}, 8, 4, "cuda"),
+    (FULL | {"parallel": "hsdp", "context_parallel": 2, "bf16": False}, 8, 4, "cuda"),
+    (LORA | {"parallel": "ddp", "context_parallel": 2, "bf16": False}, 4, 4, "cuda"),
+]
+
+
+@pytest.mark.parametrize("values, world, local, device", VIEW_LAYOUTS)
+def test_the_plans_views_of_the_processes_are_the_meshs_groups(values, world, local, device):
+    """The processes the plan sizes the data-parallel wrapper by (`procs`: a stage's, a tp group as one) and the
+    data's ranks (`dp`), for every rank: each the place and the size of this rank's group as the ranks the mesh names
+    make it up, and the node's share of that group."""
+    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", **values})
+    for rank in range(world):
+        process = env(world, local, rank, device)
+        with mock.patch("meshtune.plan.smallest_gpu_memory", return_value=80 * 2**30):
+            layout = resolve_mesh(cfg, process, machine_of(cfg, process, lambda: QWEN_7B), {})
+        dims = ParallelDims.of(layout.mesh, process)  # the loop's, from the plan's mesh
+        assert layout.dims == dims
+
+        def on_node(ranks: list[int]) -> list[int]:
+            return [r for r in ranks if r // local == rank // local]
+
+        reducing = dims.ranks_along("dp_replicate", "dp_shard", "cp")  # this rank's place in its tp group fixed
+        stage = dims.stage_ranks()
+        assert layout.procs == DistEnv(reducing.index(rank), len(reducing), on_node(reducing).index(rank),
+                                       len(on_node(reducing)), process.device), rank
+        assert len(stage) == layout.procs.world_size * dims.tp and set(reducing) <= set(stage)
+        data_ranks = sorted({dims.data_rank_of(r) for r in on_node(stage)})
+        assert layout.dp == DistEnv(dims.data_rank, dims.data_size, data_ranks.index(dims.data_rank), len(data_ranks),
+                                    process.device), rank
+        assert layout.dp == dims.data_env() and layout.procs.world_size == dims.reducing
+
+
 def test_a_plan_without_data_degrees_makes_the_rest_replicas():
     dims = ParallelDims.of({"tp": 2}, env(8, rank=5))
     assert (dims.dp_replicate, dims.dp_shard, dims.data_rank) == (4, 1, 2)
@@ -120,9 +169,8 @@ def test_the_fsdp_and_cp_groups_are_those_the_meshes_built_on_their_own_had(worl
     modes = [("zero2", world), ("zero3", world), ("ddp", 1)] + [("hsdp", shard) for shard in divisors]
     for parallel, shard in modes:
         for cp in [d for d in divisors if (world if parallel == "ddp" else shard) % d == 0]:
-            layout = mesh_layout(parallel, world, shard, 1, cp)
             for rank in range(world):
-                dims = ParallelDims.of(layout, env(world, rank=rank))
+                dims = ParallelDims.of({"cp": cp}, env(world, rank=rank)).split_for(parallel, shard)
                 assert dims.ranks_along("cp") == old_cp_group(cp, rank), (parallel, shard, cp, rank)
                 if parallel != "ddp":
                     groups = [dims.ranks_along(*names) for names in dims.fsdp_dims(parallel)]

@@ -23,7 +23,8 @@ NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """One process's place in the mesh. `of(layout, env)` builds it from the run plan's `mesh`."""
+    """One process's place in the mesh. The plan makes it from its choices (`of` the degrees it chose, `split_for`
+    the data-parallel mode) and keeps its `layout` as the plan's `mesh`; `of(layout, env)` builds it from that."""
 
     pp: int
     dp_replicate: int
@@ -48,13 +49,28 @@ class ParallelDims:
     @classmethod
     def of(cls, layout: dict[str, int], env: DistEnv) -> ParallelDims:
         """From the run plan's `mesh` (names to degrees; pp absent for 1). Without data-parallel degrees (a plan
-        built by hand) the processes left over are replicas."""
+        built by hand, or the plan before it chose the data-parallel mode) the processes left over are replicas."""
         pp, cp, tp = (layout.get(name, 1) for name in ("pp", "cp", "tp"))
         if "dp_replicate" in layout or "dp_shard" in layout:
             replicate, shard = layout.get("dp_replicate", 1), layout.get("dp_shard", 1)
         else:
             replicate, shard = max(env.world_size // (pp * cp * tp), 1), 1
         return cls(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, env=env)
+
+    def split_for(self, parallel: str, hsdp_shard: int | None) -> ParallelDims:
+        """These degrees with the data-parallel processes (`reducing`) split as `parallel` runs them: ddp's all
+        replicas, hsdp's replicas of `hsdp_shard` processes, zero2's and zero3's one shard of them all. A cp group
+        lies inside a shard (sharded modes) or among the replicas (ddp)."""
+        procs = self.reducing
+        shard = {"ddp": 1, "hsdp": hsdp_shard or 1}.get(parallel, procs)
+        replicate, shard = (procs // self.cp, 1) if shard % self.cp else (procs // shard, shard // self.cp)
+        return ParallelDims(pp=self.pp, dp_replicate=replicate, dp_shard=shard, cp=self.cp, tp=self.tp, env=self.env)
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """The degrees as the run plan's `mesh` keeps them (`of`'s argument): names to degrees, outermost first, pp
+        only where there is a pipeline."""
+        return ({"pp": self.pp} if self.pp > 1 else {}) | dict(zip(NAMES[1:], self.sizes[1:]))
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -141,19 +157,26 @@ class ParallelDims:
         """`rank`'s pipeline: one process of each stage, `per_stage` ranks apart."""
         return self.ranks_along("pp", rank=rank)
 
+    def reducing_env(self) -> DistEnv:
+        """The process as the data-parallel wrapper sees it: its place among the `reducing` processes it averages
+        gradients over (and FSDP2 shards over), a stage's, a tensor-parallel group as one, with the node's share of
+        them."""
+        return self.share_of_stage(self.data_rank * self.cp + self.coordinates()["cp"], self.reducing, self.tp)
+
     def data_env(self) -> DistEnv:
-        """The process as the data sees it: the data rank among `data_size`, with the node's share of them. Under
-        pipeline_parallel a stage's processes within the node; else a node's cp x tp groups."""
-        env = self.env
-        if self.pp > 1:
-            per_stage = self.per_stage
-            return replace(env, rank=self.data_rank, world_size=self.data_size, local_rank=env.local_rank % per_stage,
-                           local_world_size=min(env.local_world_size, per_stage))
-        group = self.model_parallel
-        if group == 1:
+        """The process as the data sees it: the data rank among `data_size`, with the node's share of them (a
+        stage's processes within the node, a cp x tp group as one)."""
+        return self.share_of_stage(self.data_rank, self.data_size, self.model_parallel)
+
+    def share_of_stage(self, rank: int, world_size: int, group: int) -> DistEnv:
+        """The process as `rank` of `world_size`, each `group` consecutive processes of its stage one of them: the
+        stages are outermost, so the node's share is its processes of this stage (all of them without a pipeline),
+        `group` at a time."""
+        env, per_stage = self.env, self.per_stage
+        if self.pp == 1 and group == 1:  # every process one of them: the process's own view
             return env
-        return replace(env, rank=self.data_rank, world_size=self.data_size, local_rank=env.local_rank // group,
-                       local_world_size=max(env.local_world_size // group, 1))
+        return replace(env, rank=rank, world_size=world_size, local_rank=env.local_rank % per_stage // group,
+                       local_world_size=max(min(env.local_world_size, per_stage) // group, 1))
 
     # -- the device mesh -----------------------------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ from meshtune.config import TrainConfig
 from meshtune.crossing import ModelSize, default_blocks_per_unit
 from meshtune.distributed import DistEnv
 from meshtune.hardware import bf16_supported, slowest_peak_flops, smallest_gpu_memory, varlen_available
-from meshtune.plan.layout import (TP_MODEL_TYPES, context_parallel_size, data_parallel_env, hsdp_shard_size,
-                                  mesh_layout, resolve_mesh, stage_env, tensor_parallel_size)
+from meshtune.plan.layout import (TP_MODEL_TYPES, context_parallel_size, hsdp_shard_size, resolve_mesh,
+                                  tensor_parallel_size)
 from meshtune.plan.levers import CONFLICTS, give_way, memory_measurable, recomputation, resolve_levers
 from meshtune.plan.link import (LINK_EFFICIENCY, LINK_MARGIN, choose_by_link, link_applies, link_candidates,
                                 pick_by_link, pipeline_refusal)
@@ -43,16 +43,15 @@ from meshtune.plan.run_plan import (EACH, MEASURE, ONCE, SHARD_EACH, SHARDED, La
 from meshtune.plan.sync import gradient_crossing, powersgd_rank, resolve_sync
 
 __all__ = [
-    "CONFLICTS", "EACH", "LINK_EFFICIENCY", "LINK_MARGIN", "MEASURE", "ONCE", "PP_MODEL_TYPES", "SHARDED",
-    "SHARD_EACH", "TP_MODEL_TYPES", "Layout", "LinkChoice", "Machine", "ModelSize", "RunPlan", "auto_parallel",
-    "balanced_stages", "check_train_batch_size", "choose_by_link", "choose_parallel", "context_parallel_size",
-    "data_parallel_env", "default_blocks_per_unit", "full_state_bytes", "give_way", "gradient_crossing",
-    "gradient_reduction", "head_worth", "hsdp_shard_size", "interleaved_counts", "keep_global_batch", "link_applies",
-    "link_candidates", "machine_of", "memory_measurable", "mesh_layout", "offload_reason", "on", "parallel_for",
-    "pick_by_link", "pipeline_choice", "pipeline_parallel_size", "pipeline_refusal", "pipeline_shapes", "powersgd_rank",
-    "precompute_reference", "recomputation", "reference_reason", "reshard_after_forward", "reshard_to_node",
-    "resolve", "resume_reason", "resume_request", "sharding_for_full", "sharding_for_qlora", "stage_env",
-    "tensor_parallel_size",
+    "CONFLICTS", "EACH", "LINK_EFFICIENCY", "LINK_MARGIN", "MEASURE", "ONCE", "PP_MODEL_TYPES", "SHARDED", "SHARD_EACH",
+    "TP_MODEL_TYPES", "Layout", "LinkChoice", "Machine", "ModelSize", "RunPlan", "auto_parallel", "balanced_stages",
+    "check_train_batch_size", "choose_by_link", "choose_parallel", "context_parallel_size", "default_blocks_per_unit",
+    "full_state_bytes", "give_way", "gradient_crossing", "gradient_reduction", "head_worth", "hsdp_shard_size",
+    "interleaved_counts", "keep_global_batch", "link_applies", "link_candidates", "machine_of", "memory_measurable",
+    "offload_reason", "on", "parallel_for", "pick_by_link", "pipeline_choice", "pipeline_parallel_size",
+    "pipeline_refusal", "pipeline_shapes", "powersgd_rank", "precompute_reference", "recomputation", "reference_reason",
+    "reshard_after_forward", "reshard_to_node", "resolve", "resume_reason", "resume_request", "sharding_for_full",
+    "sharding_for_qlora", "tensor_parallel_size",
 ]
 
 

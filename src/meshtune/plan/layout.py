@@ -4,12 +4,12 @@ mode (by the link where `link_gbps` applies), hsdp's shard, and the device mesh 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import ModelSize
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
+from meshtune.mesh import ParallelDims
 from meshtune.plan.link import choose_by_link
 from meshtune.plan.modes import choose_parallel
 from meshtune.plan.pipeline import PP_MODEL_TYPES, pipeline_parallel_size, refuse_unsplit_model
@@ -74,34 +74,6 @@ def context_parallel_size(cfg: TrainConfig, env: DistEnv, tp: int) -> int:
     return cp
 
 
-def stage_env(env: DistEnv, pp: int) -> DistEnv:
-    """One pipeline stage's view of `env`: the stages are outermost, so a stage is `world_size / pp` consecutive
-    ranks and this process's data rank is its place among them."""
-    per_stage = env.world_size // pp
-    return replace(env, rank=env.rank % per_stage, world_size=per_stage,
-                   local_rank=env.local_rank % per_stage, local_world_size=min(env.local_world_size, per_stage))
-
-
-def data_parallel_env(env: DistEnv, group: int) -> DistEnv:
-    """The data-parallel view of `env`: each `group` of consecutive ranks (a tensor- or context-parallel group)
-    counts as one process."""
-    if group == 1:
-        return env
-    return replace(env, rank=env.rank // group, world_size=env.world_size // group,
-                   local_rank=env.local_rank // group, local_world_size=max(env.local_world_size // group, 1))
-
-
-def mesh_layout(parallel: str, procs: int, hsdp_shard: int | None, tp: int, cp: int = 1) -> dict[str, int]:
-    """The device mesh's dimensions, outermost first: replicas, then shards (FSDP2's), then context parallel, then
-    tensor parallel innermost, so a tensor-parallel group is consecutive ranks of one node. `procs`: the processes
-    gradients are reduced over (tensor-parallel groups counted as one), `hsdp_shard` among them; a cp group lies
-    inside a shard (sharded modes) or among the replicas (ddp)."""
-    shard = {"ddp": 1, "hsdp": hsdp_shard or 1}.get(parallel, procs)
-    if shard % cp:  # ddp: the cp group's processes are replicas of each other
-        return {"dp_replicate": procs // cp, "dp_shard": 1, "cp": cp, "tp": tp}
-    return {"dp_replicate": procs // shard, "dp_shard": shard // cp, "cp": cp, "tp": tp}
-
-
 def hsdp_shard_size(cfg: TrainConfig, env: DistEnv, parallel: str, why: dict[str, str]) -> int | None:
     """hsdp shards each replica over the processes of one node unless told otherwise; the size must divide the job."""
     if parallel != "hsdp":
@@ -121,15 +93,14 @@ def resolve_mesh(cfg: TrainConfig, env: DistEnv, machine: Machine, why: dict[str
     cp = context_parallel_size(cfg, env, tp)
     link = choose_by_link(cfg, env, machine.model_size, machine.gpu_bytes, machine.peak_flops, why)
     pp = link.pipeline if link else pipeline_parallel_size(cfg, env, machine.model_size)
-    procs = data_parallel_env(env, tp) if pp == 1 else stage_env(env, pp)
-    dp = data_parallel_env(procs, cp)
+    unsplit = ParallelDims.of({"pp": pp, "cp": cp, "tp": tp}, env)  # the data-parallel split waits for the mode
+    procs = unsplit.reducing_env()
     parallel = link.mode if link else choose_parallel(cfg, procs, machine.model_size, machine.gpu_bytes, why)
     parallel, replicas_only = mode_in_layout(parallel, tp, pp, why)
     hsdp_shard = 1 if replicas_only else hsdp_shard_size(cfg, procs, parallel, why)
     check_hsdp_shard(cfg, parallel, hsdp_shard, cp)
-    mesh = ({"pp": pp} if pp > 1 else {}) | mesh_layout(parallel, procs.world_size, hsdp_shard, tp, cp)
-    return Layout(parallel=parallel, tp=tp, cp=cp, pp=pp, procs=procs, dp=dp, hsdp_shard=hsdp_shard,
-                  replicas_only=replicas_only, link=link, mesh=mesh)
+    return Layout(parallel=parallel, dims=unsplit.split_for(parallel, hsdp_shard), hsdp_shard=hsdp_shard,
+                  replicas_only=replicas_only, link=link)
 
 
 def mode_in_layout(parallel: str, tp: int, pp: int, why: dict[str, str]) -> tuple[str, bool]:

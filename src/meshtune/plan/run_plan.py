@@ -90,7 +90,8 @@ class RunPlan:
         return self.context_parallel * self.tensor_parallel
 
     def dims(self, env: DistEnv) -> ParallelDims:
-        """The mesh this plan lays out, as `env`'s process sees it: which ranks share its data, its groups."""
+        """The mesh this plan lays out, as `env`'s process sees it: which ranks share its data, its groups. The loop
+        makes one a run (its device meshes are built once, on first use); elsewhere it answers questions only."""
         return ParallelDims.of(self.mesh, env)
 
     def data_env(self, env: DistEnv) -> DistEnv:
@@ -211,22 +212,43 @@ class LinkChoice:
 
 @dataclass(frozen=True)
 class Layout:
-    """The parallel layout the mesh resolver chose, which every later resolver reads."""
+    """The parallel layout the mesh resolver chose, which every later resolver reads: the degrees as one
+    `ParallelDims`, whose answers size the job."""
 
     parallel: str                # ddp | zero2 | zero3 | hsdp, as the data-parallel wrapper runs it
-    tp: int
-    cp: int
-    pp: int
-    # the processes the data-parallel wrapper reduces gradients over (and FSDP2 shards over): a tensor-parallel group
-    # counts as one; a cp group's processes each hold partial gradients, so they count, as torchtitan's
-    # dp_shard x cp; under pipeline_parallel, one stage's processes
-    procs: DistEnv
-    dp: DistEnv                  # the data's ranks: a cp x tp group takes the same micro-batches
+    dims: ParallelDims           # pp x dp_replicate x dp_shard x cp x tp, as this process sees them
     hsdp_shard: int | None
     replicas_only: bool          # ddp under tensor_parallel, run as FSDP2 replicas (a shard of one process)
     link: LinkChoice | None      # auto chosen by the link, or None
-    mesh: dict[str, int]
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
 
     @property
     def model_parallel(self) -> int:
-        return self.tp * self.cp
+        return self.dims.model_parallel
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return self.dims.layout
+
+    @property
+    def procs(self) -> DistEnv:
+        """The processes the data-parallel wrapper reduces gradients over (and FSDP2 shards over): a tensor-parallel
+        group counts as one; a cp group's processes each hold partial gradients, so they count, as torchtitan's
+        dp_shard x cp; under pipeline_parallel, one stage's processes."""
+        return self.dims.reducing_env()
+
+    @property
+    def dp(self) -> DistEnv:
+        """The data's ranks: a cp x tp group takes the same micro-batches."""
+        return self.dims.data_env()
