@@ -338,9 +338,10 @@ def test_retention_deletes_on_its_own_thread_in_step_order_and_close_waits_for_i
 
     save_steps(tmp_path, [1, 2, 3])
     (tmp_path / "checkpoint-0.tmp").mkdir()  # an interrupted save, older than everything
-    real, released, deleted = shutil.rmtree, threading.Event(), []
+    real, started, released, deleted = shutil.rmtree, threading.Event(), threading.Event(), []
 
     def slow_rmtree(path, *args, **kwargs):  # a slow storage: each deletion waits until the test lets it go
+        started.set()
         assert released.wait(30), "the deletion was never let go"
         deleted.append(Path(path).name)
         real(path, *args, **kwargs)
@@ -350,6 +351,7 @@ def test_retention_deletes_on_its_own_thread_in_step_order_and_close_waits_for_i
     try:
         save_one(manager, 4)  # returns, published, while the old checkpoints wait to be deleted
         assert verify(tmp_path / "checkpoint-4") == []
+        assert started.wait(30), "the thread never began deleting"  # it renames first: a busy machine may lag
         assert manager.retention._thread.is_alive() and deleted == []
         # the oldest first, sealed (renamed) before its files go; the newest complete one untouched
         assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0.tmp.deleting", "checkpoint-1",
