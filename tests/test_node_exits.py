@@ -378,7 +378,8 @@ def test_an_agent_then_a_launcher_killed_alone_take_their_workers_along_and_the_
         assert time.monotonic() < deadline and nodes[1].process.poll() is None, nodes[1].output()[-3000:]
         time.sleep(0.05)
     orphans, node0 = descendants(nodes[1].process.pid), descendants(nodes[0].process.pid)
-    assert len(orphans) == 2 and len(node0) == 2, (orphans, node0)  # torchrun and its worker
+    assert len(orphans) == 2 and len(node0) == 2, (orphans, node0, nodes[1].process.poll(),  # torchrun, worker
+                                                   nodes[1].output()[-3000:])
     seen = len(nodes[0].output())
     killed = time.monotonic()
     os.kill(nodes[1].process.pid, signal.SIGKILL)
