@@ -92,7 +92,7 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
                     compute: float) -> dict[LinkChoice, StepTime]:
     """Each mode's predicted optimizer step across the nodes, a GPU computing for `compute` seconds, where its state
     takes at most half of `card`: hsdp over a node (ddp with one GPU a node), zero2, zero3, and a pipeline stage a
-    node (where config.py and the model allow it) sharded inside the node as zero2 or zero3 (`sharding_for_full`),
+    node (where the config and the model allow it) sharded inside the node as zero2 or zero3 (`sharding_for_full`),
     its micro-batches the config's x the stages so the global batch stays."""
     nodes = processes // per_node
     facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps

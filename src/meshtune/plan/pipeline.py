@@ -21,7 +21,7 @@ PP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 def pipeline_parallel_size(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize]) -> int:
     """`pipeline_parallel`, checked against the job and the model: the stages are outermost in the mesh (rank r is
     on stage r // (world_size / pp)), so with the processes of one node a stage only activations cross nodes. What
-    the config alone refuses, config.py does."""
+    the config alone refuses, config/ does."""
     pp = cfg.pipeline_parallel
     if pp == 1:
         return 1

@@ -18,7 +18,7 @@ def precompute_reference(cfg: TrainConfig, why: dict[str, str]) -> bool:
     """stage: dpo's `precompute_ref_log_probs`: as set, or under auto where it saves memory (a frozen copy is never
     held while training) or forwards (pairs read more than once)."""
     if cfg.pref_loss in ("orpo", "simpo"):
-        return False  # no reference (config.py refuses true)
+        return False  # no reference (the config refuses true)
     if isinstance(cfg.precompute_ref_log_probs, bool):
         return cfg.precompute_ref_log_probs
     if cfg.ref_model or not cfg.is_lora:
