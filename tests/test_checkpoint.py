@@ -595,3 +595,21 @@ def test_a_run_resumed_on_four_ranks_goes_on_bit_for_bit(tmp_path, tiny_model_di
     assert codes == [0] * 4 and "resumed from" in output, output[-6000:]
     assert [r["loss"] for r in read_metrics(tmp_path / "out")] == [r["loss"] for r in through]
     assert final_weights(tmp_path / "out") == weights
+
+
+def test_a_write_failing_on_read_only_storage_names_the_cause_a_restart_cannot_fix(tmp_path, world_of_one):
+    """The OSError from a rank's writer, alone or inside DCP's CheckpointException: the message says the storage is
+    read-only and that a restart cannot fix it, as the job's other storage errors do."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    manager = CheckpointManager(tmp_path, 1, False, 0, 1)
+    tmp = tmp_path / "checkpoint-4.tmp"
+    read_only = OSError(errno.EROFS, "Read-only file system", str(tmp))
+    for error in (read_only, CheckpointException("save failed", {0: (read_only, None)})):
+        message = manager._write_failure(tmp, error)
+        assert message.startswith(f"writing {tmp} failed (") and "it is not published" in message
+        assert "the file system is read-only" in message and "a restart cannot fix this" in message
+    assert "restart cannot fix" not in manager._write_failure(tmp, OSError(errno.EIO, "I/O error", str(tmp)))
+    manager.close()

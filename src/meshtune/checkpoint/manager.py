@@ -39,6 +39,7 @@ from meshtune.checkpoint.rank_group import RankGroup
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints
 from meshtune.checkpoint.resume_point import ResumePoint
 from meshtune.checkpoint.retention import Retention
+from meshtune.errors import lasting_storage_error
 from meshtune.faults import maybe_die
 from meshtune.units import byte_size
 
@@ -244,8 +245,9 @@ class CheckpointManager:
         keeps = (f"checkpoint-{newest} stays the resume point" if newest is not None
                  else "no earlier checkpoint exists to resume from")
         cause, advice = (": No space left on device", "; free space or lower save_total_limit") if full else ("", "")
+        lasting = next(filter(None, map(lasting_storage_error, os_errors(error))), None)
         return (f"writing {tmp} failed{cause} ({space} on that storage{advice}); it is not published and {keeps}: "
-                f"{one_line(error)}")
+                + (str(lasting) if lasting else one_line(error)))
 
     def _publish(self, pending: _Pending, reports: list[tuple[str | None, dict[str, Any]]]) -> str | None:
         """Rank 0: manifest, COMPLETE, rename, retention. Returns what went wrong, or None."""
@@ -281,3 +283,14 @@ class CheckpointManager:
             return f"publishing checkpoint-{pending.step} in {self.output_dir} failed{stands}: {exc}"
         self.retention.apply(pending.step)
         return None
+
+
+def os_errors(error: BaseException) -> list[OSError]:
+    """The OSErrors behind a failed write: the error itself, or those DCP gathered from the ranks
+    (CheckpointException.failures), so that a lasting cause (read-only, full, no permission) is named."""
+    if isinstance(error, OSError):
+        return [error]
+    failures = getattr(error, "failures", None) or {}
+    # torch keeps each rank's failure as (exception, traceback)
+    found = [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+    return [failure for failure in found if isinstance(failure, OSError)]
