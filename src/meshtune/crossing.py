@@ -174,13 +174,14 @@ def pipeline_collectives(cfg, model: ModelFacts, bf16: bool, gradients: float, p
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")  # a process holds several stages
 
 
-def stages_a_process(cfg) -> int:
-    """The stages each process holds: pipeline_virtual_stages where set (interleaved_1f1b), 2 for the multi-stage
-    schedules (zbv's V: one on the way down, one on the way back), 1 for gpipe and 1f1b."""
+def stages_a_process(cfg, schedule: str | None = None) -> int:
+    """The stages each process holds under `schedule` (the config's where None): pipeline_virtual_stages where set
+    (interleaved_1f1b), 2 for the multi-stage schedules (zbv's V: one on the way down, one on the way back), 1 for
+    gpipe and 1f1b."""
     virtual = getattr(cfg, "pipeline_virtual_stages", None)
     if virtual is not None:
         return virtual
-    return 2 if getattr(cfg, "pipeline_schedule", None) in MULTI_STAGE_SCHEDULES else 1
+    return 2 if (schedule or getattr(cfg, "pipeline_schedule", None)) in MULTI_STAGE_SCHEDULES else 1
 
 
 def pipeline_crossings(cfg, nodes: int) -> int:

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtune.checkpoint.manifest import (CheckpointError, dcp_writer, delete_sealed, fsync_dir, hash_file, one_line,
-                                          write_manifest)
+                                          rank_errors, write_manifest)
 from meshtune.checkpoint.object_store import StorePath, location
 from meshtune.checkpoint.rank_group import RankGroup
 from meshtune.checkpoint.resume import checkpoint_dir, list_checkpoints
@@ -245,7 +245,8 @@ class CheckpointManager:
         keeps = (f"checkpoint-{newest} stays the resume point" if newest is not None
                  else "no earlier checkpoint exists to resume from")
         cause, advice = (": No space left on device", "; free space or lower save_total_limit") if full else ("", "")
-        lasting = next(filter(None, map(lasting_storage_error, os_errors(error))), None)
+        lasting = next((found for _, exc in rank_errors(error) if isinstance(exc, OSError)
+                        and (found := lasting_storage_error(exc))), None)
         return (f"writing {tmp} failed{cause} ({space} on that storage{advice}); it is not published and {keeps}: "
                 + (str(lasting) if lasting else one_line(error)))
 
@@ -284,13 +285,3 @@ class CheckpointManager:
         self.retention.apply(pending.step)
         return None
 
-
-def os_errors(error: BaseException) -> list[OSError]:
-    """The OSErrors behind a failed write: the error itself, or those DCP gathered from the ranks
-    (CheckpointException.failures), so that a lasting cause (read-only, full, no permission) is named."""
-    if isinstance(error, OSError):
-        return [error]
-    failures = getattr(error, "failures", None) or {}
-    # torch keeps each rank's failure as (exception, traceback)
-    found = [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
-    return [failure for failure in found if isinstance(failure, OSError)]

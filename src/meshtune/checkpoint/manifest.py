@@ -208,15 +208,24 @@ def dcp_writer(path: Path | StorePath) -> Any:
     return FileSystemWriter(str(path))
 
 
-def one_line(error: BaseException) -> str:
-    """A write error in one line: DCP's CheckpointException carries every failing rank's traceback, which would
-    bury the cause under dozens of lines; each distinct error is named once, with its ranks (--debug shows all)."""
+def rank_errors(error: BaseException) -> list[tuple[int | None, BaseException]]:
+    """Each failing rank's exception in DCP's CheckpointException (which keeps them with their tracebacks), by rank;
+    any other error as itself, of no rank."""
     from torch.distributed.checkpoint.api import CheckpointException  # here: listing checkpoints needs no torch
 
     if not isinstance(error, CheckpointException):
+        return [(None, error)]
+    return [(rank, exc) for rank, (exc, _trace) in sorted(error.failures.items())]
+
+
+def one_line(error: BaseException) -> str:
+    """A write error in one line: DCP's CheckpointException carries every failing rank's traceback, which would
+    bury the cause under dozens of lines; each distinct error is named once, with its ranks (--debug shows all)."""
+    failures = rank_errors(error)
+    if failures and failures[0][0] is None:
         return str(error)
     ranks: dict[str, list[int]] = {}
-    for rank, (exc, _trace) in sorted(error.failures.items()):
+    for rank, exc in failures:
         ranks.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0], []).append(rank)
     # storage errors first: the others (a torn zip file) are what they left behind
     named = sorted(ranks.items(), key=lambda item: not item[0].startswith("OSError"))

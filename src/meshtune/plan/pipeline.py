@@ -136,7 +136,7 @@ def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
     shapes = {}
     for one_row, m in ((split, micro * rows if split else micro) for split in splits):
         for schedule in [named] if named else ["1f1b" if m >= pp else "gpipe", "interleaved_1f1b", "zbv"]:
-            virtual = cfg.pipeline_virtual_stages or (2 if schedule in MULTI_STAGE else 1)
+            virtual = virtual_stages(cfg, schedule)
             empty_ends = ends_may_be_empty(virtual, parallel)
             if (schedule == "1f1b" and m < pp or schedule == "interleaved_1f1b" and m % max(1, m // pp)
                     or size.blocks < pp * virtual - (2 if empty_ends else 0)):
@@ -150,7 +150,7 @@ def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
 def link_pipeline(cfg: TrainConfig, link: LinkChoice, micro_batches: int, size: ModelSize, parallel: str,
                   why: dict[str, str]) -> dict:
     """The pipeline the link chose (`pipeline_shapes`): its schedule, stages and split, and why."""
-    virtual = cfg.pipeline_virtual_stages or (2 if link.schedule in MULTI_STAGE else 1)
+    virtual = virtual_stages(cfg, link.schedule)
     stages = run_stages(size, link.schedule, link.pipeline, virtual, parallel)
     why["pipeline_stages"] = stages_reason(stages, size.blocks, head_worth(size), link.pipeline, link.schedule)
     if cfg.pipeline_schedule == "auto" or cfg.pipeline_row_micro_batches is None:

@@ -15,7 +15,6 @@ import socket
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 import torch.distributed as dist
 
@@ -24,6 +23,7 @@ from meshtune.config import JOB, MATH, TrainConfig
 from meshtune.data.registry import resolve_all
 from meshtune.distributed import DistEnv
 from meshtune.errors import MeshtuneError
+from meshtune.package_clash import installed_version
 
 PACKAGES = ("meshtune", "torch", "transformers", "peft")
 PROCESS_KEYS = ("rank", "local_rank", "host", "agent", "node_rank")  # whose facts they are: not compared
@@ -34,13 +34,7 @@ class AgreementError(MeshtuneError):
 
 
 def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
-    found = {}
-    for name in names:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "not installed"
-    return found
+    return {name: installed_version(name) or "not installed" for name in names}
 
 
 def node_rank_of_this_process() -> int:
