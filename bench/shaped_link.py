@@ -62,13 +62,19 @@ def sample(link: str, metrics: Path, out: Path) -> None:
     JSON line to `out`: records, tx, rx, time); until the parent ends this process."""
     stats = Path("/sys/class/net") / link / "statistics"
     tx, rx = stats / "tx_bytes", stats / "rx_bytes"
-    seen = -1
+    try:  # a sample taken late moves the next step's first bytes into this one: run ahead of the job's processes
+        os.nice(-15)
+    except OSError:
+        pass
+    seen, size = -1, -1
     with out.open("a") as f:
         while True:
             try:
-                lines = metrics.read_bytes().count(b"\n")
+                grown = os.stat(metrics).st_size
+                lines = metrics.read_bytes().count(b"\n") if grown != size else seen
             except FileNotFoundError:
-                lines = 0
+                grown, lines = -1, 0
+            size = grown
             if lines != seen:
                 seen = lines
                 f.write(json.dumps({"records": lines, "tx": int(tx.read_text()), "rx": int(rx.read_text()),

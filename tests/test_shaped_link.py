@@ -45,9 +45,14 @@ def test_a_ddp_step_moves_the_gradients_all_reduce_across_the_shaped_link(report
     assert expected <= row["tx_per_node"]["median"] <= expected * TCP_OVERHEAD, (row, expected)
     steps = report["runs"]["ddp"]["shaped"][0]["steps"]
     assert [s["step"] for s in steps] == [2, 3]  # the first step (and the start-up before it) is not counted
-    for step in steps:  # every step alike, both ways: one all-reduce each
-        assert all(expected <= sent <= expected * TCP_OVERHEAD for sent in step["tx_per_node"]), step
-        assert all(expected <= got <= expected * TCP_OVERHEAD for got in step["rx_per_node"]), step
+    # Every step alike, both ways: one all-reduce each. A step's bytes are counted between two samples taken when
+    # rank 0's record appears; a sampler woken late on a loaded machine moves the next step's first bytes into the
+    # step before, so each node's steps together carry exactly their all-reduces, and each step most of one.
+    for key in ("tx_per_node", "rx_per_node"):
+        for node in range(report["nodes"]):
+            sent = [step[key][node] for step in steps]
+            assert len(sent) * expected <= sum(sent) <= len(sent) * expected * TCP_OVERHEAD, (key, node, steps)
+            assert all(0.5 * expected <= one <= 1.5 * expected * TCP_OVERHEAD for one in sent), (key, node, steps)
 
 
 def test_the_namespaces_are_gone_after_the_job(report):
