@@ -21,7 +21,11 @@ SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in w
     "tiny-nf4": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=4),
     "512x8": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2),  # CPU: full 7B's ratio of tokens a step to parameters at ~2k tokens
+                  num_key_value_heads=2),  # CPU: full 7B's tokens a step over 12 x layers x hidden at ~2k tokens
+    "512x8-7b": dict(hidden_size=512, intermediate_size=2688, num_hidden_layers=8, num_attention_heads=4,
+                     num_key_value_heads=1),  # CPU: 7B's shape at hidden 512 (its MLP 5.25 x the width, heads 128
+    # wide, 4 query heads to a key-value one, its embeddings 14% of the parameters), so that a step's activations
+    # over its gradients are 7B's at the same tokens / (12 x layers x hidden)
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -33,7 +37,8 @@ SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in w
     "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8),
 }
-VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "512x8": 1000, "32b": 152064, "72b": 152064}  # the others: 151936
+VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "512x8": 1000, "512x8-7b": 6272,  # the others: 151936
+         "32b": 152064, "72b": 152064}
 WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up
 
 

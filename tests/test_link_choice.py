@@ -147,7 +147,7 @@ def test_one_node_cpu_lora_and_an_unset_link_keep_the_rules():
     lora = gpu_plan({"link_gbps": 10, "finetuning_type": "lora"})
     assert lora.parallel == "ddp" and "not used" in lora.why["link_gbps"]
     cpu = resolve(config(link_gbps=10), env(4, 2), None, lambda: QWEN_7B)
-    assert cpu.parallel == "ddp" and "no compute estimate on CPU" in cpu.why["link_gbps"]
+    assert cpu.parallel == "ddp" and "not used: no mode holds the model's state" in cpu.why["link_gbps"]
     named = gpu_plan({"link_gbps": 10, "parallel": "hsdp"})
     assert named.parallel == "hsdp" and "link_gbps" not in named.why
 
@@ -186,5 +186,49 @@ def test_the_doctor_judges_the_mode_the_plan_picks_by_the_link():
     assert fast["parallel"] == "hsdp" and [c["kind"] for c in fast["collectives"]] == ["all-reduce"]
 
 
-def test_the_matmul_rate_the_plan_reads_is_none_without_a_gpu():
-    assert slowest_peak_flops(torch.device("cpu")) is None
+# the shaped link's model (bench/workspace.py 512x8): hidden 512, 8 blocks, intermediate 1,536, vocabulary 1,000
+SMALL = ModelSize(25_156_096, 3_016_448, 8, attention_heads=8, kv_heads=2, model_type="qwen2", hidden=512,
+                  head_parameters=1_000 * 512)
+CPU_RATE = 2e10  # FLOP/s: an fp32 process on a shared core
+CPU_BATCH = {"finetuning_type": "full", "per_device_train_batch_size": 2, "cutoff_len": 192}
+
+
+def cpu_plan(values: dict, nodes: int = 2, per_node: int = 2):
+    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", **CPU_BATCH, **values})
+    with mock.patch("meshtune.plan.slowest_peak_flops", return_value=CPU_RATE) as rate:
+        plan = resolve(cfg, env(nodes * per_node, per_node), None, lambda: SMALL)
+    return plan, rate.call_count
+
+
+def test_on_cpu_a_slow_link_puts_a_stage_on_each_node_and_a_fast_one_keeps_ddp():
+    """CPU nodes (gloo): auto's CPU mode, ddp, against a pipeline stage a node with ddp inside; nothing hidden
+    behind the compute (gloo computes its collectives on the cores that train), the activations in fp32. At 0.1 Gb/s
+    ddp's 151 MB of gradients a node take 13 s against a step of 7.6 s: a stage a node. At 100 Gb/s they
+    take 0.013 s and a pipeline's bubble costs more: ddp stays, as without the link."""
+    slow, measured = cpu_plan({"link_gbps": 0.1})
+    assert measured == 1  # the processes' fp32 matmul rate, measured once
+    assert slow.pipeline_parallel == 2 and slow.parallel == "ddp" and slow.mesh["pp"] == 2
+    assert re.search(r"auto by the link \(0\.1 Gb/s\): pipeline_parallel 2 \(ddp inside each stage, \w+", slow.why[
+        "parallel"])
+    assert "hsdp" not in slow.why["link_gbps"] and "zero" not in slow.why["link_gbps"]  # gloo shards no faster
+    fast, _ = cpu_plan({"link_gbps": 100})
+    assert (fast.parallel, fast.pipeline_parallel) == ("ddp", 1)
+    assert "auto by the link (100 Gb/s): ddp, predicted at" in fast.why["parallel"]
+    cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", **CPU_BATCH, "link_gbps": 0.1})
+    compute = compute_seconds(cfg, full_model_facts(SMALL), CPU_RATE, gpus=False)
+    steps = link_candidates(cfg, 4, 2, SMALL, 8 * 2**30, compute, gpus=False)
+    ddp = steps[LinkChoice("ddp", 1)]
+    assert ddp.exposed_s == pytest.approx(ddp.reduce_s) and ddp.reduce_s == pytest.approx(
+        1.5 * SMALL.parameters * 4 / (0.1e9 / 8 * 0.9), rel=0.01)  # a ring of 4 over 2 nodes, fp32, none hidden
+    assert {c.mode for c in steps} == {"ddp"}
+
+
+def test_on_cpu_a_model_no_process_can_hold_keeps_the_rule():
+    cpu = resolve(config(link_gbps=0.1), env(4, 2), None, lambda: QWEN_7B)  # 7B's state: over half of this host
+    assert (cpu.parallel, cpu.pipeline_parallel) == ("ddp", 1)
+    assert "not used: no mode holds the model's state in half of a process's" in cpu.why["link_gbps"]
+
+
+def test_the_cpu_matmul_rate_the_plan_reads_is_measured():
+    rate = slowest_peak_flops(torch.device("cpu"))
+    assert 1e8 < rate < 1e13

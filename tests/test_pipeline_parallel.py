@@ -534,3 +534,34 @@ def test_the_doctor_counts_a_pipeline_s_activations_as_what_crosses_the_nodes():
     assert [(c.kind, c.what) for c in four] == [("send", "activations forward and their gradients back"),
                                                 ("all-reduce", "a stage's gradients")]
     assert four[1].bytes == QWEN_7B.parameters * 2 / 2 and four[1].ranks == 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_auto_on_a_slow_link_between_two_cpu_nodes_trains_a_stage_on_each(tmp_path, tiny_model_dir, tiny_dataset):
+    """`parallel: auto` with `link_gbps` on 2 CPU nodes (torchrun agents on 127.0.0.1, --nnodes 2, one process
+    each): the plan measures the processes' fp32 matmul rate together and, the gradients' all-reduce taking far longer
+    on 0.001 Gb/s than the tiny model's step, puts a stage on each node; the job trains to its end. On 1,000 Gb/s
+    ddp's all-reduce costs less than a pipeline's bubble: ddp, as without the link."""
+    from test_faults import Cluster, job_config, losses
+
+    def run(name: str, gbps: float) -> dict:
+        output = tmp_path / name / "output"
+        config = job_config(tmp_path / name / "cfg", tiny_model_dir, tiny_dataset, output, parallel="auto",
+                            hsdp_shard_size=None, link_gbps=gbps, gradient_accumulation_steps=2, max_steps=2,
+                            save_steps=0, save_final=False, preflight=False)
+        cluster = Cluster(tmp_path / name)
+        try:
+            cluster.run(config)
+        finally:
+            cluster.cleanup()
+        assert len(losses(output)) == 2
+        return json.loads((output / "run_plan.json").read_text())
+
+    slow = run("slow", 0.001)
+    assert slow["mesh"]["pp"] == 2 and slow["parallel"] == "ddp", slow["mesh"]
+    assert slow["why"]["parallel"].startswith("auto by the link (0.001 Gb/s): pipeline_parallel 2 (ddp inside"), \
+        slow["why"]["parallel"]
+    fast = run("fast", 1000)
+    assert "pp" not in fast["mesh"] and fast["parallel"] == "ddp", fast["mesh"]
+    assert fast["why"]["parallel"].startswith("auto by the link (1000 Gb/s): ddp, predicted at"), fast["why"]

@@ -25,10 +25,12 @@ wire. Per optimizer step of A micro-steps (checked against the interfaces' count
   the stage's gradients crosses them too.
 PowerSGD (powersgd_rank) is not modelled: its factors depend on each matrix's shape.
 
-Time. A GPU's compute for a step is estimated from its FLOPs at MFU_ASSUMED of a bf16 matmul rate. The gradients
-cross once an optimizer step (or once a micro-step where they stay sharded), during that micro-step's backward
-(BACKWARD_SHARE of its compute); what does not fit that window is exposed, and at least the last unit's share always
-is (it starts when backward ends). The weights' gathers overlap the rest of the step.
+Time. A GPU's compute for a step is estimated from its FLOPs at MFU_ASSUMED of a bf16 matmul rate (a CPU
+process's at CPU_EFFICIENCY_ASSUMED of the fp32 rate its node's processes measure together). The gradients cross once
+an optimizer step (or once a micro-step where they stay sharded), during that micro-step's backward (BACKWARD_SHARE of
+its compute); what does not fit that window is exposed, and at least the last unit's share always is (it starts when
+backward ends). The weights' gathers overlap the rest of the step. On CPU nothing is hidden: gloo's collectives run on
+the cores that compute (on a shaped link the step grew by its bytes' time on the wire, docs/benchmarks/network.md).
 
 A pipeline's step is simulated from the order torch.distributed.pipelining runs (`schedule_actions`): each rank's
 forwards (F) and backwards, whole (B) or split into the input's gradient (I) and the weights' (W, zbv), over the
@@ -51,6 +53,7 @@ UNIT_PARAMS = 1_000_000_000  # an FSDP2 unit's parameters, at most, when the con
 MAX_BLOCKS_PER_UNIT = 4       # the largest unit measured (docs/benchmarks/where-the-time-goes.md)
 NF4_BYTES = 0.5 + 1 / 64  # a 4-bit value, and an 8-bit scale per 64 of them (the scales' own scales are negligible)
 MFU_ASSUMED = 0.4   # measured 36% for full 7B zero3 on 4 H100 (docs/benchmarks/one-gpu.md, 7B models)
+CPU_EFFICIENCY_ASSUMED = 0.5  # of the fp32 matmul rate measured together: 0.53 (docs/benchmarks/network.md)
 BACKWARD_SHARE = 2 / 3  # of a micro-step's compute: backward is about twice forward's FLOPs
 
 
@@ -217,10 +220,10 @@ def collective_seconds(collectives: list[Collective], busbw: float, nodes: int) 
     return sent_by_each_node(collectives, nodes) / busbw
 
 
-def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float | None:
-    """One process's compute for a step of full-length samples (cutoff_len tokens) at MFU_ASSUMED of `peak_flops`:
-    6 FLOPs a dense parameter a token (LoRA 4: the frozen weights need no weight gradient), + 2 recomputed under
-    activation checkpointing, + attention."""
+def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None, gpus: bool = True) -> float | None:
+    """One process's compute for a step of full-length samples (cutoff_len tokens) at MFU_ASSUMED of `peak_flops`
+    (CPU_EFFICIENCY_ASSUMED of a CPU's fp32 rate): 6 FLOPs a dense parameter a token (LoRA 4: the frozen weights
+    need no weight gradient), + 2 recomputed under activation checkpointing, + attention."""
     if not peak_flops:
         return None
     tokens = cfg.cutoff_len
@@ -229,7 +232,7 @@ def compute_seconds(cfg, model: ModelFacts, peak_flops: float | None) -> float |
         per_token += 2 * model.dense * cfg.named_recompute_ratio  # compute it may choose to hide traffic behind
     per_sample = per_token * tokens + 12 * model.layers * model.attention_width * tokens * tokens
     samples = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    return per_sample * samples / (peak_flops * MFU_ASSUMED)
+    return per_sample * samples / (peak_flops * (MFU_ASSUMED if gpus else CPU_EFFICIENCY_ASSUMED))
 
 
 @dataclass(frozen=True)
@@ -253,13 +256,16 @@ class StepTime:
 
 
 def data_parallel_step(crossing: list[Collective], nodes: int, busbw: float, compute_s: float, micro: int,
-                       units: int) -> StepTime:
+                       units: int, hidden: bool = True) -> StepTime:
     """A data-parallel step (see the module's docstring): each crossing of the gradients hidden behind its
-    micro-step's backward but the last of `units` FSDP2 units (or DDP buckets), the gathers behind the rest."""
+    micro-step's backward but the last of `units` FSDP2 units (or DDP buckets), the gathers behind the rest; with
+    `hidden` false (gloo on CPU) none of it hidden."""
     gathers = [c for c in crossing if c.kind == "all-gather"]
     reductions = [c for c in crossing if c.kind != "all-gather"]
     gather_s = collective_seconds(gathers, busbw, nodes)
     reduce_s = collective_seconds(reductions, busbw, nodes)
+    if not hidden:
+        return StepTime(compute_s, gather_s + reduce_s, gather_s, reduce_s)
     crossings = max((c.times for c in reductions), default=1)
     window = BACKWARD_SHARE * compute_s / max(micro, 1)
     each = reduce_s / crossings

@@ -1,12 +1,15 @@
 """What this process's torch and device can do: the facts the run plan is resolved from.
 
 torch's variable-length attention (padding-free rows), bf16 on the GPU, the smallest GPU of the job (one choice
-for nodes with different cards) and the card's measured bf16 matmul rate (the denominator of MFU).
+for nodes with different cards), the card's measured bf16 matmul rate (the denominator of MFU) and, on CPU, the
+processes' fp32 matmul rate and host memory (what the link choice weighs a CPU job's step with).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,10 +56,35 @@ def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 20
     return 2.0 * size**3 * repeats / seconds
 
 
+CPU_MATMUL = 512  # a square fp32 matmul of a small model's width, what a CPU job's layers multiply
+
+
+def measure_cpu_flops(size: int = CPU_MATMUL, seconds: float = 0.25) -> float:
+    """fp32 matmul FLOP/s of this process's CPU threads (a CPU job computes in fp32), over `seconds`."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
+        a @ b
+        count += 1
+    return 2.0 * size**3 * count / elapsed
+
+
+def host_bytes_a_process(per_node: int) -> float:
+    """This machine's memory over the node's processes: what a CPU job's process may hold."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(per_node, 1)
+
+
 def slowest_peak_flops(device: torch.device) -> float | None:
-    """The lowest measured bf16 matmul rate among all ranks (a collective: every rank calls it), so that a choice
-    made from it is the same on every rank; None on CPU."""
-    measured = measure_peak_flops(device)
+    """The lowest measured matmul rate among all ranks (a collective: every rank calls it), so that a choice made
+    from it is the same on every rank: bf16 on GPUs; fp32 on CPU, every rank measuring at once, as the node's
+    processes share its cores when they train."""
+    if device.type == "cpu":
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        measured = measure_cpu_flops()
+    else:
+        measured = measure_peak_flops(device)
     if measured is None:
         return None
     slowest = torch.tensor([measured], dtype=torch.float64, device=device)

@@ -74,7 +74,8 @@ def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, bu
     processes = nodes * nproc
     mode, how = parallel_mode(cfg, processes, nproc, gpus, gpu_bytes, model.size)
     stages = 1
-    if link_applies(cfg, nodes, gpus) and gpu_bytes and peak_flops:  # the plan's choice by link_gbps
+    if link_applies(cfg, nodes) and gpus and gpu_bytes and peak_flops:  # the plan's choice by link_gbps (GPUs: the
+        # doctor measures node 0's matmul rate alone, where a CPU node's processes share its cores)
         choice, _, _ = pick_by_link(cfg, processes, nproc, model.size, gpu_bytes,
                                     compute_seconds(cfg, full_model_facts(model.size), peak_flops))
         mode, stages = choice.mode, choice.pipeline
