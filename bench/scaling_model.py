@@ -191,6 +191,8 @@ def link_calibration(path: Path | None) -> dict[str, float]:
         cfg = build_config({**report["base_config"], **report["variants"][row["variant"]]})
         if cfg.powersgd_rank:
             continue  # not in the formula: its factors depend on each matrix's shape
+        if cfg.named_parallel is None and cfg.link_gbps is not None:
+            continue  # auto by the link: its mode is the plan's choice at start-up, not in the report
         mode = cfg.named_parallel or "ddp"
         predicted = sent_by_each_node(step_collectives(cfg, mode, model_facts(cfg), False, True, nodes * per_node,
                                                        None, per_node, True), nodes)

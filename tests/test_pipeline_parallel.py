@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -565,3 +566,13 @@ def test_auto_on_a_slow_link_between_two_cpu_nodes_trains_a_stage_on_each(tmp_pa
     fast = run("fast", 1000)
     assert "pp" not in fast["mesh"] and fast["parallel"] == "ddp", fast["mesh"]
     assert fast["why"]["parallel"].startswith("auto by the link (1000 Gb/s): ddp, predicted at"), fast["why"]
+
+
+def test_a_pipeline_s_keys_set_without_a_pipeline_are_named_as_unused():
+    plan = plan_for({"pipeline_schedule": "zbv", "pipeline_row_micro_batches": True, "parallel": "ddp"})
+    assert plan.pipeline_parallel == 1
+    for key in ("pipeline_schedule", "pipeline_row_micro_batches"):
+        assert plan.why[key] == "not used: the run has no pipeline (pipeline_parallel 1)", plan.why
+        assert re.search(rf"{key} +not used", plan.describe()), plan.describe()
+    assert "pipeline_virtual_stages" not in plan.why
+    assert "pipeline_schedule" not in plan_for({"parallel": "ddp"}).why

@@ -142,10 +142,12 @@ class CrossNodeKeys(Keys):
            "all-reduce)", ge=0, scope=MATH)
     link_gbps: float | None = CROSS_NODE(
         None, "the line rate between the nodes, Gb/s a node (100 for 100 GbE). With parallel: auto, full fine-tuning "
-              "and several nodes of GPUs, the plan then picks among hsdp, zero2, zero3 and pipeline parallel across "
-              "the nodes (a stage a node) the mode whose predicted step exposes the least time on the link, taking "
-              "the all-reduce's bus bandwidth as 90% of this rate and a GPU's compute as 40% of its measured bf16 "
-              "matmul rate; run_plan.json gives the choice, the reason and every mode's predicted per-GPU efficiency. "
+              "and several nodes, the plan then picks among hsdp, zero2, zero3 and pipeline parallel across the nodes "
+              "(a stage a node) the mode whose predicted step exposes the least time on the link, taking the "
+              "all-reduce's bus bandwidth as 90% of this rate and a GPU's compute as 40% of its measured bf16 matmul "
+              "rate (on CPU nodes: ddp or a stage a node, a process's compute at 50% of the fp32 matmul rate the "
+              "processes measure together, gloo's traffic not hidden); run_plan.json gives the choice, the reason and "
+              "every mode's predicted per-GPU efficiency. "
               "`meshtune doctor --bandwidth` measures the link's busbw (GB/s): its x 8 / 0.9 is this rate. It changes "
               "no math. Default: unset, the rules of docs/multi-node/choosing-parallel.md", gt=0.0)
     hsdp_replica_reduce_dtype: Literal["fp32", "bf16"] | None = CROSS_NODE(

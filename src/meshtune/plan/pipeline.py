@@ -79,14 +79,26 @@ def interleaved_counts(pp: int, limit: int) -> list[int]:
     return [n for n in range(1, limit + 1) if n % max(1, n // pp) == 0]
 
 
+def unused_pipeline_keys(cfg: TrainConfig, why: dict[str, str]) -> None:
+    """The pipeline's keys the config sets where the run has no pipeline: each named in the plan, not silently
+    dropped."""
+    chosen_by = " (and auto by the link chose none)" if cfg.link_gbps is not None and cfg.parallel == "auto" else ""
+    for key, unset in (("pipeline_schedule", "auto"), ("pipeline_virtual_stages", None),
+                       ("pipeline_row_micro_batches", None)):
+        if getattr(cfg, key) != unset:
+            why[key] = f"not used: the run has no pipeline (pipeline_parallel 1{chosen_by})"
+
+
 def pipeline_choice(cfg: TrainConfig, env: DistEnv, pp: int, parallel: str, micro_batches: int,
                     model_size: Callable[[], ModelSize], why: dict[str, str], link: LinkChoice | None = None) -> dict:
     """The schedule and the stages' blocks under pipeline_parallel (nothing without it). A step's micro-batches
     (gradient_accumulation_steps) are the schedule's: 1F1B, which holds at most pp micro-batches' activations
     on a stage, needs at least pp of them to fill the pipeline; GPipe runs any number; Interleaved1F1B a whole
     number of rounds; ZBV any number. With pipeline_row_micro_batches each row of them is one of the schedule's.
-    Where the link chose the pipeline (`link`), its schedule and split."""
+    Where the link chose the pipeline (`link`), its schedule and split. Without a pipeline the keys that shape one,
+    where set, are named as unused."""
     if pp == 1:
+        unused_pipeline_keys(cfg, why)
         return {}
     if link is not None and link.schedule is not None:
         return link_pipeline(cfg, link, micro_batches, model_size(), parallel, why)

@@ -139,6 +139,9 @@ class RunPlan:
                 rows.append(("pipeline_virtual_stages", str(self.pipeline_virtual_stages)))
             rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" if b > a else "no block"
                                                       for a, b in self.pipeline_stages)))
+        else:  # a pipeline's keys the config sets without a pipeline
+            rows += [(key, "not used") for key in ("pipeline_schedule", "pipeline_virtual_stages",
+                                                   "pipeline_row_micro_batches") if key in self.why]
         if self.model_parallel > 1 or self.pipeline_parallel > 1:
             rows.append(("device_mesh", " x ".join(f"{name} {size}" for name, size in self.mesh.items())))
         if self.blocks_per_unit is not None:
