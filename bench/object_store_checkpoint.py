@@ -1,7 +1,8 @@
 """Save and resume through an object store beside the same on local disk, for a model shape.
 
 The model is a random-init Qwen2.5 shape (bench/workspace.py: --size 1.5b is Qwen2.5-1.5B's layers with its
-151,936-id vocabulary and an untied head, 1.78B parameters), fully fine-tuned with AdamW, so a checkpoint holds
+151,936-id vocabulary and an untied head, 1.78B parameters; --size 1.5b-tied is Qwen2.5-1.5B as published, its head
+its embedding, 1.54B), fully fine-tuned with AdamW, so a checkpoint holds
 the fp32 weights and both moments (12 bytes a parameter: about 21 GB at 1.5b); with --master-weights bf16
 (`master_weights: bf16`) the weights and moments are bf16 (6 bytes a parameter: about 11 GB at 1.5b). For each
 location (`local`:
@@ -172,7 +173,11 @@ def main() -> int:
     parser.add_argument("--run-timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--keep", action="store_true", help="keep the output folders (checkpoints) measured")
+    parser.add_argument("--locations", default="local,store",
+                        help="which to measure, in this order: local, store or both (default: local,store)")
     args = parser.parse_args()
+    if not args.locations or set(args.locations.split(",")) - {"local", "store"}:
+        parser.error(f"--locations {args.locations}: local, store, or both separated by a comma")
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
     model_dir, data_file = prepare_workspace(args.size, work, 64, args.maxlen // 2, args.maxlen)
@@ -184,8 +189,8 @@ def main() -> int:
         server.make_bucket("meshtune-bench")
         store = f"s3://meshtune-bench/{args.size}-{int(time.time())}"
     try:
-        rows = [measure(args, work, "local", None, model_dir, data_file, env),
-                measure(args, work, "store", store, model_dir, data_file, env)]
+        rows = [measure(args, work, name, store if name == "store" else None, model_dir, data_file, env)
+                for name in args.locations.split(",")]
         if not args.keep:
             from meshtune.checkpoint.object_store import open_store
 

@@ -30,6 +30,8 @@ SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in w
                  num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
+    "1.5b-tied": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                      num_key_value_heads=2),  # Qwen2.5-1.5B as published: its head is its embedding (1.54 B)
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4),
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
@@ -43,11 +45,12 @@ WARMUP = 5  # steps not timed: first-step allocations, compilation and cache war
 
 
 def model_config(size: str):
-    """The Qwen2 config of a bench size: Qwen2.5's vocabulary (1000 ids for tiny), untied head."""
+    """The Qwen2 config of a bench size: Qwen2.5's vocabulary (1000 ids for tiny), an untied head (a tied one for the
+    sizes named -tied)."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=VOCAB.get(size, 151936), max_position_embeddings=4096, tie_word_embeddings=False,
-                       **SIZES[size])
+    return Qwen2Config(vocab_size=VOCAB.get(size, 151936), max_position_embeddings=4096,
+                       tie_word_embeddings=size.endswith("-tied"), **SIZES[size])
 
 
 def build_model_dir(size: str, root: Path) -> Path:

@@ -86,6 +86,29 @@ def test_each_update_is_torchs_adamw_in_fp32_rounded_to_a_neighbouring_bf16():
         assert torch.equal(ours.state[ours_p]["exp_avg_sq"], ref.state[ref_p]["exp_avg_sq"].bfloat16())
 
 
+def test_a_large_parameter_updated_in_pieces_is_the_update_at_once(monkeypatch):
+    """The reference path steps a parameter over PIECE elements a piece at a time (its fp32 and int64 temporaries a
+    piece's, not a whole embedding's): the weights and moments bit for bit those of the update at once, a
+    non-contiguous one (a transposed view) at once."""
+    from meshtune.train import bf16_adamw_reference
+
+    def stepped(piece: int, transpose: bool = False):
+        monkeypatch.setattr(bf16_adamw_reference, "PIECE", piece)
+        torch.manual_seed(0)
+        weight = (torch.randn(257, 129) * 0.02).bfloat16()
+        p = torch.nn.Parameter(weight.t() if transpose else weight)
+        opt = StochasticBf16AdamW([{"params": [p], "weight_decay": 0.1}], lr=1e-3, seed=5, kernel=False)
+        for _ in range(3):
+            p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-2).bfloat16()
+            opt.step()
+        return p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()
+
+    whole = stepped(1 << 30)
+    for piece in (1000, 4096, 257 * 129 - 1):
+        assert all(torch.equal(a, b) for a, b in zip(stepped(piece), whole)), piece
+    assert all(torch.equal(a, b) for a, b in zip(stepped(1000, transpose=True), stepped(1 << 30, transpose=True)))
+
+
 def test_the_rounding_bits_are_uniform_and_fixed_by_their_key():
     bits = random_16bit(1 << 16, step_key(7), torch.device("cpu"))
     assert torch.equal(bits, random_16bit(1 << 16, step_key(7), torch.device("cpu")))
