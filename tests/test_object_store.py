@@ -17,7 +17,6 @@ from conftest import base_config, run_cli_here, write_config
 from s3_server import S3Server
 from meshtune.checkpoint import CheckpointManager, list_checkpoints, verify
 from meshtune.checkpoint.object_store import DELETING_MARKER, open_store
-from meshtune.checkpoint.manifest import STORE_UPLOAD_STREAMS
 from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.train.loop import run
@@ -89,9 +88,10 @@ def test_a_kill_during_an_upload_leaves_no_complete_and_a_fresh_node_resumes_exa
     manifest = json.loads((store / "checkpoint-4" / "manifest.json").read_text())
     assert set(manifest["save_seconds"]) == {"blocked_s", "published_s"}
     assert manifest["save_seconds"]["blocked_s"] <= manifest["save_seconds"]["published_s"]
-    # each rank's shards as STORE_UPLOAD_STREAMS objects, written at once, none of them a rank's whole state
-    shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
-    assert shards == [f"__0_{i}.distcp" for i in range(STORE_UPLOAD_STREAMS)], shards
+    # each tensor an object of its own: none is a rank's whole state
+    shards = [name for name in manifest["files"] if name.endswith(".distcp")]
+    assert len(shards) > 2 and max(manifest["files"][name]["size"] for name in shards) < 0.6 * sum(
+        manifest["files"][name]["size"] for name in shards), manifest["files"]
 
 
 def test_ckpt_verify_of_a_damaged_final_in_the_store_reports_it_invalid_as_a_local_one(

@@ -197,17 +197,15 @@ def dcp_reader(path: Path | StorePath) -> Any:
     return FileSystemReader(str(path))
 
 
-STORE_UPLOAD_STREAMS = 4  # objects a rank writes at once into a store, each a share of its shards
-
-
 def dcp_writer(path: Path | StorePath) -> Any:
     """DCP's writer for a checkpoint's shards: FileSystemWriter (fsyncs every shard) or FsspecWriter. Into a store
-    each rank writes STORE_UPLOAD_STREAMS objects on as many threads: one upload stream is slower than the store, and
-    no object is a rank's whole state (a multipart upload's object is assembled whole by some servers)."""
+    each tensor is an object of its own (`single_file_per_rank=False`), written one at a time: no object is a rank's
+    whole state, which a server that assembles a multipart upload in memory (moto, some S3-compatible gateways)
+    would hold at once, and the host holds one tensor's upload buffer."""
     if isinstance(path, StorePath):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(str(path), thread_count=STORE_UPLOAD_STREAMS, **path.storage_options)
+        return FsspecWriter(str(path), single_file_per_rank=False, **path.storage_options)
     from torch.distributed.checkpoint import FileSystemWriter
 
     return FileSystemWriter(str(path))
