@@ -200,8 +200,8 @@ def dcp_reader(path: Path | StorePath) -> Any:
 def dcp_writer(path: Path | StorePath) -> Any:
     """DCP's writer for a checkpoint's shards: FileSystemWriter (fsyncs every shard) or FsspecWriter. Into a store
     each tensor is an object of its own (`single_file_per_rank=False`), written one at a time: no object is a rank's
-    whole state, which a server that assembles a multipart upload in memory (moto, some S3-compatible gateways)
-    would hold at once, and the host holds one tensor's upload buffer."""
+    whole state, which a server that assembles a multipart upload in memory (moto's does) would hold at once,
+    and the host holds one tensor's upload buffer."""
     if isinstance(path, StorePath):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
