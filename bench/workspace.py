@@ -30,8 +30,6 @@ SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in w
                  num_key_value_heads=2),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2),
-    "1.5b-tied": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                      num_key_value_heads=2),  # Qwen2.5-1.5B as published: its head is its embedding (1.54 B)
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4),
     "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
@@ -39,6 +37,7 @@ SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in w
     "72b": dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8),
 }
+SIZES["1.5b-tied"] = SIZES["1.5b"]  # Qwen2.5-1.5B as published: its head is its embedding (1.54 B)
 VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "512x8": 1000, "512x8-7b": 6272,  # the others: 151936
          "32b": 152064, "72b": 152064}
 WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up

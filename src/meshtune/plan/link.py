@@ -112,9 +112,10 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
     bf16 = gpus and not cfg.fp16 and cfg.bf16 is not False
     busbw = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
     units = fsdp_units(size, cfg.fsdp_blocks_per_unit)
-    fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=False),
-            "zero2": full_state_bytes(cfg, n, processes, whole_weights=True), "zero3": 0.0}
-    if not gpus:
+    if gpus:
+        fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=False),
+                "zero2": full_state_bytes(cfg, n, processes, whole_weights=True), "zero3": 0.0}
+    else:
         fits = {"ddp": full_state_bytes(cfg, n, 1, whole_weights=False)}
     predicted = {}
     for mode, held in fits.items():

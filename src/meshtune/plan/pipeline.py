@@ -12,7 +12,7 @@ from meshtune.crossing import ModelSize, PipelineShape, full_model_facts, stage_
 from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
-from meshtune.plan.run_plan import LinkChoice
+from meshtune.plan.run_plan import PIPELINE_KEYS, LinkChoice
 
 # decoders whose blocks, embedding, norm and head model/pipeline_parallel.py splits
 PP_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -83,8 +83,7 @@ def unused_pipeline_keys(cfg: TrainConfig, why: dict[str, str]) -> None:
     """The pipeline's keys the config sets where the run has no pipeline: each named in the plan, not silently
     dropped."""
     chosen_by = " (and auto by the link chose none)" if cfg.link_gbps is not None and cfg.parallel == "auto" else ""
-    for key, unset in (("pipeline_schedule", "auto"), ("pipeline_virtual_stages", None),
-                       ("pipeline_row_micro_batches", None)):
+    for key, unset in PIPELINE_KEYS.items():
         if getattr(cfg, key) != unset:
             why[key] = f"not used: the run has no pipeline (pipeline_parallel 1{chosen_by})"
 

@@ -14,6 +14,9 @@ from meshtune.crossing import ModelSize
 from meshtune.distributed import DistEnv
 from meshtune.mesh import ParallelDims
 
+PIPELINE_KEYS = {"pipeline_schedule": "auto", "pipeline_virtual_stages": None,
+                 "pipeline_row_micro_batches": None}  # the keys that shape a pipeline, and their unset values
+
 SHARDED = ("zero2", "zero3", "hsdp")
 
 
@@ -140,8 +143,7 @@ class RunPlan:
             rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" if b > a else "no block"
                                                       for a, b in self.pipeline_stages)))
         else:  # a pipeline's keys the config sets without a pipeline
-            rows += [(key, "not used") for key in ("pipeline_schedule", "pipeline_virtual_stages",
-                                                   "pipeline_row_micro_batches") if key in self.why]
+            rows += [(key, "not used") for key in PIPELINE_KEYS if key in self.why]
         if self.model_parallel > 1 or self.pipeline_parallel > 1:
             rows.append(("device_mesh", " x ".join(f"{name} {size}" for name, size in self.mesh.items())))
         if self.blocks_per_unit is not None:
