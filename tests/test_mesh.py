@@ -86,6 +86,23 @@ def test_the_data_view_matches_the_ranks_the_data_is_dealt_to():
         assert (data.rank, data.world_size, data.local_world_size) == (dims.data_rank, 4, 4)
 
 
+def test_a_stage_that_spans_part_of_a_node_counts_only_its_processes_there():
+    """12 processes, 4 a node, pp 2: stage 0 is node 0 and half of node 1, stage 1 the other half and node 2. A
+    stage's processes on a node come in the same count on every node only as the greatest common divisor of a
+    stage's and a node's (2): groups of that many never cross a node, whatever the stage."""
+    plan = plan_for({"pipeline_parallel": 2, "finetuning_type": "full", "parallel": "ddp",
+                     "gradient_accumulation_steps": 2}, 12, 4)
+    views = [plan.dims(env(12, 4, rank)).data_env() for rank in range(12)]
+    assert [v.local_world_size for v in views] == [2] * 12
+    assert [v.local_rank for v in views] == [0, 1] * 6
+    for rank, view in enumerate(views):  # a group of local_world_size consecutive ranks lies inside one node
+        first = rank - view.local_rank
+        assert first // 4 == (first + view.local_world_size - 1) // 4
+    aligned = plan_for({"pipeline_parallel": 2, "finetuning_type": "full", "parallel": "ddp",
+                        "gradient_accumulation_steps": 2}, 16, 4)
+    assert {aligned.dims(env(16, 4, rank)).data_env().local_world_size for rank in range(16)} == {4}
+
+
 @pytest.mark.parametrize("layout, world, local, message", [
     ({"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 1}, 8, 8, "holds 4 processes, the job 8"),
     ({"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 4}, 8, 2, "tensor_parallel: 4 does not divide the 2"),

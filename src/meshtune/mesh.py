@@ -9,6 +9,7 @@ processes, one of each stage, are therefore `world_size / pp` ranks apart, and a
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -171,12 +172,15 @@ class ParallelDims:
     def share_of_stage(self, rank: int, world_size: int, group: int) -> DistEnv:
         """The process as `rank` of `world_size`, each `group` consecutive processes of its stage one of them: the
         stages are outermost, so the node's share is its processes of this stage (all of them without a pipeline),
-        `group` at a time."""
+        `group` at a time. A stage that fills part of a node (12 processes, 4 a node, pp 2: 4 of stage 0 on node 0,
+        2 on node 1) has no one count a node: the share is the greatest common divisor of a stage's and a node's
+        processes, the largest groups of one count that never cross a node."""
         env, per_stage = self.env, self.per_stage
         if self.pp == 1 and group == 1:  # every process one of them: the process's own view
             return env
-        return replace(env, rank=rank, world_size=world_size, local_rank=env.local_rank % per_stage // group,
-                       local_world_size=max(min(env.local_world_size, per_stage) // group, 1))
+        share = math.gcd(env.local_world_size, per_stage)  # min of the two where one divides the other
+        return replace(env, rank=rank, world_size=world_size, local_rank=env.local_rank % share // group,
+                       local_world_size=max(share // group, 1))
 
     # -- the device mesh -----------------------------------------------------------------------------------------
 
