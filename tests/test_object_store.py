@@ -20,7 +20,7 @@ from meshtune.checkpoint.object_store import DELETING_MARKER, open_store
 from meshtune.cli import main
 from meshtune.config import build_config
 from meshtune.train.loop import run
-from ranks import run_meshtune_ranks
+from ranks import free_port, run_meshtune_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BUCKET = "meshtune-ckpt"
@@ -227,9 +227,9 @@ def two_nodes_save_while_the_store_is_unreachable(env: dict[str, str], url: str,
     manager.save(1, state, {"world_size": world_size})
     manager.wait()
     os.environ.update({"AWS_ENDPOINT_URL": dead, "AWS_MAX_ATTEMPTS": "1"})  # botocore's retries: the same, sooner
-    try:
-        manager.save(2, {**tiny_state(2), "rng": RNGState(rank)}, {"world_size": world_size})
-        manager.wait()
+    try:  # a save that must publish (a run's last): the first failure stops the job
+        manager.save(2, {**tiny_state(2), "rng": RNGState(rank)}, {"world_size": world_size}, must_publish=True)
+        manager.wait(must_publish=True)  # a store's save runs in the background: its outcome comes here
         told = "saved"
     except CheckpointError as error:
         told = str(error)
@@ -239,7 +239,7 @@ def two_nodes_save_while_the_store_is_unreachable(env: dict[str, str], url: str,
 
 
 def test_a_store_unreachable_during_a_save_publishes_nothing_and_every_node_names_the_cause(s3, tmp_path):
-    from ranks import free_port, run_ranks
+    from ranks import run_ranks
 
     url = f"s3://{BUCKET}/unreachable"
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
@@ -251,6 +251,39 @@ def test_a_store_unreachable_during_a_save_publishes_nothing_and_every_node_name
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: .*({re.escape(dead)}|[Cc]onnect)", message), message
     assert [(c.path.name, c.complete) for c in list_checkpoints(url)] == [("checkpoint-1", True)]
+
+
+def test_a_brief_store_outage_skips_saves_training_goes_on_and_a_third_failure_in_a_row_stops_it(
+        s3, monkeypatch, caplog):
+    """Saves into an unreachable store are skipped twice in a row (rank 0 warns, checkpoint-1 stays the resume
+    point, a stop's save at that step would not be taken for written); the third stops the job naming how many
+    failed; once the store answers again a save publishes and the count starts over."""
+    import logging
+
+    from meshtune.checkpoint import CheckpointError
+
+    url = f"s3://{BUCKET}/outage"
+    manager = CheckpointManager(url, None, async_save=False, rank=0, world_size=1)
+    manager.save(1, tiny_state(1), {"world_size": 1})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with caplog.at_level(logging.WARNING, logger="meshtune.checkpoint.manager"):
+        for step, left in ((2, 2), (3, 1)):
+            manager.save(step, tiny_state(step), {"world_size": 1})
+            manager.wait()  # what the next save does first (a store's saves run in the background)
+            assert manager.last_step == 1 and manager.failed_in_row == step - 1
+            warning = caplog.records[-1].getMessage()
+            assert f"checkpoint-{step}" in warning and "checkpoint-1 stays the resume point" in warning, warning
+            assert f"the next save tries again; {left} more failures in a row stop the job" in warning, warning
+    with pytest.raises(CheckpointError, match=r"checkpoint-1 stays the resume point.*\(3 saves in a row failed\)"):
+        manager.save(4, tiny_state(4), {"world_size": 1})
+        manager.wait()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.env["AWS_ENDPOINT_URL"])
+    manager.save(5, tiny_state(5), {"world_size": 1})
+    manager.wait()
+    assert (manager.last_step, manager.published_step, manager.failed_in_row) == (5, 5, 0)
+    manager.close()
+    assert [c.path.name for c in list_checkpoints(url) if c.complete] == ["checkpoint-1", "checkpoint-5"]
 
 
 @pytest.mark.parametrize("credentials", ["missing", "wrong"])

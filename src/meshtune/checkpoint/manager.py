@@ -13,7 +13,10 @@ In an object store (`checkpoint_dir` a URL; checkpoint/object_store.py) there is
 to the checkpoint's own prefix through DCP's FsspecWriter, always in the background (`dcp.async_save`: training
 waits only for the copy to CPU memory), each rank reads back and hashes what it uploaded, and COMPLETE, written
 after the manifest, is what publishes it. A resume from the store reads each object once: every node's processes
-fetch a share each into a node-local folder (`staging`), the checks run on that copy, and DCP loads it.
+fetch a share each into a node-local folder (`staging`), the checks run on that copy, and DCP loads it. A save
+the store fails (an outage, throttling) is skipped, up to STORE_SAVES_SKIPPED in a row: training goes on, the newest
+complete checkpoint stays the resume point and the next save tries again; one more stops the job, and so does a
+failed save that must publish (the last one, or a stop's).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = ["RESUME_COPY", "CheckpointManager", "one_line"]  # one_line: a write 
 
 logger = logging.getLogger(__name__)
 RESUME_COPY = ".resume-copy"  # in output_dir: each node's copy of the checkpoint a resume from a store loads
+STORE_SAVES_SKIPPED = 2  # failed saves in a row into an object store that training goes on after
 
 
 @dataclass
@@ -106,6 +110,8 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._pending: _Pending | None = None
         self.last_step: int | None = None  # the newest checkpoint this run published (or is publishing)
+        self.published_step: int | None = None  # the newest checkpoint this run published
+        self.failed_in_row = 0  # saves into the store that failed since the last published one
         self.last_save_s: float | None = None  # what this rank's newest published save cost: blocked + publishing
         self.on_published: Callable[[int, Path], None] = lambda step, path: None  # rank 0, after each publish
 
@@ -122,12 +128,13 @@ class CheckpointManager:
         if not (periodic or step in self.save_steps_also or (last and (self.save_steps or self.save_steps_also))):
             return False
         before()
-        self.save(step, state, info)
+        self.save(step, state, info, must_publish=last)
         return True
 
-    def save(self, step: int, state: dict[str, Any], info: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], info: dict[str, Any], must_publish: bool = False) -> None:
         """Write `state` as checkpoint `step`; `info` (epoch, world size, parallel mode, mesh, config hash,
-        versions, ...) becomes manifest.json. Sync: returns once published. Async: returns once staged."""
+        versions, ...) becomes manifest.json. Sync: returns once published. Async: returns once staged.
+        `must_publish` (the last save): a store's failure raises rather than being skipped (`_failed`)."""
         self.retention.join()  # the deletions of earlier publishes end before a new checkpoint takes their space
         self.wait()
         started, self.last_step = time.monotonic(), step
@@ -143,8 +150,9 @@ class CheckpointManager:
                 if not self.in_store:
                     raise
                 # the plan is made here, in this thread: a store that does not answer fails it on every rank
-                raise CheckpointError(f"writing {tmp} failed; it is not published and {self._resume_point()}: "
-                                      f"{one_line(error)}") from error
+                self._failed(f"writing {tmp} failed; it is not published and {self._resume_point()}: "
+                             f"{one_line(error)}", error, must_publish)
+                return
             future = getattr(response, "upload_completion", response)  # newer torch may return AsyncSaveResponse
             self._pending = _Pending(step, tmp, {**info, "step": step}, future.result,
                                      time.monotonic() - started, started)
@@ -152,14 +160,18 @@ class CheckpointManager:
         try:
             dcp.save(state, storage_writer=writer)
         except (CheckpointException, OSError) as error:
-            raise CheckpointError(self._write_failure(tmp, error)) from error
+            if not self.in_store:
+                raise CheckpointError(self._write_failure(tmp, error)) from error
+            self._failed(self._write_failure(tmp, error), error, must_publish)
+            return
         maybe_die("save", step, self.rank)
         self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None,
                                  time.monotonic() - started, started)
-        self.wait()
+        self.wait(must_publish)
 
-    def wait(self) -> None:
-        """Finish and publish the save in flight, if any (async mode: call before exit)."""
+    def wait(self, must_publish: bool = False) -> None:
+        """Finish and publish the save in flight, if any (async mode: call before exit). A failure raises, except a
+        store's within STORE_SAVES_SKIPPED in a row when the save need not publish (`_failed`)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -178,7 +190,9 @@ class CheckpointManager:
         outcome = self._publish(pending, reports) if self.rank == 0 else None
         outcome = self.group.broadcast(outcome)
         if outcome:
-            raise CheckpointError(outcome)
+            self._failed(outcome, None, must_publish)
+            return
+        self.published_step, self.failed_in_row = pending.step, 0
         self.last_save_s = pending.staged_s + time.monotonic() - began
         if self.rank == 0:
             self.on_published(pending.step, checkpoint_dir(self.output_dir, pending.step))
@@ -187,7 +201,7 @@ class CheckpointManager:
         """Publish the save in flight and wait for retention's deletions (so `save_total_limit` holds when the job
         ends), then free the dedicated group."""
         try:
-            self.wait()
+            self.wait(must_publish=True)
         finally:
             self.retention.join()
             if self._group is not None:
@@ -221,6 +235,20 @@ class CheckpointManager:
                 delete_sealed(target)
         except Exception as exc:  # the save's own write names the store's error on every rank
             logger.warning(f"warning: could not clear {target} before saving: {type(exc).__name__}: {exc}")
+
+    def _failed(self, outcome: str, cause: Exception | None, must_publish: bool = False) -> None:
+        """A save that was not published, the same on every rank: raised, except a store's (a brief outage or
+        throttling passes) within STORE_SAVES_SKIPPED in a row when it need not publish, which rank 0 logs while
+        training goes on and the next save tries again."""
+        self.last_step = self.published_step  # not written: a stop's save at this step must not be skipped
+        self.failed_in_row += 1
+        if not self.in_store or must_publish or self.failed_in_row > STORE_SAVES_SKIPPED:
+            more = (f" ({self.failed_in_row} saves in a row failed)" if self.in_store and self.failed_in_row > 1
+                    else "")
+            raise CheckpointError(outcome + more) from cause
+        if self.rank == 0:
+            logger.warning(f"warning: {outcome}. Training goes on and the next save tries again; "
+                           f"{STORE_SAVES_SKIPPED + 1 - self.failed_in_row} more failures in a row stop the job")
 
     def _resume_point(self) -> str:
         """What stands after a failed save: the newest complete checkpoint, or that there is none."""

@@ -493,8 +493,8 @@ def save_before_stopping(run: Run, stop: StopRequest, run_info: dict) -> None:
         saved = f"writing checkpoint-{step} ({why})" if fits else f"no checkpoint: {why}"
     logger.info(f"{name} received: stopping after step {step} of {total_steps}; {saved}")
     if fits:
-        checkpoints.save(step, run.state, {**run_info, "epoch": progress.epoch})
-        checkpoints.wait()
+        checkpoints.save(step, run.state, {**run_info, "epoch": progress.epoch}, must_publish=True)
+        checkpoints.wait(must_publish=True)
     logger.info(f"stopped by {name} at step {step} of {total_steps}; the same command resumes from the newest "
                 f"checkpoint")
 
