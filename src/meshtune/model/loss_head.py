@@ -22,7 +22,10 @@ from contextlib import contextmanager
 
 import torch
 
-ROWS_ELEMENTS = 2**28  # about 1 GiB of fp32 logits per chunk
+# logits a chunk: 441 rows of a 152k vocabulary, 128 MiB in bf16. A chunk's logits and their gradient are alive at
+# the end of the forward, the step's peak, beside every kept block's activations: 2**28 (1,765 rows) held about
+# 1 GiB there, which memory_budget's fit then gave to recomputed blocks; 441 rows still fill the matmul units
+ROWS_ELEMENTS = 2**26
 
 
 def chunk_rows(vocab_size: int) -> int:
