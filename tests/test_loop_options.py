@@ -134,16 +134,17 @@ def test_checkpoints_and_evaluations_are_due_at_the_steps_each_strategy_names(tm
     from meshtune.train.evaluation import Evaluator
 
     def saved(manager, total):
-        steps = []
-        manager.save = lambda step, state, info: steps.append(step)
+        steps = []  # (step, must_publish): only the last save may not be skipped when a store fails it
+        manager.save = lambda step, state, info, must_publish=False: steps.append((step, must_publish))
         for step in range(1, total + 1):
             manager.maybe_save(step, {}, {}, last=step == total)
         return steps
 
-    assert saved(CheckpointManager(tmp_path, None, False, 0, 1, save_steps=4), 10) == [4, 8, 10]
+    assert saved(CheckpointManager(tmp_path, None, False, 0, 1, save_steps=4), 10) == [(4, False), (8, False),
+                                                                                        (10, True)]
     by_epoch = CheckpointManager(tmp_path, None, False, 0, 1)
     by_epoch.save_at(frozenset({3, 6}))
-    assert saved(by_epoch, 8) == [3, 6, 8]
+    assert saved(by_epoch, 8) == [(3, False), (6, False), (8, True)]
     assert saved(CheckpointManager(tmp_path, None, False, 0, 1), 8) == []
     evaluator = Evaluator(object(), 1, None, 8, None, None, None, None, also_at=frozenset({3, 6}))
     assert [step for step in range(1, 9) if evaluator.due(step)] == [3, 6, 8]
