@@ -170,6 +170,18 @@ def test_auto_recomputation_arithmetic(monkeypatch):
     assert ("holds 0.50 GiB of activations; the allocator held 3.00 GiB more at its peak; memory_budget 20.00 GiB"
             in line)
     assert "the allocator held" not in MemoryFit(28, 4, 10 * GIB, GIB / 2, 20 * GIB, 4096).describe()
+    # Q-LoRA of a 32B model on a 24 GiB card (measured, 1 x H100 capped at 24 GiB): every block recomputed takes
+    # 22.17 GiB and the allocator 0.58 more, over the default 90% share; the refusal names the budget that trains it
+    refused = MemoryFit(64, 0, 22.17 * GIB, 0.0, 21.6 * GIB, 1894, cached_all=0.58 * GIB, card=24 * GIB).describe()
+    assert "each block kept" not in refused  # not measured where nothing fits
+    assert "memory_budget 21.60 GiB (the default, 90% of the card's 24.00 GiB)" in refused
+    assert ("it does not fit even with every block recomputed. The card has room for it: memory_budget: 22.9 trains "
+            "it with every block recomputed, 0.52 GiB of the card left" in refused), refused
+    assert blocks_to_keep(22.17 * GIB, 0.0, 22.9 * GIB, 64) == 64  # that budget does fit the fit's own rule
+    tight = MemoryFit(64, 0, 23.2 * GIB, 0.0, 21.6 * GIB, 1894, cached_all=0.58 * GIB, card=24 * GIB).describe()
+    assert "The card has room" not in tight and "Lower per_device_train_batch_size" in tight
+    named = MemoryFit(64, 0, 22.17 * GIB, 0.0, 20 * GIB, 1894, cached_all=0.58 * GIB).describe()  # a set budget
+    assert "The card has room" not in named and "(the default" not in named
     layer = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(layer.parameters())
     assert pending_optimizer_bytes(optimizer, list(layer.parameters())) == 2 * 15 * 4  # two fp32 moments

@@ -12,6 +12,7 @@ dropped and the random state put back afterwards, so the run trains exactly as i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from meshtune.train.objectives import Objective, normalised
 GIB = 2**30
 DEFAULT_SHARE = 0.9  # of the card: CUDA's context, NCCL's buffers and the allocator's cache live outside the count
 HEADROOM = 0.03  # of the budget: allocator rounding, and steps that differ from the measured one in ways not modelled
+CONTEXT_BYTES = 0.5 * GIB  # of the card outside the allocator: CUDA's context with cuBLAS's and kernels' memory
 
 
 @dataclass
@@ -42,6 +44,7 @@ class MemoryFit:
     budget: float
     tokens: int  # of the measured micro-batch
     cached_all: float = 0.0  # bytes the allocator held beyond its peak allocation in the step measured
+    card: float = 0.0  # bytes of the smallest card (or gpu_memory_limit), where the budget is the default share
 
     @property
     def ratio(self) -> float:
@@ -51,15 +54,30 @@ class MemoryFit:
         gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
         # what the allocator caches besides its allocations needs the card too, but is not counted in the budget
         cached = f"; the allocator held {gib(self.cached_all)} more at its peak" if self.cached_all else ""
+        fits = self.peak_all <= self.budget  # a kept block is measured only then
+        kept = f", and each block kept holds {gib(self.per_block)} of activations" if fits else ""
         head = (f"gradient_checkpointing_ratio auto: a step of the largest micro-batch ({self.tokens:,} tokens) takes "
-                f"{gib(self.peak_all)} with every block recomputed, and each block kept holds {gib(self.per_block)} of "
-                f"activations{cached}; memory_budget {gib(self.budget)}")
-        if self.peak_all > self.budget:
-            return (f"{head}: it does not fit even with every block recomputed. Lower per_device_train_batch_size "
-                    f"(with more gradient_accumulation_steps for the same global batch) or cutoff_len, shard more "
-                    f"(parallel: zero3, more GPUs), or raise memory_budget if the card has room")
+                f"{gib(self.peak_all)} with every block recomputed{kept}{cached}; memory_budget {gib(self.budget)}"
+                + (f" (the default, {DEFAULT_SHARE:.0%} of the card's {gib(self.card)})" if self.card else ""))
+        if not fits:
+            return (f"{head}: it does not fit even with every block recomputed. {self.room_on_the_card()}Lower "
+                    f"per_device_train_batch_size (with more gradient_accumulation_steps for the same global batch) "
+                    f"or cutoff_len, shard more (parallel: zero3, more GPUs), or raise memory_budget if the card has "
+                    f"room")
         return (f"{head} -> {self.blocks - self.kept} of {self.blocks} blocks recomputed (ratio "
                 f"{self.ratio:.2f}), step peak at most about {gib(self.peak_all + self.kept * self.per_block)}")
+
+
+    def room_on_the_card(self) -> str:
+        """Where only the default share refused the step: the memory_budget that trains it with every block
+        recomputed, if that step and the allocator's cache leave CONTEXT_BYTES of the card free."""
+        needed = math.ceil(self.peak_all / (1 - HEADROOM) / GIB * 10) / 10  # GiB, the fit's headroom included
+        spare = self.card - needed * GIB - self.cached_all
+        if not self.card or spare < CONTEXT_BYTES:
+            return ""
+        return (f"The card has room for it: memory_budget: {needed:g} trains it with every block recomputed, "
+                f"{spare / GIB:.2f} GiB of the card left beside the allocator's cache for CUDA's context (the "
+                f"default share keeps {1 - DEFAULT_SHARE:.0%} for it, NCCL's buffers and the cache). Else ")
 
 
 def budget_bytes(memory_budget: float | None, card: float) -> float:
@@ -209,8 +227,11 @@ def fit_run_to_memory(model: torch.nn.Module, objective: Objective, params: list
         return held
 
     # the smallest card of the job, or gpu_memory_limit where lower: one budget for every rank (a collective)
-    budget = budget_bytes(memory_budget, smallest_gpu_memory(device, gpu_memory_limit))
+    card = smallest_gpu_memory(device, gpu_memory_limit)
+    budget = budget_bytes(memory_budget, card)
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
+    if memory_budget is None:
+        fit.card = card  # the refusal can say what budget the card has room for
     if fit.peak_all > fit.budget:  # the same on every rank (the largest figures decide): all stop before step 1
         raise MemoryFitError(fit.describe() + more_room)
     return fit.ratio, fit.describe()
