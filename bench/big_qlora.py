@@ -9,6 +9,12 @@ not the processes'), the load time, and tokens/s after the warm-up steps.
 
     python bench/big_qlora.py --size 32b --gpus 2 --gpu-memory-limit 24 --steps 20 --work /tmp/big-qlora
     python bench/big_qlora.py --size tiny --gpus 1 --steps 3 --work /tmp/bq   # CPU smoke run
+
+The plan's choice against alternatives, one run each on the same model files (`default` is the plan's own; a run the
+plan refuses, such as the memory fit's "does not fit", is reported with that error and the others still run):
+
+    python bench/big_qlora.py --size 32b --gpus 1 --parallel auto --gpu-memory-limit 24 --steps 12 \
+        --variants "default;gradient_checkpointing_ratio=1.0;torch_compile=false" --json results/32b.json
 """
 
 from __future__ import annotations
@@ -106,7 +112,9 @@ class HostMemory:
         return self.peak
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, extra: dict | None = None) -> dict:
+    """One training run of `args` with the config keys of --set and `extra`; SystemExit naming the log's end where
+    meshtune fails."""
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = Path(args.model_dir) if args.model_dir else work / f"model-{args.size}"
@@ -124,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.gpu_memory_limit:
         cfg["gpu_memory_limit"] = args.gpu_memory_limit
     cfg.update(yaml.safe_load(f"{{{', '.join(item.replace('=', ': ', 1) for item in args.set)}}}") or {})
+    cfg.update(extra or {})
     config = work / "big_qlora.yaml"
     config.write_text(yaml.safe_dump(cfg))
     log = work / "train.log"
@@ -151,7 +160,8 @@ def run(args: argparse.Namespace) -> dict:
     timed, seconds = timed_records(records)
     load = re.search(r"in ([\d.]+) s", line)
     gpu_loading = re.search(r"GPU peak ([\d.]+) GiB", line)
-    return dict(size=args.size, gpus=args.gpus, settings=args.set, gpu_memory_limit_gib=args.gpu_memory_limit,
+    return dict(size=args.size, gpus=args.gpus, settings=args.set + [f"{k}={v}" for k, v in (extra or {}).items()],
+                gpu_memory_limit_gib=args.gpu_memory_limit,
                 parallel=args.parallel, rank=args.rank, batch=args.batch, steps=len(records), build_line=line,
                 write_model_s=round(write_s, 1), load_s=float(load.group(1)) if load else None,
                 gpu_peak_loading_gib=float(gpu_loading.group(1)) if gpu_loading else None,
@@ -182,14 +192,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=540, help="seconds the training run may take")
     parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more meshtune config keys")
+    parser.add_argument("--variants", default=None,
+                        help="';'-separated runs on the same model, each 'default' or KEY=VALUE,...: the plan's own "
+                             "choice against alternatives (each reported, a refused one with its error)")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
         print(f"note: only steps after the first {WARMUP} are timed", file=sys.stderr)
     return args
 
 
+def parse_variant(text: str) -> dict:
+    """'default' or 'key=value,key=value' (values as YAML) -> config keys, as bench/speed_table.py reads them."""
+    if text.strip() in ("", "default"):
+        return {}
+    pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
+    return {key.strip(): yaml.safe_load(value) for key, value in pairs}
+
+
+def run_variants(args: argparse.Namespace) -> list[dict]:
+    """One run per variant of --variants on the same model files; a failed run reported with meshtune's own error
+    line (the last `meshtune: error` of its log, or the log's end) rather than ending the others."""
+    results = []
+    for variant in (v.strip() for v in args.variants.split(";")):
+        try:
+            result = run(args, parse_variant(variant))
+        except SystemExit as failed:
+            text = str(failed)
+            named = [line for line in text.splitlines() if line.startswith("meshtune: error")]
+            result = dict(size=args.size, gpus=args.gpus, error=(named[-1] if named else text[-1500:]))
+        results.append(dict(variant=variant or "default", **result))
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def comparison(results: list[dict]) -> str:
+    """The variants side by side, and whether the plan's own choice (`default`) was the fastest that trained."""
+    rows = ["| variant | tokens/s | GPU peak training GiB | load s |", "|---|---:|---:|---:|"]
+    for r in results:
+        rows.append(f"| {r['variant']} | " + (f"{r['tokens_per_s']:,} | {r['gpu_peak_gib']:.2f} | {r['load_s']} |"
+                                               if "error" not in r else f"did not train: {r['error']} | | |"))
+    trained = [r for r in results if "error" not in r and r.get("tokens_per_s")]
+    default = next((r for r in results if r["variant"] == "default"), None)
+    if default is None:
+        verdict = "no default variant: the plan's own choice was not run"
+    elif "error" in default:
+        verdict = "the plan's own choice did not train"
+    else:
+        fastest = max(trained, key=lambda r: r["tokens_per_s"])
+        verdict = ("the plan's own choice was the fastest that trained" if fastest is default else
+                   f"the plan's own choice was not the fastest: {fastest['variant']} ran "
+                   f"{fastest['tokens_per_s'] / default['tokens_per_s']:.2f}x its tokens/s")
+    return "\n".join(rows + ["", verdict])
+
+
 def main() -> None:
     args = parse_args()
+    if args.variants:
+        results = run_variants(args)
+        print(comparison(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        return
     result = run(args)
     print(json.dumps(result, indent=1))
     if args.json:

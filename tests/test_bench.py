@@ -582,6 +582,38 @@ def test_big_qlora_script_writes_a_sharded_random_model_and_reports_memory_and_s
                 assert float(f.get_tensor("model.norm.weight").float().mean()) == 1.0
 
 
+@pytest.mark.slow
+def test_big_qlora_variants_run_on_one_model_and_a_refused_one_is_reported_with_its_error(tmp_path):
+    """--variants: the plan's own run and an alternative on the same model files; the one meshtune refuses is
+    reported with its named error and does not end the others."""
+    result = run([sys.executable, str(REPO / "bench" / "big_qlora.py"), "--size", "tiny-nf4", "--gpus", "1",
+                  "--parallel", "auto", "--steps", "6", "--minlen", "32", "--maxlen", "128", "--samples", "64",
+                  "--work", str(tmp_path / "work"), "--shard-gb", "0.001", "--variants", "lora_rank=-1;default",
+                  "--json", str(tmp_path / "big.json")], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    refused, default = json.loads((tmp_path / "big.json").read_text())
+    assert refused["variant"] == "lora_rank=-1" and refused["error"].startswith("meshtune: error: ")
+    assert "lora_rank=-1" in refused["error"] and "tokens_per_s" not in refused
+    assert default["variant"] == "default" and default["tokens_per_s"] > 0 and default["steps"] == 6
+    assert "the plan's own choice was the fastest that trained" in result.stdout
+
+
+def test_big_qlora_comparison_says_whether_the_plans_choice_was_the_fastest():
+    from big_qlora import comparison
+
+    def ran(variant, rate):
+        return dict(variant=variant, tokens_per_s=rate, gpu_peak_gib=20.0, load_s=20.0)
+
+    assert comparison([ran("default", 1800), ran("torch_compile=false", 1500)]).endswith(
+        "the plan's own choice was the fastest that trained")
+    assert comparison([ran("default", 1500), ran("gradient_checkpointing_ratio=0.5", 1800)]).endswith(
+        "the plan's own choice was not the fastest: gradient_checkpointing_ratio=0.5 ran 1.20x its tokens/s")
+    refused = dict(variant="default", error="meshtune: error: gradient_checkpointing_ratio auto: ... does not fit")
+    text = comparison([refused, ran("gradient_checkpointing_ratio=1.0", 1815)])
+    assert "| default | did not train: meshtune: error:" in text and text.endswith("did not train")
+    assert comparison([ran("torch_compile=false", 1500)]).endswith("the plan's own choice was not run")
+
+
 def test_the_run_at_peer_memory_takes_the_lowest_peak_of_the_rows_peers():
     from speed_table import at_peer_memory, parse_variant
 
