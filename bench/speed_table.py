@@ -32,6 +32,8 @@ A machine held for a fixed time window: a part per window (a preset or a list of
   python3 bench/speed_table.py --merge results/a/speed.json results/b/speed.json --out results
 Q-LoRA 7B beside its bitsandbytes peer, then meshtune once more at the peer's memory (one GPU):
   python3 bench/speed_table.py --rows qlora-7b --out results
+The same ratio at the peer's memory only, in 3 alternating rounds (peer, then meshtune):
+  python3 bench/speed_table.py --rows qlora-7b --peers bnb --repeats 3 --only-at-peer-memory --out results
 Long samples under context parallel (each GPU holds a quarter of every row; the zero3 row shows what fits without):
   python3 bench/speed_table.py --rows long-context --no-peer --minlen 30000 \
     --maxlen 32768 --steps 6
@@ -153,12 +155,15 @@ def row_peers(row: Row, kinds: list[str]) -> list[str]:
     return [kind for kind in kinds if kind in MODE_PEERS[row.mode]] if row.peer else []
 
 
-def row_runs(row: Row, variants: list[str], peer_kinds: list[str], at_peer_memory: bool) -> list[tuple]:
+def row_runs(row: Row, variants: list[str], peer_kinds: list[str], at_peer_memory: bool,
+             only_at_peer_memory: bool = False) -> list[tuple]:
     """A row's runs in a round, in order, as (system, variant index, variant): meshtune's variants (on one process,
-    those that train differently), the peers of its mode that --peers names, then meshtune at their memory."""
-    runs = [("meshtune", index, variant) for index, variant in enumerate(variants)
-            if row.gpus > 1 or one_process_equivalent(variant, variants) == variant]
+    those that train differently), the peers of its mode that --peers names, then meshtune at their memory; with
+    `only_at_peer_memory`, a row that has peers runs them and that last run alone (a round: peer, then meshtune)."""
     peers = row_peers(row, peer_kinds)
+    runs = [("meshtune", index, variant) for index, variant in enumerate(variants)
+            if (row.gpus > 1 or one_process_equivalent(variant, variants) == variant)
+            and not (only_at_peer_memory and peers)]
     runs += [(kind, None, None) for kind in peers]
     if at_peer_memory and peers:
         runs.append(("at-peer-memory", None, None))
@@ -404,6 +409,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the run that follows a row's peers by default: meshtune's defaults with memory_budget "
                         "set to the lowest peak memory of those peers (gradient_checkpointing_ratio auto then fits the "
                         "step into it), the comparison at no more memory than the peer")
+    p.add_argument("--only-at-peer-memory", action="store_true",
+                   help="a row with peers runs only its peers and then meshtune at their memory (each round: peer, "
+                        "then meshtune), not meshtune's own variants: with --repeats 3, the ratio at the peer's memory "
+                        "in alternating rounds in the least time")
     p.add_argument("--peer", default=str(Path(__file__).resolve().parent / "peer_hf.py"),
                    help="the peer script (its arguments and JSON line as bench/peer_hf.py's)")
     p.add_argument("--steps", type=int, default=25, help=f"optimizer steps a run, the first {WARMUP} not timed")
@@ -443,6 +452,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--peer {args.peer}: no such file (or --no-peer)")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: at least 1")
+    if args.only_at_peer_memory and not (args.at_peer_memory and args.peer_kinds):
+        p.error("--only-at-peer-memory needs the peers and the run at their memory (drop --no-peer and "
+                "--no-at-peer-memory)")
     if wrong := timing_problem(args.steps, args.warmup, args.logging_steps):
         p.error(wrong)
     return args
@@ -480,7 +492,7 @@ def run_rows(args) -> None:
 
     for round_, name in ((r, name) for r in range(args.repeats) for name in args.rows.split(",")):
         row = ROWS[name]
-        runs = row_runs(row, args.variants.split(";"), args.peer_kinds, args.at_peer_memory)
+        runs = row_runs(row, args.variants.split(";"), args.peer_kinds, args.at_peer_memory, args.only_at_peer_memory)
         if row.gpus > max(gpus, 1):
             if round_ == 0:
                 add(dict(row=name, system="meshtune", gpus=row.gpus,

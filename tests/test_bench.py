@@ -191,6 +191,14 @@ def test_a_qlora_row_runs_the_bitsandbytes_peer_on_meshtunes_model_folder_then_m
     assert row_runs(ROWS["qlora-7b"], ["default"], ["plain"], True) == [("meshtune", 0, "default")]
     assert row_runs(ROWS["full-1.5b"], ["default"], ["liger"], True) == [
         ("meshtune", 0, "default"), ("liger", None, None), ("at-peer-memory", None, None)]
+    assert row_runs(ROWS["full-1.5b"], ["default"], ["liger"], True, only_at_peer_memory=True) == [
+        ("liger", None, None), ("at-peer-memory", None, None)]  # a round: the peer, then meshtune at its memory
+    assert row_runs(ROWS["lora-1.5b-2gpu"], ["default"], every, True, only_at_peer_memory=True) == [
+        ("meshtune", 0, "default")]  # a row without peers runs as it would
+    assert parse_args(["--rows", "qlora-7b", "--only-at-peer-memory"]).only_at_peer_memory
+    for refused in (["--no-peer"], ["--no-at-peer-memory"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--rows", "qlora-7b", "--only-at-peer-memory", *refused])
 
     results = [dict(row="qlora-7b", system="meshtune", peak_gib=9.12),
                dict(row="qlora-7b", system="hf_trainer+peft+bnb", peak_gib=14.5)]
