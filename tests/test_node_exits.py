@@ -78,6 +78,21 @@ def test_a_workers_error_reaches_the_other_nodes_before_its_worker_stops_its_age
         assert channels[1].cause is None and not (tmp_path / "node0" / TOLD).exists()
 
 
+def test_a_launcher_leaving_right_after_its_workers_end_still_posts_them_done(tmp_path):
+    """Node 1's workers end and its launcher leaves before its channel's next poll (a signal to the whole node):
+    the channel posts the end on its way out, so node 0 ends its torchrun at once instead of after AGENT_EXIT_S."""
+    done = {0: False, 1: False}
+    store, channels = two_launchers(tmp_path, done)
+    channels[1].__enter__()
+    time.sleep(0.6)  # a few polls with the workers running
+    done[1] = True
+    channels[1].__exit__(None, None, None)  # at once: no poll saw the workers done
+    assert channels[1]._done_posted and store.add("meshtune/job-1/done", 0) == 1
+    with channels[0]:
+        done[0] = True
+        assert wait_until(channels[0].all_done, 5)
+
+
 def test_each_launcher_learns_when_every_nodes_workers_are_done(tmp_path):
     done = {0: False, 1: False}
     _store, channels = two_launchers(tmp_path, done)

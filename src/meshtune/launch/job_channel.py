@@ -124,6 +124,18 @@ class JobChannel:
                     self._exchange(store)
             except Exception:  # noqa: BLE001 - the store went away (node 0 ended): torchrun's end says the rest
                 store = None
+        self._post_done_on_leaving(store)
+
+    def _post_done_on_leaving(self, store) -> None:
+        """The launcher is leaving (its torchrun ended) with its workers done between two polls: post it now, or
+        the other nodes' launchers wait AGENT_EXIT_S for this node instead of ending their torchruns at once."""
+        if store is None or self._done_posted or self.cause is not None or not self.workers_done():
+            return
+        try:
+            store.add(done_key(self.settings.run_id), 1)
+            self._done_posted = True
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for this node
+            pass
 
     def _tell_error(self, store) -> None:
         """This node's worker reported an error: post it (once) and wait for the others to read it, then let the
