@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from processes import descendants, kill_tree  # noqa: E402
-from workspace import WARMUP, model_config, timed_records, workspace_samples, write_cached_dataset  # noqa: E402
+from workspace import (WARMUP, model_config, parse_variant, timed_records, workspace_samples,  # noqa: E402
+                       write_cached_dataset)
 
 def write_random_model(size: str, out: Path, shard_bytes: float = 5e9) -> float:
     """config, tokenizer and bf16 safetensors shards (`shard_bytes` each at most, 5 GB as transformers writes) of
@@ -199,14 +200,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps <= WARMUP:
         print(f"note: only steps after the first {WARMUP} are timed", file=sys.stderr)
     return args
-
-
-def parse_variant(text: str) -> dict:
-    """'default' or 'key=value,key=value' (values as YAML) -> config keys, as bench/speed_table.py reads them."""
-    if text.strip() in ("", "default"):
-        return {}
-    pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
-    return {key.strip(): yaml.safe_load(value) for key, value in pairs}
 
 
 def run_variants(args: argparse.Namespace) -> list[dict]:

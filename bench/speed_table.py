@@ -68,8 +68,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import kill_tree  # noqa: E402
 from trace_summary import summarize_files as summarize_traces  # noqa: E402
-from workspace import (WARMUP, build_model_dir, prepare_workspace, timed_records, timing_problem,  # noqa: E402
-                       workspace_samples)
+from workspace import (WARMUP, build_model_dir, parse_variant, prepare_workspace, timed_records,  # noqa: E402
+                       timing_problem, workspace_samples)
 
 from meshtune.hardware import measure_peak_flops  # noqa: E402
 from meshtune.model.flops import FlopCounter  # noqa: E402
@@ -201,14 +201,6 @@ def one_process_equivalent(variant: str, variants: list[str]) -> str:
     alone = {k: v for k, v in parse_variant(variant).items() if k not in CROSS_PROCESS_KEYS}
     return next(v for v in variants
                 if {k: x for k, x in parse_variant(v).items() if k not in CROSS_PROCESS_KEYS} == alone)
-
-
-def parse_variant(text: str) -> dict:
-    """'default' or 'key=value,key=value' (values as YAML) -> config overrides."""
-    if text.strip() in ("", "default"):
-        return {}
-    pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
-    return {key.strip(): yaml.safe_load(value) for key, value in pairs}
 
 
 class Deadline:

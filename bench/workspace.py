@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 SIZES = {  # Qwen2.5 shapes; tiny: CPU smoke tests (tiny-nf4: block weights in whole NF4 scale groups, for Q-LoRA)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -41,6 +42,14 @@ SIZES["1.5b-tied"] = SIZES["1.5b"]  # Qwen2.5-1.5B as published: its head is its
 VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "512x8": 1000, "512x8-7b": 6272,  # the others: 151936
          "32b": 152064, "72b": 152064}
 WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up
+
+
+def parse_variant(text: str) -> dict:
+    """'default' or 'key=value,key=value' (values as YAML) -> config overrides."""
+    if text.strip() in ("", "default"):
+        return {}
+    pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
+    return {key.strip(): yaml.safe_load(value) for key, value in pairs}
 
 
 def model_config(size: str):

@@ -159,15 +159,12 @@ class CheckpointManager:
             return
         try:
             dcp.save(state, storage_writer=writer)
-        except (CheckpointException, OSError) as error:
-            if not self.in_store:
-                raise CheckpointError(self._write_failure(tmp, error)) from error
-            self._failed(self._write_failure(tmp, error), error, must_publish)
-            return
+        except (CheckpointException, OSError) as error:  # a file system's (a store's saves are always async)
+            raise CheckpointError(self._write_failure(tmp, error)) from error
         maybe_die("save", step, self.rank)
         self._pending = _Pending(step, tmp, {**info, "step": step}, lambda: None,
                                  time.monotonic() - started, started)
-        self.wait(must_publish)
+        self.wait()
 
     def wait(self, must_publish: bool = False) -> None:
         """Finish and publish the save in flight, if any (async mode: call before exit). A failure raises, except a

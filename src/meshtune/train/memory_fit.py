@@ -67,7 +67,6 @@ class MemoryFit:
         return (f"{head} -> {self.blocks - self.kept} of {self.blocks} blocks recomputed (ratio "
                 f"{self.ratio:.2f}), step peak at most about {gib(self.peak_all + self.kept * self.per_block)}")
 
-
     def room_on_the_card(self) -> str:
         """Where only the default share refused the step: the memory_budget that trains it with every block
         recomputed, if that step and the allocator's cache leave CONTEXT_BYTES of the card free."""
