@@ -67,7 +67,9 @@ class ModelKeys(Keys):
                                               "in GiB (above 1) or as a fraction of the card (or of gpu_memory_limit) "
                                               "(1 or less), counted as torch allocates it "
                                               "(torch.cuda.max_memory_allocated, the speed table's peak GiB). Default "
-                                              "0.9 of the card", gt=0.0, scope=JOB)
+                                              "0.9 of the card; a step over it that fits with every block "
+                                              "recomputed still trains where the card keeps 0.5 GiB (1 GiB with "
+                                              "NCCL) free beside the allocator's cache", gt=0.0, scope=JOB)
     bf16: bool | None = MODEL(None, "bf16 compute on GPUs (fp32 master weights); default: on where the GPU supports "
                                     "it; CPU runs fp32")
     fp16: bool = MODEL(False, "fp16 compute on GPUs without bf16 (V100, T4), as HF's fp16: autocast to fp16 with a "

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtune.data.sampler import GlobalBatchPlan, Row
@@ -33,6 +34,7 @@ GIB = 2**30
 DEFAULT_SHARE = 0.9  # of the card: CUDA's context, NCCL's buffers and the allocator's cache live outside the count
 HEADROOM = 0.03  # of the budget: allocator rounding, and steps that differ from the measured one in ways not modelled
 CONTEXT_BYTES = 0.5 * GIB  # of the card outside the allocator: CUDA's context with cuBLAS's and kernels' memory
+NCCL_BYTES = 0.5 * GIB  # outside the allocator too where processes talk over NCCL: its channels' buffers
 
 
 @dataclass
@@ -45,6 +47,7 @@ class MemoryFit:
     tokens: int  # of the measured micro-batch
     cached_all: float = 0.0  # bytes the allocator held beyond its peak allocation in the step measured
     card: float = 0.0  # bytes of the smallest card (or gpu_memory_limit), where the budget is the default share
+    outside: float = CONTEXT_BYTES  # bytes of the card the allocator never sees (CUDA's context, NCCL's buffers)
 
     @property
     def ratio(self) -> float:
@@ -59,6 +62,11 @@ class MemoryFit:
         head = (f"gradient_checkpointing_ratio auto: a step of the largest micro-batch ({self.tokens:,} tokens) takes "
                 f"{gib(self.peak_all)} with every block recomputed{kept}{cached}; memory_budget {gib(self.budget)}"
                 + (f" (the default, {DEFAULT_SHARE:.0%} of the card's {gib(self.card)})" if self.card else ""))
+        if not fits and self.trains_on_the_card():
+            return (f"{head}: over the default share, but the card has room for it -> every block recomputed (ratio "
+                    f"1.00), {gib(self.spare_on_the_card())} of the card left beside the allocator's cache for what "
+                    f"it never sees (CUDA's context{', NCCL' if self.outside > CONTEXT_BYTES else ''}); a kept block "
+                    f"would not fit")
         if not fits:
             return (f"{head}: it does not fit even with every block recomputed. {self.room_on_the_card()}Lower "
                     f"per_device_train_batch_size (with more gradient_accumulation_steps for the same global batch) "
@@ -67,16 +75,28 @@ class MemoryFit:
         return (f"{head} -> {self.blocks - self.kept} of {self.blocks} blocks recomputed (ratio "
                 f"{self.ratio:.2f}), step peak at most about {gib(self.peak_all + self.kept * self.per_block)}")
 
+    def needed_budget(self) -> float:
+        """GiB of memory_budget that fits the step with every block recomputed, the fit's headroom included."""
+        return math.ceil(self.peak_all / (1 - HEADROOM) / GIB * 10) / 10
+
+    def spare_on_the_card(self) -> float:
+        """Bytes of the card left beside that budget and the allocator's cache (0 where the budget was set)."""
+        return self.card - self.needed_budget() * GIB - self.cached_all if self.card else 0.0
+
+    def trains_on_the_card(self) -> bool:
+        """The default share is only a default: a step that fits the card itself with every block recomputed, what
+        the allocator never sees still left free, trains (a 32B model's Q-LoRA on a 24 GiB card is such a step)."""
+        return bool(self.card) and self.spare_on_the_card() >= self.outside
+
     def room_on_the_card(self) -> str:
-        """Where only the default share refused the step: the memory_budget that trains it with every block
-        recomputed, if that step and the allocator's cache leave CONTEXT_BYTES of the card free."""
-        needed = math.ceil(self.peak_all / (1 - HEADROOM) / GIB * 10) / 10  # GiB, the fit's headroom included
-        spare = self.card - needed * GIB - self.cached_all
+        """Where only the default share refused the step but the card is short of what the allocator never sees:
+        the memory_budget that trains it, if CUDA's context alone would fit beside it."""
+        spare = self.spare_on_the_card()
         if not self.card or spare < CONTEXT_BYTES:
             return ""
-        return (f"The card has room for it: memory_budget: {needed:g} trains it with every block recomputed, "
-                f"{spare / GIB:.2f} GiB of the card left beside the allocator's cache for CUDA's context (the "
-                f"default share keeps {1 - DEFAULT_SHARE:.0%} for it, NCCL's buffers and the cache). Else ")
+        return (f"The card has room for it: memory_budget: {self.needed_budget():g} trains it with every block "
+                f"recomputed, {spare / GIB:.2f} GiB of the card left beside the allocator's cache for CUDA's context "
+                f"(the default share keeps {1 - DEFAULT_SHARE:.0%} for it, NCCL's buffers and the cache). Else ")
 
 
 def budget_bytes(memory_budget: float | None, card: float) -> float:
@@ -230,7 +250,13 @@ def fit_run_to_memory(model: torch.nn.Module, objective: Objective, params: list
     budget = budget_bytes(memory_budget, card)
     fit = fit_recomputation(model, step, pending_optimizer_bytes(optimizer, params), budget, batch.num_tokens, device)
     if memory_budget is None:
-        fit.card = card  # the refusal can say what budget the card has room for
-    if fit.peak_all > fit.budget:  # the same on every rank (the largest figures decide): all stop before step 1
+        fit.card = card  # the default share may give way to the card's own room
+        fit.outside = CONTEXT_BYTES + (NCCL_BYTES if talks_over_nccl() else 0.0)
+    # the same on every rank (the largest figures decide): all train, or all stop before step 1
+    if fit.peak_all > fit.budget and not fit.trains_on_the_card():
         raise MemoryFitError(fit.describe() + more_room)
     return fit.ratio, fit.describe()
+
+
+def talks_over_nccl() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "nccl"
