@@ -177,7 +177,7 @@ def test_a_step_over_the_default_share_that_the_card_holds_trains_with_every_blo
     assert len(run(cfg).records) == 2
     plan = json.loads((tmp_path / "out" / "run_plan.json").read_text())
     assert plan["recompute"] == 1.0
-    assert ("over the default share, but the card has room for it -> every block recomputed (ratio 1.00), 0.52 GiB"
+    assert ("over the default share, but the card has room for it -> every block recomputed (ratio 1.00), 0.56 GiB"
             in plan["why"]["gradient_checkpointing"]), plan["why"]["gradient_checkpointing"]
 
 
@@ -215,8 +215,12 @@ def test_auto_recomputation_arithmetic(monkeypatch):
     on_card = MemoryFit(64, 0, 22.17 * GIB, 0.0, 21.6 * GIB, 1894, cached_all=0.58 * GIB, card=24 * GIB)
     assert on_card.trains_on_the_card() and on_card.ratio == 1.0
     assert ("memory_budget 21.60 GiB (the default, 90% of the card's 24.00 GiB): over the default share, but the "
-            "card has room for it -> every block recomputed (ratio 1.00), 0.52 GiB of the card left" in
+            "card has room for it -> every block recomputed (ratio 1.00), 0.56 GiB of the card left" in
             on_card.describe()), on_card.describe()
+    # measured too: 0.61 GiB of cache (combo kernels) leaves 0.52 beside the step and its headroom, which trains; the
+    # budget a user would write, rounded up to 22.9, is for the message alone
+    assert MemoryFit(64, 0, 22.18 * GIB, 0.0, 21.6 * GIB, 1894, cached_all=0.61 * GIB, card=24 * GIB
+                     ).trains_on_the_card()
     tight = MemoryFit(64, 0, 23.2 * GIB, 0.0, 21.6 * GIB, 1894, cached_all=0.58 * GIB, card=24 * GIB)
     assert not tight.trains_on_the_card()
     tight = tight.describe()

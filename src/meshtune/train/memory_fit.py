@@ -76,12 +76,15 @@ class MemoryFit:
                 f"{self.ratio:.2f}), step peak at most about {gib(self.peak_all + self.kept * self.per_block)}")
 
     def needed_budget(self) -> float:
-        """GiB of memory_budget that fits the step with every block recomputed, the fit's headroom included."""
+        """GiB of memory_budget that fits the step with every block recomputed, the fit's headroom included (rounded
+        up to a tenth, as a key's value)."""
         return math.ceil(self.peak_all / (1 - HEADROOM) / GIB * 10) / 10
 
-    def spare_on_the_card(self) -> float:
-        """Bytes of the card left beside that budget and the allocator's cache (0 where the budget was set)."""
-        return self.card - self.needed_budget() * GIB - self.cached_all if self.card else 0.0
+    def spare_on_the_card(self, budget: float | None = None) -> float:
+        """Bytes of the card left beside `budget` bytes (the step with every block recomputed and the fit's headroom)
+        and the allocator's cache; 0 where the budget was set."""
+        budget = self.peak_all / (1 - HEADROOM) if budget is None else budget
+        return self.card - budget - self.cached_all if self.card else 0.0
 
     def trains_on_the_card(self) -> bool:
         """The default share is only a default: a step that fits the card itself with every block recomputed, what
@@ -91,7 +94,7 @@ class MemoryFit:
     def room_on_the_card(self) -> str:
         """Where only the default share refused the step but the card is short of what the allocator never sees:
         the memory_budget that trains it, if CUDA's context alone would fit beside it."""
-        spare = self.spare_on_the_card()
+        spare = self.spare_on_the_card(self.needed_budget() * GIB)
         if not self.card or spare < CONTEXT_BYTES:
             return ""
         return (f"The card has room for it: memory_budget: {self.needed_budget():g} trains it with every block "
