@@ -42,6 +42,11 @@ whose weights and state do not fit --gpu-gib a GPU is marked so:
 
   python bench/scaling_model.py --from-link results/shaped_link.json --out results/projection
   python bench/scaling_model.py --project --out results/projection
+
+What the pipeline rows would give with levers meshtune does not have, by the same simulation (--what-if): every stage
+the mean stage's cost (boundaries inside blocks), and the hops' bytes at a share (8-bit activations across nodes):
+
+  python bench/scaling_model.py --project --jobs full-7b --link-gbps 100 --what-if even-stages,hop-bytes=0.5
 """
 
 from __future__ import annotations
@@ -242,12 +247,58 @@ def stage_sharding(facts, stages: int, per_node: int, gpu_bytes: float) -> str:
     return sharding_for_full(cfg, facts.size.parameters // stages, per_node, gpu_bytes)[0]
 
 
+@dataclass(frozen=True)
+class WhatIf:
+    """Levers the pipeline does not have, priced by the same simulation (--what-if): `even_stages`, every stage the
+    mean stage's cost (the best that stage boundaries anywhere, inside blocks too, could do); `hop_bytes`, the
+    activations and their gradients crossing at this share of their bf16 bytes (0.5: 8-bit across the hop)."""
+
+    even_stages: bool = False
+    hop_bytes: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str | None) -> WhatIf:
+        """--what-if: a comma list of even-stages and hop-bytes=SHARE; ValueError names the choices."""
+        even, share = False, 1.0
+        for item in (i.strip() for i in (text or "").split(",") if i.strip()):
+            key, _, value = item.partition("=")
+            if key == "even-stages" and not value:
+                even = True
+            elif key == "hop-bytes" and value:
+                share = float(value)
+                if not 0 < share <= 1:
+                    raise ValueError(f"--what-if hop-bytes={value}: a share of the bf16 bytes in (0, 1]")
+            else:
+                raise ValueError(f"--what-if {item}: choose from even-stages, hop-bytes=SHARE (e.g. 0.5)")
+        return cls(even, share)
+
+    def describe(self) -> str:
+        parts = (["every stage the mean stage's cost"] if self.even_stages else []) + (
+            [f"the hops at {self.hop_bytes:g} of their bf16 bytes"] if self.hop_bytes != 1 else [])
+        return "; ".join(parts)
+
+    def shape(self, shape):
+        if not self.even_stages:
+            return shape
+        from meshtune.crossing import PipelineShape, StageCost
+
+        n = len(shape.costs)
+        mean = StageCost(*(sum(getattr(c, part) for c in shape.costs) / n
+                           for part in ("forward", "input_grad", "weight_grad")))
+        return PipelineShape(shape.schedule, shape.virtual, shape.micro, (mean,) * n)
+
+    def crossing(self, crossing: list) -> list:
+        from dataclasses import replace
+
+        return [replace(c, bytes=c.bytes * self.hop_bytes) if c.kind == "send" else c for c in crossing]
+
+
 def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
-                   ratio: float, gpu_bytes: float | None = None) -> dict | None:
+                   ratio: float, gpu_bytes: float | None = None, what_if: WhatIf = WhatIf()) -> dict | None:
     """One optimizer step at `nodes` x `per_node` (meshtune.crossing): the formula's crossing bytes x the link's
     ratio, hidden behind the compute (gradients behind their micro-step's backward, gathers behind the rest; a
     pipeline's step simulated from torch's schedule over the stages the run builds: meshtune.plan.pipeline_shapes,
-    the link choice's own). None where the pipeline cannot split the model so."""
+    the link choice's own, or those `what_if` supposes). None where the pipeline cannot split the model so."""
     from meshtune.crossing import data_parallel_step, pipeline_step, sent_by_each_node
     from meshtune.doctor.traffic import step_collectives
     from meshtune.plan import pipeline_shapes
@@ -258,7 +309,9 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
         shapes = pipeline_shapes(cfg, facts.size, cfg.pipeline_parallel, micro, mode)
         if (cfg.pipeline_schedule, False) not in shapes:
             return None
-        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s, shapes[cfg.pipeline_schedule, False])
+        crossing = what_if.crossing(crossing)
+        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s,
+                             what_if.shape(shapes[cfg.pipeline_schedule, False]))
     else:
         step = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts))
     return {"gather_s": step.gather_s, "reduce_s": step.reduce_s, "bubble_s": step.bubble_s, "step_s": step.step_s,
@@ -320,10 +373,12 @@ def project(args) -> None:
     nodes_list = [int(n) for n in args.nodes.split(",")]
     gbps_list = [float(g) for g in args.link_gbps.split(",")]
     gpu, per_node = args.gpu_gib, args.gpus_per_node
-    lines = [("Calibration from the shaped link (bytes a node measured / the formula's): " + ", ".join(
+    what_if = WhatIf.parse(args.what_if)
+    lines = ([f"What if (pipeline rows only; not built): {what_if.describe()}", ""] if what_if.describe() else []) + [
+             ("Calibration from the shaped link (bytes a node measured / the formula's): " + ", ".join(
         f"{name} {ratio:.3f}" for name, ratio in ratios.items()) + "; other modes: the formula's bytes")
              if ratios else "No shaped-link report: every mode at the formula's bytes", ""]
-    result = {"calibration": ratios, "rates": rates, "rows": [], "auto": []}
+    result = {"calibration": ratios, "rates": rates, "rows": [], "auto": [], "what_if": what_if.describe()}
     for job in jobs:
         size, method, _, source = PROJECTED[job]
         facts = facts_of[job]
@@ -349,7 +404,7 @@ def project(args) -> None:
                     cfg = mode_config(method, mode, keys, nodes if pipeline else 1,
                                       PIPELINE_MODES.get(name, SEQUENCES_A_GPU))
                     step = projected_step(cfg, mode, facts, nodes, per_node, gbps / 8 * 1e9 * args.link_efficiency,
-                                          compute_s, ratio, gpu * 2**30)
+                                          compute_s, ratio, gpu * 2**30, what_if)
                     if step is None:
                         cells.append("—")  # fewer blocks than the stages need
                         continue
@@ -400,9 +455,21 @@ def main(argv: list[str] | None = None) -> None:
                    help="bench/shaped_link.py's JSON: calibrate the projection's modes by what it measured (implies "
                         "--project)")
     p.add_argument("--jobs", default=",".join(PROJECTED), help=f"--project: of {', '.join(PROJECTED)}")
+    p.add_argument("--what-if", metavar="LEVERS",
+                   help="--project: price pipeline levers meshtune does not have, by the same simulation: "
+                        "even-stages (every stage the mean stage's cost: the ranks' compute equal, as boundaries "
+                        "inside blocks would nearly make it), "
+                        "hop-bytes=SHARE (activations across a hop at that share of their bf16 bytes; 0.5: 8-bit); "
+                        "comma-separated")
     p.add_argument("--tokens-per-s", action="append", metavar="JOB=RATE",
                    help="--project: a job's one-GPU tokens/s instead of the cited one")
     args = p.parse_args(argv)
+    try:
+        WhatIf.parse(args.what_if)
+    except ValueError as bad:
+        p.error(str(bad))
+    if args.what_if and not (args.from_link or args.project):
+        p.error("--what-if prices the pipeline rows of --project (or --from-link)")
     if args.from_link or args.project:
         args.link_gbps = args.link_gbps or "10,100,400"
         args.gpus_per_node = args.gpus_per_node or 8

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -877,3 +878,36 @@ def test_the_projection_scales_the_formulas_bytes_by_what_the_shaped_link_counte
     # run builds (the tiny model's block each, its large head on the last): slower than equal stages' 8 / (8 + 2 - 1)
     pipeline = next(r for r in result["rows"] if (r["mode"], r["nodes"], r["gbps"]) == ("lora-pp-mb1", 2, 400.0))
     assert 0 < pipeline["bubble_s"] and pipeline["step_s"] > 2304 / 14556 * 9 / 8 and pipeline["efficiency"] < 8 / 9
+
+
+def test_the_projection_prices_pipeline_levers_not_built_and_leaves_the_other_modes_alone(tmp_path, monkeypatch):
+    """scaling_model --what-if: hop-bytes=0.5 halves what each node sends in the pipeline rows and never slows them;
+    even-stages gives every stage the mean stage's cost (the tiny model's large head no longer on one stage); the
+    data-parallel rows do not change; a lever that is not one is refused naming the choices."""
+    import scaling_model
+
+    monkeypatch.setitem(scaling_model.PROJECTED, "lora-7b", ("tiny", "lora", 14556.0, "the test's rate"))
+
+    def rows(*what_if: str) -> dict:
+        out = tmp_path / f"projection{len(what_if)}"
+        scaling_model.main(["--project", "--jobs", "lora-7b", "--nodes", "2,4", "--link-gbps", "10", "--out",
+                            str(out), *what_if])
+        result = json.loads(out.with_suffix(".json").read_text())
+        return {(r["mode"], r["nodes"]): r for r in result["rows"]}, result["what_if"]
+
+    built, none = rows()
+    halved, said = rows("--what-if", "hop-bytes=0.5")
+    even, _ = rows("--what-if", "even-stages")
+    assert none == "" and said == "the hops at 0.5 of their bf16 bytes"
+    pipeline = [key for key in built if "-pp" in key[0]]
+    assert pipeline and all(halved[k]["bytes_a_node"] == pytest.approx(built[k]["bytes_a_node"] / 2) for k in pipeline)
+    assert all(halved[k]["efficiency"] >= built[k]["efficiency"] for k in pipeline)
+    assert any(halved[k]["efficiency"] > built[k]["efficiency"] for k in pipeline)
+    assert any(even[k]["efficiency"] != built[k]["efficiency"] for k in pipeline)
+    assert all(halved[k] == built[k] == even[k] for k in built if k not in pipeline)
+    assert scaling_model.WhatIf.parse("even-stages, hop-bytes=0.5") == scaling_model.WhatIf(True, 0.5)
+    for bad, named in (("odd-stages", "choose from even-stages, hop-bytes=SHARE"), ("hop-bytes=2", "in (0, 1]")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            scaling_model.WhatIf.parse(bad)
+    with pytest.raises(SystemExit):
+        scaling_model.main(["--job", "full-1.5b", "--compute-step-s", "1", "--what-if", "even-stages"])
