@@ -95,7 +95,7 @@ def test_a_kill_during_an_upload_leaves_no_complete_and_a_fresh_node_resumes_exa
 
 
 def test_ckpt_verify_of_a_damaged_final_in_the_store_reports_it_invalid_as_a_local_one(
-        killed_upload_then_fresh_resume, capfd):
+        killed_upload_then_fresh_resume, capfd, tmp_path):
     runs = killed_upload_then_fresh_resume
     damaged = open_store(runs["url"]).parent / "damaged-final"
     (open_store(runs["url"]) / "final").copy_to(damaged / "final")
@@ -109,18 +109,35 @@ def test_ckpt_verify_of_a_damaged_final_in_the_store_reports_it_invalid_as_a_loc
     assert f"checksum mismatch in {ADAPTER}" in checked.stdout and "error" not in checked.stdout, checked.stdout
     missing = run_cli_here(["ckpt", "verify", f"{damaged}/nothing/final"], capfd)
     assert missing.returncode == 1 and "INVALID" in missing.stdout and "not a directory" in missing.stdout
+    refused = run_cli_here(["export", f"{damaged}/final", "--output", str(tmp_path / "out")], capfd)
+    assert refused.returncode == 1 and f"cannot be used: checksum mismatch in {ADAPTER}" in refused.stdout
+    # from the run's location: the damaged final/ is passed over for the newest intact checkpoint, and its copy,
+    # which failed the check, is not left beside it
+    from meshtune.checkpoint.fetch import local_copy
+
+    (open_store(runs["url"]) / "checkpoint-4").copy_to(damaged / "checkpoint-4")
+    copy = local_copy(str(damaged), tmp_path / "copy")
+    assert sorted(p.name for p in copy.iterdir()) == ["checkpoint-4"]
+    assert verify(copy / "checkpoint-4") == [] and not (tmp_path / "out").exists()
 
 
-def test_ckpt_list_verify_export_and_chat_take_the_url(killed_upload_then_fresh_resume, tmp_path, capfd,
+def test_ckpt_list_verify_export_and_chat_take_the_url(killed_upload_then_fresh_resume, s3, tmp_path, capfd,
                                                        monkeypatch):
+    """Export and chat read a store's final/ through a local copy checked against its manifest, each object read
+    from the store once (a verify in the store and then a download would read each twice)."""
     runs = killed_upload_then_fresh_resume
     listing = run_cli_here(["ckpt", "list", runs["url"]], capfd)
     assert listing.returncode == 0 and "checkpoint-4" in listing.stdout and "complete" in listing.stdout
     checked = run_cli_here(["ckpt", "verify", f"{runs['url']}/checkpoint-4"], capfd)
     assert checked.returncode == 0 and "valid" in checked.stdout, checked.stdout
+    final = f"{runs['url'].removeprefix('s3://')}/final"
+    before = s3.object_reads(final)
     exported = run_cli_here(["export", runs["url"], "--output", str(tmp_path / "adapter")], capfd)
     assert exported.returncode == 0, exported.stdout[-3000:]
     assert digest(tmp_path / "adapter" / ADAPTER) == digest(runs["local"].final_dir / ADAPTER)
+    reads = s3.object_reads(final) - before
+    listed = json.loads((runs["local"].final_dir / "manifest.json").read_text())["files"]
+    assert ADAPTER in listed and {name: reads[name] for name in listed} == dict.fromkeys(listed, 1), reads
     # chat from the store's final/ answers as from the local run's, greedy
     answers = [chat([source, "--max-new-tokens", "6"], "hello there\n", capfd, monkeypatch)
                for source in (f"{runs['url']}/final", str(runs["local"].final_dir))]

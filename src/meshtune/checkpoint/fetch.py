@@ -1,46 +1,54 @@
-"""A local copy of what an object store holds: for the commands that read a model from files (`meshtune export`,
-`chat`), verified in the store first (sizes and sha256 against the manifest), so only a sealed, intact final/ or
-checkpoint is ever copied; for a resume, each object fetched once and checked in the copy, which is then what
-DCP loads (`fetch_checked`)."""
+"""A local copy of what an object store holds, each object read from the store once and checked in the copy (sizes
+and sha256 against the manifest, as `verify` checks a folder): for the commands that read a model from files
+(`meshtune export`, `chat`), a copy that fails is deleted and never used; for a resume, the copy is what DCP loads
+(`fetch_checked`)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from meshtune.checkpoint.final import FINAL
-from meshtune.checkpoint.manifest import COMPLETE, CheckpointError, file_problems, verify
+from meshtune.checkpoint.manifest import COMPLETE, MANIFEST, CheckpointError, file_problems, verify
 from meshtune.checkpoint.object_store import StorePath, open_store
 from meshtune.checkpoint.resume import NAME, select_resume
 
 
 def local_copy(url: str, into: Path) -> Path:
     """`url` copied under `into`, keeping its name: a `final/` or `checkpoint-N/` prefix as it is; a run's checkpoint
-    location as a folder holding its final/ (where sealed) or else its newest complete checkpoint, as an output_dir
-    does. A CheckpointError when there is nothing complete to copy."""
+    location as a folder holding its final/ (where sealed and intact) or else its newest complete checkpoint that
+    is, as an output_dir does. A CheckpointError when there is nothing complete and intact to copy."""
     root = open_store(url)
     if root.name == FINAL or NAME.match(root.name):
-        return _verified(root).download(into / root.name)
+        target = into / root.name
+        if problems := checked_copy(root, target):
+            raise CheckpointError(f"{root} cannot be used: {'; '.join(problems)}")
+        return target
     target = into / (root.name or "store")
     final = root / FINAL
-    if (final / COMPLETE).is_file() and not verify(final):
-        final.download(target / FINAL)
+    if (final / COMPLETE).is_file() and not checked_copy(final, target / FINAL):
         return target
-    newest, skipped = select_resume(root, None)
+    newest, skipped = select_resume(root, None, lambda prefix: checked_copy(prefix, target / prefix.name))
     if newest is None:
         passed = "; ".join(f"{path.name}: {reason}" for path, reason in skipped)
         found = f" ({passed})" if passed else ""
         raise CheckpointError(f"{url} holds no sealed final/ and no complete checkpoint{found}")
-    newest.download(target / newest.name)
     return target
 
 
-def _verified(prefix: StorePath) -> StorePath:
-    problems = verify(prefix)
+def checked_copy(prefix: StorePath, into: Path) -> list[str]:
+    """The objects `prefix`'s manifest lists fetched into local `into` and verified there (`verify`, the store only
+    listed), then its manifest and COMPLETE marker beside them: the problems, none where the copy is good. A copy
+    with problems is deleted."""
+    problems = verify(prefix, lambda listed: fetch_checked(prefix, listed, listed, into), copy=into)
     if problems:
-        raise CheckpointError(f"{prefix} cannot be used: {'; '.join(problems)}")
-    return prefix
+        shutil.rmtree(into, ignore_errors=True)
+        return problems
+    for name in (MANIFEST, COMPLETE):
+        (prefix / name).get(into / name)
+    return []
 
 
 def fetch_checked(prefix: StorePath, listed: dict[str, dict[str, Any]], names: Iterable[str], into: Path
