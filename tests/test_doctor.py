@@ -244,6 +244,21 @@ def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves
     assert "node 1: node 0 printed the table; every check passed here" in out1
 
 
+@pytest.mark.slow
+def test_on_cpu_nodes_with_link_gbps_bandwidth_judges_the_mode_the_plan_picks_by_the_link(config, tmp_path):
+    """Full fine-tuning with link_gbps on CPU nodes: node 0 measures a process's fp32 rate on its share of the
+    cores, and the verdict names the mode `parallel: auto` picks by the link from it, as the run's plan would."""
+    args = ["finetuning_type=full", "parallel=auto", "link_gbps=0.001"]
+    (code0, out0), (code1, _) = run_nodes(config, [{"NODE_RANK": "0", "args": args}, {"NODE_RANK": "1", "args": args}],
+                                          extra_args=["--bandwidth", "--json", str(tmp_path / "doctor.json")])
+    assert (code0, code1) == (0, 0), out0
+    measured = json.loads((tmp_path / "doctor.json").read_text())["bandwidth"]
+    assert 1e8 < measured["result"]["peak_flops"] < 1e13
+    assert "under ddp inside pipeline_parallel 2 (auto by link_gbps 0.001) moves send of the activations" in measured[
+        "traffic"]["text"], measured["traffic"]["text"]
+    assert "comm a step (no GPU)" in row(out0, "verdict for"), measured["traffic"]["text"]
+
+
 def test_pairs_rounds_meet_every_pair_once_and_busbw_follows_nccl_tests():
     from meshtune.doctor.bandwidth import bus_bandwidth, pair_rounds
 

@@ -223,6 +223,33 @@ def test_on_cpu_a_slow_link_puts_a_stage_on_each_node_and_a_fast_one_keeps_ddp()
     assert {c.mode for c in steps} == {"ddp"}
 
 
+def test_on_cpu_the_doctor_judges_the_mode_the_plan_picks_by_the_link():
+    """`meshtune doctor --bandwidth` on CPU nodes with link_gbps: the mode and stages the plan picks from a process's
+    fp32 rate, the pipeline's activations as what crosses; no step time is judged on CPU."""
+    from meshtune.crossing import ModelFacts
+    from meshtune.doctor.traffic import verdict
+
+    model = ModelFacts(SMALL, SMALL.parameters, SMALL.parameters, 8, 512, 512)
+    for gbps in (0.1, 100):
+        cfg = build_config({"model_name_or_path": "/m", "dataset": "d.jsonl", **CPU_BATCH, "link_gbps": gbps})
+        plan, _ = cpu_plan({"link_gbps": gbps})
+        judged = verdict(cfg, 2, 2, False, None, gbps / 8 * 1e9 * 0.9, CPU_RATE, model)
+        assert judged["parallel"] == plan.parallel == "ddp" and judged["ratio"] is None
+        stages = f"inside pipeline_parallel {plan.pipeline_parallel} " if plan.pipeline_parallel > 1 else ""
+        assert f"under ddp {stages}(auto by link_gbps {gbps:g})" in judged["text"], judged["text"]
+        assert [c["kind"] for c in judged["collectives"]] == (["send"] if stages else ["all-reduce"])
+    assert cpu_plan({"link_gbps": 0.1})[0].pipeline_parallel == 2  # the slow link's choice is the pipeline
+    unmeasured = verdict(cfg, 2, 2, False, None, 1e8, None, model)  # no rate: the rules' mode, as before
+    assert "auto by link_gbps" not in unmeasured["text"]
+
+
+def test_the_doctor_measures_a_cpu_process_rate_on_its_share_of_the_cores():
+    from meshtune.hardware import cpu_flops_a_process
+
+    threads = torch.get_num_threads()
+    assert 1e8 < cpu_flops_a_process(2) < 1e13 and torch.get_num_threads() == threads
+
+
 def test_on_cpu_a_model_no_process_can_hold_keeps_the_rule():
     cpu = resolve(config(link_gbps=0.1), env(4, 2), None, lambda: QWEN_7B)  # 7B's state: over half of this host
     assert (cpu.parallel, cpu.pipeline_parallel) == ("ddp", 1)

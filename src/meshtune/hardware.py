@@ -70,6 +70,17 @@ def measure_cpu_flops(size: int = CPU_MATMUL, seconds: float = 0.25) -> float:
     return 2.0 * size**3 * count / elapsed
 
 
+def cpu_flops_a_process(processes_a_node: int) -> float:
+    """`measure_cpu_flops` on the share of this machine's cores one of `processes_a_node` training processes gets
+    (torchrun's OMP_NUM_THREADS: the cores over the processes), the intra-op threads put back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(processes_a_node, 1)))
+    try:
+        return measure_cpu_flops()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def host_bytes_a_process(per_node: int) -> float:
     """This machine's memory over the node's processes: what a CPU job's process may hold."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(per_node, 1)

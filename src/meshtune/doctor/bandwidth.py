@@ -67,12 +67,12 @@ class Measurement:
     passed). The caller is free meanwhile."""
 
     def __init__(self, master_addr: str, master_port: int, prefix: str, rank: int, ranks: int, backend: str,
-                 peak: bool = False, deadline_s: float = DEADLINE_S):
+                 peak: bool = False, deadline_s: float = DEADLINE_S, processes_a_node: int = 1):
         context = multiprocessing.get_context("spawn")
         self._receive, send = context.Pipe(duplex=False)
         self._child = context.Process(target=_child, daemon=True, args=(send, dict(
             master_addr=master_addr, master_port=master_port, prefix=prefix, rank=rank, ranks=ranks,
-            backend=backend, peak=peak)))
+            backend=backend, peak=peak, processes_a_node=processes_a_node)))
         self._deadline = time.monotonic() + deadline_s
         self._deadline_s = deadline_s
         self._child.start()
@@ -103,11 +103,13 @@ def _child(send, spec: dict) -> None:
 
 
 def benchmark(master_addr: str, master_port: int, prefix: str, rank: int, ranks: int, backend: str,
-              peak: bool) -> dict:
+              peak: bool, processes_a_node: int = 1) -> dict:
+    """The sweeps on this node's rank; with `peak`, rank 0 also measures a training process's matmul rate: a GPU's
+    bf16, or on CPU the fp32 rate of one of `processes_a_node` processes sharing the node's cores."""
     import torch
     import torch.distributed as dist
 
-    from meshtune.hardware import measure_peak_flops
+    from meshtune.hardware import cpu_flops_a_process, measure_peak_flops
 
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -122,7 +124,9 @@ def benchmark(master_addr: str, master_port: int, prefix: str, rank: int, ranks:
     try:
         sweep = all_reduce_sweep(device, ranks)
         pairs = pair_sweep(device, ranks, sweep[-1]["busbw"])
-        flops = measure_peak_flops(device) if peak and rank == 0 else None
+        flops = None
+        if peak and rank == 0:
+            flops = measure_peak_flops(device) if device.type == "cuda" else cpu_flops_a_process(processes_a_node)
     finally:
         dist.destroy_process_group()
     return {"backend": backend, "device": device.type, "ranks": ranks, "process_group_s": formed_s,

@@ -245,8 +245,14 @@ def host_bandwidth(cfg, settings: LaunchSettings, store: DoctorStore, arrivals: 
     members = plan["members"]
     if not members:
         return {"members": [], "note": "fewer than 2 nodes ran --bandwidth: nothing to measure between"}
+    from meshtune.plan import link_applies
+
+    # the matmul rate a step's compute is estimated from: a GPU's always, a CPU process's where the plan chooses
+    # the mode by link_gbps from it
+    peak = plan["backend"] == "nccl" or link_applies(cfg, len(members))
     measurement = Measurement(settings.master_addr, settings.master_port, plan["prefix"], members.index(index),
-                              len(members), plan["backend"], peak=plan["backend"] == "nccl")
+                              len(members), plan["backend"], peak=peak,
+                              processes_a_node=arrivals[members[0]]["nproc_per_node"])
     model = sized_model(cfg)
     result = measurement.result()
     if "error" not in result:

@@ -4,8 +4,9 @@ The bytes and the overlap are meshtune.crossing's arithmetic (its docstring says
 module fills it in from a config, the model built on the meta device and the doctor's facts, and judges the
 crossing's seconds at the measured busbw against an estimated step. Weights cross in bf16 on GPUs (FSDP2's
 parameter dtype; Q-LoRA's blocks as NF4), gradients in `grad_reduce_dtype`. Compute is estimated for a step of
-full-length samples (cutoff_len tokens) at MFU_ASSUMED of the bf16 matmul rate measured on node 0's GPU; on CPU no
-compute time is estimated. Communication overlaps compute at best (DDP's buckets during backward, FSDP2's
+full-length samples (cutoff_len tokens) at MFU_ASSUMED of the bf16 matmul rate measured on node 0's GPU; on CPU the
+step is not judged, but with link_gbps the mode is chosen as the plan chooses it, from a process's fp32 rate on its
+share of node 0's cores. Communication overlaps compute at best (DDP's buckets during backward, FSDP2's
 prefetch): above the compute time it sets the step time.
 """
 
@@ -15,6 +16,7 @@ from meshtune.crossing import (MFU_ASSUMED, Collective, ModelFacts, ModelSize, c
                                full_model_facts)
 from meshtune.crossing import step_collectives as crossing_collectives
 from meshtune.doctor.bandwidth import duration_text
+from meshtune.hardware import host_bytes_a_process
 from meshtune.plan import (EACH, LINK_EFFICIENCY, SHARDED, gradient_reduction, link_applies, parallel_for,
                            pick_by_link)
 from meshtune.units import byte_size
@@ -74,10 +76,12 @@ def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, bu
     processes = nodes * nproc
     mode, how = parallel_mode(cfg, processes, nproc, gpus, gpu_bytes, model.size)
     stages = 1
-    if link_applies(cfg, nodes) and gpus and gpu_bytes and peak_flops:  # the plan's choice by link_gbps (GPUs: the
-        # doctor measures node 0's matmul rate alone, where a CPU node's processes share its cores)
-        choice, _, _ = pick_by_link(cfg, processes, nproc, model.size, gpu_bytes,
-                                    compute_seconds(cfg, full_model_facts(model.size), peak_flops))
+    # the plan's choice by link_gbps: a GPU's compute from node 0's bf16 rate; a CPU process's from the fp32 rate of
+    # one process on its share of node 0's cores, its state against its share of the host's memory
+    card = gpu_bytes if gpus else host_bytes_a_process(nproc)
+    if link_applies(cfg, nodes) and card and peak_flops:
+        choice, _, _ = pick_by_link(cfg, processes, nproc, model.size, card,
+                                    compute_seconds(cfg, full_model_facts(model.size), peak_flops, gpus), gpus)
         mode, stages = choice.mode, choice.pipeline
         if choice.schedule:  # the pipeline's schedule sets how often its activations cross
             cfg = cfg.model_copy(update={"pipeline_schedule": choice.schedule})
@@ -87,7 +91,7 @@ def verdict(cfg, nodes: int, nproc: int, gpus: bool, gpu_bytes: float | None, bu
     collectives = step_collectives(cfg, mode, model, bf16, hsdp_in_node, processes, gpu_bytes, nproc, not gpus,
                                    stages, cfg.gradient_accumulation_steps * stages)
     seconds = collective_seconds(collectives, busbw, nodes)
-    compute = compute_seconds(cfg, model, peak_flops)
+    compute = compute_seconds(cfg, model, peak_flops) if gpus else None  # a CPU job's step is not judged
     ratio = seconds / compute if compute else None
     others = {other: collective_seconds(step_collectives(cfg, other, model, bf16, True, processes, gpu_bytes, nproc,
                                                          not gpus), busbw, nodes)
