@@ -115,6 +115,9 @@ def test_ckpt_verify_of_a_damaged_final_in_the_store_reports_it_invalid_as_a_loc
     # which failed the check, is not left beside it
     from meshtune.checkpoint.fetch import local_copy
 
+    nothing_else = run_cli_here(["export", str(damaged), "--output", str(tmp_path / "out")], capfd)
+    assert nothing_else.returncode == 1 and (f"holds no intact sealed final/ and no complete checkpoint (final: "
+                                             f"checksum mismatch in {ADAPTER})") in nothing_else.stdout
     (open_store(runs["url"]) / "checkpoint-4").copy_to(damaged / "checkpoint-4")
     copy = local_copy(str(damaged), tmp_path / "copy")
     assert sorted(p.name for p in copy.iterdir()) == ["checkpoint-4"]

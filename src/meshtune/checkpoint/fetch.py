@@ -27,14 +27,16 @@ def local_copy(url: str, into: Path) -> Path:
             raise CheckpointError(f"{root} cannot be used: {'; '.join(problems)}")
         return target
     target = into / (root.name or "store")
-    final = root / FINAL
-    if (final / COMPLETE).is_file() and not checked_copy(final, target / FINAL):
-        return target
-    newest, skipped = select_resume(root, None, lambda prefix: checked_copy(prefix, target / prefix.name))
+    final, skipped = root / FINAL, []
+    if (final / COMPLETE).is_file():
+        if not (problems := checked_copy(final, target / FINAL)):
+            return target
+        skipped.append((final, "; ".join(problems)))
+    newest, passed_over = select_resume(root, None, lambda prefix: checked_copy(prefix, target / prefix.name))
     if newest is None:
-        passed = "; ".join(f"{path.name}: {reason}" for path, reason in skipped)
+        passed = "; ".join(f"{path.name}: {reason}" for path, reason in skipped + passed_over)
         found = f" ({passed})" if passed else ""
-        raise CheckpointError(f"{url} holds no sealed final/ and no complete checkpoint{found}")
+        raise CheckpointError(f"{url} holds no intact sealed final/ and no complete checkpoint{found}")
     return target
 
 
