@@ -244,6 +244,15 @@ def test_bandwidth_measures_the_link_and_judges_it_against_what_the_config_moves
     assert "node 1: node 0 printed the table; every check passed here" in out1
 
 
+def test_the_launch_row_reads_as_a_sentence_on_one_node_and_on_several():
+    from meshtune.doctor.checks import OK, launch_row
+
+    one = {"nnodes": 1, "master_addr": "127.0.0.1", "master_port": None, "nproc_per_node": 1}
+    assert launch_row([one], one).cells[0] == (OK, "1 node, 127.0.0.1 (no port: one node), 1/node")
+    two = [{**one, "nnodes": 2, "master_port": 29500, "nproc_per_node": 8}] * 2
+    assert launch_row(two, two[0]).cells[1] == (OK, "2 nodes, 127.0.0.1:29500, 8/node")
+
+
 @pytest.mark.slow
 def test_on_cpu_nodes_with_link_gbps_bandwidth_judges_the_mode_the_plan_picks_by_the_link(config, tmp_path):
     """Full fine-tuning with link_gbps on CPU nodes: node 0 measures a process's fp32 rate on its share of the

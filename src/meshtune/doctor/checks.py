@@ -102,7 +102,10 @@ def launch_row(facts: list[dict], reference: dict) -> Row:
     keys = ("nnodes", "master_addr", "master_port", "nproc_per_node")
     for position, f in enumerate(facts):
         differing = [k for k in keys if f[k] != reference[k]]
-        text = f"{f['nnodes']} nodes, {f['master_addr']}:{f['master_port']}, {f['nproc_per_node']}/node"
+        nodes = f"{f['nnodes']} node" + ("s" if str(f["nnodes"]) != "1" else "")
+        port = (f"{f['master_addr']}:{f['master_port']}" if f["master_port"] else
+                f"{f['master_addr']} (no port: one node)")
+        text = f"{nodes}, {port}, {f['nproc_per_node']}/node"
         if differing:
             row.mark(position, FAIL, text, "set the same NNODES, MASTER_ADDR, MASTER_PORT and NPROC_PER_NODE on every "
                      f"node (node 0 has {', '.join(f'{k}={reference[k]}' for k in differing)})")
