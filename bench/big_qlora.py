@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from processes import descendants, kill_tree  # noqa: E402
-from workspace import (WARMUP, model_config, parse_variant, timed_records, workspace_samples,  # noqa: E402
-                       write_cached_dataset)
+from workspace import (WARMUP, model_config, parse_variant, run_environment, timed_records,  # noqa: E402
+                       workspace_samples, write_cached_dataset)
 
 def write_random_model(size: str, out: Path, shard_bytes: float = 5e9) -> float:
     """config, tokenizer and bf16 safetensors shards (`shard_bytes` each at most, 5 GB as transformers writes) of
@@ -133,14 +133,15 @@ def run(args: argparse.Namespace, extra: dict | None = None) -> dict:
     if args.gpu_memory_limit:
         cfg["gpu_memory_limit"] = args.gpu_memory_limit
     cfg.update(yaml.safe_load(f"{{{', '.join(item.replace('=', ': ', 1) for item in args.set)}}}") or {})
-    cfg.update(extra or {})
+    overrides, variables = run_environment(extra or {})
+    cfg.update(overrides)
     config = work / "big_qlora.yaml"
     config.write_text(yaml.safe_dump(cfg))
     log = work / "train.log"
     started = time.perf_counter()
     with log.open("w") as sink:
         process = subprocess.Popen([sys.executable, "-m", "meshtune", "train", str(config)], stdout=sink,
-                                   stderr=subprocess.STDOUT, env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
+                                   stderr=subprocess.STDOUT, env={**os.environ, "NCCL_NVLS_ENABLE": "0", **variables})
         memory = HostMemory(process.pid)
         loading_peak = None
         try:
@@ -195,7 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more meshtune config keys")
     parser.add_argument("--variants", default=None,
                         help="';'-separated runs on the same model, each 'default' or KEY=VALUE,...: the plan's own "
-                             "choice against alternatives (each reported, a refused one with its error)")
+                             "choice against alternatives (each reported, a refused one with its error); "
+                             "env.NAME=VALUE sets an environment variable of that run")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP:
         print(f"note: only steps after the first {WARMUP} are timed", file=sys.stderr)

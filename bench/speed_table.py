@@ -68,8 +68,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from processes import kill_tree  # noqa: E402
 from trace_summary import summarize_files as summarize_traces  # noqa: E402
-from workspace import (WARMUP, build_model_dir, parse_variant, prepare_workspace, timed_records,  # noqa: E402
-                       timing_problem, workspace_samples)
+from workspace import (WARMUP, build_model_dir, parse_variant, prepare_workspace, run_environment,  # noqa: E402
+                       timed_records, timing_problem, workspace_samples)
 
 from meshtune.hardware import measure_peak_flops  # noqa: E402
 from meshtune.model.flops import FlopCounter  # noqa: E402
@@ -276,7 +276,7 @@ def fresh(folder: Path) -> Path:
 
 def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir: Path, data_file: Path, work: Path,
                  peak: float | None, deadline: Deadline) -> dict:
-    overrides = {**row.settings, **parse_variant(variant)}
+    overrides, variables = run_environment({**row.settings, **parse_variant(variant)})
     out = fresh(work / f"out-{name}-v{index}")
     cfg = dict(model_name_or_path=str(model_dir), dataset=str(data_file), tokenized_path=str(work / "tokenized"),
                output_dir=str(out), finetuning_type=row.mode, lora_rank=64, lora_alpha=16, lora_dropout=0.05,
@@ -293,7 +293,7 @@ def meshtune_row(args, name: str, row: Row, variant: str, index: int, model_dir:
     out.mkdir(parents=True, exist_ok=True)
     # train.log, beside metrics.jsonl, for a slow or odd row: written as the run goes
     code, output = run_captured([sys.executable, "-m", "meshtune", "train", str(path)], timeout,
-                                env={**os.environ, "NCCL_NVLS_ENABLE": "0"}, log=out / "train.log")
+                                env={**os.environ, "NCCL_NVLS_ENABLE": "0", **variables}, log=out / "train.log")
     if code is None:  # where the run was when stopped: loading, compiling, the memory probe or the steps
         return dict(error=stopped, log=output[-8000:])
     if code != 0:
@@ -391,7 +391,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"a preset ({', '.join(PRESETS)}) or a comma list of rows and presets; rows: {', '.join(ROWS)}")
     p.add_argument("--variants", default="default",
                    help="';'-separated meshtune config overrides, each run for every row, e.g. "
-                        "'default;padding_free=false;gradient_checkpointing_ratio=0.5' (an ablation)")
+                        "'default;padding_free=false;gradient_checkpointing_ratio=0.5' (an ablation); "
+                        "env.NAME=VALUE sets an environment variable of that run instead "
+                        "(e.g. env.TORCHINDUCTOR_CPP_WRAPPER=1)")
     p.add_argument("--peers", default="plain,liger,bnb",
                    help="the peer runs of a row that has peers, each where the row's mode has it: plain (HF Trainer "
                         "+ PEFT) and liger (the same with Liger kernels) for lora and full rows, bnb (HF Trainer + "

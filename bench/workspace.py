@@ -44,12 +44,24 @@ VOCAB = {"tiny": 1000, "tiny-nf4": 1000, "512x8": 1000, "512x8-7b": 6272,  # the
 WARMUP = 5  # steps not timed: first-step allocations, compilation and cache warm-up
 
 
+ENV = "env."  # a variant's key that names an environment variable of the run rather than a config key
+
+
 def parse_variant(text: str) -> dict:
-    """'default' or 'key=value,key=value' (values as YAML) -> config overrides."""
+    """'default' or 'key=value,key=value' (values as YAML) -> config overrides; an `env.NAME=VALUE` item sets the
+    run's environment variable NAME instead (`run_environment`)."""
     if text.strip() in ("", "default"):
         return {}
     pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
     return {key.strip(): yaml.safe_load(value) for key, value in pairs}
+
+
+def run_environment(overrides: dict) -> tuple[dict, dict[str, str]]:
+    """A variant's overrides split into config keys and the environment variables its run gets (`env.NAME`: a
+    setting of torch or a library that meshtune has no key for, e.g. env.TORCHINDUCTOR_CPP_WRAPPER=1)."""
+    config = {k: v for k, v in overrides.items() if not k.startswith(ENV)}
+    env = {k[len(ENV):]: str(int(v) if isinstance(v, bool) else v) for k, v in overrides.items() if k.startswith(ENV)}
+    return config, env
 
 
 def model_config(size: str):

@@ -911,3 +911,27 @@ def test_the_projection_prices_pipeline_levers_not_built_and_leaves_the_other_mo
             scaling_model.WhatIf.parse(bad)
     with pytest.raises(SystemExit):
         scaling_model.main(["--job", "full-1.5b", "--compute-step-s", "1", "--what-if", "even-stages"])
+
+
+def test_a_variant_sets_its_runs_environment_variables_apart_from_its_config(monkeypatch, tmp_path):
+    """`--variants "...,env.NAME=VALUE"`: NAME reaches that run's environment and never its config."""
+    import speed_table
+    import yaml
+    from workspace import parse_variant, run_environment
+
+    assert run_environment(parse_variant("memory_budget=6.5,env.TORCHINDUCTOR_CPP_WRAPPER=1")) == (
+        {"memory_budget": 6.5}, {"TORCHINDUCTOR_CPP_WRAPPER": "1"})
+    seen = {}
+
+    def run_captured(cmd, timeout, env=None, log=None):
+        seen.update(env=env, config=yaml.safe_load(Path(cmd[-1]).read_text()))
+        return 1, "meshtune: error: stopped here"
+
+    monkeypatch.setattr(speed_table, "run_captured", run_captured)
+    args = speed_table.parse_args(["--rows", "lora-tiny", "--steps", "8"])
+    result = speed_table.meshtune_row(args, "lora-tiny", speed_table.ROWS["lora-tiny"],
+                                      "env.TORCHINDUCTOR_CPP_WRAPPER=1,padding_free=false", 0, tmp_path / "model",
+                                      tmp_path / "data.jsonl", tmp_path, None, speed_table.Deadline(None))
+    assert result["error"].startswith("meshtune: error: stopped here")
+    assert seen["env"]["TORCHINDUCTOR_CPP_WRAPPER"] == "1" and seen["config"]["padding_free"] is False
+    assert not any(key.startswith("env.") for key in seen["config"])
