@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_levers import WhatIf  # noqa: E402
 from two_node_speed import JOBS, accumulation_for  # noqa: E402
 
 SEED_TABLE = {2: 0.95, 4: 0.88, 8: 0.80}  # per-GPU efficiency a seed document gives for Qwen LoRA on A100 nodes
@@ -247,59 +248,13 @@ def stage_sharding(facts, stages: int, per_node: int, gpu_bytes: float) -> str:
     return sharding_for_full(cfg, facts.size.parameters // stages, per_node, gpu_bytes)[0]
 
 
-@dataclass(frozen=True)
-class WhatIf:
-    """Levers the pipeline does not have, priced by the same simulation (--what-if): `even_stages`, every stage the
-    mean stage's cost (the best that stage boundaries anywhere, inside blocks too, could do); `hop_bytes`, the
-    activations and their gradients crossing at this share of their bf16 bytes (0.5: 8-bit across the hop)."""
-
-    even_stages: bool = False
-    hop_bytes: float = 1.0
-
-    @classmethod
-    def parse(cls, text: str | None) -> WhatIf:
-        """--what-if: a comma list of even-stages and hop-bytes=SHARE; ValueError names the choices."""
-        even, share = False, 1.0
-        for item in (i.strip() for i in (text or "").split(",") if i.strip()):
-            key, _, value = item.partition("=")
-            if key == "even-stages" and not value:
-                even = True
-            elif key == "hop-bytes" and value:
-                share = float(value)
-                if not 0 < share <= 1:
-                    raise ValueError(f"--what-if hop-bytes={value}: a share of the bf16 bytes in (0, 1]")
-            else:
-                raise ValueError(f"--what-if {item}: choose from even-stages, hop-bytes=SHARE (e.g. 0.5)")
-        return cls(even, share)
-
-    def describe(self) -> str:
-        parts = (["every stage the mean stage's cost"] if self.even_stages else []) + (
-            [f"the hops at {self.hop_bytes:g} of their bf16 bytes"] if self.hop_bytes != 1 else [])
-        return "; ".join(parts)
-
-    def shape(self, shape):
-        if not self.even_stages:
-            return shape
-        from meshtune.crossing import PipelineShape, StageCost
-
-        n = len(shape.costs)
-        mean = StageCost(*(sum(getattr(c, part) for c in shape.costs) / n
-                           for part in ("forward", "input_grad", "weight_grad")))
-        return PipelineShape(shape.schedule, shape.virtual, shape.micro, (mean,) * n)
-
-    def crossing(self, crossing: list) -> list:
-        from dataclasses import replace
-
-        return [replace(c, bytes=c.bytes * self.hop_bytes) if c.kind == "send" else c for c in crossing]
-
-
 def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: float, compute_s: float,
                    ratio: float, gpu_bytes: float | None = None, what_if: WhatIf = WhatIf()) -> dict | None:
     """One optimizer step at `nodes` x `per_node` (meshtune.crossing): the formula's crossing bytes x the link's
     ratio, hidden behind the compute (gradients behind their micro-step's backward, gathers behind the rest; a
     pipeline's step simulated from torch's schedule over the stages the run builds: meshtune.plan.pipeline_shapes,
     the link choice's own, or those `what_if` supposes). None where the pipeline cannot split the model so."""
-    from meshtune.crossing import data_parallel_step, pipeline_step, sent_by_each_node
+    from meshtune.crossing import data_parallel_step, sent_by_each_node
     from meshtune.doctor.traffic import step_collectives
     from meshtune.plan import pipeline_shapes
 
@@ -310,8 +265,8 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
         if (cfg.pipeline_schedule, False) not in shapes:
             return None
         crossing = what_if.crossing(crossing)
-        step = pipeline_step(crossing, nodes, busbw / ratio, compute_s,
-                             what_if.shape(shapes[cfg.pipeline_schedule, False]))
+        step = what_if.step(crossing, nodes, busbw / ratio, compute_s, shapes[cfg.pipeline_schedule, False],
+                            per_node)
     else:
         step = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts))
     return {"gather_s": step.gather_s, "reduce_s": step.reduce_s, "bubble_s": step.bubble_s, "step_s": step.step_s,

@@ -935,3 +935,31 @@ def test_a_variant_sets_its_runs_environment_variables_apart_from_its_config(mon
     assert result["error"].startswith("meshtune: error: stopped here")
     assert seen["env"]["TORCHINDUCTOR_CPP_WRAPPER"] == "1" and seen["config"]["padding_free"] is False
     assert not any(key.startswith("env.") for key in seen["config"])
+
+
+def test_staggered_pipelines_share_their_nodes_link_one_hop_at_a_time():
+    """bench/pipeline_levers.py's simulation of a node's pipelines: with one pipeline and free hops it is
+    meshtune.crossing's; two pipelines in step (gpipe, 2 stages, 1 micro-batch; F 1, B 2, a hop 0.5 alone) share
+    each link, so each transfer takes two hops: 2 F + 2 x 2 hops + 2 B = 8; started a hop apart they do not meet on
+    a link: 0.5 + 2 F + 2 hops + 2 B = 7.5."""
+    from pipeline_levers import WhatIf, simulate_pipelines
+
+    from meshtune.crossing import StageCost, schedule_actions, simulate, stage_ranks
+
+    actions = schedule_actions("1f1b", 4, 8)
+    costs = [StageCost(1.0, 1.0, 1.0)] * 3 + [StageCost(1.5, 1.5, 1.5)]
+    alone = simulate(actions, costs, stage_ranks("1f1b", 4, 1), 0.0)
+    assert simulate_pipelines(actions, costs, stage_ranks("1f1b", 4, 1), 0.0, 1, 0.0) == (alone.finish_s,
+                                                                                         alone.busiest_s)
+    gpipe = (schedule_actions("gpipe", 2, 1), [StageCost(1.0, 2.0, 0.0)] * 2, [0, 1], 0.5, 2)
+    assert simulate_pipelines(*gpipe, 0.0) == pytest.approx((8.0, 3.0))
+    assert simulate_pipelines(*gpipe, 0.5) == pytest.approx((7.5, 3.0))
+    # zbv's V, 4 ranks, 8 pipelines of 16 micro-batches, a hop a quarter of a stage's forward: in step they wait for
+    # each other on the links, started a hop apart less; every action runs either way
+    v = schedule_actions("zbv", 4, 16, 2)
+    v_costs, v_ranks = [StageCost(1.0, 1.0, 1.0)] * 8, stage_ranks("zbv", 4, 2)
+    in_step = simulate_pipelines(v, v_costs, v_ranks, 0.25, 8, 0.0)[0]
+    assert simulate_pipelines(v, v_costs, v_ranks, 0.25, 8, 0.25)[0] < in_step
+    assert WhatIf.parse("stagger,hop-bytes=0.5") == WhatIf(False, 0.5, "stagger")
+    with pytest.raises(ValueError, match="one of shared-link, stagger"):
+        WhatIf.parse("stagger,shared-link")
