@@ -621,6 +621,13 @@ def test_big_qlora_comparison_says_whether_the_plans_choice_was_the_fastest():
     text = comparison([refused, ran("gradient_checkpointing_ratio=1.0", 1815)])
     assert "| default | did not train: meshtune: error:" in text and text.endswith("did not train")
     assert comparison([ran("torch_compile=false", 1500)]).endswith("the plan's own choice was not run")
+    # alternating rounds: each variant its runs' median, with their range; a refused run said beside it
+    rounds = [ran("default", 2050), ran("combo", 2200), ran("default", 1934), dict(variant="combo", error="refused"),
+              ran("default", 2033), ran("combo", 2100)]
+    text = comparison(rounds)
+    assert "| default | 2,033 (1,934–2,050, 3 runs) |" in text
+    assert "| combo | 2,150 (2,100–2,200, 2 runs); 1 more did not train: refused |" in text
+    assert text.endswith("the plan's own choice was not the fastest: combo ran 1.06x its tokens/s")
 
 
 def test_the_run_at_peer_memory_takes_the_lowest_peak_of_the_rows_peers():
