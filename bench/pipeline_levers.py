@@ -82,14 +82,12 @@ def pipelines_step(crossing: list, busbw: float, compute_s: float, shape, pipeli
     """A step of `pipelines` identical pipelines a node (the stages' processes' data-parallel replicas), a hop one
     pipeline's micro-batch at the link's rate, each node's link shared among the transfers under way
     (`simulate_pipelines`); with `stagger` pipeline p starts p hops late."""
-    from meshtune.crossing import StageCost, StepTime, schedule_actions, stage_ranks
+    from meshtune.crossing import StepTime, hop_seconds, scaled_costs, schedule_actions, stage_ranks
 
-    sends = [c for c in crossing if c.kind == "send"]
-    hop_s = sum(c.bytes for c in sends) / max(shape.micro, 1) / busbw / pipelines
+    hop_s = hop_seconds(crossing, busbw, shape) / pipelines
     pp = len(shape.costs) // shape.virtual
-    scale = compute_s * pp / (shape.micro * sum(c.total for c in shape.costs))
-    costs = [StageCost(c.forward * scale, c.input_grad * scale, c.weight_grad * scale) for c in shape.costs]
-    finish, busiest = simulate_pipelines(schedule_actions(shape.schedule, pp, shape.micro, shape.virtual), costs,
+    finish, busiest = simulate_pipelines(schedule_actions(shape.schedule, pp, shape.micro, shape.virtual),
+                                         scaled_costs(shape, compute_s),
                                          stage_ranks(shape.schedule, pp, shape.virtual), hop_s, pipelines,
                                          hop_s if stagger else 0.0)
     return StepTime(compute_s, finish - compute_s, reduce_s=hop_s * pipelines * shape.micro,
@@ -99,10 +97,12 @@ def pipelines_step(crossing: list, busbw: float, compute_s: float, shape, pipeli
 def simulate_pipelines(actions: list[list[tuple]], costs: list, rank_of: list[int], hop_s: float, pipelines: int,
                        offset_s: float) -> tuple[float, float]:
     """(the last action's end, the most compute one process has) for `pipelines` copies of one pipeline: each
-    rank's actions in order (meshtune.crossing.simulate's rules for what each waits on), copy p's first no earlier
+    rank's actions in order (meshtune.crossing.input_of: what each waits on), copy p's first no earlier
     than p x `offset_s`; a value another rank needs crosses the sending rank's link, which carries one transfer in
     `hop_s` alone and shares its rate equally among those under way. Events are taken in time order: a transfer is
     asked for when its value is made, and what that lets run asks for its own no earlier."""
+    from meshtune.crossing import input_of, output_of
+
     last = len(costs) - 1
     clock = {(p, r): p * offset_s for p in range(pipelines) for r in range(len(actions))}
     at = dict.fromkeys(clock, 0)
@@ -110,14 +110,6 @@ def simulate_pipelines(actions: list[list[tuple]], costs: list, rank_of: list[in
     asked: list[tuple] = []           # (time, order, the transfer)
     links: dict[int, SharedLink] = defaultdict(SharedLink)
     order = itertools.count()
-
-    def needs(kind: str, stage: int, mb: int) -> tuple | None:
-        if kind == "W":
-            return "G", stage, mb
-        if kind == "F" and stage == 0:
-            return None
-        source = stage - 1 if kind == "F" else stage + 1 if stage < last else stage
-        return ("F" if kind == "F" or source == stage else "G"), source, mb
 
     def readers(made: str, stage: int) -> list[int]:
         if made == "F":
@@ -128,13 +120,13 @@ def simulate_pipelines(actions: list[list[tuple]], costs: list, rank_of: list[in
         mine = actions[r]
         while at[p, r] < len(mine):
             kind, stage, mb = mine[at[p, r]]
-            need = needs(kind, stage, mb)
+            need = input_of(kind, stage, mb, last)
             ready = 0.0 if need is None else usable.get((p, *need, r))
             if ready is None:
                 return
             clock[p, r] = max(clock[p, r], ready) + costs[stage].of(kind)
             at[p, r] += 1
-            made = {"F": "F", "W": "W"}.get(kind, "G")
+            made = output_of(kind)
             usable[p, made, stage, mb, r] = clock[p, r]
             for reader in readers(made, stage):
                 if rank_of[reader] != r:

@@ -279,15 +279,24 @@ def pipeline_step(crossing: list[Collective], nodes: int, busbw: float, compute_
     """A step of a pipeline of `shape` (see the module's docstring): torch's schedule simulated with each stage's
     cost, a hop between processes one micro-batch's sends, the link's whole traffic the floor of the step."""
     send_s = collective_seconds(crossing, busbw, nodes)
-    sends = [c for c in crossing if c.kind == "send"]
-    hop_s = sum(c.bytes for c in sends) / max(shape.micro, 1) / busbw
+    hop_s = hop_seconds(crossing, busbw, shape)
     pp = len(shape.costs) // shape.virtual
-    scale = compute_s * pp / (shape.micro * sum(c.total for c in shape.costs))
-    costs = [StageCost(c.forward * scale, c.input_grad * scale, c.weight_grad * scale) for c in shape.costs]
-    timeline = simulate(schedule_actions(shape.schedule, pp, shape.micro, shape.virtual), costs,
-                        stage_ranks(shape.schedule, pp, shape.virtual), hop_s)
+    timeline = simulate(schedule_actions(shape.schedule, pp, shape.micro, shape.virtual),
+                        scaled_costs(shape, compute_s), stage_ranks(shape.schedule, pp, shape.virtual), hop_s)
     step_s = max(timeline.finish_s, send_s)
     return StepTime(compute_s, step_s - compute_s, reduce_s=send_s, bubble_s=timeline.finish_s - timeline.busiest_s)
+
+
+def hop_seconds(crossing: list[Collective], busbw: float, shape: PipelineShape) -> float:
+    """One micro-batch's sends across a stage boundary (every pipeline of the node's) at `busbw`."""
+    return sum(c.bytes for c in crossing if c.kind == "send") / max(shape.micro, 1) / busbw
+
+
+def scaled_costs(shape: PipelineShape, compute_s: float) -> list[StageCost]:
+    """`shape`'s stage costs in seconds: scaled so that the processes' mean compute a step is `compute_s`."""
+    pp = len(shape.costs) // shape.virtual
+    scale = compute_s * pp / (shape.micro * sum(c.total for c in shape.costs))
+    return [StageCost(c.forward * scale, c.input_grad * scale, c.weight_grad * scale) for c in shape.costs]
 
 
 @dataclass(frozen=True)
@@ -388,6 +397,23 @@ class Timeline:
     busiest_s: float  # the most compute one rank has
 
 
+def input_of(kind: str, stage: int, mb: int, last: int) -> tuple[str, int, int] | None:
+    """What an action waits on, as ("F" | "G", stage, micro-batch): a forward the previous stage's output, a backward
+    the next stage's input gradient (the last stage its own forward), a weights' gradient its own input gradient;
+    None for the first stage's forward."""
+    if kind == "W":
+        return "G", stage, mb
+    if kind == "F" and stage == 0:
+        return None
+    source = stage - 1 if kind == "F" else stage + 1 if stage < last else stage
+    return ("F" if kind == "F" or source == stage else "G"), source, mb
+
+
+def output_of(kind: str) -> str:
+    """What an action makes: F its output, W the weights' gradient, B and I the input's gradient (G)."""
+    return {"F": "F", "W": "W"}.get(kind, "G")
+
+
 def simulate(actions: list[list[Action]], costs: list[StageCost], rank_of: list[int], hop_s: float) -> Timeline:
     """Each rank runs its actions in order, each as soon as its rank is free and its input is there (see the
     module's docstring): a forward the previous stage's output, a backward the next stage's input gradient (the
@@ -396,13 +422,11 @@ def simulate(actions: list[list[Action]], costs: list[StageCost], rank_of: list[
     done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "W", stage, micro-batch): end
 
     def ready(kind: str, stage: int, mb: int) -> float | None:
-        if kind == "W":
-            return done.get(("G", stage, mb))
-        if kind == "F" and stage == 0:
+        need = input_of(kind, stage, mb, last)
+        if need is None:
             return 0.0
-        source = stage - 1 if kind == "F" else stage + 1 if stage < last else stage
-        end = done.get(("F" if kind == "F" or source == stage else "G", source, mb))
-        return None if end is None else end + (hop_s if rank_of[source] != rank_of[stage] else 0.0)
+        end = done.get(need)
+        return None if end is None else end + (hop_s if rank_of[need[1]] != rank_of[stage] else 0.0)
 
     clock, at, moved = [0.0] * len(actions), [0] * len(actions), True
     while moved:
@@ -411,7 +435,7 @@ def simulate(actions: list[list[Action]], costs: list[StageCost], rank_of: list[
             while at[rank] < len(mine) and (start := ready(*mine[at[rank]])) is not None:
                 kind, stage, mb = mine[at[rank]]
                 clock[rank] = max(clock[rank], start) + costs[stage].of(kind)
-                done[({"F": "F", "W": "W"}.get(kind, "G"), stage, mb)] = clock[rank]
+                done[(output_of(kind), stage, mb)] = clock[rank]
                 at[rank], moved = at[rank] + 1, True
     if any(at[rank] < len(mine) for rank, mine in enumerate(actions)):
         raise RuntimeError("pipeline schedule: an action waits on one that never runs")
