@@ -43,10 +43,12 @@ whose weights and state do not fit --gpu-gib a GPU is marked so:
   python bench/scaling_model.py --from-link results/shaped_link.json --out results/projection
   python bench/scaling_model.py --project --out results/projection
 
-What the pipeline rows would give with levers meshtune does not have, by the same simulation (--what-if): every stage
-the mean stage's cost (boundaries inside blocks), and the hops' bytes at a share (8-bit activations across nodes):
+What the pipeline rows would give with levers meshtune does not have (--what-if, bench/pipeline_levers.py): every
+stage the mean stage's cost (boundaries inside blocks), the hops' bytes at a share (8-bit activations across nodes),
+a node's pipelines simulated one by one on its shared link, in step or started a hop apart:
 
   python bench/scaling_model.py --project --jobs full-7b --link-gbps 100 --what-if even-stages,hop-bytes=0.5
+  python bench/scaling_model.py --project --jobs full-7b --link-gbps 100 --what-if stagger
 """
 
 from __future__ import annotations
@@ -328,7 +330,7 @@ def project(args) -> None:
     nodes_list = [int(n) for n in args.nodes.split(",")]
     gbps_list = [float(g) for g in args.link_gbps.split(",")]
     gpu, per_node = args.gpu_gib, args.gpus_per_node
-    what_if = WhatIf.parse(args.what_if)
+    what_if = args.what_if
     lines = ([f"What if (pipeline rows only; not built): {what_if.describe()}", ""] if what_if.describe() else []) + [
              ("Calibration from the shaped link (bytes a node measured / the formula's): " + ", ".join(
         f"{name} {ratio:.3f}" for name, ratio in ratios.items()) + "; other modes: the formula's bytes")
@@ -414,17 +416,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="--project: price pipeline levers meshtune does not have, by the same simulation: "
                         "even-stages (every stage the mean stage's cost: the ranks' compute equal, as boundaries "
                         "inside blocks would nearly make it), "
-                        "hop-bytes=SHARE (activations across a hop at that share of their bf16 bytes; 0.5: 8-bit); "
-                        "comma-separated")
+                        "hop-bytes=SHARE (activations across a hop at that share of their bf16 bytes; 0.5: 8-bit), "
+                        "and one of shared-link (a node's pipelines one by one, in step, sharing its link) and "
+                        "stagger (the same, each started one pipeline's hop after the last); comma-separated")
     p.add_argument("--tokens-per-s", action="append", metavar="JOB=RATE",
                    help="--project: a job's one-GPU tokens/s instead of the cited one")
     args = p.parse_args(argv)
-    try:
-        WhatIf.parse(args.what_if)
-    except ValueError as bad:
-        p.error(str(bad))
     if args.what_if and not (args.from_link or args.project):
         p.error("--what-if prices the pipeline rows of --project (or --from-link)")
+    try:
+        args.what_if = WhatIf.parse(args.what_if)
+    except ValueError as bad:
+        p.error(str(bad))
     if args.from_link or args.project:
         args.link_gbps = args.link_gbps or "10,100,400"
         args.gpus_per_node = args.gpus_per_node or 8
