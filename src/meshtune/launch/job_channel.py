@@ -132,10 +132,14 @@ class JobChannel:
         if store is None or self._done_posted or self.cause is not None or not self.workers_done():
             return
         try:
-            store.add(done_key(self.settings.run_id), 1)
-            self._done_posted = True
+            self._post_done(store)
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for this node
             pass
+
+    def _post_done(self, store) -> None:
+        """Count this node's workers done in the job's store (once)."""
+        store.add(done_key(self.settings.run_id), 1)
+        self._done_posted = True
 
     def _tell_error(self, store) -> None:
         """This node's worker reported an error: post it (once) and wait for the others to read it, then let the
@@ -173,8 +177,7 @@ class JobChannel:
         if self.cause is None and not workers_done:
             self._beat(store)
         if workers_done and not self._done_posted:
-            store.add(done_key(run_id), 1)
-            self._done_posted = True
+            self._post_done(store)
         if self._done_posted:
             self._nodes = self._joined(store)
             self._nodes_done = store.add(done_key(run_id), 0)
