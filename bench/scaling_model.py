@@ -267,12 +267,13 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
         if (cfg.pipeline_schedule, False) not in shapes:
             return None
         crossing = what_if.crossing(crossing)
-        step = what_if.step(crossing, nodes, busbw / ratio, compute_s, shapes[cfg.pipeline_schedule, False],
-                            per_node)
+        step, staggered = what_if.step(crossing, nodes, busbw / ratio, compute_s,
+                                       shapes[cfg.pipeline_schedule, False], per_node, mode != "zero3")
     else:
-        step = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts))
+        step, staggered = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts)), False
     return {"gather_s": step.gather_s, "reduce_s": step.reduce_s, "bubble_s": step.bubble_s, "step_s": step.step_s,
-            "efficiency": step.efficiency, "bytes_a_node": sent_by_each_node(crossing, nodes) * ratio}
+            "efficiency": step.efficiency, "bytes_a_node": sent_by_each_node(crossing, nodes) * ratio,
+            "staggered": staggered}
 
 
 def auto_pick(method: str, facts, nodes: int, per_node: int, gbps: float, compute_s: float, gpu_bytes: float,
@@ -358,16 +359,21 @@ def project(args) -> None:
             for gbps in gbps_list:
                 cells = []
                 for nodes in nodes_list:
-                    cfg = mode_config(method, mode, keys, nodes if pipeline else 1,
+                    # the plan shards a stage by its share of the model: more nodes, smaller stages
+                    sharding = stage_sharding(facts, nodes, per_node, gpu * 2**30) if (
+                        pipeline and method == "full") else mode
+                    cfg = mode_config(method, sharding, keys, nodes if pipeline else 1,
                                       PIPELINE_MODES.get(name, SEQUENCES_A_GPU))
-                    step = projected_step(cfg, mode, facts, nodes, per_node, gbps / 8 * 1e9 * args.link_efficiency,
-                                          compute_s, ratio, gpu * 2**30, what_if)
+                    step = projected_step(cfg, sharding, facts, nodes, per_node,
+                                          gbps / 8 * 1e9 * args.link_efficiency, compute_s, ratio, gpu * 2**30,
+                                          what_if)
                     if step is None:
                         cells.append("—")  # fewer blocks than the stages need
                         continue
                     efficiency[name, gbps, nodes] = step["efficiency"]
-                    result["rows"].append(dict(job=job, mode=name, nodes=nodes, gbps=gbps, state_gib=held, **step))
-                    cells.append(f"{step['efficiency']:.1%}")
+                    result["rows"].append(dict(job=job, mode=name, nodes=nodes, gbps=gbps, state_gib=held,
+                                               sharding=sharding, **step))
+                    cells.append(f"{step['efficiency']:.1%}" + (f" ({sharding})" if sharding != mode else ""))
                 fits = f"{held:,.0f}" + (" (does not fit)" if held > gpu else "")
                 marked = name if variant in ratios or not ratios else f"{name} (formula)"
                 marked += f" ({mode} inside a node)" if pipeline else ""

@@ -166,14 +166,15 @@ def run_workers(argv: list[str], nproc: int, workdir: Path, env: dict[str, str] 
     return [process.exitcode for process in processes], output
 
 
-def train_on_ranks(config: str, nproc: int, workdir: Path, timeout: float = 240) -> None:
-    """`meshtune train CONFIG` in this process (one rank) or on `nproc` forked ranks; every rank must succeed."""
+def train_on_ranks(config: str, nproc: int, workdir: Path, timeout: float = 240, per_node: int | None = None) -> None:
+    """`meshtune train CONFIG` in this process (one rank) or on `nproc` forked ranks (told they are on nodes of
+    `per_node`, as run_workers); every rank must succeed."""
     if nproc == 1:
         from meshtune.cli import main
 
         assert main(["train", config]) == 0
         return
-    codes, output = run_workers(["train", config], nproc, workdir, timeout=timeout)
+    codes, output = run_workers(["train", config], nproc, workdir, timeout=timeout, per_node=per_node)
     assert codes == [0] * nproc, output[-6000:]
 
 

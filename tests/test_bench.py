@@ -944,29 +944,24 @@ def test_a_variant_sets_its_runs_environment_variables_apart_from_its_config(mon
     assert not any(key.startswith("env.") for key in seen["config"])
 
 
-def test_staggered_pipelines_share_their_nodes_link_one_hop_at_a_time():
-    """bench/pipeline_levers.py's simulation of a node's pipelines: with one pipeline and free hops it is
-    meshtune.crossing's; two pipelines in step (gpipe, 2 stages, 1 micro-batch; F 1, B 2, a hop 0.5 alone) share
-    each link, so each transfer takes two hops: 2 F + 2 x 2 hops + 2 B = 8; started a hop apart they do not meet on
-    a link: 0.5 + 2 F + 2 hops + 2 B = 7.5."""
-    from pipeline_levers import WhatIf, simulate_pipelines
+def test_the_projection_takes_the_plan_s_pipeline_pricing_apart(tmp_path):
+    """scaling_model --what-if in-step prices a node's pipelines as crossing.pipeline_step does (every pipeline's
+    sends a hop), shared-link simulates them one by one in step; the plan's own pricing (no what-if) staggers them
+    where that is shorter, so it is never slower than in step, and no lever of a data-parallel row changes."""
+    import scaling_model
+    from pipeline_levers import WhatIf
 
-    from meshtune.crossing import StageCost, schedule_actions, simulate, stage_ranks
+    def rows(*what_if: str) -> dict:
+        out = tmp_path / f"projection{len(what_if)}"
+        scaling_model.main(["--project", "--jobs", "full-7b", "--nodes", "2,4", "--link-gbps", "100", "--out", str(out),
+                            *what_if])
+        return {(r["mode"], r["nodes"]): r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
 
-    actions = schedule_actions("1f1b", 4, 8)
-    costs = [StageCost(1.0, 1.0, 1.0)] * 3 + [StageCost(1.5, 1.5, 1.5)]
-    alone = simulate(actions, costs, stage_ranks("1f1b", 4, 1), 0.0)
-    assert simulate_pipelines(actions, costs, stage_ranks("1f1b", 4, 1), 0.0, 1, 0.0) == (alone.finish_s,
-                                                                                         alone.busiest_s)
-    gpipe = (schedule_actions("gpipe", 2, 1), [StageCost(1.0, 2.0, 0.0)] * 2, [0, 1], 0.5, 2)
-    assert simulate_pipelines(*gpipe, 0.0) == pytest.approx((8.0, 3.0))
-    assert simulate_pipelines(*gpipe, 0.5) == pytest.approx((7.5, 3.0))
-    # zbv's V, 4 ranks, 8 pipelines of 16 micro-batches, a hop a quarter of a stage's forward: in step they wait for
-    # each other on the links, started a hop apart less; every action runs either way
-    v = schedule_actions("zbv", 4, 16, 2)
-    v_costs, v_ranks = [StageCost(1.0, 1.0, 1.0)] * 8, stage_ranks("zbv", 4, 2)
-    in_step = simulate_pipelines(v, v_costs, v_ranks, 0.25, 8, 0.0)[0]
-    assert simulate_pipelines(v, v_costs, v_ranks, 0.25, 8, 0.25)[0] < in_step
-    assert WhatIf.parse("stagger,hop-bytes=0.5") == WhatIf(False, 0.5, "stagger")
-    with pytest.raises(ValueError, match="one of shared-link, stagger"):
-        WhatIf.parse("stagger,shared-link")
+    built, in_step = rows(), rows("--what-if", "in-step")
+    assert built[("pp-mb1-zbv", 4)]["staggered"] and not in_step[("pp-mb1-zbv", 4)]["staggered"]
+    assert built[("pp-mb1-zbv", 4)]["efficiency"] > 0.9 > in_step[("pp-mb1-zbv", 4)]["efficiency"]
+    assert all(built[k]["efficiency"] >= in_step[k]["efficiency"] for k in built)
+    assert all(built[k] == in_step[k] for k in built if "pp" not in k[0])
+    assert WhatIf.parse("in-step,hop-bytes=0.5") == WhatIf(False, 0.5, "in-step")
+    with pytest.raises(ValueError, match="one of in-step, shared-link"):
+        WhatIf.parse("in-step,shared-link")

@@ -124,3 +124,45 @@ def test_the_step_is_the_simulated_finish_and_the_link_its_floor():
     assert 1 / 8 + 2 * hop <= quick.exposed_s <= 1 / 8 + 2 * 8 * hop
     slow = pipeline_step([Collective("send", "activations", 1e9, 20)], 2, 1e9, 1.0, shape)  # 20 s on the link
     assert slow.step_s == pytest.approx(20.0) and slow.reduce_s == pytest.approx(20.0)
+
+
+def test_staggered_pipelines_share_their_nodes_link_one_hop_at_a_time():
+    """meshtune.shared_link's simulation of a node's pipelines: with one pipeline and free hops it is
+    meshtune.crossing's; two pipelines in step (gpipe, 2 stages, 1 micro-batch; F 1, B 2, a hop 0.5 alone) share
+    each link, so each transfer takes two hops: 2 F + 2 x 2 hops + 2 B = 8; started a hop apart they do not meet on
+    a link: 0.5 + 2 F + 2 hops + 2 B = 7.5."""
+    from meshtune.crossing import schedule_actions, simulate, stage_ranks
+    from meshtune.shared_link import simulate_pipelines
+
+    actions = schedule_actions("1f1b", 4, 8)
+    costs = [StageCost(1.0, 1.0, 1.0)] * 3 + [StageCost(1.5, 1.5, 1.5)]
+    alone = simulate(actions, costs, stage_ranks("1f1b", 4, 1), 0.0)
+    assert simulate_pipelines(actions, costs, stage_ranks("1f1b", 4, 1), 0.0, 1, 0.0) == (alone.finish_s,
+                                                                                         alone.busiest_s)
+    gpipe = (schedule_actions("gpipe", 2, 1), [StageCost(1.0, 2.0, 0.0)] * 2, [0, 1], 0.5, 2)
+    assert simulate_pipelines(*gpipe, 0.0) == pytest.approx((8.0, 3.0))
+    assert simulate_pipelines(*gpipe, 0.5) == pytest.approx((7.5, 3.0))
+    # zbv's V, 4 ranks, 8 pipelines of 16 micro-batches, a hop a quarter of a stage's forward: in step they wait for
+    # each other on the links, started a hop apart less; every action runs either way
+    v = schedule_actions("zbv", 4, 16, 2)
+    v_costs, v_ranks = [StageCost(1.0, 1.0, 1.0)] * 8, stage_ranks("zbv", 4, 2)
+    in_step = simulate_pipelines(v, v_costs, v_ranks, 0.25, 8, 0.0)[0]
+    assert simulate_pipelines(v, v_costs, v_ranks, 0.25, 8, 0.25)[0] < in_step
+
+
+def test_the_plan_staggers_a_node_s_pipelines_only_where_that_is_shorter_or_asked():
+    """shared_link.priced_pipeline: a link far faster than the compute gains nothing from the stagger (in step); one
+    whose hop is a fair share of a stage's compute gains; one pipeline a node, or stagger False, stays in step;
+    stagger True is priced staggered even where that gains nothing."""
+    from meshtune.shared_link import priced_pipeline
+
+    shape = PipelineShape("1f1b", 1, 8, (StageCost(1.0, 2.0, 0.0),) * 2)
+    sends = [Collective("send", "activations", 8 * 8 * 0.25e9, 1)]  # 8 pipelines' 8 micro-batches, 0.25 s each alone
+    fast, staggered = priced_pipeline(sends, 2, 1e15, 1.0, shape, 8)
+    assert not staggered
+    slow_in_step, _ = priced_pipeline(sends, 2, 1e9, 24.0, shape, 8, stagger=False)
+    slow, staggered = priced_pipeline(sends, 2, 1e9, 24.0, shape, 8)
+    assert staggered and slow.step_s < slow_in_step.step_s
+    assert priced_pipeline(sends, 2, 1e9, 24.0, shape, 1) == (slow_in_step, False)
+    forced, staggered = priced_pipeline(sends, 2, 1e15, 1.0, shape, 8, stagger=True)
+    assert staggered and forced.step_s == pytest.approx(fast.step_s, rel=1e-3)

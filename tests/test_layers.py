@@ -1,6 +1,6 @@
 """The package's layers point one way: cli -> demo -> launch -> doctor -> train -> model / data / checkpoint -> plan
--> mesh -> config / distributed / hardware / crossing -> errors. Every import counts, also one inside a function
-(where a cycle hides)."""
+-> mesh / shared_link -> config / distributed / hardware / crossing -> errors. Every import counts, also one inside
+a function (where a cycle hides)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ LAYERS = [  # lowest first; a module imports from its own layer's package or fro
     ["meshtune", "meshtune.errors", "meshtune.worker_env", "meshtune.faults", "meshtune.checksums",
      "meshtune.mailbox", "meshtune.units", "meshtune.package_clash"],
     ["meshtune.config", "meshtune.distributed", "meshtune.hardware", "meshtune.logs", "meshtune.crossing"],
-    ["meshtune.mesh"],  # the run's mesh: read by the plan, built over the process group
+    ["meshtune.mesh", "meshtune.shared_link"],  # the run's mesh (read by the plan, built over the process group); a
+    # node's pipelines on its link (read by the plan and the projections)
     ["meshtune.plan", "meshtune.compat"],
     ["meshtune.data", "meshtune.model", "meshtune.checkpoint"],
     ["meshtune.train", "meshtune.export"],

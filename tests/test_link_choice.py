@@ -16,7 +16,7 @@ from meshtune.crossing import Collective, ModelSize, compute_seconds, data_paral
 from meshtune.errors import ConfigError
 from meshtune.hardware import slowest_peak_flops
 from meshtune.plan import LinkChoice, link_candidates, resolve
-from plans import QWEN_7B, env
+from plans import QWEN_7B, env, plan_for
 
 PEAK = 8e14  # FLOP/s: about what an H100's bf16 matmul measures
 BATCH = {"finetuning_type": "full", "per_device_train_batch_size": 4, "cutoff_len": 576}  # 64 sequences on 2 x 8
@@ -71,9 +71,10 @@ def test_a_slow_link_puts_a_pipeline_stage_on_each_node_and_keeps_the_global_bat
         (schedule, one_row) for schedule in ("1f1b", "interleaved_1f1b", "zbv") for one_row in (False, True)}
     plan = gpu_plan({"link_gbps": 100})
     assert f"predicted at {efficiency[pipeline]:.1%} per GPU" in plan.why["parallel"]
-    assert "pipeline_parallel 2 (zero2 inside each stage, zbv, micro-batches of one row)" in plan.why["parallel"]
-    assert re.search(r"pipeline_parallel 2 \(zero2 inside each stage, 1f1b\) \d+\.\d% \(0\.\d+ s\)",
-                     plan.why["parallel"])
+    assert ("pipeline_parallel 2 (zero2 inside each stage, zbv, micro-batches of one row, a node's pipelines started "
+            "a hop apart)") in plan.why["parallel"]
+    assert re.search(r"pipeline_parallel 2 \(zero2 inside each stage, 1f1b(, a node's pipelines started a hop "
+                     r"apart)?\) \d+\.\d% \(0\.\d+ s\)", plan.why["parallel"])
     assert "hsdp 1" in plan.why["link_gbps"] and "zero3" in plan.why["link_gbps"]
     assert plan.pipeline_one_row and plan.pipeline_schedule == "zbv" and plan.pipeline_virtual_stages == 2
     assert plan.why["pipeline_schedule"].startswith("auto by the link: zbv over 8 micro-batches of one row")
@@ -259,3 +260,51 @@ def test_on_cpu_a_model_no_process_can_hold_keeps_the_rule():
 def test_the_cpu_matmul_rate_the_plan_reads_is_measured():
     rate = slowest_peak_flops(torch.device("cpu"))
     assert 1e8 < rate < 1e13
+
+
+def test_a_node_s_pipelines_start_a_hop_apart_where_the_plan_predicts_that_shorter():
+    """Full 7B, a stage a node, 8 pipelines a node (zero2 inside each stage) on 100 Gb/s: in step each hop carries
+    the node's 8 pipelines' activations at once and the next stage waits for all of them; started a hop apart each
+    crosses alone while the others compute. At 4 nodes that lifts zbv over one-row micro-batches from below 85% to
+    near 90% per GPU (docs/benchmarks/projection.md gives the projection at the measured one-GPU rate)."""
+    for nodes, least in ((2, 0.95), (4, 0.89)):
+        efficiency = predicted({"link_gbps": 100}, nodes=nodes)
+        best = max(efficiency, key=efficiency.get)
+        assert (best.schedule, best.one_row, best.stagger) == ("zbv", True, True) and efficiency[best] > least
+        in_step = predicted({"link_gbps": 100, "pipeline_stagger": False}, nodes=nodes)
+        assert not any(choice.stagger for choice in in_step) and in_step[best] < efficiency[best]
+    plan = gpu_plan({"link_gbps": 100}, nodes=4)
+    assert plan.pipeline_stagger_rate == pytest.approx(100 / 8 * 1e9 * 0.9)
+    assert re.match(r"on: the node's 8 pipelines start a hop apart \(a hop 0\.367 ms: one pipeline's micro-batch "
+                    r"alone on the 100 Gb/s link at 576 tokens a row; the run times it by each step's own rows\), "
+                    r"predicted step 0\.3\d+ s against 0\.3\d+ s in step", plan.why["pipeline_stagger"])
+    assert re.search(r"pipeline_stagger +on", plan.describe())
+    # each process waits its pipeline's place among the node's: rank 13 is data rank 5 of stage 1's 8
+    from meshtune.train.pipeline_step import Stagger
+
+    stagger = Stagger.of(plan, plan.data_env(env(32, 8, 13, "cuda")), 3584)
+    assert (stagger.turn, stagger.pipelines, stagger.token_bytes) == (5, 8, 3584 * 2)
+    assert stagger.seconds(1, 576) == pytest.approx(5 * 576 * 3584 * 2 / plan.pipeline_stagger_rate)
+    assert Stagger.of(gpu_plan({"link_gbps": 100, "pipeline_stagger": False}, nodes=4), None, 3584) is None
+
+
+def test_where_the_pipelines_cannot_be_staggered_the_plan_says_why_and_a_key_that_asks_is_refused():
+    """zero3 inside the stages gathers weights at every micro-batch's forward (collectives that keep the pipelines
+    in step), and without link_gbps a hop cannot be timed: pipeline_stagger: true is refused there naming what to
+    set; auto keeps them in step and says why. One node, or one pipeline a node, has nothing to stagger."""
+    pipeline = {"pipeline_parallel": 2, "gradient_accumulation_steps": 2, "pipeline_schedule": "zbv"}
+    zero3 = gpu_plan({**pipeline, "parallel": "zero3", "link_gbps": 100})
+    assert zero3.pipeline_stagger_rate == 0 and zero3.why["pipeline_stagger"].startswith("off: zero3 gathers")
+    with pytest.raises(ConfigError, match=r"pipeline_stagger: true: zero3 gathers each stage's weights .* or set "
+                                          r"pipeline_stagger: auto"):
+        gpu_plan({**pipeline, "parallel": "zero3", "link_gbps": 100, "pipeline_stagger": True})
+    with pytest.raises(ConfigError, match=r"pipeline_stagger: true: the link's rate, which times a hop, is unknown: "
+                                          r"set link_gbps"):
+        gpu_plan({**pipeline, "parallel": "zero2", "pipeline_stagger": True})
+    named = gpu_plan({**pipeline, "parallel": "zero2", "link_gbps": 100})  # a pipeline the config names, priced too
+    assert named.pipeline_stagger_rate > 0 and named.why["pipeline_stagger"].startswith("on: the node's 8 pipelines")
+    one_node = gpu_plan({**pipeline, "parallel": "zero2", "link_gbps": 100}, nodes=1)
+    assert one_node.why["pipeline_stagger"] == "off: one node: no stage boundary crosses a link"
+    alone = gpu_plan({**pipeline, "parallel": "zero2", "link_gbps": 100, "pipeline_stagger": True}, per_node=1)
+    assert alone.why["pipeline_stagger"].startswith("not used: a node holds one pipeline")
+    assert plan_for({"pipeline_stagger": False}).why["pipeline_stagger"].startswith("not used: the run has no pipeline")

@@ -265,20 +265,22 @@ class Jobs:
         self.workdir, self.model_dir, self.dataset = workdir, model_dir, dataset
         self.done: dict[str, dict] = {}
 
-    def run(self, name: str, method: str, nproc: int, pp: int, accumulation: int, **extra) -> dict:
-        """A run of 4 steps at global batch 8 (2 rows a micro-step): its losses, grad norms, output_dir and plan."""
+    def run(self, name: str, method: str, nproc: int, pp: int, accumulation: int, per_node: int | None = None,
+            **extra) -> dict:
+        """A run of 4 steps at global batch 8 (2 rows a micro-step): its losses, grad norms, output_dir and plan. Its
+        ranks told they are on nodes of `per_node` processes (default: one node)."""
         if name in self.done:
             return self.done[name]
         out = self.workdir / name
         out.mkdir()
         values = base_config(self.model_dir, self.dataset, out / "output", finetuning_type=method, parallel="ddp",
-                             nproc_per_node=nproc, pipeline_parallel=pp, per_device_train_batch_size=2,
+                             nproc_per_node=per_node or nproc, pipeline_parallel=pp, per_device_train_batch_size=2,
                              gradient_accumulation_steps=accumulation, tokenized_path=str(self.workdir / "tokenized"),
                              learning_rate=5e-3 if method == "lora" else 1e-3, max_steps=4, save_final=False,
                              max_grad_norm=0.5)
         values.update(extra)
         config = str(write_config(out, **values))
-        train_on_ranks(config, nproc, out / "ranks")
+        train_on_ranks(config, nproc, out / "ranks", per_node=per_node)
         records = read_metrics(out / "output")
         self.done[name] = {"losses": [r["loss"] for r in records if "loss" in r],
                            "norms": [r["grad_norm"] for r in records if "grad_norm" in r],
@@ -382,6 +384,14 @@ def test_pp2_x_dp2_gives_the_losses_and_grad_norms_of_one_process(jobs, method):
         assert_same(pp2_dp2["losses"], one["losses"], f"{method} {schedule} pp 2 x dp 2 loss")
         assert_same(pp2_dp2["norms"], one["norms"], f"{method} {schedule} pp 2 x dp 2 grad norm")
         assert_same(pp2_dp2["eval"], one["eval"], f"{method} {schedule} pp 2 x dp 2 eval_loss")
+    if method == "lora":  # told they are 2 nodes of 2: each node's 2 pipelines start a hop apart, the same numbers
+        staggered = jobs.run("pp2-dp2-lora-staggered", method, 4, 2, 2, per_node=2, pipeline_schedule="gpipe",
+                             link_gbps=0.001, pipeline_stagger=True, **HELD_OUT)
+        assert staggered["plan"]["why"]["pipeline_stagger"].startswith("on: pipeline_stagger: true, the node's 2 "
+                                                                       "pipelines start a hop apart (a hop "), \
+            staggered["plan"]["why"]
+        in_step = jobs.done["pp2-dp2-lora-gpipe"]
+        assert staggered["losses"] == in_step["losses"] and staggered["norms"] == in_step["norms"]
 
 
 @pytest.mark.slow
@@ -394,6 +404,14 @@ def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel)
     sharded = jobs.run(f"pp2-{parallel}", "full", 4, 2, 2, parallel=parallel, save_steps=2, **HELD_OUT)
     assert sharded["plan"]["parallel"] == parallel and sharded["plan"]["mesh"]["pp"] == 2
     assert_same(sharded["losses"], one["losses"], f"pp 2 x {parallel} 2 loss")
+    if parallel == "zero2":
+        # told they are 2 nodes of 2: each node's 2 pipelines start a hop apart, each gathering its stage's weights
+        # first (zero2 keeps them whole to the last backward); the wait changes no number
+        staggered = jobs.run("pp2-zero2-staggered", "full", 4, 2, 2, per_node=2, parallel="zero2", link_gbps=0.001,
+                             pipeline_stagger=True, log_level_all_ranks="info", **HELD_OUT)
+        assert staggered["plan"]["pipeline_stagger_rate"] > 0, staggered["plan"]["why"]
+        assert staggered["losses"] == sharded["losses"] and staggered["norms"] == sharded["norms"]
+        assert staggered["eval"] == sharded["eval"]
     assert_same(sharded["norms"], one["norms"], f"pp 2 x {parallel} 2 grad norm")
     assert_same(sharded["eval"], one["eval"], f"pp 2 x {parallel} 2 eval_loss")
     # the checkpoint's accumulation of 2 given, the plan keeps its global batch of 8: 4 micro-batches on one process
@@ -542,8 +560,9 @@ def test_the_doctor_counts_a_pipeline_s_activations_as_what_crosses_the_nodes():
 def test_auto_on_a_slow_link_between_two_cpu_nodes_trains_a_stage_on_each(tmp_path, tiny_model_dir, tiny_dataset):
     """`parallel: auto` with `link_gbps` on 2 CPU nodes (torchrun agents on 127.0.0.1, --nnodes 2, one process
     each): the plan measures the processes' fp32 matmul rate together and, the gradients' all-reduce taking far longer
-    on 0.001 Gb/s than the tiny model's step, puts a stage on each node; the job trains to its end. On 1,000 Gb/s
-    ddp's all-reduce costs less than a pipeline's bubble: ddp, as without the link."""
+    on 0.001 Gb/s than the tiny model's step, puts a stage on each node (one pipeline a node: nothing to stagger);
+    the job trains to its end. On 1,000 Gb/s ddp's all-reduce costs less than a pipeline's bubble: ddp, as without
+    the link."""
     from test_faults import Cluster, job_config, losses
 
     def run(name: str, gbps: float) -> dict:
@@ -563,6 +582,7 @@ def test_auto_on_a_slow_link_between_two_cpu_nodes_trains_a_stage_on_each(tmp_pa
     assert slow["mesh"]["pp"] == 2 and slow["parallel"] == "ddp", slow["mesh"]
     assert slow["why"]["parallel"].startswith("auto by the link (0.001 Gb/s): pipeline_parallel 2 (ddp inside"), \
         slow["why"]["parallel"]
+    assert slow["why"]["pipeline_stagger"].startswith("off: a node holds one pipeline"), slow["why"]
     fast = run("fast", 1000)
     assert "pp" not in fast["mesh"] and fast["parallel"] == "ddp", fast["mesh"]
     assert fast["why"]["parallel"].startswith("auto by the link (1000 Gb/s): ddp, predicted at"), fast["why"]

@@ -78,6 +78,14 @@ class ParallelismKeys(Keys):
               "x gradient_accumulation_steps of them, a smaller bubble for smaller sends); false, each micro-step's "
               "rows one; unset: false, or where parallel: auto chooses a pipeline by link_gbps, what it predicts "
               "faster. The same rows and loss either way")
+    pipeline_stagger: Literal["auto"] | bool = PARALLELISM(
+        "auto", "a pipeline across nodes with data parallelism inside each stage: a node's processes are that many "
+                "pipelines sharing the node's link. true: they start each training step in turn, one micro-batch's "
+                "activations at link_gbps apart, so each crosses the link alone and the next pipeline's crossing "
+                "overlaps this one's compute; false: together; auto: in turn where the plan predicts that shorter "
+                "from link_gbps (off without it). Needs link_gbps to time a hop; not with zero3 inside the stages "
+                "(its weight gathers at every micro-batch put the pipelines back in step). Timing only: the losses "
+                "are the same")
 
     @model_validator(mode="after")
     def _check_layout(self) -> "ParallelismKeys":
@@ -147,7 +155,8 @@ class CrossNodeKeys(Keys):
               "all-reduce's bus bandwidth as 90% of this rate and a GPU's compute as 40% of its measured bf16 matmul "
               "rate (on CPU nodes: ddp or a stage a node, a process's compute at 50% of the fp32 matmul rate the "
               "processes measure together, gloo's traffic not hidden); run_plan.json gives the choice, the reason and "
-              "every mode's predicted per-GPU efficiency. "
+              "every mode's predicted per-GPU efficiency. Under a pipeline across nodes it also times "
+              "pipeline_stagger. "
               "`meshtune doctor --bandwidth` measures the link's busbw (GB/s): its x 8 / 0.9 is this rate. It changes "
               "no math. Default: unset, the rules of docs/multi-node/choosing-parallel.md", gt=0.0)
     hsdp_replica_reduce_dtype: Literal["fp32", "bf16"] | None = CROSS_NODE(

@@ -11,7 +11,8 @@ as the run trains.
 `resolve` calls one resolver a concern, in order, each writing its reasons into the plan: the mesh (layout.py, the
 link's choice in link.py), the resumed checkpoint's batch (resume.py), precision, the speed levers and their
 conflicts (levers.py), memory (memory.py, over the one estimate of a GPU's state), how gradients cross (sync.py),
-the reference (reference.py) and the pipeline's schedule and stages (pipeline.py).
+the reference (reference.py), the pipeline's schedule and stages (pipeline.py) and whether a node's pipelines
+start in turn (stagger.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from meshtune.plan.resume import (check_train_batch_size, keep_global_batch, res
                                   resume_request)
 from meshtune.plan.run_plan import (EACH, MEASURE, ONCE, SHARD_EACH, SHARDED, Layout, LinkChoice, Machine, RunPlan,
                                     on)
+from meshtune.plan.stagger import pipeline_stagger
 from meshtune.plan.sync import gradient_crossing, powersgd_rank, resolve_sync
 
 __all__ = [
@@ -66,15 +68,15 @@ def resolve(cfg: TrainConfig, env: DistEnv, resume_manifest: dict | None,
     layout = resolve_mesh(cfg, env, machine, why)
     resume = resolve_resume(cfg, env, layout, resume_manifest, resumed_from, shared, why)
     accumulation = resume["gradient_accumulation_steps"]
+    precision, levers = resolve_precision(cfg, env, layout.parallel, machine, why), resolve_levers(cfg, env, layout,
+                                                                                                   machine, why)
+    memory, sync = resolve_memory(cfg, layout, accumulation, machine, why), resolve_sync(cfg, layout, why)
+    reference = resolve_reference(cfg, why)
+    pipeline = pipeline_choice(cfg, env, layout.pp, layout.parallel, accumulation, machine.model_size, why,
+                               layout.link)
     return RunPlan(parallel=layout.parallel, hsdp_shard_size=layout.hsdp_shard, mesh=layout.mesh, **resume,
-                   **resolve_precision(cfg, env, layout.parallel, machine, why),
-                   **resolve_levers(cfg, env, layout, machine, why),
-                   **resolve_memory(cfg, layout, accumulation, machine, why),
-                   **resolve_sync(cfg, layout, why),
-                   **resolve_reference(cfg, why),
-                   **pipeline_choice(cfg, env, layout.pp, layout.parallel, accumulation, machine.model_size, why,
-                                    layout.link),
-                   why=why)
+                   **precision, **levers, **memory, **sync, **reference, **pipeline,
+                   **pipeline_stagger(cfg, env, layout, pipeline, accumulation, machine, why), why=why)
 
 
 def machine_of(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSize]) -> Machine:
@@ -84,7 +86,7 @@ def machine_of(cfg: TrainConfig, env: DistEnv, model_size: Callable[[], ModelSiz
     return Machine(model_size=functools.cache(model_size),
                    gpu_bytes=functools.cache(lambda: smallest_gpu_memory(env.device, cfg.gpu_memory_limit)
                                              if cuda else None),
-                   peak_flops=lambda: slowest_peak_flops(env.device),
+                   peak_flops=functools.cache(lambda: slowest_peak_flops(env.device)),
                    bf16_supported=lambda: bf16_supported(env.device),
                    varlen_available=lambda: varlen_available(env.device),
                    memory_measurable=lambda: memory_measurable(env.device))

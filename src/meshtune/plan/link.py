@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import (ModelSize, StepTime, compute_seconds, data_parallel_step, fsdp_units,
-                               full_model_facts, pipeline_step, step_collectives)
+                               full_model_facts, step_collectives)
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
 from meshtune.hardware import host_bytes_a_process
@@ -18,6 +18,7 @@ from meshtune.plan.memory import full_state_bytes, gradient_reduction, sharding_
 from meshtune.plan.modes import auto_parallel
 from meshtune.plan.pipeline import PP_MODEL_TYPES, pipeline_shapes
 from meshtune.plan.run_plan import EACH, LinkChoice
+from meshtune.shared_link import priced_pipeline
 
 LINK_EFFICIENCY = 0.9  # of the line rate, what NCCL's all-reduce reaches on a healthy network (an assumption)
 
@@ -95,7 +96,8 @@ def link_label(choice: LinkChoice, nodes: int) -> str:
     if choice.pipeline == 1:
         return choice.mode
     split = ", micro-batches of one row" if choice.one_row else ""
-    return f"pipeline_parallel {nodes} ({choice.mode} inside each stage, {choice.schedule}{split})"
+    staggered = ", a node's pipelines started a hop apart" if choice.stagger else ""
+    return f"pipeline_parallel {nodes} ({choice.mode} inside each stage, {choice.schedule}{split}{staggered})"
 
 
 def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: ModelSize, card: float,
@@ -106,7 +108,8 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
     its micro-batches the config's x the stages so the global batch stays. On CPU (`gpus` false) auto's CPU mode,
     ddp, and a pipeline stage a node with ddp inside it: gloo's reduce-scatter moves an all-reduce's bytes and a
     node's processes share its cores, so sharding inside a node saves no time there; fp32 activations, and nothing
-    hidden behind the compute."""
+    hidden behind the compute. A pipeline's node holds `per_node` of them (a stage's replicas), staggered where that
+    is shorter (shared_link.priced_pipeline)."""
     nodes = processes // per_node
     facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps
     bf16 = gpus and not cfg.fp16 and cfg.bf16 is not False
@@ -133,9 +136,16 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
                 shaped = cfg.model_copy(update={"pipeline_schedule": schedule})
                 crossing = step_collectives(shaped, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
                                             micro=micro * nodes)
-                choice = LinkChoice(stage, nodes, schedule, one_row)
-                predicted[choice] = pipeline_step(crossing, nodes, busbw, compute, shape)
+                step, stagger = priced_pipeline(crossing, nodes, busbw, compute, shape, per_node,
+                                                stagger_asked(cfg, stage))
+                predicted[LinkChoice(stage, nodes, schedule, one_row, stagger)] = step
     return predicted
+
+
+def stagger_asked(cfg: TrainConfig, parallel: str) -> bool | None:
+    """How a pipeline's node's pipelines are priced (shared_link.priced_pipeline): as pipeline_stagger asks (None:
+    auto, staggered where shorter); in step under zero3 inside the stages, whose gathers keep them so."""
+    return False if parallel == "zero3" else None if cfg.pipeline_stagger == "auto" else cfg.pipeline_stagger
 
 
 def compute_seconds_of(cfg: TrainConfig, facts, peak: float | None, gpus: bool = True) -> float:

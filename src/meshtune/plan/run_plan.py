@@ -14,8 +14,8 @@ from meshtune.crossing import ModelSize
 from meshtune.distributed import DistEnv
 from meshtune.mesh import ParallelDims
 
-PIPELINE_KEYS = {"pipeline_schedule": "auto", "pipeline_virtual_stages": None,
-                 "pipeline_row_micro_batches": None}  # the keys that shape a pipeline, and their unset values
+PIPELINE_KEYS = {"pipeline_schedule": "auto", "pipeline_virtual_stages": None, "pipeline_row_micro_batches": None,
+                 "pipeline_stagger": "auto"}  # the keys that shape a pipeline, and their unset values
 
 SHARDED = ("zero2", "zero3", "hsdp")
 
@@ -72,6 +72,10 @@ class RunPlan:
     # each row of the step's micro-batches a micro-batch of the schedule (pipeline_row_micro_batches, or auto by the
     # link); else each micro-step's rows one
     pipeline_one_row: bool = False
+    # a node's pipelines (a stage's data-parallel replicas there) started in turn: each training step, this process
+    # waits its pipeline's turn x one micro-batch's activations at this rate (bytes/s) before its first action; 0: in
+    # step (meshtune.shared_link)
+    pipeline_stagger_rate: float = 0.0
     # stage: dpo: the reference's log-probs computed once before training (train/reference_pass.py)
     precompute_ref_log_probs: bool = False
 
@@ -142,6 +146,8 @@ class RunPlan:
                 rows.append(("pipeline_virtual_stages", str(self.pipeline_virtual_stages)))
             rows.append(("pipeline_stages", ", ".join(f"blocks {a}-{b - 1}" if b > a else "no block"
                                                       for a, b in self.pipeline_stages)))
+            if "pipeline_stagger" in self.why:
+                rows.append(("pipeline_stagger", on(bool(self.pipeline_stagger_rate))))
         else:  # a pipeline's keys the config sets without a pipeline
             rows += [(key, "not used") for key in PIPELINE_KEYS if key in self.why]
         if self.model_parallel > 1 or self.pipeline_parallel > 1:
@@ -213,6 +219,8 @@ class LinkChoice:
     pipeline: int
     schedule: str | None = None  # the pipeline's schedule, and each row a micro-batch of it (`pipeline_shapes`)
     one_row: bool = False
+    # a node's pipelines started a hop apart (meshtune.shared_link): how it was priced, not which choice it is
+    stagger: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from meshtune.train.nonfinite import NonFiniteSteps, sample_ids
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.by_stage import build_objective
 from meshtune.train.optimizer import build_optimizer
-from meshtune.train.pipeline_step import PipelineStep
+from meshtune.train.pipeline_step import PipelineStep, Stagger
 from meshtune.train.preemption import StopRequest
 from meshtune.train.reference_pass import precompute_reference, reference_is_policy
 from meshtune.train.profiling import StepProfiler
@@ -323,7 +323,8 @@ def set_up_step(cfg: TrainConfig, env: DistEnv, plan: RunPlan, built: BuiltModel
 
     split = SequenceSplit(data.dims)  # context parallel: each process's share of the positions
     # pipeline_parallel: this process's stage and torch's schedule over the step's micro-batches
-    pipeline = (PipelineStep(built.stages, built.held, built.pipeline, plan, env.device, pad_id, cfg.cutoff_len)
+    pipeline = (PipelineStep(built.stages, built.held, built.pipeline, plan, env.device, pad_id, cfg.cutoff_len,
+                             Stagger.of(plan, data.data_env, built.stages[0].get_base_model().config.hidden_size))
                 if built.pipeline is not None else None)
     stages = built.pipeline["pp"].get_group() if built.pipeline is not None else None
     built.model.train()

@@ -2,16 +2,21 @@
 step's micro-batches, each padded to one shape, stacked into one batch that torch's schedule (ScheduleGPipe,
 Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble) splits back into them (or, where the plan says so,
 into their rows one by one); the last stage computes each micro-batch's loss, normalised as the data-parallel step
-normalises it, so the sum over micro-batches is the one-process loss and its gradients."""
+normalises it, so the sum over micro-batches is the one-process loss and its gradients. Where the plan staggers a node's
+pipelines (plan/stagger.py), each waits its turn before a training step's first action (`Stagger`)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
 
@@ -21,6 +26,8 @@ from meshtune.model.pipeline_parallel import StageForward
 from meshtune.plan import RunPlan
 from meshtune.train.objectives import normalised
 from meshtune.train.objectives.token_loss import token_loss_sum
+
+logger = logging.getLogger(__name__)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
@@ -38,6 +45,44 @@ class ForwardOnlyStage(PipelineStage):
         if self.has_backward:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 LENGTH_MULTIPLE = 64  # rows padded to a multiple: fewer distinct shapes, each a stage set up anew
+
+
+@dataclass(frozen=True)
+class Stagger:
+    """A node's pipelines started in turn (plan.pipeline_stagger_rate): this process's pipeline waits `turn` hops,
+    a hop one micro-batch's activations (`token_bytes` a token) at the node's link `rate` (bytes/s)."""
+
+    turn: int
+    pipelines: int  # the node's
+    rate: float
+    token_bytes: int
+
+    @classmethod
+    def of(cls, plan: RunPlan, data_env, hidden: int) -> Stagger | None:
+        """The plan's stagger for this process (its pipeline's place among the node's: its data rank there), or None
+        where the pipelines start together."""
+        if not plan.pipeline_stagger_rate:
+            return None
+        pipelines = max(data_env.local_world_size, 1)
+        return cls(data_env.rank % pipelines, pipelines, plan.pipeline_stagger_rate,
+                   hidden * (2 if plan.bf16 or plan.bf16_weights else 4))
+
+    def seconds(self, rows: int, length: int) -> float:
+        return self.turn * rows * length * self.token_bytes / self.rate
+
+    def wait(self, seconds: float, modules: list[torch.nn.Module], device: torch.device) -> None:
+        """Gather the stages' FSDP2 weights first, every pipeline at once (zero2 keeps them whole until the last
+        backward, so no collective among the node's pipelines puts them back in step), then wait `seconds` with the
+        device idle."""
+        seen = set()
+        for module in (m for stage in modules for m in stage.modules() if isinstance(m, FSDPModule)):
+            if id(module) not in seen:
+                seen.add(id(module))
+                module.unshard()
+        if seconds > 0:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            time.sleep(seconds)
 SHAPES_KEPT = 4       # stages (with their receive buffers) kept for the shapes seen last
 
 
@@ -47,7 +92,7 @@ class PipelineStep:
     next step's. Every process of a pipeline sees the same micro-batches, so all of them set up the same shapes."""
 
     def __init__(self, modules: list[StageForward], held: list[int], mesh: DeviceMesh, plan: RunPlan,
-                 device: torch.device, pad_id: int, length_cap: int):
+                 device: torch.device, pad_id: int, length_cap: int, stagger: Stagger | None = None):
         # held: the stage of each module, of the plan's stages
         self.modules, self.held, self.stages = modules, held, len(plan.pipeline_stages)
         self.group = mesh["pp"].get_group()
@@ -63,6 +108,8 @@ class PipelineStep:
         # not run one later)
         self.schedules: OrderedDict[tuple[int, int, int, bool], object] = OrderedDict()
         self.sums: list[torch.Tensor] = []
+        self.stagger, self.stepped = stagger, set()  # the schedules that ran a training step (set up: in step)
+        self.waited = False
         self.loss_of: Callable[[torch.Tensor], torch.Tensor] = lambda total: total
 
     @property
@@ -88,7 +135,7 @@ class PipelineStep:
                                    loss_fn=self._loss, scale_grads=False)
         self.schedules[key] = made
         if len(self.schedules) > SHAPES_KEPT:
-            self.schedules.popitem(last=False)
+            self.stepped.discard(self.schedules.popitem(last=False)[0])
         return made
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -118,6 +165,18 @@ class PipelineStep:
         rows, length = stacked.input_ids.shape
         count = rows if training and self.one_row else count  # the same rows, the schedule's chunks of one each
         schedule = self._schedule(rows // count, length, count, training)
+        if training and self.stagger is not None:
+            # a schedule's first step sets its stages up (shape inference, FSDP2's first gathers) in step
+            key = (rows // count, length, count, training)
+            if key in self.stepped:
+                seconds = self.stagger.seconds(rows // count, length)
+                if not self.waited and self.stagger.turn:
+                    logger.info(f"pipeline stagger: this pipeline ({self.stagger.turn + 1} of the node's "
+                                f"{self.stagger.pipelines}) starts a training step {seconds * 1e3:.3g} ms after the "
+                                f"node's first ({rows // count} x {length} tokens a micro-batch)")
+                    self.waited = True
+                self.stagger.wait(seconds, self.modules, self.device)
+            self.stepped.add(key)
         self.sums = []
         inputs = stacked.to(self.device)
         kwargs = {"attention_mask": inputs.attention_mask, "position_ids": inputs.position_ids}
