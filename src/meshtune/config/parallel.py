@@ -82,10 +82,10 @@ class ParallelismKeys(Keys):
         "auto", "a pipeline across nodes with data parallelism inside each stage: a node's processes are that many "
                 "pipelines sharing the node's link. true: they start each training step in turn, one micro-batch's "
                 "activations at link_gbps apart, so each crosses the link alone and the next pipeline's crossing "
-                "overlaps this one's compute; false: together; auto: in turn where the plan predicts that shorter "
-                "from link_gbps (off without it). Needs link_gbps to time a hop; not with zero3 inside the stages "
-                "(its weight gathers at every micro-batch put the pipelines back in step). Timing only: the losses "
-                "are the same")
+                "overlaps this one's compute; false: together; auto: on GPUs, in turn where the plan predicts that "
+                "shorter from link_gbps (off without it, and on CPU nodes, where it measured slower). Needs "
+                "link_gbps to time a hop; not with zero3 inside the stages (its weight gathers at every micro-batch "
+                "put the pipelines back in step). Timing only: the losses are the same")
 
     @model_validator(mode="after")
     def _check_layout(self) -> "ParallelismKeys":

@@ -137,15 +137,21 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
                 crossing = step_collectives(shaped, stage, facts, bf16, True, processes, per_node, pipeline=nodes,
                                             micro=micro * nodes)
                 step, stagger = priced_pipeline(crossing, nodes, busbw, compute, shape, per_node,
-                                                stagger_asked(cfg, stage))
+                                                stagger_asked(cfg, stage, gpus))
                 predicted[LinkChoice(stage, nodes, schedule, one_row, stagger)] = step
     return predicted
 
 
-def stagger_asked(cfg: TrainConfig, parallel: str) -> bool | None:
+def stagger_asked(cfg: TrainConfig, parallel: str, gpus: bool) -> bool | None:
     """How a pipeline's node's pipelines are priced (shared_link.priced_pipeline): as pipeline_stagger asks (None:
-    auto, staggered where shorter); in step under zero3 inside the stages, whose gathers keep them so."""
-    return False if parallel == "zero3" else None if cfg.pipeline_stagger == "auto" else cfg.pipeline_stagger
+    auto, staggered where shorter); in step under zero3 inside the stages, whose gathers keep them so, and under
+    auto on CPU, where gloo's sends share the cores that compute and staggering measured no faster
+    (docs/benchmarks/network.md)."""
+    if parallel == "zero3":
+        return False
+    if cfg.pipeline_stagger == "auto":
+        return None if gpus else False
+    return cfg.pipeline_stagger
 
 
 def compute_seconds_of(cfg: TrainConfig, facts, peak: float | None, gpus: bool = True) -> float:

@@ -41,6 +41,11 @@ def pipeline_stagger(cfg: TrainConfig, env: DistEnv, layout: Layout, pipeline: d
         why["pipeline_stagger"] = f"off: {refused}"
         return {}
     gpus = env.device.type == "cuda"
+    if not gpus and asked == "auto":
+        why["pipeline_stagger"] = ("off: on CPU nodes gloo's sends share the cores that compute, and the node's "
+                                   "pipelines started a hop apart measured no faster (docs/benchmarks/network.md); "
+                                   "pipeline_stagger: true staggers them")
+        return {}
     bf16 = gpus and not cfg.fp16 and cfg.bf16 is not False
     schedule, one_row = pipeline["pipeline_schedule"], pipeline["pipeline_one_row"]
     shaped = cfg.model_copy(update={"pipeline_schedule": schedule, "pipeline_parallel": layout.pp,
@@ -58,7 +63,7 @@ def pipeline_stagger(cfg: TrainConfig, env: DistEnv, layout: Layout, pipeline: d
     rate = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
     in_step, _ = priced_pipeline(crossing, nodes, rate, compute, shape, pipelines, stagger=False)
     step, staggered = priced_pipeline(crossing, nodes, rate, compute, shape, pipelines,
-                                      stagger_asked(cfg, layout.parallel))
+                                      stagger_asked(cfg, layout.parallel, gpus))
     hop_ms = sum(c.bytes for c in crossing if c.kind == "send") / pipelines / micro / rate * 1e3
     hop = (f"a hop {hop_ms:.3g} ms: one pipeline's micro-batch alone on the {cfg.link_gbps:g} Gb/s link at "
            f"{cfg.cutoff_len} tokens a row; the run times it by each step's own rows")
