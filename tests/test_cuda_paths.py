@@ -215,3 +215,11 @@ def test_cpu_offload_on_two_gpus_receives_rank_0s_weights_into_host_shards(tmp_p
     resumed = metrics("resumed", cpu_offload=True, save_final=False,
                       resume_from_checkpoint=str(tmp_path / "plain" / "output" / "checkpoint-2"))
     assert_same_curve(resumed, plain[2:])
+
+
+def test_a_staggered_pipeline_gathers_its_zero2_stage_then_waits_its_turn_on_the_gpu():
+    """pipeline_stagger's wait on a GPU (NCCL, one process): the stage's FSDP2 units gathered, the device's queue
+    drained, then the turn's time passes (tests/test_pipeline_parallel.py runs the same on CPU)."""
+    from test_pipeline_parallel import stagger_waits_with_its_stage_whole
+
+    stagger_waits_with_its_stage_whole("cuda")

@@ -596,3 +596,38 @@ def test_a_pipeline_s_keys_set_without_a_pipeline_are_named_as_unused():
         assert re.search(rf"{key} +not used", plan.describe()), plan.describe()
     assert "pipeline_virtual_stages" not in plan.why
     assert "pipeline_schedule" not in plan_for({"parallel": "ddp"}).why
+
+
+def stagger_waits_with_its_stage_whole(device: str) -> None:
+    """A staggered pipeline's wait on `device` (one process): it gathers every FSDP2 unit of its stages (zero2 keeps
+    them whole to the last backward, so no gather at a micro-batch's forward puts the pipelines back in step), then
+    waits its turn: 2 hops of 2 rows x 64 tokens x 32 x 4 bytes at 1 MB/s, 32.8 ms."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from meshtune.train.pipeline_step import Stagger
+
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stage = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)).to(device)
+        for unit in (*stage, stage):
+            fully_shard(unit, reshard_after_forward=False)
+        assert all(isinstance(p, DTensor) for p in stage.parameters())
+        stagger = Stagger(turn=2, pipelines=4, rate=1e6, token_bytes=32 * 4)
+        seconds = stagger.seconds(2, 64)
+        assert seconds == pytest.approx(2 * 2 * 64 * 128 / 1e6)
+        started = time.monotonic()
+        stagger.wait(seconds, [stage], torch.device(device))
+        assert time.monotonic() - started >= seconds
+        assert not any(isinstance(p, DTensor) for p in stage.parameters())  # whole: unsharded
+        out = stage(torch.ones(2, 32, device=device))  # and the forward gathers nothing more
+        assert out.shape == (2, 32)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_staggered_pipeline_gathers_its_zero2_stage_then_waits_its_turn():
+    stagger_waits_with_its_stage_whole("cpu")
