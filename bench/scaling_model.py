@@ -16,8 +16,9 @@ For N nodes of G GPUs each, every GPU keeping its batch and accumulation (the gl
   that window is exposed, and at least the last unit's share always is (it starts when backward ends). The weights'
   gathers overlap the rest of the step. A pipeline (a stage a node, data-parallel inside it) sends its micro-batches'
   activations forward and their gradients back at each stage boundary; its step is torch's schedule simulated over
-  the stages the run builds, each stage's cost from its FLOPs, a send delaying what waits on it
-  (meshtune.crossing.pipeline_step, over meshtune.plan.pipeline_shapes: the link choice's own).
+  the stages the run builds, each stage's cost from its FLOPs, a send delaying what waits on it, the node's
+  pipelines in step or, where shorter, started a hop apart (meshtune.shared_link.priced_pipeline, over
+  meshtune.plan.pipeline_shapes: the link choice's own).
 
 Link speeds: the bus bandwidth the doctor measured between the simulated nodes (--from), and line rates of
 --link-gbps (Gb/s a node) at --link-efficiency of the line rate (what NCCL's all-reduce reaches on a healthy
@@ -44,11 +45,12 @@ whose weights and state do not fit --gpu-gib a GPU is marked so:
   python bench/scaling_model.py --project --out results/projection
 
 What the pipeline rows would give with levers meshtune does not have (--what-if, bench/pipeline_levers.py): every
-stage the mean stage's cost (boundaries inside blocks), the hops' bytes at a share (8-bit activations across nodes),
-a node's pipelines simulated one by one on its shared link, in step or started a hop apart:
+stage the mean stage's cost (boundaries inside blocks), the hops' bytes at a share (8-bit activations across nodes);
+and the plan's pricing taken apart: a node's pipelines kept in step (in-step), or simulated one by one on its
+shared link in step (shared-link), where the plan would start them a hop apart (pipeline_stagger):
 
   python bench/scaling_model.py --project --jobs full-7b --link-gbps 100 --what-if even-stages,hop-bytes=0.5
-  python bench/scaling_model.py --project --jobs full-7b --link-gbps 100 --what-if stagger
+  python bench/scaling_model.py --project --jobs full-7b --link-gbps 100 --what-if in-step
 """
 
 from __future__ import annotations
@@ -423,8 +425,9 @@ def main(argv: list[str] | None = None) -> None:
                         "even-stages (every stage the mean stage's cost: the ranks' compute equal, as boundaries "
                         "inside blocks would nearly make it), "
                         "hop-bytes=SHARE (activations across a hop at that share of their bf16 bytes; 0.5: 8-bit), "
-                        "and one of shared-link (a node's pipelines one by one, in step, sharing its link) and "
-                        "stagger (the same, each started one pipeline's hop after the last); comma-separated")
+                        "and one of in-step (a node's pipelines kept in step, a hop all of their sends, where the "
+                        "plan would stagger them) and shared-link (a node's pipelines one by one, in step, sharing "
+                        "its link); comma-separated")
     p.add_argument("--tokens-per-s", action="append", metavar="JOB=RATE",
                    help="--project: a job's one-GPU tokens/s instead of the cited one")
     args = p.parse_args(argv)
