@@ -334,7 +334,7 @@ def project(args) -> None:
     gbps_list = [float(g) for g in args.link_gbps.split(",")]
     gpu, per_node = args.gpu_gib, args.gpus_per_node
     what_if = args.what_if
-    lines = ([f"What if (pipeline rows only; not built): {what_if.describe()}", ""] if what_if.describe() else []) + [
+    lines = ([f"What if (pipeline rows only): {what_if.describe()}", ""] if what_if.describe() else []) + [
              ("Calibration from the shaped link (bytes a node measured / the formula's): " + ", ".join(
         f"{name} {ratio:.3f}" for name, ratio in ratios.items()) + "; other modes: the formula's bytes")
              if ratios else "No shaped-link report: every mode at the formula's bytes", ""]
