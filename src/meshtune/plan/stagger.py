@@ -3,9 +3,10 @@
 Under a pipeline across nodes with data parallelism inside each stage, a node's processes are that many pipelines,
 each sending its own activations over the node's one link. Where the plan knows the link (`link_gbps`) it prices
 the step with the pipelines in step and started a hop apart, over the run's own schedule and stages, and staggers
-them where that is shorter; the run then waits, each training step, its pipeline's turn x one micro-batch's
-activations at the link's rate before its first action (train/pipeline_step.py). Timing only: nothing a step
-trains on changes."""
+them where that is shorter (on GPUs: on CPU nodes gloo's sends share the cores that compute, and the stagger
+measured slower there, so only pipeline_stagger: true staggers them). The run then waits, each training step, its
+pipeline's turn x one micro-batch's activations at the link's rate before its first action
+(train/pipeline_step.py). Timing only: nothing a step trains on changes."""
 
 from __future__ import annotations
 
