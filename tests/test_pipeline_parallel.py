@@ -430,7 +430,8 @@ def test_fsdp2_inside_each_stage_gives_the_losses_of_one_process(jobs, parallel)
 def test_fsdp2_inside_the_stages_of_interleaved_1f1b_and_zbv_gives_the_losses_of_one_process(jobs_4_blocks):
     """pp 2 x dp 2 of a 4-block model (a block a stage: FSDP2 shards a stage by its blocks), each of a process's two
     stages its own FSDP2 root: interleaved 1F1B under zero2, ZBV under zero3, full fine-tuning; ZBV's checkpoint-2
-    resumes on one process."""
+    resumes on one process. Interleaved 1F1B under zero2 again, its ranks told they are 2 nodes of 2 and their
+    pipelines staggered (torch's schedule then unshards and reshards each stage's root itself): the same numbers."""
     jobs = jobs_4_blocks
     one = jobs.run("one-full", "full", 1, 1, 4, **SAVED)
     for schedule, parallel in (("interleaved_1f1b", "zero2"), ("zbv", "zero3")):
@@ -442,6 +443,13 @@ def test_fsdp2_inside_the_stages_of_interleaved_1f1b_and_zbv_gives_the_losses_of
         assert_same(run["losses"], one["losses"], f"{schedule} x {parallel} loss")
         assert_same(run["norms"], one["norms"], f"{schedule} x {parallel} grad norm")
         assert_same(run["eval"], one["eval"], f"{schedule} x {parallel} eval_loss")
+    staggered = jobs.run("interleaved_1f1b-zero2-staggered", "full", 4, 2, 2, per_node=2,
+                         pipeline_schedule="interleaved_1f1b", parallel="zero2", link_gbps=0.001,
+                         pipeline_stagger=True, **HELD_OUT)
+    assert staggered["plan"]["pipeline_stagger_rate"] > 0, staggered["plan"]["why"]
+    in_step = jobs.done["interleaved_1f1b-zero2"]
+    assert (staggered["losses"], staggered["norms"], staggered["eval"]) == (
+        in_step["losses"], in_step["norms"], in_step["eval"])
     resumed = jobs.run("one-from-zbv-zero3", "full", 1, 1, 2, **HELD_OUT,
                        resume_from_checkpoint=str(jobs.done["zbv-zero3"]["output"] / "checkpoint-2"))
     assert resumed["plan"]["gradient_accumulation_steps"] == 4
