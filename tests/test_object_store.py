@@ -127,7 +127,7 @@ def test_ckpt_verify_of_a_damaged_final_in_the_store_reports_it_invalid_as_a_loc
 def test_ckpt_list_verify_export_and_chat_take_the_url(killed_upload_then_fresh_resume, s3, tmp_path, capfd,
                                                        monkeypatch):
     """Export and chat read a store's final/ through a local copy checked against its manifest, each object read
-    from the store once (a verify in the store and then a download would read each twice)."""
+    from the store once, the manifest too (a verify in the store and then a download would read each twice)."""
     runs = killed_upload_then_fresh_resume
     listing = run_cli_here(["ckpt", "list", runs["url"]], capfd)
     assert listing.returncode == 0 and "checkpoint-4" in listing.stdout and "complete" in listing.stdout
@@ -141,6 +141,7 @@ def test_ckpt_list_verify_export_and_chat_take_the_url(killed_upload_then_fresh_
     reads = s3.object_reads(final) - before
     listed = json.loads((runs["local"].final_dir / "manifest.json").read_text())["files"]
     assert ADAPTER in listed and {name: reads[name] for name in listed} == dict.fromkeys(listed, 1), reads
+    assert reads["manifest.json"] == 1, reads  # and its manifest: verified and kept as read
     # chat from the store's final/ answers as from the local run's, greedy
     answers = [chat([source, "--max-new-tokens", "6"], "hello there\n", capfd, monkeypatch)
                for source in (f"{runs['url']}/final", str(runs["local"].final_dir))]

@@ -42,14 +42,19 @@ def local_copy(url: str, into: Path) -> Path:
 
 def checked_copy(prefix: StorePath, into: Path) -> list[str]:
     """The objects `prefix`'s manifest lists fetched into local `into` and verified there (`verify`, the store only
-    listed), then its manifest and COMPLETE marker beside them: the problems, none where the copy is good. A copy
-    with problems is deleted."""
-    problems = verify(prefix, lambda listed: fetch_checked(prefix, listed, listed, into), copy=into)
+    listed), then the manifest verified (read from the store once) and the COMPLETE marker beside them: the
+    problems, none where the copy is good. A copy with problems is deleted."""
+    try:
+        text = (prefix / MANIFEST).read_text()
+    except OSError:
+        text = None  # verify reads it again and names what is wrong
+    problems = verify(prefix, lambda listed: fetch_checked(prefix, listed, listed, into), copy=into,
+                      manifest_text=text)
     if problems:
         shutil.rmtree(into, ignore_errors=True)
         return problems
-    for name in (MANIFEST, COMPLETE):
-        (prefix / name).get(into / name)
+    (into / MANIFEST).write_text(text)
+    (prefix / COMPLETE).get(into / COMPLETE)
     return []
 
 

@@ -99,9 +99,10 @@ def finish_deletions(directory: Path) -> list[Path]:
     return done
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
+def read_manifest(directory: Path, text: str | None = None) -> dict[str, Any]:
+    """`directory`'s manifest (`text`: its content, already read from there)."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest = json.loads((directory / MANIFEST).read_text() if text is None else text)
     except (OSError, ValueError) as error:
         raise CheckpointError(f"unreadable {MANIFEST} in {directory}: {error}") from error
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
@@ -150,20 +151,21 @@ def files_in(path: Path) -> set[str]:
 
 
 def verify(path: Path, check_files: Callable[[dict[str, dict[str, Any]]], dict[str, str]] | None = None,
-           copy: Path | None = None) -> list[str]:
+           copy: Path | None = None, manifest_text: str | None = None) -> list[str]:
     """Problems that make `path` unsafe to resume from (or, for final/, to load); an empty list means it is valid.
 
     Checks the marker, the manifest, every listed file's size and sha256, files the manifest does not list
     (a shard from another save mixed in), and that every file DCP's `.metadata` points to is present.
     `check_files(listed)` checks the listed files (`file_problems`); by default this process reads them all.
     `copy`: a local copy of the listed files that `check_files` made and checked; DCP's index is read from it.
+    `manifest_text`: the manifest as read from `path` already (an object store's, read once).
     """
     path = object_store.location(path)
     if not path.is_dir():
         return [f"not a directory: {path}"]
     problems = [] if (path / COMPLETE).is_file() else [NO_COMPLETE]
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, manifest_text)
     except CheckpointError as error:
         return problems + [str(error)]
     listed = manifest["files"]
