@@ -66,10 +66,11 @@ class WhatIf:
         return [replace(c, bytes=c.bytes * self.hop_bytes) if c.kind == "send" else c for c in crossing]
 
     def step(self, crossing: list, nodes: int, busbw: float, compute_s: float, shape, pipelines: int,
-             may_stagger: bool):
+             stagger: bool | None):
         """The pipeline's step (meshtune.crossing.StepTime) over `crossing` (already `self.crossing`'s) with these
-        levers, and whether a node's `pipelines` are staggered: the plan's pricing (shared_link.priced_pipeline),
-        crossing.pipeline_step, or shared_link.pipelines_step in step."""
+        levers, and whether a node's `pipelines` are staggered: the plan's pricing (shared_link.priced_pipeline, the
+        stagger as the plan asks it: meshtune.plan.link.stagger_asked), crossing.pipeline_step, or
+        shared_link.pipelines_step in step."""
         from meshtune.crossing import pipeline_step
         from meshtune.shared_link import pipelines_step, priced_pipeline
 
@@ -78,4 +79,4 @@ class WhatIf:
             return pipeline_step(crossing, nodes, busbw, compute_s, shape), False
         if self.link == "shared-link":
             return pipelines_step(crossing, busbw, compute_s, shape, pipelines, stagger=False), False
-        return priced_pipeline(crossing, nodes, busbw, compute_s, shape, pipelines, None if may_stagger else False)
+        return priced_pipeline(crossing, nodes, busbw, compute_s, shape, pipelines, stagger)

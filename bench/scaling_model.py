@@ -261,6 +261,7 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
     from meshtune.crossing import data_parallel_step, sent_by_each_node
     from meshtune.doctor.traffic import step_collectives
     from meshtune.plan import pipeline_shapes
+    from meshtune.plan.link import stagger_asked
 
     crossing = step_collectives(cfg, mode, facts, True, True, nodes * per_node, gpu_bytes, per_node)
     micro = cfg.gradient_accumulation_steps
@@ -270,7 +271,7 @@ def projected_step(cfg, mode: str, facts, nodes: int, per_node: int, busbw: floa
             return None
         crossing = what_if.crossing(crossing)
         step, staggered = what_if.step(crossing, nodes, busbw / ratio, compute_s,
-                                       shapes[cfg.pipeline_schedule, False], per_node, mode != "zero3")
+                                       shapes[cfg.pipeline_schedule, False], per_node, stagger_asked(cfg, mode, True))
     else:
         step, staggered = data_parallel_step(crossing, nodes, busbw / ratio, compute_s, micro, units_of(facts)), False
     return {"gather_s": step.gather_s, "reduce_s": step.reduce_s, "bubble_s": step.bubble_s, "step_s": step.step_s,

@@ -112,8 +112,7 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
     is shorter (shared_link.priced_pipeline)."""
     nodes = processes // per_node
     facts, n, micro = full_model_facts(size), size.parameters, cfg.gradient_accumulation_steps
-    bf16 = gpus and not cfg.fp16 and cfg.bf16 is not False
-    busbw = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
+    bf16, busbw = bf16_on_link(cfg, gpus), link_busbw(cfg)
     units = fsdp_units(size, cfg.fsdp_blocks_per_unit)
     if gpus:
         fits = {"hsdp" if per_node > 1 else "ddp": full_state_bytes(cfg, n, per_node, whole_weights=False),
@@ -140,6 +139,16 @@ def link_candidates(cfg: TrainConfig, processes: int, per_node: int, size: Model
                                                 stagger_asked(cfg, stage, gpus))
                 predicted[LinkChoice(stage, nodes, schedule, one_row, stagger)] = step
     return predicted
+
+
+def link_busbw(cfg: TrainConfig) -> float:
+    """The bytes a second a node's link carries: LINK_EFFICIENCY of link_gbps."""
+    return cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
+
+
+def bf16_on_link(cfg: TrainConfig, gpus: bool) -> bool:
+    """Whether weights and activations cross in bf16 (GPUs computing in bf16); fp32 otherwise."""
+    return gpus and not cfg.fp16 and cfg.bf16 is not False
 
 
 def stagger_asked(cfg: TrainConfig, parallel: str, gpus: bool) -> bool | None:

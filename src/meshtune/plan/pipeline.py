@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from meshtune.config import TrainConfig
 from meshtune.crossing import MULTI_STAGE_SCHEDULES as MULTI_STAGE
-from meshtune.crossing import ModelSize, PipelineShape, full_model_facts, stage_costs, stage_ranks
+from meshtune.crossing import ModelFacts, ModelSize, PipelineShape, full_model_facts, stage_costs, stage_ranks
 from meshtune.crossing import stages_a_process as virtual_stages
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
@@ -142,7 +142,6 @@ def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
     named = cfg.pipeline_schedule if cfg.pipeline_schedule != "auto" else None
     splits = [False, True] if cfg.pipeline_row_micro_batches is None and rows > 1 else [
         bool(cfg.pipeline_row_micro_batches)]
-    recompute = (cfg.named_recompute_ratio or 0.0) if cfg.gradient_checkpointing else 0.0
     facts = full_model_facts(size)
     shapes = {}
     for one_row, m in ((split, micro * rows if split else micro) for split in splits):
@@ -153,9 +152,17 @@ def pipeline_shapes(cfg: TrainConfig, size: ModelSize, pp: int, micro: int,
                     or size.blocks < pp * virtual - (2 if empty_ends else 0)):
                 continue  # what pipeline_choice and check_stage_blocks refuse
             stages = run_stages(size, schedule, pp, virtual, parallel)
-            costs = stage_costs(facts, stages, cfg.is_lora, recompute, cfg.cutoff_len)
-            shapes[schedule, one_row] = PipelineShape(schedule, virtual, m, costs)
+            shapes[schedule, one_row] = pipeline_shape(cfg, facts, schedule, virtual, m, stages)
     return shapes
+
+
+def pipeline_shape(cfg: TrainConfig, facts: ModelFacts, schedule: str, virtual: int, micro: int,
+                   stages: list[tuple[int, int]]) -> PipelineShape:
+    """A pipeline of `stages` under `schedule` over `micro` micro-batches a step, each stage costing its blocks'
+    FLOPs (and the last the head's) for a row of cutoff_len tokens (crossing.stage_costs), recomputation counted as
+    the config names it."""
+    recompute = (cfg.named_recompute_ratio or 0.0) if cfg.gradient_checkpointing else 0.0
+    return PipelineShape(schedule, virtual, micro, stage_costs(facts, stages, cfg.is_lora, recompute, cfg.cutoff_len))
 
 
 def link_pipeline(cfg: TrainConfig, link: LinkChoice, micro_batches: int, size: ModelSize, parallel: str,

@@ -11,10 +11,11 @@ pipeline's turn x one micro-batch's activations at the link's rate before its fi
 from __future__ import annotations
 
 from meshtune.config import TrainConfig
-from meshtune.crossing import PipelineShape, full_model_facts, stage_costs, step_collectives
+from meshtune.crossing import full_model_facts, hop_seconds, pipeline_step, step_collectives
 from meshtune.distributed import DistEnv
 from meshtune.errors import ConfigError
-from meshtune.plan.link import LINK_EFFICIENCY, compute_seconds_of, stagger_asked
+from meshtune.plan.link import bf16_on_link, compute_seconds_of, link_busbw, stagger_asked
+from meshtune.plan.pipeline import pipeline_shape
 from meshtune.plan.run_plan import Layout, Machine
 from meshtune.shared_link import priced_pipeline
 
@@ -47,25 +48,23 @@ def pipeline_stagger(cfg: TrainConfig, env: DistEnv, layout: Layout, pipeline: d
                                    "pipelines started a hop apart measured no faster (docs/benchmarks/network.md); "
                                    "pipeline_stagger: true staggers them")
         return {}
-    bf16 = gpus and not cfg.fp16 and cfg.bf16 is not False
     schedule, one_row = pipeline["pipeline_schedule"], pipeline["pipeline_one_row"]
     shaped = cfg.model_copy(update={"pipeline_schedule": schedule, "pipeline_parallel": layout.pp,
                                     "pipeline_virtual_stages": pipeline["pipeline_virtual_stages"],
                                     "gradient_accumulation_steps": accumulation})
     facts = full_model_facts(machine.model_size())
-    crossing = step_collectives(shaped, layout.parallel, facts, bf16, True, env.world_size, env.local_world_size,
-                                pipeline=layout.pp, micro=accumulation)
+    crossing = step_collectives(shaped, layout.parallel, facts, bf16_on_link(cfg, gpus), True, env.world_size,
+                                env.local_world_size, pipeline=layout.pp, micro=accumulation)
     micro = accumulation * (cfg.per_device_train_batch_size if one_row else 1)
-    recompute = (cfg.named_recompute_ratio or 0.0) if cfg.gradient_checkpointing else 0.0
-    shape = PipelineShape(schedule, pipeline["pipeline_virtual_stages"], micro,
-                          stage_costs(facts, pipeline["pipeline_stages"], cfg.is_lora, recompute, cfg.cutoff_len))
+    shape = pipeline_shape(cfg, facts, schedule, pipeline["pipeline_virtual_stages"], micro,
+                           pipeline["pipeline_stages"])
     # each process computes 1 / pp of the model for the step's micro-batches
     compute = compute_seconds_of(shaped, facts, machine.peak_flops(), gpus) / layout.pp
-    rate = cfg.link_gbps / 8 * 1e9 * LINK_EFFICIENCY
-    in_step, _ = priced_pipeline(crossing, nodes, rate, compute, shape, pipelines, stagger=False)
+    rate = link_busbw(cfg)
+    in_step = pipeline_step(crossing, nodes, rate, compute, shape)
     step, staggered = priced_pipeline(crossing, nodes, rate, compute, shape, pipelines,
                                       stagger_asked(cfg, layout.parallel, gpus))
-    hop_ms = sum(c.bytes for c in crossing if c.kind == "send") / pipelines / micro / rate * 1e3
+    hop_ms = hop_seconds(crossing, rate, shape) / pipelines * 1e3
     hop = (f"a hop {hop_ms:.3g} ms: one pipeline's micro-batch alone on the {cfg.link_gbps:g} Gb/s link at "
            f"{cfg.cutoff_len} tokens a row; the run times it by each step's own rows")
     if not staggered:
