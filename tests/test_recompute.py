@@ -1,110 +1,113 @@
-"""Where a recomputed block checkpoints: inside its forward, so that its compiled graph runs once a step."""
+"""Where a recomputed block checkpoints: inside its compiled forward where it draws no random numbers (its forward
+graph runs once a step), in its call, outside the compiled graph, where it has dropout."""
 
 from __future__ import annotations
 
 from collections import Counter
-from functools import partial
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from torch.profiler import profile
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from meshtune.model import recompute
 from meshtune.model.compile import compile_blocks
+from meshtune.model.loading import transformer_blocks
 
 
-class CheckpointingInCall(torch.nn.Module):
-    """transformers <= 5.17's GradientCheckpointingLayer: the checkpoint wraps the module call, outside forward."""
-
-    gradient_checkpointing = False
-
-    def __call__(self, *args, **kwargs):
-        if self.gradient_checkpointing and self.training:
-            return self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)
-        return super().__call__(*args, **kwargs)
-
-
-class ToyBlock(CheckpointingInCall):
-    def __init__(self, width: int):
-        super().__init__()
-        self.up, self.down, self.dropout = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width), \
-            torch.nn.Dropout(0.25)
-
-    def forward(self, hidden: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        return hidden + scale * self.down(self.dropout(torch.nn.functional.silu(self.up(hidden))))
-
-
-class ToyModel(torch.nn.Module):
-    _no_split_modules = ["ToyBlock"]
-
-    def __init__(self, width: int = 16, depth: int = 3):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(ToyBlock(width) for _ in range(depth))
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict) -> None:
-        for block in self.blocks:
-            block.gradient_checkpointing = True
-            block._gradient_checkpointing_func = partial(torch.utils.checkpoint.checkpoint,
-                                                         **gradient_checkpointing_kwargs)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            hidden = block(hidden, scale=torch.tensor(0.5))
-        return hidden.square().mean()
-
-
-def trained(monkeypatch, inside: bool, recomputed: int = 3) -> tuple[list[torch.Tensor], Counter]:
-    """Gradients of two compiled steps of the toy model and the compiled graphs' calls in the second."""
-    monkeypatch.setattr(recompute, "checkpointing_call", lambda: CheckpointingInCall.__call__ if inside else None)
+def tiny_lora_model(dropout: float, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
-    model = ToyModel().train()
+    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+    return get_peft_model(Qwen2ForCausalLM(config), lora).to(device).train()
+
+
+def compiled_step(model: torch.nn.Module, recomputed: int = 3) -> tuple[list[torch.Tensor], Counter]:
+    """Gradients of a compiled step (after one that compiles) and the calls of compiled graphs in it."""
+    torch._dynamo.reset()
     recompute.enable_checkpointing(model, 1.0)
     recompute.recompute_blocks(model, recomputed)
     compile_blocks(model)
-    hidden = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
-    model(hidden).backward()  # compiles
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    torch.manual_seed(2)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    model.zero_grad()
+    torch.manual_seed(3)
     with profile() as prof:
-        model(hidden).backward()
+        model(input_ids=tokens, labels=tokens).loss.backward()
     calls = Counter(event.name for event in prof.events() if event.name.startswith("CompiledFunction"))
-    return [p.grad.clone() for p in model.parameters()], calls
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None], calls
 
 
 @pytest.mark.slow  # inductor compiles C++ kernels (g++)
-def test_a_block_that_checkpoints_in_its_call_recomputes_inside_its_compiled_graph(monkeypatch):
-    """transformers <= 5.17 checkpoints a layer in its `__call__`: a compiled block then runs its forward graph
-    again for the recompute. Moved inside forward, each block's forward graph runs once a step and its backward
-    graph recomputes it, dropout's masks replayed: the same gradients, bit for bit."""
-    torch._dynamo.reset()
-    outside_grads, outside = trained(monkeypatch, inside=False)
-    torch._dynamo.reset()
-    inside_grads, inside = trained(monkeypatch, inside=True)
-    assert outside == {"CompiledFunction": 6, "CompiledFunctionBackward": 3}  # 3 forwards, 3 recomputes
+def test_a_block_without_dropout_recomputes_inside_its_compiled_graph(monkeypatch):
+    """Without dropout each recomputed block's forward graph runs once a step and its backward graph recomputes
+    it; checkpointed in its call instead, the forward graph runs a second time for the recompute. Both train the
+    same: equal gradients."""
+    inside_grads, inside = compiled_step(tiny_lora_model(dropout=0.0))
+    monkeypatch.setattr(recompute, "draws_random_numbers", lambda block: True)  # the placement a dropout block gets
+    outside_grads, outside = compiled_step(tiny_lora_model(dropout=0.0))
     assert inside == {"CompiledFunction": 3, "CompiledFunctionBackward": 3}
-    assert all(torch.equal(a, b) for a, b in zip(outside_grads, inside_grads, strict=True))
+    assert outside == {"CompiledFunction": 6, "CompiledFunctionBackward": 3}  # 3 forwards, 3 recomputes
     assert any(g.abs().sum() > 0 for g in inside_grads)
+    for a, b in zip(inside_grads, outside_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow  # inductor compiles C++ kernels (g++)
-def test_the_moved_checkpoint_keeps_the_class_name_and_follows_each_blocks_flag(monkeypatch):
-    """The block keeps its class's name (FSDP2, `_no_split_modules` and the logs find it by name); a block that
-    keeps its activations runs its forward graph once and saves them, as before."""
-    torch._dynamo.reset()
-    monkeypatch.setattr(recompute, "checkpointing_call", lambda: CheckpointingInCall.__call__)
-    model = ToyModel()
-    recompute.enable_checkpointing(model, 1.0)
-    block = model.blocks[0]
-    assert type(block).__name__ == "ToyBlock" and isinstance(block, ToyBlock)
-    assert type(block).__call__ is torch.nn.Module.__call__
-    assert type(model.blocks[1]) is type(block)  # one class for every block of a kind
-    torch._dynamo.reset()
-    kept_grads, kept = trained(monkeypatch, inside=True, recomputed=1)
-    assert kept == {"CompiledFunction": 3, "CompiledFunctionBackward": 3}
+def test_a_block_with_dropout_recomputes_outside_its_compiled_graph_and_a_kept_block_runs_once():
+    """LoRA's dropout: the checkpoint stays in the block's call (torch 2.11 cannot partition a compiled graph that
+    replays its random state on CUDA), its forward graph run again for the recompute; a block that keeps its
+    activations runs its forward graph once."""
+    model = tiny_lora_model(dropout=0.1)
+    _, calls = compiled_step(model)
+    assert calls == {"CompiledFunction": 6, "CompiledFunctionBackward": 3}
+    _, calls = compiled_step(model, recomputed=1)
+    assert calls == {"CompiledFunction": 4, "CompiledFunctionBackward": 3}
 
 
-@pytest.mark.parametrize("installed", ["checkpointing in __call__", "checkpointing in forward"])
-def test_the_placement_is_moved_only_where_the_installed_transformers_checkpoints_in_call(monkeypatch, installed):
-    calls = CheckpointingInCall.__call__ if installed == "checkpointing in __call__" else None
-    monkeypatch.setattr(recompute, "checkpointing_call", lambda: calls)
-    model = ToyModel()
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_placed_block_keeps_its_class_name_and_holds_one_checkpoint(dropout):
+    """The block keeps its class's name (FSDP2, `_no_split_modules` and the logs find it by name); a subclass made
+    later, as FSDP2's FSDP<name>, is not wrapped again by transformers: one checkpoint per block. The placement is
+    made once."""
+    model = tiny_lora_model(dropout)
     recompute.enable_checkpointing(model, 1.0)
-    assert (type(model.blocks[0]) is ToyBlock) == (calls is None)
+    blocks = transformer_blocks(model)
+    placed = type(blocks[0])
+    assert placed.__name__ == "Qwen2DecoderLayer" and len(blocks) == 3 and all(type(b) is placed for b in blocks)
+    inside = dropout == 0.0
+    assert (placed.__call__ is torch.nn.Module.__call__) == inside
+    sharded = type(f"FSDP{placed.__name__}", (placed,), {})
+    assert sharded.forward is placed.forward and sharded.__call__ is placed.__call__
+    recompute.enable_checkpointing(model, 1.0)
+    assert type(transformer_blocks(model)[0]) is placed
+
+
+def test_own_forward_unwraps_only_the_checkpointing_wrapper():
+    """transformers >= 5.2x wraps each layer class's forward in `forward_with_checkpointing` (functools.wraps,
+    again for each subclass); the placement checkpoints the layer's own forward, with its other decorators."""
+    from functools import wraps
+
+    def forward(self, hidden):
+        return hidden
+
+    def decorated(func):
+        @wraps(func)
+        def wrapped_func(*args, **kwargs):
+            return func(*args, **kwargs)
+        return wrapped_func
+
+    def checkpointing(func):
+        @wraps(func)
+        def forward_with_checkpointing(self, *args, **kwargs):
+            return func(self, *args, **kwargs)
+        return forward_with_checkpointing
+
+    own = decorated(forward)
+    layer = type("Layer", (), {"forward": checkpointing(checkpointing(own))})
+    assert recompute.own_forward(layer) is own
+    assert recompute.own_forward(type("Plain", (), {"forward": own})) is own

@@ -23,6 +23,16 @@ def keep_one_graph_for_all_lengths() -> None:
     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 32))
 
 
+def trace_checkpoints_with_balanced_side_effects() -> None:
+    """A block that checkpoints inside its forward (model/recompute.py) is traced with the checkpoint as one
+    operator, which dynamo refuses where the forward mutates Python state outside it: transformers >= 5.2x's layers
+    set and reset a context variable of the `kernels` package around their hub kernels, so the whole block would
+    run uncompiled. The mutation is undone within the same forward, so not replaying it in the recompute changes
+    nothing."""
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0, combo_kernels: bool = False) -> None:
     """torch.compile each transformer block in place (one graph reused by every layer; sample lengths vary,
     so shapes are marked dynamic from the start instead of recompiling).
@@ -40,6 +50,7 @@ def compile_blocks(model: torch.nn.Module, activation_memory_budget: float = 1.0
     the host 10-20 us, and a LoRA block casts each of its 14 adapter weights on its own)."""
     torch._dynamo.config.optimize_ddp = False
     keep_one_graph_for_all_lengths()
+    trace_checkpoints_with_balanced_side_effects()
     # read when a graph's backward is partitioned: 1 keeps what the min-cut partitioner keeps by default
     # (it already recomputes cheap pointwise operators); lower, it solves for the least recompute time that fits
     functorch_config.activation_memory_budget = activation_memory_budget

@@ -16,14 +16,14 @@ def enable_checkpointing(model: torch.nn.Module, ratio: float = 1.0) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    checkpoint_inside_forward(model)
+    place_checkpoints(model)
     recompute_blocks(model, round(len(transformer_blocks(model)) * ratio))
 
 
 def recompute_blocks(model: torch.nn.Module, count: int) -> list[int]:
     """Recompute `count` of the blocks in backward, spread evenly; the rest keep their activations. The flag is
-    read when a block is called (its compiled graph is guarded on it: one graph each way), so it can change between
-    steps. Returns the indices."""
+    read when a block is called (where the checkpoint is inside the compiled graph, the graph is guarded on it: one
+    graph each way), so it can change between steps. Returns the indices."""
     blocks = transformer_blocks(model)
     count = max(0, min(count, len(blocks)))
     chosen = {int(i * len(blocks) / count) for i in range(count)} if count else set()
@@ -32,44 +32,77 @@ def recompute_blocks(model: torch.nn.Module, count: int) -> list[int]:
     return sorted(chosen)
 
 
-def checkpoint_inside_forward(model: torch.nn.Module) -> None:
-    """Each block checkpoints inside its `forward`, as transformers does from 5.2x, also where the installed
-    transformers checkpoints in the layer's `__call__` (5.17 and earlier). Inside `forward`, torch.compile of the
-    block traces the checkpoint: the block's backward graph recomputes its forward, so a recomputed block costs one
-    call of its compiled forward a step instead of two (each call is the host's guards, autograd's wrapper and the
-    graph's launches, the time a step waits for on a fast GPU), and its random state (dropout) is replayed inside the
-    graph. The class keeps its name; FSDP2's hooks stay outside the checkpoint."""
+def place_checkpoints(model: torch.nn.Module) -> None:
+    """Where each recomputed block checkpoints, whatever the installed transformers does (5.17 and earlier in the
+    layer's call, later versions inside its forward):
+
+    - a block that draws no random numbers in training checkpoints inside its forward. torch.compile of the block
+      then traces the checkpoint and the block's backward graph recomputes it: one call of its compiled forward a
+      step instead of two (each call is the host's guards, autograd's wrapper and the graph's launches, what a step
+      waits for on a fast GPU; full 1.5B at the Liger peer's memory, every block recomputed: +30%);
+    - a block with dropout (LoRA's `lora_dropout`, attention dropout) checkpoints in its call, outside the compiled
+      graph, which the recompute runs again under the random state checkpoint restores: torch 2.11 fails to
+      partition a compiled graph that replays a random state on CUDA ("Node ... was invalid, but is output").
+
+    Each block keeps its class's name (FSDP2, `_no_split_modules` and the logs find it by name); FSDP2's hooks stay
+    outside the checkpoint either way."""
     for block in transformer_blocks(model):
-        if checkpoints_in_call(type(block)):
-            block.__class__ = checkpointing_in_forward(type(block))
+        if is_checkpointing_layer(type(block)):
+            block.__class__ = checkpointed_class(type(block), inside=not draws_random_numbers(block))
 
 
-def checkpoints_in_call(cls: type) -> bool:
-    call = checkpointing_call()
-    return call is not None and getattr(cls, "__call__", None) is call
+def draws_random_numbers(block: torch.nn.Module) -> bool:
+    """Whether `block` samples in training: a dropout module with p > 0, or attention dropout in its config."""
+    return any((isinstance(m, torch.nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0) or 0) > 0
+               for m in block.modules())
 
 
-def checkpointing_call():
-    """transformers' layer call that checkpoints outside forward (GradientCheckpointingLayer.__call__ in 5.17 and
-    earlier); None where the installed transformers checkpoints in forward."""
+def is_checkpointing_layer(cls: type) -> bool:
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return None
-    return vars(GradientCheckpointingLayer).get("__call__")
+    except ImportError:  # transformers before GradientCheckpointingLayer: the model places its checkpoints itself
+        return False
+    return issubclass(cls, GradientCheckpointingLayer) and not getattr(cls, "_meshtune_placed", False)
+
+
+def own_forward(cls: type):
+    """The layer's forward without the checkpoint newer transformers wrap around it (`forward_with_checkpointing`,
+    made by GradientCheckpointingLayer.__init_subclass__ with functools.wraps, once for each subclass)."""
+    forward = cls.forward
+    while forward.__code__.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+    return forward
+
+
+def recomputes(block: torch.nn.Module) -> bool:
+    return block.gradient_checkpointing and block.training and torch.is_grad_enabled()
 
 
 @cache
-def checkpointing_in_forward(cls: type) -> type:
-    """`cls` with the plain module call, its forward checkpointed where the block recomputes (the newer
-    transformers' `forward_with_checkpointing`; no key-value cache in training)."""
-    forward = cls.forward
+def checkpointed_class(cls: type, inside: bool) -> type:
+    """`cls` with its checkpoint inside its forward or in its call (`place_checkpoints`). Subclasses made later
+    (FSDP2's FSDP<name>) are not wrapped again by transformers: one checkpoint per block."""
+    forward = own_forward(cls)
 
     def checkpointed_forward(self, *args, **kwargs):
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        if recomputes(self):
             return self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)
         return forward(self, *args, **kwargs)
 
-    checkpointed_forward.__wrapped__ = forward
-    return type(cls.__name__, (cls,), {"__call__": torch.nn.Module.__call__, "forward": checkpointed_forward,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    def checkpointed_call(self, *args, **kwargs):
+        if recomputes(self):
+            return self._gradient_checkpointing_func(partial(torch.nn.Module.__call__, self, **kwargs), *args)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    def __init_subclass__(subclass, **kwargs):  # skips GradientCheckpointingLayer's, which wraps forward again
+        super(GradientCheckpointingLayer, subclass).__init_subclass__(**kwargs)
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    placed = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                         "_meshtune_placed": True})
+    placed.__init_subclass__ = classmethod(__init_subclass__)
+    # set after the class exists: transformers' __init_subclass__ ran when it was made and wrapped its forward
+    placed.forward = checkpointed_forward if inside else forward
+    placed.__call__ = torch.nn.Module.__call__ if inside else checkpointed_call
+    return placed
