@@ -225,14 +225,25 @@ def test_a_staggered_pipeline_gathers_its_zero2_stage_then_waits_its_turn_on_the
     stagger_waits_with_its_stage_whole("cuda")
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_recomputed_blocks_compile_where_their_checkpoint_is_placed_on_cuda(dropout):
-    """model/recompute.py's placement on the GPU: without dropout the checkpoint inside the compiled block (its
-    forward graph once a step), with dropout in its call (torch 2.11 failed to partition the graph that replays the
-    random state on CUDA; this placement keeps it out of the graph). Both compile and train."""
+@pytest.mark.parametrize("dropout, masks", [(0.0, "torch"), (0.1, "torch"), (0.1, "counter")])
+def test_recomputed_blocks_compile_where_their_checkpoint_is_placed_on_cuda(dropout, masks):
+    """model/recompute.py's placement on the GPU: without dropout, or with counter masks, the checkpoint inside the
+    compiled block (its forward graph once a step); with torch's dropout in its call (torch 2.11 failed to partition
+    the graph that replays the random state on CUDA; this placement keeps it out of the graph). All compile and
+    train; with counter masks every block recomputed gives the gradients of none."""
+    from meshtune.model.counter_dropout import use_counter_dropout
     from test_recompute import compiled_step, tiny_lora_model
 
-    grads, calls = compiled_step(tiny_lora_model(dropout, device="cuda"))
-    forwards = 3 if dropout == 0.0 else 6
+    def model():
+        built = tiny_lora_model(dropout, device="cuda")
+        if masks == "counter":
+            use_counter_dropout(built)
+        return built
+
+    grads, calls = compiled_step(model())
+    forwards = 6 if (dropout, masks) == (0.1, "torch") else 3
     assert calls == {"CompiledFunction": forwards, "CompiledFunctionBackward": 3}
     assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    if masks == "counter":
+        kept, _ = compiled_step(model(), recomputed=0)
+        assert all(torch.equal(a, b) for a, b in zip(grads, kept, strict=True))

@@ -15,6 +15,7 @@ from meshtune.mesh import ParallelDims
 from meshtune.model.attention import use_varlen
 from meshtune.model.block_loading import BlockLoader
 from meshtune.model.compile import compile_blocks
+from meshtune.model.counter_dropout import use_counter_dropout
 from meshtune.model.context_parallel import use_context_parallel_attention
 from meshtune.model.flops import FlopCounter
 from meshtune.model.loading import load_model, model_skeleton
@@ -58,6 +59,8 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, dims: ParallelDim
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
     if cfg.is_lora:
         model = add_lora(model, cfg)
+        if cfg.lora_dropout > 0 and cfg.lora_dropout_masks == "counter":
+            use_counter_dropout(model)  # before checkpointing: the blocks then draw nothing inside their forward
     # continuing an adapter: its weights replace the new ones where the files are read (the others receive them
     # with the base's); Q-LoRA's empty adapters take them as each block is filled
     start = starting_adapter(model, cfg) if cfg.adapter_name_or_path and reads_files else None

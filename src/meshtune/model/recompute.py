@@ -40,9 +40,11 @@ def place_checkpoints(model: torch.nn.Module) -> None:
       then traces the checkpoint and the block's backward graph recomputes it: one call of its compiled forward a
       step instead of two (each call is the host's guards, autograd's wrapper and the graph's launches, what a step
       waits for on a fast GPU; full 1.5B at the Liger peer's memory, every block recomputed: +30%);
-    - a block with dropout (LoRA's `lora_dropout`, attention dropout) checkpoints in its call, outside the compiled
-      graph, which the recompute runs again under the random state checkpoint restores: torch 2.11 fails to
-      partition a compiled graph that replays a random state on CUDA ("Node ... was invalid, but is output").
+    - a block with torch's dropout (LoRA's `lora_dropout`, attention dropout) checkpoints in its call, outside the
+      compiled graph, which the recompute runs again under the random state checkpoint restores: torch 2.11 fails
+      to partition a compiled graph that replays a random state on CUDA ("Node ... was invalid, but is output").
+      LoRA's dropout with counter masks (model/counter_dropout.py) draws nothing inside the block: such a block
+      checkpoints inside, its seed an input of the checkpoint.
 
     Each block keeps its class's name (FSDP2, `_no_split_modules` and the logs find it by name); FSDP2's hooks stay
     outside the checkpoint either way."""
@@ -85,9 +87,12 @@ def checkpointed_class(cls: type, inside: bool) -> type:
     forward = own_forward(cls)
 
     def checkpointed_forward(self, *args, **kwargs):
-        if recomputes(self):
-            return self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)
-        return forward(self, *args, **kwargs)
+        if not recomputes(self):
+            return forward(self, *args, **kwargs)
+        seed = getattr(self, "counter_seed", None)  # counter dropout's (model/counter_dropout.py): an input of it
+        if seed is not None:
+            return self._gradient_checkpointing_func(partial(seed.run, forward, self, **kwargs), seed.seed, *args)
+        return self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)
 
     def checkpointed_call(self, *args, **kwargs):
         if recomputes(self):
