@@ -111,3 +111,14 @@ def test_own_forward_unwraps_only_the_checkpointing_wrapper():
     layer = type("Layer", (), {"forward": checkpointing(checkpointing(own))})
     assert recompute.own_forward(layer) is own
     assert recompute.own_forward(type("Plain", (), {"forward": own})) is own
+
+
+def test_a_block_samples_where_a_dropout_or_an_attention_dropout_rate_is_above_zero():
+    block = tiny_lora_model(dropout=0.0).get_base_model().model.layers[0]
+    assert not recompute.draws_random_numbers(block)
+    block.self_attn.attention_dropout = 0.1
+    assert recompute.draws_random_numbers(block)
+    block.self_attn.attention_dropout = torch.nn.Dropout(0.0)  # some models keep a module under that name
+    assert not recompute.draws_random_numbers(block)
+    block.mlp.add_module("dropout", torch.nn.Dropout(0.2))
+    assert recompute.draws_random_numbers(block)

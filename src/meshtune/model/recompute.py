@@ -55,8 +55,11 @@ def place_checkpoints(model: torch.nn.Module) -> None:
 
 def draws_random_numbers(block: torch.nn.Module) -> bool:
     """Whether `block` samples in training: a dropout module with p > 0, or attention dropout in its config."""
-    return any((isinstance(m, torch.nn.Dropout) and m.p > 0) or float(getattr(m, "attention_dropout", 0) or 0) > 0
-               for m in block.modules())
+    def samples(module: torch.nn.Module) -> bool:
+        rate = getattr(module, "attention_dropout", 0)  # a rate on HF attention modules (a Dropout on some)
+        return (isinstance(module, torch.nn.Dropout) and module.p > 0) or (isinstance(rate, float) and rate > 0)
+
+    return any(samples(module) for module in block.modules())
 
 
 def is_checkpointing_layer(cls: type) -> bool:
