@@ -46,7 +46,7 @@ def test_compiled_dropout_is_the_eager_dropout():
     same way in both."""
     x = torch.randn(37, 53)
 
-    for salt in (salt_bits(1), salt_bits(9)):
+    for salt in (salt_bits(9),):
         def dropped(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
             return x * keep_mask(x, seed, salt, 0.1)
 
@@ -105,11 +105,12 @@ def test_a_run_with_counter_masks_trains_reproducibly_and_recomputes_as_it_keeps
     dropout acts (other losses than without it)."""
     def losses(name: str, **extra) -> list[float]:
         cfg = build_config(base_config(tiny_model_dir, tiny_dataset, tmp_path / name, finetuning_type="lora",
-                                       learning_rate=1e-3, max_steps=3, **extra))
+                                       learning_rate=1e-3, max_steps=2, **extra))
         return [r["loss"] for r in run(cfg).records if "loss" in r]
 
     counter = dict(lora_dropout=0.2, lora_dropout_masks="counter")
     first = losses("a", **counter, gradient_checkpointing=True, gradient_checkpointing_ratio=1.0)
+    assert len(first) == 2
     assert first == losses("b", **counter, gradient_checkpointing=True, gradient_checkpointing_ratio=1.0)
     assert first == pytest.approx(losses("kept", **counter, gradient_checkpointing=False), rel=1e-6)
     assert first != pytest.approx(losses("none", lora_dropout=0.0), rel=1e-6)
