@@ -429,3 +429,18 @@ def test_tensor_and_pipeline_parallel_refuse_a_model_they_do_not_split_by_name(k
     with pytest.raises(ConfigError, match=rf"^{key}: 2: /m ties its output head to the input embedding "
                                           r"\(tie_word_embeddings\), .*small enough for"):
         plans.plan_for({key: 2, "parallel": parallel}, world_size=4, local=4, size=tied)
+
+
+@pytest.mark.parametrize("masks, placed", [("torch", "outside its compiled graph"), ("counter", "inside its compiled")])
+def test_the_plan_says_where_lora_dropout_blocks_recompute(masks, placed):
+    """LoRA with dropout, compiled blocks recomputed: the plan names the masks and where the recompute runs; without
+    dropout, without compile or without recompute there is nothing to say."""
+    gpu = env(1, "cuda")
+    lora = dict(finetuning_type="lora", lora_dropout=0.05, lora_dropout_masks=masks, gradient_checkpointing_ratio=1.0,
+                torch_compile=True)
+    plan = resolve(config(**lora), gpu, None, never_counted)
+    assert placed in plan.why["lora_dropout_masks"]
+    assert f"lora_dropout_masks           {masks}  (" in plan.describe()
+    for other in ({"lora_dropout": 0.0}, {"torch_compile": False}, {"gradient_checkpointing": False,
+                                                                     "gradient_checkpointing_ratio": "auto"}):
+        assert "lora_dropout_masks" not in resolve(config(**{**lora, **other}), gpu, None, never_counted).why

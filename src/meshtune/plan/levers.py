@@ -104,6 +104,13 @@ def resolve_levers(cfg: TrainConfig, env: DistEnv, layout: Layout, machine: Mach
                                     "compiled blocks fail their recompute" if compile_clash else ""))):
         if value is None and key not in why:  # a conflict's reason stands
             why[key] = f"default, {default}"
+    if cfg.is_lora and cfg.lora_dropout > 0 and compile_ and recompute != 0:
+        why["lora_dropout_masks"] = (
+            "counter masks: a recomputed block rebuilds lora_dropout's masks inside its compiled graph"
+            if cfg.lora_dropout_masks == "counter" else
+            "torch's dropout: a recomputed block with lora_dropout checkpoints outside its compiled graph and runs "
+            "it twice a step (torch 2.11 cannot replay torch's dropout inside one on CUDA); counter masks recompute "
+            "inside")
     fused_loss = give_way("fused_loss", cfg.fused_loss, cfg, layout, why)
     if cfg.stage == "dpo" and fused_loss:
         why["fused_loss"] = ("stage: dpo: the head returns each response's summed log-prob under the policy, in row "

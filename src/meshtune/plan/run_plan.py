@@ -128,6 +128,9 @@ class RunPlan:
                  f"{self.recompute:g} of the blocks" if self.recompute else "off")]
         if "link_gbps" in self.why:  # auto across nodes by the link: every candidate's prediction
             rows.insert(1, ("link_gbps", "not used" if self.why["link_gbps"].startswith("not used") else "chose"))
+        if "lora_dropout_masks" in self.why:  # LoRA's dropout in recomputed compiled blocks
+            rows.append(("lora_dropout_masks", "counter" if self.why["lora_dropout_masks"].startswith("counter")
+                         else "torch"))
         if "reference" in self.why:  # stage: dpo
             rows.append(("reference", "none" if self.why["reference"].startswith("none") else
                          "precomputed" if self.why["reference"].startswith("precomputed") else "in the loop"))
