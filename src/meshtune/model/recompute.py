@@ -39,7 +39,8 @@ def place_checkpoints(model: torch.nn.Module) -> None:
     - a block that draws no random numbers in training checkpoints inside its forward. torch.compile of the block
       then traces the checkpoint and the block's backward graph recomputes it: one call of its compiled forward a
       step instead of two (each call is the host's guards, autograd's wrapper and the graph's launches, what a step
-      waits for on a fast GPU; full 1.5B at the Liger peer's memory, every block recomputed: +30%);
+      waits for on a fast GPU; full 1.5B at the Liger peer's memory, every block recomputed: +30% in one pair of
+      runs on one H200, docs/benchmarks/one-gpu.md);
     - a block with torch's dropout (LoRA's `lora_dropout`, attention dropout) checkpoints in its call, outside the
       compiled graph, which the recompute runs again under the random state checkpoint restores: torch 2.11 fails
       to partition a compiled graph that replays a random state on CUDA ("Node ... was invalid, but is output").
@@ -62,12 +63,18 @@ def draws_random_numbers(block: torch.nn.Module) -> bool:
     return any(samples(module) for module in block.modules())
 
 
-def is_checkpointing_layer(cls: type) -> bool:
+def checkpointing_layer() -> type | None:
+    """transformers' GradientCheckpointingLayer; None before it existed (the model places its checkpoints itself)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # transformers before GradientCheckpointingLayer: the model places its checkpoints itself
-        return False
-    return issubclass(cls, GradientCheckpointingLayer) and not getattr(cls, "_meshtune_placed", False)
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
+
+
+def is_checkpointing_layer(cls: type) -> bool:
+    layer = checkpointing_layer()
+    return layer is not None and issubclass(cls, layer) and not getattr(cls, "_meshtune_placed", False)
 
 
 def own_forward(cls: type):
@@ -103,9 +110,7 @@ def checkpointed_class(cls: type, inside: bool) -> type:
         return torch.nn.Module.__call__(self, *args, **kwargs)
 
     def __init_subclass__(subclass, **kwargs):  # skips GradientCheckpointingLayer's, which wraps forward again
-        super(GradientCheckpointingLayer, subclass).__init_subclass__(**kwargs)
-
-    from transformers.modeling_layers import GradientCheckpointingLayer
+        super(checkpointing_layer(), subclass).__init_subclass__(**kwargs)
 
     placed = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                          "_meshtune_placed": True})
