@@ -431,16 +431,23 @@ def test_tensor_and_pipeline_parallel_refuse_a_model_they_do_not_split_by_name(k
         plans.plan_for({key: 2, "parallel": parallel}, world_size=4, local=4, size=tied)
 
 
-@pytest.mark.parametrize("masks, placed", [("torch", "outside its compiled graph"), ("counter", "inside its compiled")])
-def test_the_plan_says_where_lora_dropout_blocks_recompute(masks, placed):
-    """LoRA with dropout, compiled blocks recomputed: the plan names the masks and where the recompute runs; without
-    dropout, without compile or without recompute there is nothing to say."""
+@pytest.mark.parametrize("masks, chosen, placed", [("torch", "torch", "outside its compiled graph"),
+                                                    ("counter", "counter", "inside its compiled"),
+                                                    ("auto", "counter", "default, counter masks")])
+def test_the_plan_says_where_lora_dropout_blocks_recompute(masks, chosen, placed):
+    """LoRA with dropout, compiled blocks recomputed: the plan names the masks and where the recompute runs (auto:
+    counter masks); without dropout, without compile or without recompute there is nothing to say, and auto keeps
+    torch's dropout."""
     gpu = env(1, "cuda")
     lora = dict(finetuning_type="lora", lora_dropout=0.05, lora_dropout_masks=masks, gradient_checkpointing_ratio=1.0,
                 torch_compile=True)
     plan = resolve(config(**lora), gpu, None, never_counted)
-    assert placed in plan.why["lora_dropout_masks"]
-    assert f"lora_dropout_masks           {masks}  (" in plan.describe()
+    assert placed in plan.why["lora_dropout_masks"] and plan.lora_dropout_masks == chosen
+    assert f"lora_dropout_masks           {chosen}  (" in plan.describe()
+    assert resolve(config(**{**lora, "lora_dropout": 0.0}), gpu, None, never_counted).lora_dropout_masks is None
     for other in ({"lora_dropout": 0.0}, {"torch_compile": False}, {"gradient_checkpointing": False,
                                                                      "gradient_checkpointing_ratio": "auto"}):
+        elsewhere = resolve(config(**{**lora, **other}), gpu, None, never_counted)
+        assert elsewhere.lora_dropout_masks == (None if "lora_dropout" in other else
+                                                "counter" if masks == "counter" else "torch")
         assert "lora_dropout_masks" not in resolve(config(**{**lora, **other}), gpu, None, never_counted).why

@@ -59,7 +59,7 @@ def build_model(cfg: TrainConfig, plan: RunPlan, env: DistEnv, dims: ParallelDim
     torch.manual_seed(cfg.seed)  # every rank draws the same LoRA A matrices, whatever the layout
     if cfg.is_lora:
         model = add_lora(model, cfg)
-        if cfg.lora_dropout > 0 and cfg.lora_dropout_masks == "counter":
+        if plan.lora_dropout_masks == "counter":
             use_counter_dropout(model)  # before checkpointing: the blocks then draw nothing inside their forward
     # continuing an adapter: its weights replace the new ones where the files are read (the others receive them
     # with the base's); Q-LoRA's empty adapters take them as each block is filled

@@ -104,22 +104,37 @@ def resolve_levers(cfg: TrainConfig, env: DistEnv, layout: Layout, machine: Mach
                                     "compiled blocks fail their recompute" if compile_clash else ""))):
         if value is None and key not in why:  # a conflict's reason stands
             why[key] = f"default, {default}"
-    if cfg.is_lora and cfg.lora_dropout > 0 and compile_ and recompute != 0:
-        why["lora_dropout_masks"] = (
-            "counter masks: a recomputed block rebuilds lora_dropout's masks inside its compiled graph"
-            if cfg.lora_dropout_masks == "counter" else
-            "torch's dropout: a recomputed block with lora_dropout checkpoints outside its compiled graph and runs "
-            "it twice a step (torch 2.11 cannot replay torch's dropout inside one on CUDA); counter masks recompute "
-            "inside")
+    masks = lora_dropout_masks(cfg, compile_ and recompute != 0, why)
     fused_loss = give_way("fused_loss", cfg.fused_loss, cfg, layout, why)
     if cfg.stage == "dpo" and fused_loss:
         why["fused_loss"] = ("stage: dpo: the head returns each response's summed log-prob under the policy, in row "
                              "chunks over the trained positions (their logits computed again in backward); the "
                              "reference's are summed the same way, without gradients")
     return dict(padding_free=padding_free, recompute=recompute, compile=compile_, fused_loss=fused_loss,
+                lora_dropout_masks=masks,
                 fused_adamw=fused_adamw(cfg, env, offloads(cfg, layout.parallel), why),
                 gc_interval=gc_interval(cfg, env, why),
                 weights_from_rank0=weights_from_rank0(cfg, env, layout, why))
+
+
+def lora_dropout_masks(cfg: TrainConfig, recomputed_compiled: bool, why: dict[str, str]) -> str | None:
+    """LoRA's dropout masks (None: no dropout). torch 2.11 cannot replay torch's dropout inside a compiled block's
+    backward graph on CUDA (its partitioner fails), so such a block checkpoints in its call and runs its forward graph
+    twice a step; counter masks are rebuilt from the block's seed inside the graph, so `auto` takes them there."""
+    if not (cfg.is_lora and cfg.lora_dropout > 0):
+        return None
+    masks = cfg.lora_dropout_masks
+    if masks == "auto":
+        masks = "counter" if recomputed_compiled else "torch"
+    if recomputed_compiled:
+        why["lora_dropout_masks"] = (
+            ("default, " if cfg.lora_dropout_masks == "auto" else "") +
+            "counter masks: a recomputed block rebuilds lora_dropout's masks inside its compiled graph"
+            if masks == "counter" else
+            "torch's dropout: a recomputed block with lora_dropout checkpoints outside its compiled graph and runs "
+            "it twice a step (torch 2.11 cannot replay torch's dropout inside one on CUDA); counter masks recompute "
+            "inside")
+    return masks
 
 
 def memory_measurable(device: torch.device) -> bool:

@@ -78,6 +78,8 @@ class RunPlan:
     pipeline_stagger_rate: float = 0.0
     # stage: dpo: the reference's log-probs computed once before training (train/reference_pass.py)
     precompute_ref_log_probs: bool = False
+    # LoRA's dropout masks: torch | counter (model/counter_dropout.py); None: no dropout
+    lora_dropout_masks: str | None = None
 
     @property
     def tensor_parallel(self) -> int:
@@ -129,8 +131,7 @@ class RunPlan:
         if "link_gbps" in self.why:  # auto across nodes by the link: every candidate's prediction
             rows.insert(1, ("link_gbps", "not used" if self.why["link_gbps"].startswith("not used") else "chose"))
         if "lora_dropout_masks" in self.why:  # LoRA's dropout in recomputed compiled blocks
-            rows.append(("lora_dropout_masks", "counter" if self.why["lora_dropout_masks"].startswith("counter")
-                         else "torch"))
+            rows.append(("lora_dropout_masks", self.lora_dropout_masks))
         if "reference" in self.why:  # stage: dpo
             rows.append(("reference", "none" if self.why["reference"].startswith("none") else
                          "precomputed" if self.why["reference"].startswith("precomputed") else "in the loop"))
