@@ -433,7 +433,7 @@ def test_tensor_and_pipeline_parallel_refuse_a_model_they_do_not_split_by_name(k
 
 @pytest.mark.parametrize("masks, chosen, placed", [("torch", "torch", "outside its compiled graph"),
                                                     ("counter", "counter", "inside its compiled"),
-                                                    ("auto", "counter", "default, counter masks")])
+                                                    ("auto", "counter", "auto: counter masks")])
 def test_the_plan_says_where_lora_dropout_blocks_recompute(masks, chosen, placed):
     """LoRA with dropout, compiled blocks recomputed: the plan names the masks and where the recompute runs (auto:
     counter masks); without dropout, without compile or without recompute there is nothing to say, and auto keeps

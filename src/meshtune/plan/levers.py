@@ -128,7 +128,7 @@ def lora_dropout_masks(cfg: TrainConfig, recomputed_compiled: bool, why: dict[st
         masks = "counter" if recomputed_compiled else "torch"
     if recomputed_compiled:
         why["lora_dropout_masks"] = (
-            ("default, " if cfg.lora_dropout_masks == "auto" else "") +
+            ("auto: " if cfg.lora_dropout_masks == "auto" else "") +
             "counter masks: a recomputed block rebuilds lora_dropout's masks inside its compiled graph"
             if masks == "counter" else
             "torch's dropout: a recomputed block with lora_dropout checkpoints outside its compiled graph and runs "
