@@ -126,11 +126,13 @@ def lora_dropout_masks(cfg: TrainConfig, recomputed_compiled: bool, why: dict[st
     masks = cfg.lora_dropout_masks
     if masks == "auto":
         masks = "counter" if recomputed_compiled else "torch"
-    if recomputed_compiled:
+    if not recomputed_compiled:
+        return masks
+    if masks == "counter":
+        reason = "counter masks: a recomputed block rebuilds lora_dropout's masks inside its compiled graph"
+        why["lora_dropout_masks"] = f"auto: {reason}" if cfg.lora_dropout_masks == "auto" else reason
+    else:
         why["lora_dropout_masks"] = (
-            ("auto: " if cfg.lora_dropout_masks == "auto" else "") +
-            "counter masks: a recomputed block rebuilds lora_dropout's masks inside its compiled graph"
-            if masks == "counter" else
             "torch's dropout: a recomputed block with lora_dropout checkpoints outside its compiled graph and runs "
             "it twice a step (torch 2.11 cannot replay torch's dropout inside one on CUDA); counter masks recompute "
             "inside")
