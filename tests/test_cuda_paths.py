@@ -230,7 +230,9 @@ def test_recomputed_blocks_compile_where_their_checkpoint_is_placed_on_cuda(drop
     """model/recompute.py's placement on the GPU: without dropout, or with counter masks, the checkpoint inside the
     compiled block (its forward graph once a step); with torch's dropout in its call (torch 2.11 failed to partition
     the graph that replays the random state on CUDA; this placement keeps it out of the graph). All compile and
-    train; with counter masks every block recomputed gives the gradients of none."""
+    train; with counter masks every block recomputed gives the gradients of none: to rounding here, where the two
+    compiled graphs may fuse and reduce otherwise (tests/test_counter_dropout.py asserts them bit-equal on CPU), and
+    far closer than masks drawn from another seed."""
     from meshtune.model.counter_dropout import use_counter_dropout
     from test_recompute import compiled_step, tiny_lora_model
 
@@ -246,4 +248,13 @@ def test_recomputed_blocks_compile_where_their_checkpoint_is_placed_on_cuda(drop
     assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
     if masks == "counter":
         kept, _ = compiled_step(model(), recomputed=0)
-        assert all(torch.equal(a, b) for a, b in zip(grads, kept, strict=True))
+        other_masks, _ = compiled_step(model(), recomputed=0, seed=4)
+        rounding, masks_apart = largest_relative_gap(grads, kept), largest_relative_gap(other_masks, kept)
+        assert rounding < 1e-4 and masks_apart > 1e-2, f"recomputed {rounding:.2e}, another seed {masks_apart:.2e}"
+
+
+def largest_relative_gap(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest element gap between two lists of gradients over the reference's largest element (over all its
+    tensors: lora_A's gradients are zero in the first steps, as lora_B starts at zero)."""
+    gap = max((a - b).abs().max().item() for a, b in zip(grads, reference, strict=True))
+    return gap / max(b.abs().max().item() for b in reference)

@@ -24,8 +24,9 @@ def tiny_lora_model(dropout: float, device: str = "cpu") -> torch.nn.Module:
     return get_peft_model(Qwen2ForCausalLM(config), lora).to(device).train()
 
 
-def compiled_step(model: torch.nn.Module, recomputed: int = 3) -> tuple[list[torch.Tensor], Counter]:
-    """Gradients of a compiled step (after one that compiles) and the calls of compiled graphs in it."""
+def compiled_step(model: torch.nn.Module, recomputed: int = 3, seed: int = 3) -> tuple[list[torch.Tensor], Counter]:
+    """Gradients of a compiled step (after one that compiles; `seed`: torch's, before the step) and the calls of
+    compiled graphs in it."""
     torch._dynamo.reset()
     recompute.enable_checkpointing(model, 1.0)
     recompute.recompute_blocks(model, recomputed)
@@ -35,7 +36,7 @@ def compiled_step(model: torch.nn.Module, recomputed: int = 3) -> tuple[list[tor
     torch.manual_seed(2)
     model(input_ids=tokens, labels=tokens).loss.backward()
     model.zero_grad()
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     with profile() as prof:
         model(input_ids=tokens, labels=tokens).loss.backward()
     calls = Counter(event.name for event in prof.events() if event.name.startswith("CompiledFunction"))
