@@ -11,7 +11,7 @@ from meshtune.model import counter_dropout
 from meshtune.model.counter_dropout import CounterDropout, keep_mask, salt_bits, use_counter_dropout
 from meshtune.model.loading import transformer_blocks
 from meshtune.train.loop import run
-from test_recompute import compiled_step, tiny_lora_model
+from test_recompute import COMPILED_TARGETS, compiled_step, tiny_lora_model
 
 SEED = torch.tensor(123456789, dtype=torch.int64)
 
@@ -69,10 +69,10 @@ def test_every_lora_dropout_is_replaced_and_the_state_dict_is_unchanged():
 def test_a_recomputed_compiled_block_rebuilds_its_masks_inside_its_backward_graph():
     """With counter masks a block with dropout checkpoints inside its compiled forward (its forward graph once a
     step) and its recompute rebuilds the forward's masks: every block recomputed gives the gradients of none."""
-    recomputed = tiny_lora_model(dropout=0.1)
+    recomputed = tiny_lora_model(dropout=0.1, targets=COMPILED_TARGETS)
     use_counter_dropout(recomputed)
     grads, calls = compiled_step(recomputed, recomputed=3)
-    kept = tiny_lora_model(dropout=0.1)
+    kept = tiny_lora_model(dropout=0.1, targets=COMPILED_TARGETS)
     use_counter_dropout(kept)
     kept_grads, kept_calls = compiled_step(kept, recomputed=0)
     assert calls == kept_calls == {"CompiledFunction": 3, "CompiledFunctionBackward": 3}

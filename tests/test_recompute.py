@@ -16,11 +16,16 @@ from meshtune.model.compile import compile_blocks
 from meshtune.model.loading import transformer_blocks
 
 
-def tiny_lora_model(dropout: float, device: str = "cpu") -> torch.nn.Module:
+# the adapted layers of the models the compiled tests build: one each side of attention (a third of the kernels
+# all-linear gives for inductor to compile, each about a second of g++ on a CI machine's core)
+COMPILED_TARGETS = ["q_proj", "down_proj"]
+
+
+def tiny_lora_model(dropout: float, device: str = "cpu", targets: str | list[str] = "all-linear") -> torch.nn.Module:
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
     return get_peft_model(Qwen2ForCausalLM(config), lora).to(device).train()
 
 
@@ -48,9 +53,9 @@ def test_a_block_without_dropout_recomputes_inside_its_compiled_graph(monkeypatc
     """Without dropout each recomputed block's forward graph runs once a step and its backward graph recomputes
     it; checkpointed in its call instead, the forward graph runs a second time for the recompute. Both train the
     same: equal gradients."""
-    inside_grads, inside = compiled_step(tiny_lora_model(dropout=0.0))
+    inside_grads, inside = compiled_step(tiny_lora_model(dropout=0.0, targets=COMPILED_TARGETS))
     monkeypatch.setattr(recompute, "draws_random_numbers", lambda block: True)  # the placement a dropout block gets
-    outside_grads, outside = compiled_step(tiny_lora_model(dropout=0.0))
+    outside_grads, outside = compiled_step(tiny_lora_model(dropout=0.0, targets=COMPILED_TARGETS))
     assert inside == {"CompiledFunction": 3, "CompiledFunctionBackward": 3}
     assert outside == {"CompiledFunction": 6, "CompiledFunctionBackward": 3}  # 3 forwards, 3 recomputes
     assert any(g.abs().sum() > 0 for g in inside_grads)
@@ -63,7 +68,7 @@ def test_a_block_with_dropout_recomputes_outside_its_compiled_graph_and_a_kept_b
     """LoRA's dropout: the checkpoint stays in the block's call (torch 2.11 cannot partition a compiled graph that
     replays its random state on CUDA), its forward graph run again for the recompute; a block that keeps its
     activations runs its forward graph once."""
-    model = tiny_lora_model(dropout=0.1)
+    model = tiny_lora_model(dropout=0.1, targets=COMPILED_TARGETS)
     _, calls = compiled_step(model)
     assert calls == {"CompiledFunction": 6, "CompiledFunctionBackward": 3}
     _, calls = compiled_step(model, recomputed=1)
