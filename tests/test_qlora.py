@@ -139,9 +139,9 @@ RUNS: dict[tuple, tuple[list[float], str]] = {}
 
 
 def layout_values(model_dir, dataset, out, tokenized, parallel, nproc, accumulation, **extra) -> dict:
-    return qlora_values(model_dir, dataset, out, parallel=parallel, nproc_per_node=nproc,
-                        gradient_accumulation_steps=accumulation, tokenized_path=str(tokenized), val_size=6,
-                        per_device_eval_batch_size=2, save_final=False, **extra)
+    return qlora_values(model_dir, dataset, out, **{
+        "parallel": parallel, "nproc_per_node": nproc, "gradient_accumulation_steps": accumulation,
+        "tokenized_path": str(tokenized), "val_size": 6, "per_device_eval_batch_size": 2, "save_final": False, **extra})
 
 
 # Runs in flight at once. Most of a run is single-threaded: the launcher's and torchrun's start-up, then each
@@ -183,7 +183,8 @@ def layout_run(tmp_path_factory, capfd, model_dir, dataset, parallel, nproc, acc
         assert result.returncode == 0, result.stdout[-4000:]
         records = read_metrics(out / "output")
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-        RUNS[key] = [r["loss"] for r in records] + [records[-1]["eval_loss"]], result.stdout
+        held_out = [records[-1]["eval_loss"]] if "eval_loss" in records[-1] else []  # none with val_size 0
+        RUNS[key] = [r["loss"] for r in records] + held_out, result.stdout
     return RUNS[key]
 
 
@@ -230,11 +231,13 @@ def test_sharded_qlora_with_compiled_recomputed_blocks_trains_the_losses_of_one_
     """zero3 over 2 processes, every block compiled and recomputed: FSDP2 gathers the NF4 weights inside the
     compiled block's forward and again in its recompute. On CPU this trains the one-process losses; the plan keeps
     the blocks uncompiled by default on CUDA only, where the recompute failed (test below on 2 GPUs)."""
-    layout_runs(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {})])
-    reference, _ = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4)
-    losses, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "zero3", 2, 2,
-                                gradient_checkpointing_ratio=1.0, torch_compile=True)
+    # no held-out set: its no-grad forward would compile every block's graphs once more
+    compiled = ("zero3", 2, 2, {"gradient_checkpointing_ratio": 1.0, "torch_compile": True, "val_size": 0})
+    layout_runs(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {"val_size": 0}), compiled])
+    reference, _ = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4, val_size=0)
+    losses, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, *compiled[:3], **compiled[3])
     assert re.search(r"torch_compile\s+on", output) and "CheckpointError" not in output
+    assert len(losses) == len(reference) == 5
     assert_close(losses, reference, "zero3 2x2, compiled and recomputed")
 
 
