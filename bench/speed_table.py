@@ -665,7 +665,8 @@ def aggregate(results: list[dict]) -> list[dict]:
         figure = dict(runs[0], tokens_per_s=round(median([r["tokens_per_s"] for r in runs])),
                       per_gpu=round(median([r["per_gpu"] for r in runs])), runs=len(runs),
                       spread=(min(r["tokens_per_s"] for r in runs), max(r["tokens_per_s"] for r in runs)),
-                      rounds={r.get("round", 0): r["per_gpu"] for r in runs})
+                      rounds={r.get("round", 0): r["per_gpu"] for r in runs},
+                      recompile_limit_hit=any(r.get("recompile_limit_hit") for r in runs))
         mfus = [r["mfu"] for r in runs if r.get("mfu") is not None]
         figure["mfu"] = median(mfus) if mfus else None
         peaks = [r["peak_gib"] for r in runs if r.get("peak_gib") is not None]
@@ -693,6 +694,8 @@ def tokens_text(figure: dict) -> str:
     if figure.get("runs", 1) > 1:
         low, high = figure["spread"]
         text += f" ({low:,}–{high:,}, {figure['runs']} runs)"
+    if figure.get("recompile_limit_hit"):  # not the compiled speed: say so where the figure is read
+        text += " (dynamo's recompile limit hit: some graphs ran uncompiled)"
     return text
 
 

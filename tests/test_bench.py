@@ -258,6 +258,18 @@ def test_the_table_shows_our_speed_and_memory_against_each_peer():
     assert "| lora-tiny |  | hf_trainer+peft+liger | 1 | 8 | 2,000 | 2,000 |  |  |  | 1.0 |  |" in table
 
 
+def test_a_figure_from_a_run_that_hit_the_recompile_limit_says_so():
+    """dynamo runs a frame uncompiled once its recompile limit is hit: such a figure is not the compiled speed,
+    and the table says so beside it (one run of three is enough)."""
+    from speed_table import render
+
+    runs = [dict(row="lora-tiny", system="meshtune", variant="default", gpus=1, bs=8, tokens_per_s=t, per_gpu=t,
+                 mfu=None, peak_gib=1.2, round=i, recompile_limit_hit=i == 1) for i, t in enumerate((30, 20, 31))]
+    summary = dict(device="cpu", gpus=0, peak_tflops=None, args=dict(steps=6, minlen=32, maxlen=128, repeats=3))
+    assert "| 30 (20–31, 3 runs) (dynamo's recompile limit hit: some graphs ran uncompiled) |" in render(runs, summary)
+    assert "recompile limit" not in render([dict(runs[0])], summary)
+
+
 def test_a_variant_that_changes_only_how_processes_share_runs_once_on_one_gpu_and_is_the_base_of_its_scaling():
     """`--variants "default;parallel=ddp"` over a 1-GPU and a 2-GPU row: one process runs no wrapper, so the 1-GPU
     row runs once, and both 2-GPU variants are judged against that run."""

@@ -103,8 +103,13 @@ class CounterDropout(torch.nn.Module):
 
 def use_counter_dropout(model: torch.nn.Module) -> int:
     """Replace every LoRA layer's dropout (peft's `lora_dropout`, torch.nn.Dropout with p > 0) with counter masks,
-    each block's layers sharing one seed drawn by a pre-hook at each of its forwards. Returns how many."""
+    each block's layers sharing one seed drawn by a pre-hook at each of its forwards. Returns how many.
+
+    A block's dropouts are numbered (their salts) alike in every block: the seeds already set blocks apart, and
+    dynamo guards on a module's integer attributes, so salts that differ from block to block would compile a graph
+    for each block and, past its recompile limit, leave the later blocks uncompiled."""
     replaced = 0
+    numbered: dict[int, int] = {}  # dropouts so far, by the BlockSeed they share (id(None): those outside blocks)
     in_block: dict[int, BlockSeed] = {}
     for block in transformer_blocks(model):
         block_seed = block.counter_seed = BlockSeed()
@@ -116,7 +121,9 @@ def use_counter_dropout(model: torch.nn.Module) -> int:
             continue
         for name, dropout in dropouts.items():
             if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
-                dropouts[name] = CounterDropout(dropout.p, replaced + 1, in_block.get(id(module)))
+                block_seed = in_block.get(id(module))
+                numbered[id(block_seed)] = salt = numbered.get(id(block_seed), 0) + 1
+                dropouts[name] = CounterDropout(dropout.p, salt, block_seed)
                 replaced += 1
     return replaced
 
