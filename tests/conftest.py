@@ -81,16 +81,17 @@ def meshtune_console():
     logger.setLevel(logging.NOTSET)
 
 
-# `make test` runs two pytest-xdist workers, each taking a whole module at a time (`--dist loadscope`: a module's
+# `make test` runs three pytest-xdist workers, each taking a whole module at a time (`--dist loadscope`: a module's
 # fixtures, such as the fault tests' shared jobs, are built once), in the order below (`--no-loadscope-reorder`):
-# the longest modules first, by their seconds in the table a run ends with (ModuleTimes below; 2026-12-06, 2 cores
-# shared with other work), so that the workers end together. test_demo.py's is short, but its demo runs `alone`.
-LONGEST_MODULES_FIRST = ("test_faults.py", "test_bench.py", "test_node_exits.py", "test_rendezvous_checks.py",
-                         "test_tensor_parallel.py", "test_doctor.py", "test_qlora.py", "test_pipeline_parallel.py",
-                         "test_chat.py", "test_adapter_start.py", "test_partition.py", "test_fast_path.py",
-                         "test_dpo_precompute_nodes.py", "test_loop_options.py", "test_restarts.py",
-                         "test_rendezvous_churn.py", "test_slurm.py", "test_checkpoint.py", "test_scheduler_files.py",
-                         "test_compat.py", "test_topology.py", "test_object_store.py", "test_demo.py")
+# the longest modules first, by their seconds in the table a run ends with (ModuleTimes below; 2026-12-07, three
+# workers on 2 cores), so that the workers end together. test_demo.py's is short, but its demo runs `alone`.
+LONGEST_MODULES_FIRST = ("test_faults.py", "test_bench.py", "test_qlora.py", "test_pipeline_parallel.py",
+                         "test_node_exits.py", "test_rendezvous_checks.py", "test_tensor_parallel.py", "test_doctor.py",
+                         "test_partition.py", "test_compat.py", "test_object_store.py", "test_fast_path.py",
+                         "test_counter_dropout.py", "test_rendezvous_churn.py", "test_slurm.py", "test_topology.py",
+                         "test_dpo_precompute_nodes.py", "test_recompute.py", "test_scheduler_files.py",
+                         "test_restarts.py", "test_checkpoint.py", "test_chat.py", "test_loop_options.py",
+                         "test_demo.py")
 
 
 def pytest_collection_modifyitems(config, items):

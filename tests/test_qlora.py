@@ -231,10 +231,13 @@ def test_sharded_qlora_with_compiled_recomputed_blocks_trains_the_losses_of_one_
     """zero3 over 2 processes, every block compiled and recomputed: FSDP2 gathers the NF4 weights inside the
     compiled block's forward and again in its recompute. On CPU this trains the one-process losses; the plan keeps
     the blocks uncompiled by default on CUDA only, where the recompute failed (test below on 2 GPUs)."""
-    # no held-out set: its no-grad forward would compile every block's graphs once more
-    compiled = ("zero3", 2, 2, {"gradient_checkpointing_ratio": 1.0, "torch_compile": True, "val_size": 0})
-    layout_runs(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, {"val_size": 0}), compiled])
-    reference, _ = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4, val_size=0)
+    # no held-out set: its no-grad forward would compile every block's graphs once more; a row a micro-step: no
+    # padding, so the training steps pass the blocks no attention mask (padded batches' masks, alternating with
+    # none, compiled the blocks' graphs twice more: 4 graphs a rank, 2 now)
+    one_row = {"val_size": 0, "per_device_train_batch_size": 1}
+    compiled = ("zero3", 2, 2, {"gradient_checkpointing_ratio": 1.0, "torch_compile": True, **one_row})
+    layout_runs(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, [("ddp", 1, 4, one_row), compiled])
+    reference, _ = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, "ddp", 1, 4, **one_row)
     losses, output = layout_run(tmp_path_factory, capfd, qlora_model_dir, tiny_dataset, *compiled[:3], **compiled[3])
     assert re.search(r"torch_compile\s+on", output) and "CheckpointError" not in output
     assert len(losses) == len(reference) == 5
