@@ -108,7 +108,6 @@ def use_counter_dropout(model: torch.nn.Module) -> int:
     A block's dropouts are numbered (their salts) alike in every block: the seeds already set blocks apart, and
     dynamo guards on a module's integer attributes, so salts that differ from block to block would compile a graph
     for each block and, past its recompile limit, leave the later blocks uncompiled."""
-    replaced = 0
     numbered: dict[int, int] = {}  # dropouts so far, by the BlockSeed they share (id(None): those outside blocks)
     in_block: dict[int, BlockSeed] = {}
     for block in transformer_blocks(model):
@@ -124,8 +123,7 @@ def use_counter_dropout(model: torch.nn.Module) -> int:
                 block_seed = in_block.get(id(module))
                 numbered[id(block_seed)] = salt = numbered.get(id(block_seed), 0) + 1
                 dropouts[name] = CounterDropout(dropout.p, salt, block_seed)
-                replaced += 1
-    return replaced
+    return sum(numbered.values())
 
 
 def seeding(block_seed: BlockSeed):
