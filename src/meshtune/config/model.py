@@ -39,11 +39,11 @@ class ModelKeys(Keys):
     lora_dropout: float = MODEL(0.0, "dropout on the LoRA path; leave 0 for losses that do not depend on the number of "
                                      "processes", ge=0.0, lt=1.0)
     lora_dropout_masks: Literal["auto", "torch", "counter"] = MODEL(
-        "torch", "lora_dropout's masks: torch (torch.nn.Dropout, as peft) | counter (each a hash of a seed the block "
-                 "draws at each forward and the element's position: the same keep probability, another random stream; "
-                 "a recomputed compiled block then rebuilds them inside its backward graph instead of running its "
-                 "forward graph again, which torch 2.11 cannot do with torch's dropout on CUDA) | auto (counter where "
-                 "compiled blocks are recomputed, torch elsewhere)")
+        "auto", "lora_dropout's masks: torch (torch.nn.Dropout, as peft) | counter (each a hash of a seed the block "
+                "draws at each forward and the element's position: the same keep probability, another random stream; "
+                "a recomputed compiled block then rebuilds them inside its backward graph instead of running its "
+                "forward graph again, which torch 2.11 cannot do with torch's dropout on CUDA) | auto (counter where "
+                "compiled blocks are recomputed, torch elsewhere)")
     lora_target: list[str] = MODEL(["all"], "'all' (every linear layer but the output head) or module names, e.g. "
                                             "q_proj,v_proj")
     adapter_name_or_path: str | None = MODEL(None, "a PEFT LoRA adapter directory to continue training "
