@@ -24,6 +24,8 @@ from meshtune.cli import COMMAND_GC_THRESHOLD
 gc.set_threshold(*COMMAND_GC_THRESHOLD)
 
 REPO = Path(__file__).resolve().parents[1]
+# the repo's copy of LLaMA-Factory's demo data (dpo_en_demo, kto_en_demo, ...) with its dataset_info.json
+LLAMAFACTORY_DATA = REPO / "tests" / "fixtures" / "compat" / "llamafactory" / "data"
 sys.path.insert(0, str(REPO / "bench"))  # the bench scripts' process-tree helpers serve the tests too
 
 from meshtune.demo.model import build_tiny_model  # noqa: E402

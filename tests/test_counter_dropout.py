@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import base_config
+from conftest import LLAMAFACTORY_DATA, base_config
 from meshtune.config import build_config
 from meshtune.model import counter_dropout
 from meshtune.model.counter_dropout import CounterDropout, keep_mask, salt_bits, use_counter_dropout
@@ -125,11 +125,9 @@ def test_a_dpo_run_with_counter_masks_recomputes_as_it_keeps(tmp_path, tiny_mode
     """stage: dpo (the policy's chosen and rejected responses in one row, the reference with its adapters turned
     off): every block recomputed gives the first step's gradient norm of none, and the dropout acts on it (the first
     loss is log 2 whatever the masks: the adapters start as the identity)."""
-    from test_dpo import FIXTURES
-
     def first_step(name: str, **extra) -> dict:
         cfg = build_config(base_config(tiny_model_dir, "dpo_en_demo", tmp_path / name, stage="dpo",
-                                       dataset_dir=str(FIXTURES), cutoff_len=256, max_steps=1, **extra))
+                                       dataset_dir=str(LLAMAFACTORY_DATA), cutoff_len=256, max_steps=1, **extra))
         return next(r for r in run(cfg).records if "loss" in r)
 
     counter = dict(lora_dropout=0.2, lora_dropout_masks="counter")

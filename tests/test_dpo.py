@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import base_config
+from conftest import LLAMAFACTORY_DATA, base_config
 from meshtune.cli import main
 from meshtune.compat.job_config import load_job_config
 from meshtune.config import build_config
@@ -30,7 +30,7 @@ from meshtune.data.tokenized import cache_key
 from meshtune.errors import ConfigError, DataError, ModelError
 from meshtune.model.model_dir import load_tokenizer
 
-FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+FIXTURES = LLAMAFACTORY_DATA
 PROMPT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_config, read_metrics, write_config
+from conftest import LLAMAFACTORY_DATA, base_config, read_metrics, write_config
 from meshtune.cli import main
 from ranks import run_workers
 
-FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+FIXTURES = LLAMAFACTORY_DATA
 
 
 def values(model_dir, out: Path, tokenized: Path, **extra) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import base_config, read_metrics, write_config
+from conftest import LLAMAFACTORY_DATA, base_config, read_metrics, write_config
 from meshtune.compat.job_config import load_job_config
 from meshtune.config import build_config
 from meshtune.data.pipeline import prepare_datasets
@@ -31,7 +31,7 @@ from meshtune.distributed import DistEnv
 from meshtune.train.reference_pass import precompute_reference, reference_identity
 from ranks import run_workers
 
-FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+FIXTURES = LLAMAFACTORY_DATA
 NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 

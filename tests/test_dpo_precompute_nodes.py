@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_config, read_metrics, write_config
+from conftest import LLAMAFACTORY_DATA, base_config, read_metrics, write_config
 from ranks import free_port, run_workers, wait_for_port
 from test_faults import JOB_TIMEOUT, Cluster, final_hash, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
-FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+FIXTURES = LLAMAFACTORY_DATA
 STEPS, SAVE_EVERY, PER_NODE = 12, 4, 2  # 12 pairs: 3 steps of 4 an epoch
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import base_config, read_metrics, run_cli_here, sentence
+from conftest import LLAMAFACTORY_DATA, base_config, read_metrics, run_cli_here, sentence
 from meshtune.config import build_config
 from meshtune.data.chat_template import ChatTemplate
 from meshtune.data.collate import IGNORE
@@ -168,7 +168,7 @@ def test_a_step_without_undesirable_samples_reports_no_rejected_metrics(tiny_mod
 
 # ---- data, config and the run
 
-FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+FIXTURES = LLAMAFACTORY_DATA
 
 
 def kto_data(path: Path, records: int = 24) -> Path:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import base_config
+from conftest import LLAMAFACTORY_DATA, base_config
 from meshtune.config import build_config
 from meshtune.data.collate import IGNORE, collate
 from meshtune.data.pipeline import prepare_datasets
@@ -19,7 +19,7 @@ from meshtune.data.registry import resolve
 from meshtune.errors import ConfigError, DataError
 from meshtune.model.model_dir import load_tokenizer
 
-FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
+FIXTURES = LLAMAFACTORY_DATA
 
 
 def write_texts(path: Path, texts: list[str]) -> Path:

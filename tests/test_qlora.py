@@ -19,7 +19,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from conftest import base_config, kill_tree, needs_gpus, read_metrics, run_cli_here, sentence, write_config
+from conftest import (LLAMAFACTORY_DATA, base_config, kill_tree, needs_gpus, read_metrics, run_cli_here, sentence,
+                      write_config)
 from meshtune.config import build_config
 from meshtune.demo.model import build_tiny_model
 from meshtune.demo.tokenizer import train_tokenizer
@@ -425,13 +426,10 @@ def test_qlora_dpo_trains_against_its_nf4_base_with_the_adapters_off_and_precomp
     """stage: dpo with Q-LoRA: the reference is the 4-bit base with the adapters off, so the first step's policy is
     its reference (margin 0, loss ln 2); the policy then moves from it; a run with the reference's log-probs
     precomputed trains the same losses."""
-    from pathlib import Path
-
-    fixtures = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
     records = {}
     for precompute in (False, True):
         out = tmp_path / f"precompute-{precompute}"
-        values = qlora_values(qlora_model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(fixtures),
+        values = qlora_values(qlora_model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(LLAMAFACTORY_DATA),
                               cutoff_len=128, per_device_train_batch_size=2, max_steps=2,
                               precompute_ref_log_probs=precompute)
         assert run(build_config(values)).final_dir is not None
