@@ -69,13 +69,17 @@ def test_every_lora_dropout_is_replaced_and_the_state_dict_is_unchanged():
 @pytest.mark.slow  # inductor compiles C++ kernels (g++)
 def test_a_recomputed_compiled_block_rebuilds_its_masks_inside_its_backward_graph():
     """With counter masks a block with dropout checkpoints inside its compiled forward (its forward graph once a
-    step) and its recompute rebuilds the forward's masks: every block recomputed gives the gradients of none. The
-    blocks share one graph (their dropouts' salts alike), as blocks without counter masks do."""
+    step) and its recompute rebuilds the forward's masks: every block recomputed gives the gradients of none, and
+    keeps no activation but its input (not its dropped inputs: model/compile.py). The blocks share one graph (their
+    dropouts' salts alike), as blocks without counter masks do."""
     recomputed = tiny_lora_model(dropout=0.1, targets=COMPILED_TARGETS)
     use_counter_dropout(recomputed)
     graphs = counters["stats"]["unique_graphs"]
-    grads, calls = compiled_step(recomputed, recomputed=3)
+    saved = []
+    grads, calls = compiled_step(recomputed, recomputed=3, saved=saved)
     assert counters["stats"]["unique_graphs"] - graphs == 2  # the blocks' graph and the pre-hook's seed draw
+    activations = [shape for shape in saved if shape[:2] == (2, 12) and len(shape) == 3 and shape[2] > 1]
+    assert len(activations) == 3 + 1, saved  # each block's input, and the final norm's
     kept = tiny_lora_model(dropout=0.1, targets=COMPILED_TARGETS)
     use_counter_dropout(kept)
     kept_grads, kept_calls = compiled_step(kept, recomputed=0)

@@ -29,9 +29,11 @@ def tiny_lora_model(dropout: float, device: str = "cpu", targets: str | list[str
     return get_peft_model(Qwen2ForCausalLM(config), lora).to(device).train()
 
 
-def compiled_step(model: torch.nn.Module, recomputed: int = 3, seed: int = 3) -> tuple[list[torch.Tensor], Counter]:
+def compiled_step(model: torch.nn.Module, recomputed: int = 3, seed: int = 3,
+                  saved: list | None = None) -> tuple[list[torch.Tensor], Counter]:
     """Gradients of a compiled step (after one that compiles; `seed`: torch's, before the step) and the calls of
-    compiled graphs in it."""
+    compiled graphs in it. `saved`: gets the shape of each tensor the step's forward saved for backward that is not
+    a parameter, once a storage."""
     torch._dynamo.reset()
     recompute.enable_checkpointing(model, 1.0)
     recompute.recompute_blocks(model, recomputed)
@@ -42,8 +44,21 @@ def compiled_step(model: torch.nn.Module, recomputed: int = 3, seed: int = 3) ->
     model(input_ids=tokens, labels=tokens).loss.backward()
     model.zero_grad()
     torch.manual_seed(seed)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage().data_ptr()
+        if storage not in parameters:
+            storages.setdefault(storage, tuple(tensor.shape))
+        return tensor
+
     with profile() as prof:
-        model(input_ids=tokens, labels=tokens).loss.backward()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+    if saved is not None:
+        saved.extend(storages.values())
     calls = Counter(event.name for event in prof.events() if event.name.startswith("CompiledFunction"))
     return [p.grad.clone() for p in model.parameters() if p.grad is not None], calls
 
