@@ -230,7 +230,8 @@ def test_recomputed_blocks_compile_where_their_checkpoint_is_placed_on_cuda(drop
     """model/recompute.py's placement on the GPU: without dropout, or with counter masks, the checkpoint inside the
     compiled block (its forward graph once a step); with torch's dropout in its call (torch 2.11 failed to partition
     the graph that replays the random state on CUDA; this placement keeps it out of the graph). All compile and
-    train; with counter masks every block recomputed gives the gradients of none: to rounding here, where the two
+    train, saving no activation of a recomputed block but its input; with counter masks every block recomputed gives
+    the gradients of none: to rounding here, where the two
     compiled graphs may fuse and reduce otherwise (tests/test_counter_dropout.py asserts them bit-equal on CPU), and
     far closer than masks drawn from another seed."""
     from meshtune.model.counter_dropout import use_counter_dropout
@@ -242,9 +243,13 @@ def test_recomputed_blocks_compile_where_their_checkpoint_is_placed_on_cuda(drop
             use_counter_dropout(built)
         return built
 
-    grads, calls = compiled_step(model())
+    saved = []
+    grads, calls = compiled_step(model(), saved=saved)
     forwards = 6 if (dropout, masks) == (0.1, "torch") else 3
     assert calls == {"CompiledFunction": forwards, "CompiledFunctionBackward": 3}
+    # every block recomputed keeps its input alone (and the final norm its own), whatever the placement
+    activations = [shape for shape in saved if shape[:2] == (2, 12) and len(shape) == 3 and shape[2] > 1]
+    assert len(activations) == 3 + 1, saved
     assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
     if masks == "counter":
         kept, _ = compiled_step(model(), recomputed=0)
