@@ -148,6 +148,7 @@ class ModuleTimes:
         self.seconds: dict[str, float] = {}
         self.worker: dict[str, str] = {}
         self.ended: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
 
     def add(self, report) -> None:
         worker = getattr(getattr(report, "node", None), "gateway", None)  # set by xdist on the controller's copy
@@ -155,14 +156,15 @@ class ModuleTimes:
             return
         module = report.nodeid.split("::")[0]
         self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
-        self.worker[module] = worker.id
+        self.worker[module] = worker.id  # the last to run its tests (its `alone` ones may run on another)
+        self.busy[worker.id] = self.busy.get(worker.id, 0.0) + report.duration
         self.ended[worker.id] = time.monotonic() - self.started
 
     def lines(self, shown: int = 25) -> list[str]:
         ranked = sorted(self.seconds.items(), key=lambda item: -item[1])
         lines = [f"{seconds:8.1f}s  {self.worker[module]}  {module}" for module, seconds in ranked[:shown]]
         for worker, ended in sorted(self.ended.items()):
-            busy = sum(s for m, s in self.seconds.items() if self.worker[m] == worker)
+            busy = self.busy[worker]
             lines.append(f"{worker}: its last test ended {ended:.0f} s into the run, {busy:.0f} s in tests")
         return lines
 
