@@ -231,9 +231,9 @@ def test_recomputed_blocks_compile_where_their_checkpoint_is_placed_on_cuda(drop
     compiled block (its forward graph once a step); with torch's dropout in its call (torch 2.11 failed to partition
     the graph that replays the random state on CUDA; this placement keeps it out of the graph). All compile and
     train, saving no activation of a recomputed block but its input; with counter masks every block recomputed gives
-    the gradients of none: to rounding here, where the two
-    compiled graphs may fuse and reduce otherwise (tests/test_counter_dropout.py asserts them bit-equal on CPU), and
-    far closer than masks drawn from another seed."""
+    the gradients of none: to rounding here, where the two compiled graphs may fuse and reduce otherwise
+    (tests/test_counter_dropout.py asserts them bit-equal on CPU), and far closer than masks drawn from another
+    seed."""
     from meshtune.model.counter_dropout import use_counter_dropout
     from test_recompute import compiled_step, tiny_lora_model
 
