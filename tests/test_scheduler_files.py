@@ -309,9 +309,10 @@ def test_the_slurm_script_stops_the_training_before_the_time_limit_and_requeues(
 
     def signal_the_job(process):
         task = tmp_path / "stub.log.task"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # the stand-ins start in seconds, under a loaded machine's tens
         while not (task.exists() and in_wait(process.pid)) and time.monotonic() < deadline:  # its traps now run
             time.sleep(0.05)
+        assert task.exists() and in_wait(process.pid), "the job's task had not started within 60 s"
         process.send_signal(signal_to_script)
         if signal_to_script == signal.SIGTERM:  # SLURM ending the job signals srun as well
             os.kill(int((tmp_path / "stub.log.srun").read_text()), signal.SIGTERM)
