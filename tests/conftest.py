@@ -86,57 +86,21 @@ def meshtune_console():
 # `make test` runs three pytest-xdist workers, each taking a whole module at a time (`--dist loadscope`: a module's
 # fixtures, such as the fault tests' shared jobs, are built once), in the order below (`--no-loadscope-reorder`):
 # the longest modules first, by their seconds in the table a run ends with (ModuleTimes below; 2026-12-07, three
-# workers on 2 cores), so that the workers end together; the tests marked `alone` last of all (AloneLast below).
-LONGEST_MODULES_FIRST = ("test_faults.py", "test_bench.py", "test_qlora.py", "test_node_exits.py",
-                         "test_rendezvous_checks.py", "test_pipeline_parallel.py", "test_doctor.py",
-                         "test_tensor_parallel.py", "test_counter_dropout.py", "test_slurm.py", "test_compat.py",
-                         "test_topology.py", "test_partition.py", "test_recompute.py", "test_dpo_precompute_nodes.py",
-                         "test_object_store.py", "test_rendezvous_churn.py", "test_fast_path.py",
-                         "test_scheduler_files.py", "test_restarts.py", "test_chat.py", "test_checkpoint.py",
-                         "test_loop_options.py", "test_demo.py", "test_launch.py")
+# workers on 2 cores), so that the workers end together. test_demo.py's is short, but its demo runs `alone`.
+LONGEST_MODULES_FIRST = ("test_faults.py", "test_bench.py", "test_qlora.py", "test_pipeline_parallel.py",
+                         "test_node_exits.py", "test_rendezvous_checks.py", "test_tensor_parallel.py", "test_doctor.py",
+                         "test_partition.py", "test_compat.py", "test_object_store.py", "test_fast_path.py",
+                         "test_counter_dropout.py", "test_rendezvous_churn.py", "test_slurm.py", "test_topology.py",
+                         "test_dpo_precompute_nodes.py", "test_recompute.py", "test_scheduler_files.py",
+                         "test_restarts.py", "test_checkpoint.py", "test_chat.py", "test_loop_options.py",
+                         "test_demo.py")
 
 
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):  # a serial run keeps pytest's own order
         return
     order = {name: i for i, name in enumerate(LONGEST_MODULES_FIRST)}
-    # stable: each module's own order kept
-    items.sort(key=lambda item: (item.get_closest_marker("alone") is not None, order.get(item.path.name, len(order))))
-
-
-def contiguous_units(nodeids: list[str]) -> dict[str, str]:
-    """Each test's unit: its module, numbered by the module's runs in `nodeids` after the first (`path#2`, ...)."""
-    units, runs, previous = {}, {}, None
-    for nodeid in nodeids:
-        module = nodeid.split("::", 1)[0]
-        if module != previous:
-            runs[module] = runs.get(module, 0) + 1
-            previous = module
-        units[nodeid] = module if runs[module] == 1 else f"{module}#{runs[module]}"
-    return units
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class AloneLast(LoadScopeScheduling):
-        """pytest-xdist's scheduling by module, where a module's tests that the collection order (above) parts from
-        the rest, its `alone` ones at the end, are a unit of their own. An `alone` test waits for every other
-        worker's current test to end and keeps them from starting the next: amid the run it idled two workers for
-        as long as the longest test then running (up to two minutes); last, it waits for nothing but the run's
-        end."""
-
-        units: dict[str, str] | None = None
-
-        def _split_scope(self, nodeid: str) -> str:
-            if self.units is None:
-                self.units = contiguous_units(self.collection)
-            return self.units[nodeid]
-
-    return AloneLast(config, log)
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each module's own order kept
 
 
 class ModuleTimes:
@@ -148,7 +112,6 @@ class ModuleTimes:
         self.seconds: dict[str, float] = {}
         self.worker: dict[str, str] = {}
         self.ended: dict[str, float] = {}
-        self.busy: dict[str, float] = {}
 
     def add(self, report) -> None:
         worker = getattr(getattr(report, "node", None), "gateway", None)  # set by xdist on the controller's copy
@@ -156,15 +119,14 @@ class ModuleTimes:
             return
         module = report.nodeid.split("::")[0]
         self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
-        self.worker[module] = worker.id  # the last to run its tests (its `alone` ones may run on another)
-        self.busy[worker.id] = self.busy.get(worker.id, 0.0) + report.duration
+        self.worker[module] = worker.id
         self.ended[worker.id] = time.monotonic() - self.started
 
     def lines(self, shown: int = 25) -> list[str]:
         ranked = sorted(self.seconds.items(), key=lambda item: -item[1])
         lines = [f"{seconds:8.1f}s  {self.worker[module]}  {module}" for module, seconds in ranked[:shown]]
         for worker, ended in sorted(self.ended.items()):
-            busy = self.busy[worker]
+            busy = sum(s for m, s in self.seconds.items() if self.worker[m] == worker)
             lines.append(f"{worker}: its last test ended {ended:.0f} s into the run, {busy:.0f} s in tests")
         return lines
 
