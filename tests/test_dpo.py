@@ -30,7 +30,6 @@ from meshtune.data.tokenized import cache_key
 from meshtune.errors import ConfigError, DataError, ModelError
 from meshtune.model.model_dir import load_tokenizer
 
-FIXTURES = LLAMAFACTORY_DATA
 PROMPT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
 
 
@@ -82,7 +81,7 @@ def test_every_pair_format_renders_its_prompt_as_sft_does_and_trains_only_the_re
 
 def test_llamafactorys_ranking_entries_read_as_pairs_and_other_stages_refuse_them(tmp_path, tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
-    data = pairs_of("dpo_en_demo", FIXTURES, tokenizer, cutoff_len=4096)
+    data = pairs_of("dpo_en_demo", LLAMAFACTORY_DATA, tokenizer, cutoff_len=4096)
     assert len(data) == 12 and data.stats["n_dropped_too_long"] == 0
     info = tmp_path / "dataset_info.json"
     write_jsonl(tmp_path / "rank.jsonl", [{"question": "the quick fox", "good": "jumps", "bad": "naps"}])
@@ -142,7 +141,7 @@ def test_a_long_pair_keeps_its_responses_and_loses_its_prompts_start_and_one_tha
 
 def test_pairs_stay_whole_in_the_held_out_split_and_across_ranks_and_never_share_sfts_cache(tmp_path, tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
-    data = pairs_of("dpo_en_demo", FIXTURES, tokenizer, cutoff_len=4096)
+    data = pairs_of("dpo_en_demo", LLAMAFACTORY_DATA, tokenizer, cutoff_len=4096)
     train, held = split_validation(data, 3, seed=1)
     assert len(train) + len(held) == len(data) and not set(train.indices) & set(held.indices)
     assert all(held[i] is not None and len(held[i]) == 2 for i in range(len(held)))  # a unit is a pair
@@ -150,7 +149,7 @@ def test_pairs_stay_whole_in_the_held_out_split_and_across_ranks_and_never_share
     plan = GlobalBatchPlan(train.lengths, 0, 2, 1, 2)
     dealt = [i for rank in (0, 1) for micro in plan.micro_batches(0, 0, rank) for row in micro for i in row]
     assert sorted(dealt) == sorted(set(dealt)) and len(dealt) == 4  # 2 ranks x 2 pairs, each pair once
-    specs = resolve(["dpo_en_demo"], FIXTURES)
+    specs = resolve(["dpo_en_demo"], LLAMAFACTORY_DATA)
     template = ChatTemplate(tokenizer, None, mask_history=True)
     assert pairs_key(specs, tokenizer, template, 4096, False, None) != cache_key(specs, tokenizer, None, 4096, False)
 
@@ -194,7 +193,7 @@ def dpo_run(tmp_path_factory, tiny_model_dir):
 
     work = tmp_path_factory.mktemp("dpo_run")
     cfg = build_config(base_config(tiny_model_dir, "dpo_en_demo", work / "out", stage="dpo",
-                                   dataset_dir=str(FIXTURES), cutoff_len=256, val_size=2, max_steps=2,
+                                   dataset_dir=str(LLAMAFACTORY_DATA), cutoff_len=256, val_size=2, max_steps=2,
                                    eval_strategy="steps", eval_steps=2, learning_rate=5e-2))
     return cfg, run(cfg)
 

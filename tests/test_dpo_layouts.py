@@ -15,13 +15,12 @@ from conftest import LLAMAFACTORY_DATA, base_config, read_metrics, write_config
 from meshtune.cli import main
 from ranks import run_workers
 
-FIXTURES = LLAMAFACTORY_DATA
 
 
 def values(model_dir, out: Path, tokenized: Path, **extra) -> dict:
     extra = {"per_device_train_batch_size": 1, "precompute_ref_log_probs": False, **extra}  # the copy in the step
-    return base_config(model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(FIXTURES), finetuning_type="full",
-                       learning_rate=1e-3, cutoff_len=256, val_size=3,
+    return base_config(model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(LLAMAFACTORY_DATA),
+                       finetuning_type="full", learning_rate=1e-3, cutoff_len=256, val_size=3,
                        per_device_eval_batch_size=1, max_steps=-1, num_train_epochs=1, eval_strategy="steps",
                        eval_steps=3, tokenized_path=str(tokenized), **extra)
 

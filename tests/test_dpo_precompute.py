@@ -31,13 +31,12 @@ from meshtune.distributed import DistEnv
 from meshtune.train.reference_pass import precompute_reference, reference_identity
 from ranks import run_workers
 
-FIXTURES = LLAMAFACTORY_DATA
 NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 def values(model_dir: Path, out: Path, tokenized: Path, **extra) -> dict:
     return base_config(model_dir, "dpo_en_demo", out, **{
-        "stage": "dpo", "dataset_dir": str(FIXTURES), "cutoff_len": 256, "val_size": 3,
+        "stage": "dpo", "dataset_dir": str(LLAMAFACTORY_DATA), "cutoff_len": 256, "val_size": 3,
         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "per_device_eval_batch_size": 2,
         "max_steps": 3, "eval_strategy": "steps", "eval_steps": 3, "learning_rate": 5e-2,
         "tokenized_path": str(tokenized), "save_final": False, **extra})

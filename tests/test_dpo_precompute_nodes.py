@@ -19,12 +19,11 @@ from ranks import free_port, run_workers, wait_for_port
 from test_faults import JOB_TIMEOUT, Cluster, final_hash, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
-FIXTURES = LLAMAFACTORY_DATA
 STEPS, SAVE_EVERY, PER_NODE = 12, 4, 2  # 12 pairs: 3 steps of 4 an epoch
 
 
 def job_config(directory: Path, model_dir: Path, output: Path, tokenized: Path) -> Path:
-    values = base_config(model_dir, "dpo_en_demo", output, stage="dpo", dataset_dir=str(FIXTURES),
+    values = base_config(model_dir, "dpo_en_demo", output, stage="dpo", dataset_dir=str(LLAMAFACTORY_DATA),
                          finetuning_type="full", parallel="hsdp", hsdp_shard_size=PER_NODE, learning_rate=1e-3,
                          cutoff_len=256, per_device_train_batch_size=1, gradient_accumulation_steps=1,
                          max_steps=STEPS, save_steps=SAVE_EVERY, precompute_ref_log_probs=True,

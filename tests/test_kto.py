@@ -168,7 +168,6 @@ def test_a_step_without_undesirable_samples_reports_no_rejected_metrics(tiny_mod
 
 # ---- data, config and the run
 
-FIXTURES = LLAMAFACTORY_DATA
 
 
 def kto_data(path: Path, records: int = 24) -> Path:
@@ -192,8 +191,8 @@ def test_kto_samples_render_as_sft_renders_them_with_the_last_answer_trained(tmp
     """The LLaMA-Factory entry (sharegpt, kto_tag) and the same conversations as a messages file agree token for
     token with SFT's rendering; only the last assistant turn is labelled; each tag is the record's."""
     tokenizer = load_tokenizer(tiny_model_dir)
-    records = json.loads((FIXTURES / "kto_en_demo.json").read_text())
-    named = prepare_datasets(kto_config(tmp_path, tiny_model_dir, "kto_en_demo", dataset_dir=str(FIXTURES),
+    records = json.loads((LLAMAFACTORY_DATA / "kto_en_demo.json").read_text())
+    named = prepare_datasets(kto_config(tmp_path, tiny_model_dir, "kto_en_demo", dataset_dir=str(LLAMAFACTORY_DATA),
                                         cutoff_len=512), tokenizer, False)[0]
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in records))
@@ -325,7 +324,7 @@ def test_a_full_kto_run_trains_against_a_frozen_copy_of_the_initial_model(tmp_pa
 def test_preview_shows_each_samples_tag_and_its_trained_response(tmp_path, tiny_model_dir):
     from meshtune.data.preview import preview, render_text
 
-    cfg = kto_config(tmp_path, tiny_model_dir, "kto_en_demo", dataset_dir=str(FIXTURES), cutoff_len=60)
+    cfg = kto_config(tmp_path, tiny_model_dir, "kto_en_demo", dataset_dir=str(LLAMAFACTORY_DATA), cutoff_len=60)
     report = preview(cfg, load_tokenizer(tiny_model_dir), samples=3)
     assert report["datasets"]["train"]["tags"] == {"desirable": 4, "undesirable": 4}
     assert [s["desirable"] for s in report["samples"]] == [True, False, True]

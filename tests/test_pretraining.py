@@ -19,7 +19,6 @@ from meshtune.data.registry import resolve
 from meshtune.errors import ConfigError, DataError
 from meshtune.model.model_dir import load_tokenizer
 
-FIXTURES = LLAMAFACTORY_DATA
 
 
 def write_texts(path: Path, texts: list[str]) -> Path:
@@ -65,7 +64,7 @@ def test_documents_end_with_eos_and_long_ones_are_split_not_dropped(tmp_path, ti
 
 def test_llamafactory_prompt_column_a_text_file_and_bad_records_are_named(tmp_path, tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
-    c4 = resolve(["c4_demo"], FIXTURES, "text")
+    c4 = resolve(["c4_demo"], LLAMAFACTORY_DATA, "text")
     assert c4[0].columns == {"prompt": "text"}
     built = load_or_build_raw_text(c4, tokenizer, cutoff_len=64, skip_invalid=False, cache_dir=tmp_path / "c",
                                    show_progress=False)

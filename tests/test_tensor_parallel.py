@@ -7,13 +7,12 @@ and tp 2 x dp 2 over NCCL against one GPU (skipped elsewhere)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import base_config, needs_gpus, read_metrics, run_cli, write_config
+from conftest import LLAMAFACTORY_DATA, base_config, needs_gpus, read_metrics, run_cli, write_config
 from meshtune.config import build_config
 from meshtune.errors import ConfigError
 from meshtune.plan import ModelSize, resolve
@@ -308,7 +307,6 @@ def test_a_tp2_x_dp2_checkpoint_resumes_on_dp4_and_on_one_process_and_exports_th
         torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-DPO_FIXTURES = Path(__file__).parent / "fixtures" / "compat" / "llamafactory" / "data"
 DPO_VALUES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
@@ -317,7 +315,7 @@ def train_dpo(tmp_path, model_dir, method: str, nproc: int, tp: int, accumulatio
     """stage: dpo on 9 training pairs at global batch 4 (one pair a micro-step): 3 steps, the last one's single pair
     leaving the other data ranks filler micro-batches; 3 held-out pairs evaluated at the end."""
     out = tmp_path / name
-    values = base_config(model_dir, "dpo_en_demo", out / "output", stage="dpo", dataset_dir=str(DPO_FIXTURES),
+    values = base_config(model_dir, "dpo_en_demo", out / "output", stage="dpo", dataset_dir=str(LLAMAFACTORY_DATA),
                          finetuning_type=method, parallel="ddp", nproc_per_node=nproc, tensor_parallel=tp,
                          cutoff_len=256, val_size=3, per_device_train_batch_size=1, per_device_eval_batch_size=1,
                          gradient_accumulation_steps=accumulation, max_steps=-1, num_train_epochs=1,
