@@ -29,17 +29,25 @@ def tiny_lora_model(dropout: float, device: str = "cpu", targets: str | list[str
     return get_peft_model(Qwen2ForCausalLM(config), lora).to(device).train()
 
 
+TOKENS = (2, 12)  # the rows and length of `compiled_step`'s batch
+
+
+def activations(saved: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The shapes in `saved` with a vector for each token of the step's batch (hidden states and the like)."""
+    return [shape for shape in saved if len(shape) == 3 and shape[:2] == TOKENS and shape[2] > 1]
+
+
 def compiled_step(model: torch.nn.Module, recomputed: int = 3, seed: int = 3,
                   saved: list | None = None) -> tuple[list[torch.Tensor], Counter]:
     """Gradients of a compiled step (after one that compiles; `seed`: torch's, before the step) and the calls of
     compiled graphs in it. `saved`: gets the shape of each tensor the step's forward saved for backward that is not
-    a parameter, once a storage."""
+    a parameter, once a storage (`activations` picks those of a token each)."""
     torch._dynamo.reset()
     recompute.enable_checkpointing(model, 1.0)
     recompute.recompute_blocks(model, recomputed)
     compile_blocks(model)
     device = next(model.parameters()).device
-    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    tokens = torch.randint(0, 96, TOKENS, generator=torch.Generator().manual_seed(1)).to(device)
     torch.manual_seed(2)
     model(input_ids=tokens, labels=tokens).loss.backward()
     model.zero_grad()
