@@ -45,7 +45,11 @@ def kill_node(process: subprocess.Popen) -> None:
 
 def start_node(rank: int, config: Path, port: int, gpus: list[int], log: Path, extra_env: dict | None = None,
                nnodes: int = 2) -> subprocess.Popen:
-    env = {**os.environ, **(extra_env or {}), "NNODES": str(nnodes), "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+    # both "nodes" share this host's cores: one intra-op thread a process unless the caller says otherwise, as
+    # torchrun gives the one-node layout's processes (a thread a core each oversubscribes them, and OpenMP's
+    # spinning threads then stall the CPU collectives for seconds a step)
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **(extra_env or {}), "NNODES": str(nnodes), "NODE_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "NPROC_PER_NODE": str(len(gpus)), "NCCL_NVLS_ENABLE": "0",
            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONUNBUFFERED": "1"}
     with log.open("a") as out:

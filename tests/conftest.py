@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshtune.cli import COMMAND_GC_THRESHOLD
+# one intra-op thread for this process and every process a test starts (torchrun sets it only where a node has
+# several processes): the suite runs more processes than the machine has cores, and a thread a core each
+# oversubscribes them, where OpenMP's spinning threads stall the CPU collectives of a two-node job for seconds a
+# step. Set before torch is imported, which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from meshtune.cli import COMMAND_GC_THRESHOLD  # noqa: E402
 
 # the tests' own processes import torch, transformers and peft and build models in-process: collected as rarely as
 # meshtune's commands are, not every 700 new objects
