@@ -150,7 +150,9 @@ def run_workers(argv: list[str], nproc: int, workdir: Path, env: dict[str, str] 
     per_node = per_node or nproc
     workdir.mkdir(parents=True, exist_ok=True)
     run_id, port = uuid.uuid4().hex[:8], free_port()
-    threads = max(1, len(os.sched_getaffinity(0)) // nproc)
+    # as torchrun passes the caller's OMP_NUM_THREADS on (the suite sets one: tests/conftest.py), else the cores
+    # over the ranks: runs held to each other bit for bit must multiply with the same threads
+    threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, len(os.sched_getaffinity(0)) // nproc)
     processes, logs = [], []
     for rank in range(nproc):
         rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(nproc),
