@@ -452,14 +452,14 @@ def test_the_plan_says_where_lora_dropout_blocks_recompute(masks, chosen, placed
         assert "lora_dropout_masks" not in elsewhere.why
 
 
-def test_a_memory_fit_that_finds_no_room_names_torchs_masks_only_where_auto_chose_counter_masks():
-    """Where the fit refuses a run, the other ways to make room it names: torch's masks where `auto` took counter
+def test_a_memory_fit_that_finds_no_room_names_torchs_masks_where_the_blocks_have_counter_masks():
+    """Where the fit refuses a run, the other ways to make room it names: torch's masks where the plan has counter
     masks (their step's peak was the higher one on a GPU), bf16 state for full fine-tuning with fp32 masters."""
     from meshtune.train.loop import BF16_STATE_ROOM, TORCH_MASKS_ROOM, more_room
 
     gpu = env(1, "cuda")
     lora = dict(finetuning_type="lora", lora_dropout=0.05, gradient_checkpointing_ratio=1.0, torch_compile=True)
-    for masks, named in (("auto", True), ("counter", False), ("torch", False)):
+    for masks, named in (("auto", True), ("counter", True), ("torch", False)):
         cfg = config(**lora, lora_dropout_masks=masks)
         assert more_room(cfg, resolve(cfg, gpu, None, never_counted)) == (TORCH_MASKS_ROOM if named else ""), masks
     full = config(finetuning_type="full", gradient_checkpointing_ratio=1.0, torch_compile=True)

@@ -462,17 +462,16 @@ def publish_trained_model(run: Run, run_info: dict) -> Path:
 
 BF16_STATE_ROOM = ("; or, for full fine-tuning, master_weights: bf16 (bf16 weights and AdamW moments: 8 bytes a "
                    "parameter of state instead of 16)")
-# measured on one H100 (DPO LoRA 7B, every block recomputed): a step's peak 18.79 GiB with counter masks, 18.06 with
-# torch's; the saved activations are the same (tests/test_cuda_paths.py), the extra lies inside a block's backward
+# DPO LoRA 7B on one H100, every block recomputed: a step's peak 18.79 GiB with counter masks, 18.06 with torch's;
+# the blocks save the same activations either way (tests/test_cuda_paths.py), so the extra is held while one runs
 TORCH_MASKS_ROOM = ("; or lora_dropout_masks: torch (lora_dropout's masks drawn by torch, the recomputed blocks "
-                    "checkpointed outside their compiled graph: slower, and a lower peak than the counter masks auto "
-                    "chose)")
+                    "checkpointed outside their compiled graph: slower, and a lower peak than counter masks)")
 
 
 def more_room(cfg: TrainConfig, plan: RunPlan) -> str:
     """What else than the batch, the length and the sharding would make room where the memory fit finds none."""
     room = BF16_STATE_ROOM if fp32_state(cfg) else ""
-    if plan.lora_dropout_masks == "counter" and cfg.lora_dropout_masks == "auto":
+    if plan.lora_dropout_masks == "counter":
         room += TORCH_MASKS_ROOM
     return room
 
