@@ -23,10 +23,10 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(VENV)/bin/meshtune demo
 
-# five workers on two cores (half of the suite's time is processes waiting: timeouts, rendezvous, a node's
+# four workers on two cores (half of the suite's time is processes waiting: timeouts, rendezvous, a node's
 # start-up; each process computes on one thread, tests/conftest.py), each taking whole modules, the longest first;
 # PYTEST_WORKERS= runs serially
-PYTEST_WORKERS ?= -n 5 --dist loadscope --no-loadscope-reorder
+PYTEST_WORKERS ?= -n 4 --dist loadscope --no-loadscope-reorder
 
 # the sources' bytecode written once: where PYTHONDONTWRITEBYTECODE is set, each of the suite's hundreds of
 # processes would otherwise compile meshtune again
