@@ -89,7 +89,7 @@ def meshtune_console():
     logger.setLevel(logging.NOTSET)
 
 
-# `make test` runs three pytest-xdist workers, each taking a whole module at a time (`--dist loadscope`: a module's
+# `make test` runs four pytest-xdist workers, each taking a whole module at a time (`--dist loadscope`: a module's
 # fixtures, such as the fault tests' shared jobs, are built once), in the order below (`--no-loadscope-reorder`):
 # the longest modules first, by their seconds in the table a run ends with (ModuleTimes below; 2026-12-07, three
 # workers on 2 cores), so that the workers end together. test_demo.py's is short, but its demo runs `alone`.

@@ -16,7 +16,6 @@ from meshtune.cli import main
 from ranks import run_workers
 
 
-
 def values(model_dir, out: Path, tokenized: Path, **extra) -> dict:
     extra = {"per_device_train_batch_size": 1, "precompute_ref_log_probs": False, **extra}  # the copy in the step
     return base_config(model_dir, "dpo_en_demo", out, stage="dpo", dataset_dir=str(LLAMAFACTORY_DATA),

@@ -169,7 +169,6 @@ def test_a_step_without_undesirable_samples_reports_no_rejected_metrics(tiny_mod
 # ---- data, config and the run
 
 
-
 def kto_data(path: Path, records: int = 24) -> Path:
     """Unpaired records in the messages format with a `label` tag, of varied lengths, some multi-turn."""
     rng = random.Random(2)
